@@ -1,0 +1,1 @@
+"""constrained package."""

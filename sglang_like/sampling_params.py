@@ -1,0 +1,170 @@
+"""Per-request sampling parameters: the one dataclass that travels from the edge to the sampler."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+_MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass
+class SamplingParams:
+    """What a request asks of decoding. Field names follow SGLang's `sampling_params`.
+
+    `validate()` raises ValueError naming the bad field; the HTTP edge turns that into a 400.
+    Constraint fields (`regex`, `json_schema`, `json_object`, `ebnf`) are mutually exclusive.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    regex: str | None = None
+    json_schema: str | dict | None = None
+    json_object: bool = False
+    ebnf: str | None = None
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request's dict; unknown keys are a ValueError (a typo should not pass)."""
+        if d is None:
+            return cls()
+        if isinstance(d, SamplingParams):
+            return dataclasses.replace(d)
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        params = cls(**{k: v for k, v in d.items() if v is not None or k in _NULLABLE})
+        params.validate()
+        return params
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- derived views ------------------------------------------------------------------
+    @property
+    def stop_strs(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, spec) of the grammar this request asks for, or None. Kinds: regex, json, ebnf."""
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.json_schema is not None:
+            spec = self.json_schema
+            return ("json", spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True))
+        if self.json_object:
+            return ("json", _ANY_JSON_OBJECT)
+        if self.ebnf is not None:
+            return ("ebnf", self.ebnf)
+        return None
+
+    # ---- checks -------------------------------------------------------------------------
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError with the field and the reason when a value is out of range."""
+        _check_int("max_new_tokens", self.max_new_tokens, 0, _MAX_NEW_TOKENS_LIMIT)
+        _check_int("min_new_tokens", self.min_new_tokens, 0, _MAX_NEW_TOKENS_LIMIT)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        _check_float("temperature", self.temperature, 0.0, 100.0)
+        _check_float("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, -1, 1 << 30)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (off) or a positive integer, got 0")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_int("n", self.n, 1, 128)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(1 << 63), (1 << 63) - 1)
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_object"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        stops = self.stop
+        if stops is not None:
+            if isinstance(stops, str):
+                stops = [stops]
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise ValueError("stop must be a string or a list of strings")
+            if any(s == "" for s in stops):
+                raise ValueError("stop strings must not be empty")
+            self.stop = list(stops) if isinstance(self.stop, list) else self.stop
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list):
+                raise ValueError("stop_token_ids must be a list of integers")
+            for t in self.stop_token_ids:
+                _check_int("stop_token_ids[]", t, 0, (vocab_size or (1 << 31)) - 1)
+        n_constraints = sum(
+            x is not None for x in (self.regex, self.json_schema, self.ebnf)
+        ) + int(bool(self.json_object))
+        if n_constraints > 1:
+            raise ValueError("only one of regex, json_schema, json_object, ebnf may be set")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("regex must be a string")
+        if self.json_schema is not None and not isinstance(self.json_schema, (str, dict)):
+            raise ValueError("json_schema must be a JSON Schema object or a string holding one")
+        if self.ebnf is not None and not isinstance(self.ebnf, str):
+            raise ValueError("ebnf must be a string")
+
+
+_NULLABLE = {"stop", "stop_token_ids", "seed", "regex", "json_schema", "ebnf"}
+_ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+__all__ = ["SamplingParams"]
