@@ -32,7 +32,8 @@ class TokenizerInfo:
             raise ValueError(f"vocab_size {self.vocab_size} < len(vocab) {len(self.vocab)}")
         if not self.eos_token_ids:
             raise ValueError("eos_token_ids must not be empty")
-        bad = [t for t in self.eos_token_ids | self.special_token_ids if not 0 <= t < len(self.vocab)]
+        ids = self.eos_token_ids | self.special_token_ids
+        bad = [t for t in ids if not 0 <= t < len(self.vocab)]
         if bad:
             raise ValueError(f"special/eos token ids out of range: {sorted(bad)}")
 
@@ -44,7 +45,7 @@ class TokenizerInfo:
 
 
 class InvalidGrammar(NamedTuple):
-    """A compile that failed (bad regex/schema, unsupported feature, timeout): a value, not an error."""
+    """A failed compile (bad spec, unsupported feature, timeout): a value, not an exception."""
 
     message: str
 

@@ -36,7 +36,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     Columns past the bitmask's width (if any) are disallowed.
     """
     if logits.dim() != 2 or bitmask.dim() != 2 or logits.shape[0] != bitmask.shape[0]:
-        raise ValueError(f"shape mismatch: logits {tuple(logits.shape)}, bitmask {tuple(bitmask.shape)}")
+        shapes = f"logits {tuple(logits.shape)}, bitmask {tuple(bitmask.shape)}"
+        raise ValueError(f"shape mismatch: {shapes}")
     vocab_size = logits.shape[1]
     covered = min(vocab_size, bitmask.shape[1] * _BITS_PER_WORD)
     allowed = unpack_bitmask(bitmask.to(logits.device), covered)
