@@ -1,0 +1,200 @@
+"""Torch references of the KV-pool kernels: the CPU path of the model and the test oracle.
+
+Layout (per layer): ``k_pool``/``v_pool`` [num_slots, num_kv_heads, head_dim], slot 0 is a
+padding slot; ``req_to_token`` [max_requests, max_context] int32 maps (request pool row,
+position) -> slot id. All attention math is fp32; outputs are in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "apply_token_bitmask_",
+    "decode_attention",
+    "extend_attention",
+    "store_kv",
+    "tree_verify_attention",
+]
+
+
+def store_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into pool rows slot_ids [T] (cast to the pool dtype)."""
+    slot_ids = slot_ids.to(device=k_pool.device, dtype=torch.long)
+    k_pool.index_copy_(0, slot_ids, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, slot_ids, v.to(v_pool.dtype))
+
+
+# Decode gathers are chunked so each buffer stays small: a single buffer of tens of MB is
+# mmap-allocated and page-faulted afresh on every call, which costs more than the math.
+_MAX_GATHER_ELEMENTS = 1 << 20
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One query per request over its first seq_len cached tokens.
+
+    q [B, Hq, D]; req_pool_indices, seq_lens [B]; returns [B, Hq, D] in q's dtype.
+    Query head h reads kv head h // (Hq // Hkv).
+    """
+    batch = q.shape[0]
+    if batch == 0:
+        return torch.empty_like(q)
+    device = k_pool.device
+    rows = req_pool_indices.to(device=device, dtype=torch.long)
+    lens = seq_lens.to(device=device, dtype=torch.long)
+    max_len = int(lens.max())
+    slots = req_to_token[rows, :max_len].long()
+    valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+    slots = torch.where(valid, slots, torch.zeros_like(slots))  # padding reads slot 0
+    row_elements = max_len * k_pool.shape[1] * k_pool.shape[2]
+    chunk = max(1, _MAX_GATHER_ELEMENTS // row_elements)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for i in range(0, batch, chunk):
+        sl = slice(i, i + chunk)
+        out[sl] = _decode_chunk(q[sl], k_pool, v_pool, slots[sl], valid[sl], sm_scale)
+    return out.to(q.dtype)
+
+
+def _decode_chunk(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Decode for a few requests: q [b, Hq, D], slots/valid [b, L]; returns fp32 [b, Hq, D].
+
+    Keys stay in pool layout [b, L, Hkv*D] (no transpose copy); q is spread into a
+    block-diagonal [b, Hkv*D, Hq] so one bmm scores every head, wasting Hkv-fold flops
+    that are cheap next to the gather.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    length = slots.shape[1]
+    flat = slots.reshape(-1)
+    width = num_kv_heads * head_dim
+    keys = k_pool.view(-1, width).index_select(0, flat).view(batch, length, width).float()
+    values = v_pool.view(-1, width).index_select(0, flat).view(batch, length, width).float()
+    eye = torch.eye(num_kv_heads, dtype=torch.float32, device=q.device)
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    q_blocks = torch.einsum("bhgd,hk->bkdhg", qg, eye).reshape(batch, width, num_q_heads)
+    scores = torch.bmm(keys, q_blocks) * sm_scale  # [b, L, Hq]
+    scores.masked_fill_(~valid[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    mixed = torch.bmm(probs.transpose(1, 2), values)  # [b, Hq, Hkv*D]
+    mixed = mixed.view(batch, num_kv_heads, group, num_kv_heads, head_dim)
+    out = torch.diagonal(mixed, dim1=1, dim2=3)  # [b, G, D, Hkv]
+    return out.permute(0, 3, 1, 2).reshape(batch, num_q_heads, head_dim)
+
+
+def _attend_one(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    allowed: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """q [N, Hq, D] over keys at slots [L] where allowed [N, L]; returns fp32 [N, Hq, D]."""
+    keys = k_pool.index_select(0, slots).float().transpose(0, 1)  # [Hkv, L, D]
+    values = v_pool.index_select(0, slots).float().transpose(0, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        keys,
+        values,
+        attn_mask=allowed,
+        scale=sm_scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """New tokens attend to their request's cached prefix and causally to each other.
+
+    q [T, Hq, D] packed by request in batch order (sum(extend_lens) == T); request b's new
+    K/V sit at req_to_token[r, prefix_lens[b] : prefix_lens[b] + extend_lens[b]].
+    Returns [T, Hq, D] in q's dtype.
+    """
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    device = k_pool.device
+    rows = req_pool_indices.tolist()
+    prefixes = prefix_lens.tolist()
+    extends = extend_lens.tolist()
+    start = 0
+    for row, prefix_len, extend_len in zip(rows, prefixes, extends, strict=True):
+        if extend_len == 0:
+            continue
+        total = prefix_len + extend_len
+        slots = req_to_token[row, :total].long()
+        query_pos = torch.arange(prefix_len, total, device=device)
+        allowed = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
+        end = start + extend_len
+        out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale)
+        start = end
+    return out.to(q.dtype)
+
+
+def tree_verify_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """N draft tokens per request attend to the prefix and to draft keys tree_mask allows.
+
+    q [B*N, Hq, D]; draft K/V at positions prefix_len .. prefix_len+N-1 of the request's
+    req_to_token row; tree_mask bool [B, N, N] (query i sees draft j iff tree_mask[b, i, j]).
+    Returns [B*N, Hq, D] in q's dtype.
+    """
+    batch, num_draft, _ = tree_mask.shape
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    device = k_pool.device
+    mask = tree_mask.to(device=device, dtype=torch.bool)
+    rows = req_pool_indices.tolist()
+    prefixes = prefix_lens.tolist()
+    for b, (row, prefix_len) in enumerate(zip(rows, prefixes, strict=True)):
+        slots = req_to_token[row, : prefix_len + num_draft].long()
+        prefix_allowed = torch.ones(num_draft, prefix_len, dtype=torch.bool, device=device)
+        allowed = torch.cat([prefix_allowed, mask[b]], dim=1)
+        sl = slice(b * num_draft, (b + 1) * num_draft)
+        out[sl] = _attend_one(q[sl], k_pool, v_pool, slots, allowed, sm_scale)
+    return out.to(q.dtype)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits [B, V] get -inf where bit (j % 32) of word bitmask[b, j // 32] is 0."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool().to(logits.device)
+    logits.masked_fill_(~allowed, float("-inf"))
