@@ -1,0 +1,96 @@
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) of the supported families."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from sglang_like.config import ModelConfig
+from sglang_like.model_loader.hf_tokenizer import load_hf_tokenizer, read_json
+from sglang_like.model_loader.loaded import LoadedModel, check_weights
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers >= 5 writes rope settings under "rope_parameters"; older versions flat.
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
+def hf_model_config(
+    cfg: dict[str, Any], *, has_lm_head: bool, eos_token_ids: tuple[int, ...], model_path: str
+) -> ModelConfig:
+    """ModelConfig from a config.json dict; a missing tie flag is read off the checkpoint."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} unsupported (want {SUPPORTED_MODEL_TYPES})")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    theta, scaling = _rope(cfg)
+    bos = cfg.get("bos_token_id")
+    return ModelConfig(
+        architecture=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", not has_lm_head)),
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        bos_token_id=None if isinstance(bos, list) or bos is None else int(bos),
+        eos_token_ids=eos_token_ids,
+        model_path=model_path,
+    )
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = read_json(os.path.join(path, "model.safetensors.index.json"))
+    if index:
+        return sorted({os.path.join(path, f) for f in index["weight_map"].values()})
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path!r}")
+    return files
+
+
+def load_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All model.* / lm_head.* tensors of the folder's (possibly sharded) safetensors, as dtype."""
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
+        for name, tensor in load_file(file).items():
+            if name.startswith(("model.", "lm_head.")):
+                weights[name] = tensor.to(dtype)
+    return weights
+
+
+def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Config, weights and tokenizer of a local HF checkpoint folder."""
+    cfg = read_json(os.path.join(path, "config.json"))
+    if not cfg:
+        raise ValueError(f"no config.json in {path!r}")
+    tokenizer = load_hf_tokenizer(path)
+    weights = load_safetensors(path, dtype)
+    config = hf_model_config(
+        cfg, has_lm_head="lm_head.weight" in weights,
+        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)), model_path=path,
+    )
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # tied: the runner reuses embed_tokens
+    check_weights(config, weights)
+    return LoadedModel(config, weights, tokenizer)

@@ -1,0 +1,63 @@
+"""The loader's result type and the weight-name/shape contract every loader meets."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from sglang_like.config import ModelConfig
+from sglang_like.tokenizer import Tokenizer
+
+
+class LoadedModel(NamedTuple):
+    """A model ready for the runner: its config, HF-named [out, in] weights and tokenizer."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight (biases included when the config has them) a model of `config` needs."""
+    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q_rows, h),
+            p + "self_attn.k_proj.weight": (kv_rows, h),
+            p + "self_attn.v_proj.weight": (kv_rows, h),
+            p + "self_attn.o_proj.weight": (h, q_rows),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if config.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_rows,),
+                p + "self_attn.k_proj.bias": (kv_rows,),
+                p + "self_attn.v_proj.bias": (kv_rows,),
+            }
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError when a needed weight is missing or has the wrong shape."""
+    for name, shape in expected_weight_shapes(config).items():
+        if name not in weights:
+            raise ValueError(f"checkpoint {config.model_path!r} lacks weight {name!r}")
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(weights[name].shape)}, config implies {shape}"
+            )
