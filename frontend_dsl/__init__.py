@@ -1,1 +1,75 @@
-"""frontend_dsl package."""
+"""frontend_dsl: SGLang's frontend language (programs, gen, select, roles, fork) and its backends.
+
+Importable without torch: the in-process `Runtime` imports `sglang_like.engine` only when built.
+
+Public names:
+    function            decorator turning `def prog(s, ...)` into a runnable program (SglFunction)
+    gen, gen_int, gen_string, select
+                        generation expressions appended with `s += ...`
+    system, user, assistant, *_begin, *_end
+                        chat-role expressions; role text comes from the model's chat template
+    RuntimeEndpoint     backend over the SGLang-native HTTP API
+    Runtime             backend on the engine in this process
+    OpenAI              backend on any /v1/chat/completions server
+    set_default_backend, flush_cache, get_server_info
+    ProgramState, ProgramStateGroup, SglFunction, TracedProgram, GenParams, ChatTemplate
+"""
+
+from frontend_dsl.api import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    flush_cache,
+    function,
+    gen,
+    gen_int,
+    gen_string,
+    get_default_backend,
+    get_server_info,
+    select,
+    set_default_backend,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+)
+from frontend_dsl.backends import Backend, OpenAI, Runtime, RuntimeEndpoint
+from frontend_dsl.chat_template import ChatTemplate, template_from_jinja
+from frontend_dsl.ir import GenParams
+from frontend_dsl.program import SglFunction
+from frontend_dsl.state import ProgramState, ProgramStateGroup
+from frontend_dsl.tracer import TracedProgram
+
+__all__ = [
+    "Backend",
+    "ChatTemplate",
+    "GenParams",
+    "OpenAI",
+    "ProgramState",
+    "ProgramStateGroup",
+    "Runtime",
+    "RuntimeEndpoint",
+    "SglFunction",
+    "TracedProgram",
+    "assistant",
+    "assistant_begin",
+    "assistant_end",
+    "flush_cache",
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "get_default_backend",
+    "get_server_info",
+    "select",
+    "set_default_backend",
+    "system",
+    "system_begin",
+    "system_end",
+    "template_from_jinja",
+    "user",
+    "user_begin",
+    "user_end",
+]

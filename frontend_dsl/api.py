@@ -1,0 +1,180 @@
+"""Public DSL constructors (gen, select, roles), the @function decorator and the default backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from frontend_dsl.ir import (
+    CHOICES_METHODS,
+    Concat,
+    Expr,
+    Gen,
+    GenParams,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    _schema_str,
+    to_expr,
+)
+
+_default_backend: Any = None
+
+
+def set_default_backend(backend: Any) -> None:
+    """Make `backend` the one programs use when run() gets no backend=."""
+    global _default_backend
+    _default_backend = backend
+
+
+def get_default_backend() -> Any:
+    """The backend set by set_default_backend, or None."""
+    return _default_backend
+
+
+def _backend_or_default(backend: Any) -> Any:
+    backend = backend if backend is not None else _default_backend
+    if backend is None:
+        raise ValueError("no backend: pass backend= or call set_default_backend(...) first")
+    return backend
+
+
+def flush_cache(backend: Any = None) -> bool:
+    """Drop the backend's prefix (radix) cache."""
+    return _backend_or_default(backend).flush_cache()
+
+
+def get_server_info(backend: Any = None) -> dict:
+    """The backend's server info (KV pool, cache hit rate, queue lengths)."""
+    return _backend_or_default(backend).get_server_info()
+
+
+def function(func: Callable | None = None, *, num_api_spec_tokens: int | None = None) -> Any:
+    """Decorate a generation program `def prog(s, ...)`; usable as @function or @function()."""
+    from frontend_dsl.program import SglFunction
+
+    if func is None:
+        return lambda f: SglFunction(f)
+    return SglFunction(func)
+
+
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    n: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    dtype: Any = None,
+    choices: list[str] | None = None,
+    choices_method: str | None = None,
+    regex: str | None = None,
+    json_schema: Any = None,
+) -> Expr:
+    """Generate into variable `name`; with `choices=` this is select()."""
+    if choices is not None:
+        return select(name, choices, temperature=temperature or 0.0,
+                      choices_method=choices_method or "token_length_normalized")
+    if regex is not None and json_schema is not None:
+        raise ValueError("gen: set at most one of regex and json_schema")
+    if max_tokens is not None and max_tokens < 0:
+        raise ValueError(f"gen: max_tokens must be >= 0, got {max_tokens}")
+    params = GenParams(
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n,
+        stop=list(stop) if isinstance(stop, tuple) else stop,
+        stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        ignore_eos=ignore_eos, return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex,
+        json_schema=_schema_str(json_schema),
+    )
+    if dtype is not None:
+        params.to_sampling_params()  # raises ValueError on an unknown dtype now, not later
+    return Gen(name, params)
+
+
+def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
+    """gen() constrained to an integer literal."""
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
+    """gen() constrained to a double-quoted string literal."""
+    return gen(name, dtype=str, **kwargs)
+
+
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: str = "token_length_normalized",
+) -> Expr:
+    """Choose the most likely of `choices` (scored in one batched prefill) into `name`."""
+    if not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("select: choices must be a non-empty list of strings")
+    if choices_method not in CHOICES_METHODS:
+        raise ValueError(f"select: choices_method must be one of {CHOICES_METHODS}")
+    return Select(name, list(choices), temperature, choices_method)
+
+
+def _role(role: str, expr: Any = None) -> Expr:
+    if expr is None:
+        return Concat([RoleBegin(role), RoleEnd(role)])
+    return Concat([RoleBegin(role), to_expr(expr), RoleEnd(role)])
+
+
+def system(expr: Any = None) -> Expr:
+    """A system message holding `expr` (text or expressions)."""
+    return _role("system", expr)
+
+
+def user(expr: Any = None) -> Expr:
+    """A user message holding `expr`."""
+    return _role("user", expr)
+
+
+def assistant(expr: Any = None) -> Expr:
+    """An assistant message holding `expr` (usually a gen())."""
+    return _role("assistant", expr)
+
+
+def system_begin() -> Expr:
+    """Open a system message."""
+    return RoleBegin("system")
+
+
+def system_end() -> Expr:
+    """Close the system message."""
+    return RoleEnd("system")
+
+
+def user_begin() -> Expr:
+    """Open a user message."""
+    return RoleBegin("user")
+
+
+def user_end() -> Expr:
+    """Close the user message."""
+    return RoleEnd("user")
+
+
+def assistant_begin() -> Expr:
+    """Open an assistant message."""
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> Expr:
+    """Close the assistant message."""
+    return RoleEnd("assistant")

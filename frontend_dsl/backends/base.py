@@ -1,0 +1,103 @@
+"""Backend contract, and NativeBackend: everything shared by the two `/generate`-shaped backends."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from frontend_dsl.chat_template import ChatTemplate
+from frontend_dsl.choices import choice_token_logprobs, decide
+from frontend_dsl.ir import GenParams
+
+
+class Backend(ABC):
+    """What the interpreter needs from a model. Implementations must be thread-safe:
+    fork branches and run_batch items call them concurrently."""
+
+    chat_template: ChatTemplate
+
+    @abstractmethod
+    def generate(self, prompt: str, params: GenParams) -> tuple[str, dict[str, Any]]:
+        """Continue `prompt`; returns (completion text, meta_info)."""
+
+    @abstractmethod
+    def generate_stream(self, prompt: str, params: GenParams) -> Iterator[tuple[str, dict]]:
+        """Yield (new text, meta_info) pieces of the completion."""
+
+    @abstractmethod
+    def select(self, prompt: str, choices: list[str], temperature: float,
+               method: str) -> tuple[str, dict[str, Any]]:
+        """Pick one of `choices` as the continuation of `prompt`; returns (choice, meta_info)."""
+
+    def cache_prefix(self, prefix: str) -> None:  # noqa: B027 - optional, no-op by default
+        """Ask the runtime to hold `prefix` in its prefix cache (no-op where unsupported)."""
+
+    def flush_cache(self) -> bool:
+        return False
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {}
+
+    def shutdown(self) -> None:  # noqa: B027 - optional, no-op by default
+        """Release what the backend holds."""
+
+
+class NativeBackend(Backend):
+    """Speaks SGLang-native `/generate` bodies; subclasses only move a body to the runtime.
+
+    `_request(body)` returns one result dict (or a list for a batched body);
+    `_request_stream(body)` yields chunks whose `text` is the NEW text only.
+    """
+
+    @abstractmethod
+    def _request(self, body: dict[str, Any]) -> Any: ...
+
+    @abstractmethod
+    def _request_stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]: ...
+
+    def _gen_body(self, prompt: str, params: GenParams) -> dict[str, Any]:
+        return {"text": prompt, "sampling_params": params.to_sampling_params(),
+                **params.logprob_options()}
+
+    def generate(self, prompt: str, params: GenParams) -> tuple[str, dict[str, Any]]:
+        out = self._request(self._gen_body(prompt, params))
+        if isinstance(out, list):  # n > 1
+            return out[0]["text"], {"choices": [o["text"] for o in out], **out[0]["meta_info"]}
+        return out["text"], out["meta_info"]
+
+    def generate_stream(self, prompt: str, params: GenParams) -> Iterator[tuple[str, dict]]:
+        for chunk in self._request_stream({**self._gen_body(prompt, params), "stream": True}):
+            yield chunk["text"], chunk["meta_info"]
+
+    def cache_prefix(self, prefix: str) -> None:
+        self._request({"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+
+    def select(self, prompt: str, choices: list[str], temperature: float,
+               method: str) -> tuple[str, dict[str, Any]]:
+        """Prefill the prompt once (cached), then score every choice in one batched request."""
+        start = prefix_len = 0
+        if prompt:
+            warm = self._request({"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+            # two tokens back: the prompt's last token may merge with the choice's first
+            prefix_len = warm["meta_info"]["prompt_tokens"]
+            start = max(prefix_len - 2, 0)
+        outs = self._request({
+            "text": [prompt + c for c in choices],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": start,
+        })
+        per_choice = [
+            choice_token_logprobs(o["meta_info"]["input_token_logprobs"], c,
+                                  o["meta_info"]["prompt_tokens"] - prefix_len)
+            for o, c in zip(outs, choices, strict=False)
+        ]
+        uncond = None
+        if method == "unconditional_likelihood_normalized":
+            ids = [[e[1] for e in lp] for lp in per_choice]
+            res = self._request({"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                                 "return_logprob": True, "logprob_start_len": 0})
+            uncond = [r["meta_info"]["input_token_logprobs"] for r in res]
+        return decide(method, choices, per_choice, uncond)
