@@ -27,12 +27,13 @@ class OpenAI(Backend):
     """
 
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
         self.model = model
         base_url = base_url or os.environ.get("OPENAI_BASE_URL", "https://api.openai.com/v1")
         api_key = api_key or os.environ.get("OPENAI_API_KEY", "")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers,
+                                    transport=transport,
                                     timeout=httpx.Timeout(timeout, connect=10.0))
         self.chat_template = chatml_template()
 

@@ -21,10 +21,11 @@ class RuntimeEndpoint(NativeBackend):
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(base_url=self.base_url, headers=headers,
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, transport=transport,
                                     timeout=httpx.Timeout(timeout, connect=10.0))
         self.model_info: dict[str, Any] = self._get("/get_model_info")
         source = chat_template if chat_template is not None else self.model_info.get(
