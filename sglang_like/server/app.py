@@ -1,0 +1,62 @@
+"""The FastAPI app: routes, API-key middleware, error mapping (never a 500 for a bad request)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sglang_like.config import ServerArgs
+from sglang_like.server import native_api, openai_api
+from sglang_like.server.auth import ApiKeyMiddleware
+from sglang_like.server.errors import ApiError, error_response
+from sglang_like.server.metrics import CONTENT_TYPE
+from sglang_like.server.state import ServerState, get_state
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
+    """An app serving `engine`; `server_args` defaults to the engine's own.
+
+    The app does not own the engine: whoever built it shuts it down (see launch_server).
+    """
+    state = ServerState.build(engine, server_args)
+    app = FastAPI(title="sglang_like", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.include_router(native_api.router)
+    app.include_router(openai_api.router)
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(ValueError, _on_value_error)
+    app.add_exception_handler(Exception, _on_unexpected)
+    if state.server_args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.server_args.api_key)
+    return app
+
+
+async def _metrics(request: Request) -> Response:
+    state = get_state(request)
+    state.metrics.refresh_gauges(state.engine.get_server_info())
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    if exc.status_code >= 500:
+        logger.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc)
+    return error_response(exc.status_code, exc.message, exc.param)
+
+
+async def _on_value_error(request: Request, exc: Exception) -> Response:
+    """The engine raises ValueError for bad user input (params, prompt length, grammar)."""
+    get_state(request).metrics.observe_rejected(400)
+    return error_response(400, str(exc) or type(exc).__name__)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

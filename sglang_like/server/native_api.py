@@ -1,0 +1,148 @@
+"""SGLang-native routes: /generate, model and server info, health, cache flush, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sglang_like.server.errors import ApiError, json_response, read_json_body
+from sglang_like.server.protocol import GenerateRequest, parse_model
+from sglang_like.server.runner import ClientGone, EngineStream, merge_streams
+from sglang_like.server.sse import DONE, open_streams, sse, sse_response
+from sglang_like.server.state import get_state
+
+router = APIRouter()
+_HEALTH_TIMEOUT_S = 30.0
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    state = get_state(request)
+    body = parse_model(GenerateRequest, await read_json_body(request))
+    kwargs = body.engine_kwargs()
+    if body.stream:
+        streams = await open_streams(state.runner, _split_for_streaming(kwargs, body.is_batch))
+        return sse_response(_native_events(streams), streams)
+    try:
+        (result,) = await state.runner.generate(request, [kwargs])
+    except ClientGone:
+        return Response(status_code=499)
+    return json_response(result)
+
+
+async def _native_events(streams: list[EngineStream]) -> AsyncIterator[str]:
+    """SGLang's stream shape: cumulative text and ids; logprobs of the new tokens only."""
+    texts = [""] * len(streams)
+    ids: list[list[int]] = [[] for _ in streams]
+    num_logprobs = [0] * len(streams)
+    async for index, chunk in merge_streams(streams):
+        meta = dict(chunk.get("meta_info") or {})
+        texts[index] += chunk.get("text", "")
+        ids[index].extend(chunk.get("output_ids") or [])
+        if "output_token_logprobs" in meta:
+            num_logprobs[index] += len(meta["output_token_logprobs"] or [])
+            meta["output_token_logprobs_length"] = num_logprobs[index]
+        out: dict[str, Any] = {
+            "text": texts[index], "output_ids": list(ids[index]), "meta_info": meta
+        }
+        if len(streams) > 1:
+            out["index"] = index
+        yield sse(out)
+    yield DONE
+
+
+def _split_for_streaming(kwargs: dict[str, Any], is_batch: bool) -> list[dict[str, Any]]:
+    """One single-prompt, n=1 engine call per streamed output (index = prompt * n + choice)."""
+    key = "prompt" if kwargs["prompt"] is not None else "input_ids"
+    prompts = kwargs[key] if is_batch else [kwargs[key]]
+    sampling = kwargs["sampling_params"]
+    rids = kwargs["rid"]
+    calls = []
+    for i, prompt in enumerate(prompts):
+        params = dict((sampling[i] if isinstance(sampling, list) else sampling) or {})
+        rid = rids[i] if isinstance(rids, list) else rids
+        n = int(params.get("n", 1) or 1)
+        for choice in range(n):
+            call = {k: v for k, v in kwargs.items() if k not in ("prompt", "input_ids")}
+            call[key] = prompt
+            call["sampling_params"] = choice_params(params, choice)
+            call["rid"] = None if rid is None else (rid if n == 1 else f"{rid}-{choice}")
+            calls.append(call)
+    return calls
+
+
+def choice_params(params: dict[str, Any], choice: int) -> dict[str, Any]:
+    """Sampling params of the `choice`-th of n separately run samples: n=1, seed offset."""
+    out = {**params, "n": 1}
+    if out.get("seed") is not None:
+        out["seed"] = out["seed"] + choice
+    return out
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> Response:
+    state = get_state(request)
+    return json_response(
+        {
+            "model_path": state.model_path,
+            "tokenizer_path": state.server_args.tokenizer_path or state.model_path,
+            "served_model_name": state.served_model_name,
+            "is_generation": True,
+            "chat_template": getattr(state.tokenizer, "chat_template", None),
+            "context_length": state.context_length,
+        }
+    )
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def get_server_info(request: Request) -> Response:
+    state = get_state(request)
+    info: dict[str, Any] = dataclasses.asdict(state.server_args)
+    info["served_model_name"] = state.served_model_name
+    info.update(state.engine.get_server_info())
+    return json_response(info)
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy when one token can be generated within the timeout."""
+    state = get_state(request)
+    call = {"prompt": "Hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    try:
+        await asyncio.wait_for(state.runner.generate(request, [call]), _HEALTH_TIMEOUT_S)
+    except ClientGone:
+        return Response(status_code=499)
+    except (asyncio.TimeoutError, ApiError) as e:
+        raise ApiError(503, f"generation is not healthy: {e or 'timed out'}") from None
+    return Response(status_code=200)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    state = get_state(request)
+    if not state.engine.flush_cache():
+        raise ApiError(400, "cache not flushed: requests are still running; retry when idle")
+    return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    state = get_state(request)
+    body = await read_json_body(request)
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not isinstance(rid, str) or not rid:
+        raise ApiError(400, "abort_request needs {\"rid\": \"<request id>\"}")
+    state.runner.abort(rid)
+    return Response(status_code=200)

@@ -1,0 +1,346 @@
+"""Request bodies of the native and OpenAI-compatible APIs (pydantic), and their sampling params."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+from sglang_like.sampling_params import SamplingParams
+from sglang_like.server.errors import ApiError, pydantic_message
+
+# Keys SGLang's own client sends in sampling_params that this runtime has no use for.
+_IGNORED_SAMPLING_KEYS = ("spaces_between_special_tokens",)
+# Keys it sends that we accept only when unset.
+_UNSUPPORTED_SAMPLING_KEYS = ("stop_regex", "logit_bias", "custom_params", "sampling_seed")
+_OPENAI_MAX_N = 16
+_M = TypeVar("_M", bound=BaseModel)
+_OPENAI_MAX_TOP_LOGPROBS = 20
+
+
+# ---- native /generate ---------------------------------------------------------------------
+class GenerateRequest(BaseModel):
+    """POST /generate, the shape SGLang's `GenerateReqInput` accepts (fields we serve)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: StrictBool = False
+    return_logprob: StrictBool | list[StrictBool] | None = None
+    logprob_start_len: StrictInt | list[StrictInt] | None = None
+    top_logprobs_num: StrictInt | list[StrictInt] | None = None
+    return_text_in_logprobs: StrictBool = False
+    rid: str | list[str] | None = None
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_batch:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids or [])
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Checked keyword arguments for `Engine.generate` (ApiError(400) on a bad combination)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "exactly one of `text` and `input_ids` must be given")
+        if self.is_batch and self.batch_size == 0:
+            raise ApiError(400, "the batch of prompts is empty")
+        if self.text is not None:
+            texts = self.text if isinstance(self.text, list) else [self.text]
+            if any(t == "" for t in texts):
+                raise ApiError(400, "prompt text must not be empty")
+        elif any(len(ids) == 0 for ids in _id_lists(self.input_ids)):
+            raise ApiError(400, "input_ids must not be empty")
+        if self.rid is not None and isinstance(self.rid, list) != self.is_batch:
+            raise ApiError(400, "rid must be a list exactly when the input is a batch")
+        if isinstance(self.rid, list) and len(self.rid) != self.batch_size:
+            raise ApiError(400, "rid list must have one id per prompt")
+        sampling = self.sampling_params
+        if isinstance(sampling, list):
+            if not self.is_batch or len(sampling) != self.batch_size:
+                raise ApiError(400, "a list of sampling_params needs one entry per prompt")
+            sampling = [clean_sampling_params(sp) for sp in sampling]
+        else:
+            sampling = clean_sampling_params(sampling)
+        logprob_start_len = _collapse("logprob_start_len", self.logprob_start_len, -1)
+        top_logprobs_num = _collapse("top_logprobs_num", self.top_logprobs_num, 0)
+        if logprob_start_len < -1:
+            raise ApiError(400, f"logprob_start_len must be >= -1, got {logprob_start_len}")
+        if not 0 <= top_logprobs_num <= 100:
+            raise ApiError(400, f"top_logprobs_num must be in [0, 100], got {top_logprobs_num}")
+        return {
+            "prompt": self.text,
+            "input_ids": self.input_ids,
+            "sampling_params": sampling,
+            "return_logprob": _collapse("return_logprob", self.return_logprob, False),
+            "logprob_start_len": logprob_start_len,
+            "top_logprobs_num": top_logprobs_num,
+            "return_text_in_logprobs": self.return_text_in_logprobs,
+            "rid": self.rid,
+        }
+
+
+def clean_sampling_params(params: dict[str, Any] | None) -> dict[str, Any]:
+    """Drop keys SGLang's client sends that we ignore, then validate (ValueError -> 400)."""
+    params = dict(params or {})
+    for key in _IGNORED_SAMPLING_KEYS:
+        params.pop(key, None)
+    for key in _UNSUPPORTED_SAMPLING_KEYS:
+        if params.pop(key, None) not in (None, [], {}, ""):
+            raise ApiError(400, f"sampling parameter {key!r} is not supported by this server")
+    if isinstance(params.get("stop"), list) and not params["stop"]:
+        params["stop"] = None
+    if isinstance(params.get("stop_token_ids"), list) and not params["stop_token_ids"]:
+        params["stop_token_ids"] = None
+    try:
+        SamplingParams.from_dict(params)
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, str(e)) from None
+    return params
+
+
+def _collapse(name: str, value: Any, default: Any) -> Any:
+    """A per-prompt list of one value is served; different values per prompt are not."""
+    if value is None:
+        return default
+    if isinstance(value, list):
+        if not value:
+            return default
+        if any(v != value[0] for v in value):
+            raise ApiError(400, f"different {name} values per prompt are not supported")
+        return value[0]
+    return value
+
+
+def _id_lists(input_ids: list | None) -> list[list[int]]:
+    if not input_ids:
+        return [[]]
+    return input_ids if isinstance(input_ids[0], list) else [input_ids]
+
+
+# ---- OpenAI-compatible --------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _OpenAISampling(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions, plus SGLang-style extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: StrictInt | None = None
+    user: str | None = None
+    # extras (SGLang / vLLM spelling)
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    regex: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    ebnf: str | None = None
+    response_format: ResponseFormat | None = None
+
+    def check_common(self) -> None:
+        if not 1 <= self.n <= _OPENAI_MAX_N:
+            raise ApiError(400, f"n must be in [1, {_OPENAI_MAX_N}], got {self.n}", "n")
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise ApiError(400, "at most 16 stop sequences", "stop")
+
+    def sampling_dict(self, max_new_tokens: int) -> dict[str, Any]:
+        """SGLang sampling params for one choice; validated (ApiError(400) naming the field)."""
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "stop": self.stop or None,
+        }
+        optional = {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "seed": self.seed,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "stop_token_ids": self.stop_token_ids,
+            "regex": self.regex,
+            "json_schema": self.json_schema,
+            "ebnf": self.ebnf,
+        }
+        params.update({k: v for k, v in optional.items() if v is not None})
+        if self.response_format is not None:
+            params.update(self.response_format.constraint())
+        try:
+            SamplingParams.from_dict(params)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, _openai_names(str(e))) from None
+        return params
+
+
+def _openai_names(message: str) -> str:
+    return message.replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
+
+
+def check_max_tokens(value: int | None, name: str, context_length: int) -> None:
+    if value is None:
+        return
+    if value < 1:
+        raise ApiError(400, f"{name} must be at least 1, got {value}", name)
+    if value > context_length:
+        raise ApiError(
+            400, f"{name} ({value}) exceeds the model's context length ({context_length})", name
+        )
+
+
+class CompletionRequest(_OpenAISampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list of strings or token-id lists (ApiError(400) when empty)."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        for item in items:
+            if len(item) == 0:
+                raise ApiError(400, "prompt must not be empty", "prompt")
+        return items
+
+    def check(self, context_length: int) -> None:
+        self.check_common()
+        check_max_tokens(self.max_tokens, "max_tokens", context_length)
+        if self.logprobs is not None and not 0 <= self.logprobs <= _OPENAI_MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {_OPENAI_MAX_TOP_LOGPROBS}]", "logprobs")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, "best_of other than n is not supported", "best_of")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, Any]:
+        """The sampling-params constraint this format asks for."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ApiError(400, "response_format json_schema needs json_schema.schema")
+            return {"json_schema": self.json_schema.schema_}
+        return {}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message for the chat template: content parts joined into one string."""
+        out = self.model_dump(exclude_none=True)
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, "only text content parts are supported", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out["content"] = content or ""
+        if out["role"] == "developer":
+            out["role"] = "system"
+        return out
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    continue_final_message: StrictBool = False
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else (
+            self.max_tokens
+        )
+
+    def check(self, context_length: int) -> None:
+        self.check_common()
+        if not self.messages:
+            raise ApiError(400, "messages must not be empty", "messages")
+        check_max_tokens(self.max_tokens, "max_tokens", context_length)
+        check_max_tokens(self.max_completion_tokens, "max_completion_tokens", context_length)
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= _OPENAI_MAX_TOP_LOGPROBS:
+                raise ApiError(
+                    400, f"top_logprobs must be in [0, {_OPENAI_MAX_TOP_LOGPROBS}]", "top_logprobs"
+                )
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+
+for _model in (CompletionRequest, ChatCompletionRequest):
+    _model.model_rebuild()
+
+
+def parse_model(model: type[_M], data: Any) -> _M:
+    """Validate a decoded JSON body into `model`; ApiError(400) with the field errors."""
+    if not isinstance(data, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ApiError(400, pydantic_message(e)) from None

@@ -1,0 +1,265 @@
+"""Calls into the Engine on behalf of HTTP requests: admission (429), rids, disconnects, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+
+from sglang_like.server.errors import ApiError
+from sglang_like.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) answer was ready."""
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+class EngineStream:
+    """One streamed engine request: relays its delta chunks, observes metrics, aborts on close.
+
+    Chunks are the engine's (text and output ids are deltas, counts cumulative). `aclose()` is
+    safe to call at any time and more than once; a stream closed before its final chunk is
+    aborted in the engine so its KV slots are freed.
+    """
+
+    def __init__(self, runner: EngineRunner, it: AsyncIterator[dict], rid: str, t0: float) -> None:
+        self._runner = runner
+        self._it = it
+        self.rid = rid
+        self._t_start = t0
+        self._t_last = t0
+        self._num_tokens = 0
+        self._pending: dict | None = None
+        self.is_finished = False
+        self._is_closed = False
+
+    async def prime(self) -> None:
+        """Wait for the first chunk, so that a bad request raises before any byte is sent."""
+        self._pending = await self._next_chunk()
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> dict:
+        if self._pending is not None:
+            chunk, self._pending = self._pending, None
+            return chunk
+        if self.is_finished or self._is_closed:
+            raise StopAsyncIteration
+        return await self._next_chunk()
+
+    async def _next_chunk(self) -> dict:
+        chunk = await self._it.__anext__()
+        self._observe(chunk)
+        return chunk
+
+    def _observe(self, chunk: dict) -> None:
+        now = time.perf_counter()
+        meta = chunk.get("meta_info") or {}
+        num_tokens = int(meta.get("completion_tokens") or 0)
+        new_tokens = num_tokens - self._num_tokens
+        metrics = self._runner.metrics
+        if new_tokens > 0:
+            if self._num_tokens == 0:
+                metrics.time_to_first_token.observe(now - self._t_start)
+            else:
+                per_token = (now - self._t_last) / new_tokens
+                for _ in range(new_tokens):
+                    metrics.inter_token_latency.observe(per_token)
+            self._num_tokens = num_tokens
+            self._t_last = now
+        if meta.get("finish_reason") is not None:
+            self.is_finished = True
+            metrics.observe_finished(meta)
+
+    async def aclose(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self._runner.num_inflight -= 1
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(Exception):
+                await self._it.aclose()
+        if not self.is_finished:
+            self._runner.abort(self.rid)
+
+
+class EngineRunner:
+    """The server's one door into the engine."""
+
+    def __init__(
+        self, engine: Any, metrics: ServerMetrics, max_queued_requests: int,
+        max_running_requests: int,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.max_running_requests = max_running_requests
+        self.num_inflight = 0  # engine requests this server has submitted and not yet seen end
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch slot: the engine's count, or more if we know better.
+
+        Submissions reach the engine's queue asynchronously, so a burst could all pass a check
+        of the engine's count alone; requests in flight beyond the running cap must be waiting.
+        """
+        num_queued = int(getattr(self.engine, "num_queued_requests", 0) or 0)
+        return max(num_queued, self.num_inflight - self.max_running_requests)
+
+    def check_capacity(self) -> None:
+        """429 at once when the waiting queue is full, instead of letting the client hang."""
+        num_queued = self.num_waiting
+        if num_queued >= self.max_queued_requests:
+            self.metrics.observe_rejected(429)
+            raise ApiError(
+                429,
+                f"server overloaded: {num_queued} requests waiting "
+                f"(--max-queued-requests {self.max_queued_requests}); retry later",
+            )
+
+    def abort(self, rid: str | list[str]) -> None:
+        for one in [rid] if isinstance(rid, str) else rid:
+            try:
+                self.engine.abort(one)
+            except Exception:  # noqa: BLE001 - the request may have finished meanwhile
+                logger.debug("abort of %s failed", one, exc_info=True)
+
+    async def generate(
+        self, request: Request | None, calls: list[dict[str, Any]]
+    ) -> list[dict | list[dict]]:
+        """Run non-streamed engine calls concurrently; abort them all if the client goes away.
+
+        Each call is a dict of `Engine.generate` keyword arguments; the answer has one engine
+        result per call. A ValueError from the engine propagates (the edge makes it a 400).
+        """
+        self.check_capacity()
+        for call in calls:
+            call["rid"] = call.get("rid") or _rids_for(call)
+        num_requests = sum(_num_requests(call) for call in calls)
+        self.num_inflight += num_requests
+        work = asyncio.gather(
+            *(self.engine.async_generate(stream=False, **call) for call in calls)
+        )
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self._cancel(work, calls)
+            raise
+        finally:
+            watcher.cancel()
+            self.num_inflight -= num_requests
+        if not work.done():
+            self._cancel(work, calls)
+            raise ClientGone()
+        results = work.result()
+        for result in results:
+            for item in result if isinstance(result, list) else [result]:
+                self.metrics.observe_finished(item.get("meta_info") or {})
+        return results
+
+    def _cancel(self, work: asyncio.Future, calls: list[dict[str, Any]]) -> None:
+        work.cancel()
+        for call in calls:
+            self.abort(call["rid"])
+
+    async def open_stream(self, **kwargs: Any) -> EngineStream:
+        """Start one streamed engine request (a single prompt, n=1) and wait for its first chunk."""
+        self.check_capacity()
+        rid = kwargs.pop("rid", None) or new_rid()
+        t0 = time.perf_counter()
+        self.num_inflight += 1
+        try:
+            it = await self.engine.async_generate(stream=True, rid=rid, **kwargs)
+        except BaseException:
+            self.num_inflight -= 1
+            raise
+        stream = EngineStream(self, it, rid, t0)
+        try:
+            await stream.prime()
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
+
+async def merge_streams(streams: list[EngineStream]) -> AsyncIterator[tuple[int, dict]]:
+    """Interleave streams as (index, chunk) in arrival order; closes all of them at the end."""
+    if len(streams) == 1:
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, dict | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: EngineStream) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk, None))
+            await queue.put((index, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        num_live = len(streams)
+        while num_live:
+            index, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                num_live -= 1
+                continue
+            yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
+def _num_requests(call: dict[str, Any]) -> int:
+    prompt, input_ids = call.get("prompt"), call.get("input_ids")
+    sampling = call.get("sampling_params")
+    num_prompts = len(prompt) if isinstance(prompt, list) else (
+        len(input_ids) if input_ids and isinstance(input_ids[0], list) else 1
+    )
+    params = sampling if isinstance(sampling, list) else [sampling or {}] * num_prompts
+    return sum(int((p or {}).get("n", 1) or 1) for p in params)
+
+
+def _rids_for(kwargs: dict[str, Any]) -> str | list[str]:
+    prompt = kwargs.get("prompt")
+    input_ids = kwargs.get("input_ids")
+    if isinstance(prompt, list):
+        return [new_rid() for _ in prompt]
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        return [new_rid() for _ in input_ids]
+    return new_rid()
+
+
+async def _wait_disconnect(request: Request | None) -> None:
+    """Return when the client has gone; never returns for an in-process caller."""
+    if request is None:
+        await asyncio.Event().wait()
+        return
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return

@@ -1,0 +1,61 @@
+"""What every route needs to reach: the engine, the runner, metrics, and resolved server facts."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from sglang_like.config import ServerArgs
+from sglang_like.server.metrics import ServerMetrics
+from sglang_like.server.runner import EngineRunner
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """Built once by `create_app`; routes read it from `request.app.state.server`."""
+
+    engine: Any
+    runner: EngineRunner
+    metrics: ServerMetrics
+    server_args: ServerArgs
+    model_path: str
+    served_model_name: str
+    context_length: int
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @classmethod
+    def build(cls, engine: Any, server_args: ServerArgs | None = None) -> ServerState:
+        args = server_args or getattr(engine, "server_args", None) or ServerArgs()
+        model_config = getattr(engine, "model_config", None)
+        model_path = (
+            getattr(model_config, "model_path", "") or args.model_path or "default"
+        )
+        name = args.served_model_name or _model_name(model_path)
+        context_length = args.context_length or getattr(
+            model_config, "max_position_embeddings", 2048
+        )
+        metrics = ServerMetrics()
+        runner = EngineRunner(
+            engine, metrics, args.max_queued_requests, args.max_running_requests
+        )
+        return cls(engine, runner, metrics, args, model_path, name, int(context_length))
+
+
+_GGUF_SUFFIX = re.compile(r"(\.(Q\d\w*|F16|F32|BF16|IQ\w+))?\.gguf$", re.IGNORECASE)
+
+
+def _model_name(model_path: str) -> str:
+    """`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`; a folder -> its name."""
+    base = os.path.basename(os.path.normpath(model_path)) or model_path
+    return _GGUF_SUFFIX.sub("", base)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server

@@ -1,0 +1,185 @@
+"""A tiny in-memory stand-in for `Engine`, only for unit tests of the HTTP layer.
+
+It follows the engine contract (result shapes, streaming deltas, ValueError for bad input,
+abort on close, KV pool accounting) with one character per token and no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+from sglang_like.config import ServerArgs
+from sglang_like.sampling_params import SamplingParams
+
+
+class FakeTokenizer:
+    chat_template = "{% for m in messages %}<{{m.role}}>{{m.content}}{% endfor %}<assistant>"
+    eos_token_ids = (0,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Any = None) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    """Generates 'a', 'b', 'c', ... one token per `step_s`; max_running_requests at a time."""
+
+    def __init__(self, step_s: float = 0.005, context_length: int = 256,
+                 total_slots: int = 4096, **server_args: Any) -> None:
+        self.server_args = ServerArgs(context_length=context_length, **server_args)
+        self.model_config = SimpleNamespace(model_path="/models/fake-model.Q4_1.gguf",
+                                            max_position_embeddings=context_length)
+        self.tokenizer = FakeTokenizer()
+        self.step_s = step_s
+        self.total_slots = total_slots
+        self.used_slots = 0
+        self.cached_slots = 0
+        self.seen_prompts: set[tuple[int, ...]] = set()
+        self.aborted: set[str] = set()
+        self.calls: list[dict[str, Any]] = []
+        self._running = asyncio.Semaphore(self.server_args.max_running_requests)
+        self._num_waiting = 0
+        self._num_running = 0
+        self._num_prompt = 0
+        self._num_cached = 0
+
+    # ---- the contract -------------------------------------------------------------------
+    @property
+    def num_queued_requests(self) -> int:
+        return self._num_waiting
+
+    def get_server_info(self) -> dict[str, Any]:
+        free = self.total_slots - self.used_slots - self.cached_slots
+        return {
+            "kv_pool": {"total_slots": self.total_slots, "free_slots": free,
+                        "cached_slots": self.cached_slots, "used_slots": self.used_slots},
+            "cache_hit_rate": self._num_cached / self._num_prompt if self._num_prompt else 0.0,
+            "num_running_reqs": self._num_running, "num_queued_reqs": self._num_waiting,
+            "max_total_tokens": self.total_slots,
+            "context_length": self.server_args.context_length,
+        }
+
+    def flush_cache(self) -> bool:
+        if self.used_slots:
+            return False
+        self.cached_slots = 0
+        self.seen_prompts.clear()
+        return True
+
+    def abort(self, rid: str) -> None:
+        self.aborted.add(rid)
+
+    async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
+                             input_ids: Any = None, return_logprob: bool = False,
+                             logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                             return_text_in_logprobs: bool = False, stream: bool = False,
+                             rid: Any = None) -> Any:
+        self.calls.append({"prompt": prompt, "input_ids": input_ids, "stream": stream,
+                           "sampling_params": sampling_params, "rid": rid,
+                           "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                           "logprob_start_len": logprob_start_len})
+        is_batch = isinstance(prompt, list) or (bool(input_ids) and isinstance(input_ids[0], list))
+        texts = prompt if isinstance(prompt, list) else [prompt]
+        ids_list = input_ids if is_batch and input_ids is not None else [input_ids]
+        if prompt is not None:
+            ids_list = [self.tokenizer.encode(t) for t in texts]
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(
+            ids_list)
+        params = [SamplingParams.from_dict(sp) for sp in sps]
+        for ids in ids_list:
+            if not ids:
+                raise ValueError("empty prompt")
+            if len(ids) >= self.server_args.context_length:
+                raise ValueError(f"prompt of {len(ids)} tokens is longer than the context")
+        opts = (return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
+        if stream:
+            assert not is_batch and params[0].n == 1
+            return self._stream(ids_list[0], params[0], opts, rid or "r")
+        outs = []
+        for i, (ids, sp) in enumerate(zip(ids_list, params, strict=True)):
+            one_rid = rid[i] if isinstance(rid, list) else (rid or f"r{i}")
+            runs = [self._collect(ids, sp, opts, f"{one_rid}") for _ in range(sp.n)]
+            got = await asyncio.gather(*runs)
+            outs.append(got if sp.n > 1 else got[0])
+        return outs if is_batch else outs[0]
+
+    # ---- internals ----------------------------------------------------------------------
+    async def _collect(self, ids: list[int], sp: SamplingParams, opts: tuple, rid: str) -> dict:
+        out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {}}
+        lps: list = []
+        async for chunk in self._stream(ids, sp, opts, rid):
+            out["text"] += chunk["text"]
+            out["output_ids"] += chunk["output_ids"]
+            lps += chunk["meta_info"].get("output_token_logprobs", [])
+            out["meta_info"] = chunk["meta_info"]
+        if opts[0]:
+            out["meta_info"]["output_token_logprobs"] = lps
+            out["meta_info"]["output_top_logprobs"] = [
+                [[-1.0, t, chr(t)] for t in range(97, 97 + opts[2])] for _ in lps] if opts[2] else (
+                [None] * len(lps))
+        return out
+
+    async def _stream(self, ids: list[int], sp: SamplingParams, opts: tuple,
+                      rid: str) -> AsyncIterator[dict]:
+        want_lp, start, num_top, with_text = opts
+        key = tuple(ids)
+        cached = len(ids) - 1 if key in self.seen_prompts else 0
+        self._num_waiting += 1
+        meta: dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 0,
+                                "cached_tokens": cached, "finish_reason": None,
+                                "e2e_latency": 0.0, "queue_time": 0.0}
+        held = 0
+        is_running = False
+        try:
+            async with self._running:
+                self._num_waiting -= 1
+                self._num_running += 1
+                is_running = True
+                self.used_slots += len(ids)
+                held = len(ids)
+                self._num_prompt += len(ids)
+                self._num_cached += cached
+                if want_lp:
+                    first = max(start, 0)
+                    meta["input_token_logprobs"] = [
+                        [None if i == 0 else -2.0, t, chr(t) if with_text else None]
+                        for i, t in enumerate(ids[first:], start=first)]
+                for i in range(sp.max_new_tokens):
+                    await asyncio.sleep(self.step_s)
+                    tok = 97 + (len(ids) + i) % 26
+                    self.used_slots += 1
+                    held += 1
+                    meta = {**meta, "completion_tokens": i + 1}
+                    if i + 1 == sp.max_new_tokens:
+                        meta["finish_reason"] = {"type": "length", "length": sp.max_new_tokens}
+                    chunk_meta = dict(meta)
+                    if want_lp:
+                        chunk_meta["output_token_logprobs"] = [[-1.0, tok, chr(tok) if with_text
+                                                                 else None]]
+                    yield {"text": chr(tok), "output_ids": [tok], "meta_info": chunk_meta}
+                if sp.max_new_tokens == 0:
+                    meta["finish_reason"] = {"type": "length", "length": 0}
+                    yield {"text": "", "output_ids": [], "meta_info": meta}
+                self.seen_prompts.add(key)
+                self.used_slots -= held
+                self.cached_slots += len(ids) if cached == 0 else 0
+                held = 0
+        except (GeneratorExit, asyncio.CancelledError):
+            self.aborted.add(rid)
+            raise
+        finally:
+            self.used_slots -= held
+            if is_running:
+                self._num_running -= 1
+            else:
+                self._num_waiting -= 1
