@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -43,14 +44,97 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
-def read_gguf_metadata(reader: Any) -> dict[str, Any]:
-    """Every key/value field of a `gguf.GGUFReader` as Python values (strings, numbers, lists)."""
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file: raw bytes as uint8 [rows, bytes per row], shape [out, in]."""
+
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+class GGUFFile(NamedTuple):
+    """A parsed GGUF file: metadata as Python values and its tensors (memory-mapped)."""
+
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+# GGUF value type id -> struct format of one scalar (8 = string, 9 = array are handled apart).
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                   11: "q", 12: "d"}
+_NUMPY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+                 6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+class _Cursor:
+    """Little-endian reads from a buffer, advancing an offset (struct-based, no per-item numpy)."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        value = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return value
+
+    def value(self, vtype: int) -> Any:
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            return self.array()
+        if vtype not in _SCALAR_FORMATS:
+            raise ValueError(f"bad GGUF value type {vtype} at byte {self.pos}")
+        return self.scalar(_SCALAR_FORMATS[vtype])
+
+    def array(self) -> list[Any]:
+        etype, count = self.scalar("I"), self.scalar("Q")
+        if etype in _NUMPY_DTYPES:  # numbers: one vectorized read
+            dtype = np.dtype(_NUMPY_DTYPES[etype]).newbyteorder("<")
+            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+            self.pos += count * dtype.itemsize
+            return values.tolist()
+        return [self.value(etype) for _ in range(count)]
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """Parse a GGUF (v2/v3, little-endian) file's header; tensor data stays memory-mapped."""
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(mm))
+    if bytes(mm[:4]) != b"GGUF":
+        raise ValueError(f"{path!r} is not a GGUF file")
+    cur.pos = 4
+    version = cur.scalar("I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} unsupported (big-endian or too old?)")
+    num_tensors, num_kv = cur.scalar("Q"), cur.scalar("Q")
     metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        metadata[key] = field.contents()
-    return metadata
+    for _ in range(num_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("I"))
+    infos = []
+    for _ in range(num_tensors):
+        name = cur.string()
+        dims = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+        infos.append((name, gguf.GGMLQuantizationType(cur.scalar("I")), dims, cur.scalar("Q")))
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = []
+    for name, qtype, dims, offset in infos:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        row_bytes = dims[0] // block_size * type_size
+        num_rows = int(np.prod(dims[1:], dtype=np.int64))
+        start = data_start + offset
+        data = mm[start : start + num_rows * row_bytes].reshape(num_rows, row_bytes)
+        tensors.append(GGUFTensor(name, qtype, tuple(reversed(dims)), data))
+    return GGUFFile(metadata, tensors)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -82,25 +166,23 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(rows, *rest).contiguous()
 
 
-def dequantize_tensor(tensor: Any) -> np.ndarray:
-    """One `ReaderTensor` as a float32 numpy array in [out, in] (row-major HF) layout."""
-    qtype = tensor.tensor_type
-    if qtype in _INT_TYPES:
-        raise ValueError(f"integer GGUF tensor {tensor.name!r} ({qtype.name}) is not a weight")
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
+    """One tensor as a float32 numpy array in [out, in] (row-major HF) layout."""
+    if tensor.qtype in _INT_TYPES:
+        raise ValueError(f"integer GGUF tensor {tensor.name!r} ({tensor.qtype.name}) is no weight")
     try:
-        array = gguf.quants.dequantize(tensor.data, qtype)
+        array = gguf.quants.dequantize(tensor.data, tensor.qtype)
     except NotImplementedError as exc:
         raise ValueError(f"GGUF tensor {tensor.name!r}: {exc}") from exc
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return np.asarray(array, dtype=np.float32).reshape(shape)
+    return np.asarray(array, dtype=np.float32).reshape(tensor.shape)
 
 
 def iter_hf_tensors(
-    reader: Any, *, arch: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    tensors: list[GGUFTensor], *, arch: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) for every tensor of the file, dequantized and un-permuted."""
     permuted = arch in ("llama", "mistral")
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue

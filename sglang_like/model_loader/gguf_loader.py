@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import gguf
 import torch
 
 from sglang_like.config import ModelConfig
-from sglang_like.model_loader.gguf_file import iter_hf_tensors, read_gguf_metadata
+from sglang_like.model_loader.gguf_file import iter_hf_tensors, read_gguf
 from sglang_like.model_loader.gguf_tokenizer import tokenizer_from_gguf
 from sglang_like.model_loader.loaded import LoadedModel, check_weights
 from sglang_like.tokenizer import Tokenizer
@@ -75,14 +74,14 @@ def gguf_model_config(
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Read `path`, dequantize tensors to `dtype`, un-permute llama Q/K, build the tokenizer."""
-    reader = gguf.GGUFReader(path)
-    metadata = read_gguf_metadata(reader)
+    file = read_gguf(path)
+    metadata = file.metadata
     tokenizer = tokenizer_from_gguf(metadata)
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    shapes = {t.name: t.shape for t in file.tensors}
     config = gguf_model_config(metadata, shapes, tokenizer, path)
     weights = dict(
         iter_hf_tensors(
-            reader, arch=config.architecture, num_heads=config.num_attention_heads,
+            file.tensors, arch=config.architecture, num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, dtype=dtype,
         )
     )
@@ -92,4 +91,4 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 
 def load_gguf_tokenizer(path: str) -> Tokenizer:
     """Only the tokenizer of a GGUF file (reads metadata, skips the tensors)."""
-    return tokenizer_from_gguf(read_gguf_metadata(gguf.GGUFReader(path)))
+    return tokenizer_from_gguf(read_gguf(path).metadata)
