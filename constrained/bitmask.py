@@ -40,8 +40,10 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         raise ValueError(f"shape mismatch: {shapes}")
     vocab_size = logits.shape[1]
     covered = min(vocab_size, bitmask.shape[1] * _BITS_PER_WORD)
-    allowed = unpack_bitmask(bitmask.to(logits.device), covered)
-    logits[:, :covered].masked_fill_(~allowed, float("-inf"))
+    bitmask = bitmask.to(logits.device)
+    disallowed = ((bitmask.unsqueeze(-1) >> _shifts(bitmask.device)) & 1) == 0
+    disallowed = disallowed.reshape(len(bitmask), -1)[:, :covered]
+    logits[:, :covered].masked_fill_(disallowed, float("-inf"))
     if covered < vocab_size:
         logits[:, covered:] = float("-inf")
 

@@ -9,6 +9,9 @@ Workarounds for outlines-core 0.2.x, found by probing it:
 - Its schema-to-regex ignores numeric bounds (minimum/maximum, exclusive*, multipleOf):
   such schemas are refused (`supports` says why), as are keywords a regex cannot enforce.
 - Advancing past EOS raises: EOS never reaches outlines-core; we handle it here.
+- Its regex engine reads `\\d` and `\\w` as Unicode classes (with a newer Unicode table
+  than Python's `re`); we rewrite them to the ASCII classes xgrammar uses, so both backends
+  agree and every output also fullmatches under Python's `re`.
 - `Vocabulary.from_pretrained` reaches for the network: the vocabulary is built from
   TokenizerInfo (bytes keys, no special tokens, no EOS).
 """
@@ -184,7 +187,7 @@ class OutlinesCompiler:
             except (ValueError, TypeError) as exc:
                 return InvalidGrammar(f"invalid json schema for outlines: {exc}")
         elif kind == "regex":
-            regex = spec
+            regex = ascii_shorthand_classes(spec)
         else:
             return InvalidGrammar(f"outlines backend cannot compile {kind!r}")
         try:
@@ -195,6 +198,39 @@ class OutlinesCompiler:
 
     def new_grammar(self, compiled: OutlinesCompiled) -> OutlinesGrammar:
         return OutlinesGrammar(compiled)
+
+
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_shorthand_classes(regex: str) -> str:
+    """Rewrite `\\d` / `\\w` (inside or outside brackets) to their ASCII ranges."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\" and i + 1 < len(regex):
+            escaped = regex[i + 1]
+            if escaped in _ASCII_CLASSES:
+                ranges = _ASCII_CLASSES[escaped]
+                out.append(ranges if in_class else f"[{ranges}]")
+            else:
+                out.append(regex[i : i + 2])
+            i += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+            out.append(char)
+            if regex[i + 1 : i + 2] == "^":
+                out.append("^")
+                i += 1
+            if regex[i + 1 : i + 2] == "]":  # a literal ] right after the opening bracket
+                out.append("]")
+                i += 1
+        else:
+            in_class = in_class and char != "]"
+            out.append(char)
+        i += 1
+    return "".join(out)
 
 
 def _char_fsm_or_none(regex: str) -> CharFSM | None:
