@@ -37,12 +37,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _resolve(interpret: bool | None) -> bool:
+    return _interpreting() if interpret is None else interpret
+
+
 def dot_dtype(pool_dtype: torch.dtype, interpret: bool | None = None) -> tl.dtype:
     """The tl.dot operand dtype: the pool's 16-bit type on GPU, fp32 otherwise."""
-    interpret = _interpreting() if interpret is None else interpret
-    if interpret:
+    if _resolve(interpret):
         return tl.float32
     return _DOT_DTYPES.get(pool_dtype, tl.float32)
+
+
+def _tile(dot: tl.dtype, interpret: bool | None) -> int:
+    """Key/query tile length. Exact fp32 dots run on CUDA cores, where 32-wide tiles keep
+    registers (and compile time) sane; the interpreter is fastest with big tiles."""
+    return 32 if dot == tl.float32 and not _resolve(interpret) else 64
 
 
 def _block(n: int) -> int:
@@ -61,14 +70,15 @@ def decode_meta(
 ) -> dict[str, object]:
     """Constexprs of decode_split_kernel (decode_reduce_kernel takes NUM_SPLITS, BLOCK_S,
     BLOCK_D from the same dict)."""
+    dtype = dot_dtype(pool_dtype, interpret)
     if num_splits is None:
         num_splits = min(_MAX_DECODE_SPLITS, max(1, triton.cdiv(max_context, _DECODE_SPLIT_TOKENS)))
     return {
         "NUM_SPLITS": num_splits,
         "BLOCK_G": _block(num_q_heads // num_kv_heads),
-        "BLOCK_N": 64,
+        "BLOCK_N": _tile(dtype, interpret),
         "BLOCK_D": _block(head_dim),
-        "DOT_DTYPE": dot_dtype(pool_dtype, interpret),
+        "DOT_DTYPE": dtype,
         "BLOCK_S": triton.next_power_of_2(num_splits),
     }
 
@@ -77,24 +87,27 @@ def extend_meta(
     head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None
 ) -> dict[str, object]:
     """Constexprs of extend_kernel."""
-    return {
-        "BLOCK_M": 64,
-        "BLOCK_N": 64,
-        "BLOCK_D": _block(head_dim),
-        "DOT_DTYPE": dot_dtype(pool_dtype, interpret),
-    }
+    dtype = dot_dtype(pool_dtype, interpret)
+    block = _tile(dtype, interpret)
+    return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": _block(head_dim), "DOT_DTYPE": dtype}
 
 
 def tree_verify_meta(
     num_draft: int, head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None
 ) -> dict[str, object]:
     """Constexprs of tree_verify_kernel."""
+    dtype = dot_dtype(pool_dtype, interpret)
     return {
         "BLOCK_M": _block(num_draft),
-        "BLOCK_N": 64,
+        "BLOCK_N": _tile(dtype, interpret),
         "BLOCK_D": _block(head_dim),
-        "DOT_DTYPE": dot_dtype(pool_dtype, interpret),
+        "DOT_DTYPE": dtype,
     }
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output and scratch buffer comes from here (tests poison it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +166,7 @@ def decode_attention(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0 and k_pool.stride() == v_pool.stride()
-    out = torch.empty_like(q)
+    out = _empty(q.shape, q.dtype, q.device)
     if batch == 0:
         return out
     q = _inner_contiguous(q)
@@ -162,8 +175,8 @@ def decode_attention(
     )
     splits = meta["NUM_SPLITS"]
     device = q.device
-    mid_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
-    mid_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=device)
+    mid_out = _empty((batch, num_q_heads, splits, head_dim), torch.float32, device)
+    mid_lse = _empty((batch, num_q_heads, splits), torch.float32, device)
     tk.decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_pool, v_pool, req_to_token, req_pool_indices.to(device), seq_lens.to(device),
         mid_out, mid_lse,
@@ -203,7 +216,7 @@ def extend_attention(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0 and k_pool.stride() == v_pool.stride()
-    out = torch.empty_like(q)
+    out = _empty(q.shape, q.dtype, q.device)
     batch = extend_lens.shape[0]
     max_extend = int(extend_lens.max()) if batch else 0
     if max_extend == 0:
@@ -246,7 +259,7 @@ def tree_verify_attention(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[1]
     assert q.shape[0] == batch * num_draft and num_q_heads % num_kv_heads == 0
-    out = torch.empty_like(q)
+    out = _empty(q.shape, q.dtype, q.device)
     if batch == 0 or num_draft == 0:
         return out
     q = _inner_contiguous(q)

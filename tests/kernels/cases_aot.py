@@ -1,0 +1,100 @@
+"""Every Triton kernel compiles ahead of time to cubin for sm_90 and sm_80 on a CPU machine.
+
+Not collected on its own: test_triton_kernels.py runs it in a subprocess without
+TRITON_INTERPRET (the interpreter replaces kernels with Python functions). The constexprs
+come from the launchers' own *_meta helpers, so what compiles here is what runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    raise RuntimeError("cases_aot.py must run without TRITON_INTERPRET=1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import triton_kernels as tk  # noqa: E402
+from kernels import triton_ops  # noqa: E402
+
+# Shared memory per block each architecture can give a kernel (bytes).
+MAX_SHARED = {90: 227 * 1024, 80: 163 * 1024}
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) -> dict:
+    """Argument types: listed pointers, constexprs, sm_scale fp32, every other int i32."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "fp32" if name == "sm_scale" else "i32"
+    return signature
+
+
+def _attention_pointers(dtype: torch.dtype) -> dict[str, str]:
+    t = _TYPES[dtype]
+    return {
+        "q": t, "k_pool": t, "v_pool": t, "out": t, "req_to_token": "i32",
+        "req_pool_indices": "i64", "seq_lens": "i64", "prefix_lens": "i64",
+        "extend_lens": "i64", "extend_starts": "i64", "tree_mask": "i8",
+        "mid_out": "fp32", "mid_lse": "fp32",
+    }  # fmt: skip
+
+
+def _decode_split(dtype, head_dim, group):
+    meta = triton_ops.decode_meta(group * 2, 2, head_dim, 4096, dtype, interpret=False)
+    meta.pop("BLOCK_S")
+    return tk.decode_split_kernel, _attention_pointers(dtype), meta
+
+
+def _decode_reduce(dtype, head_dim, group):
+    meta = triton_ops.decode_meta(group * 2, 2, head_dim, 4096, dtype, interpret=False)
+    consts = {k: meta[k] for k in ("NUM_SPLITS", "BLOCK_S", "BLOCK_D")}
+    return tk.decode_reduce_kernel, _attention_pointers(dtype), consts
+
+
+def _extend(dtype, head_dim, group):
+    meta = triton_ops.extend_meta(head_dim, dtype, interpret=False)
+    return tk.extend_kernel, _attention_pointers(dtype), meta
+
+
+def _tree_verify(dtype, head_dim, group):
+    meta = triton_ops.tree_verify_meta(12, head_dim, dtype, interpret=False)
+    return tk.tree_verify_kernel, _attention_pointers(dtype), meta
+
+
+def _store_kv(dtype, head_dim, group):
+    t = _TYPES[dtype]
+    pointers = {"k_pool": t, "v_pool": t, "slot_ids": "i64", "k": t, "v": t}
+    consts = {"BLOCK_H": 8, "BLOCK_D": triton.next_power_of_2(head_dim)}
+    return tk.store_kv_kernel, pointers, consts
+
+
+def _bitmask(dtype, head_dim, group):
+    pointers = {"logits": _TYPES[dtype], "bitmask": "i32"}
+    return tk.token_bitmask_kernel, pointers, {"BLOCK": 1024}
+
+
+BUILDERS = [_decode_split, _decode_reduce, _extend, _tree_verify, _store_kv, _bitmask]
+# fp16 takes the same code path as bf16; fp32 the exact-dot one with a masked head dim.
+CONFIGS = [(torch.bfloat16, 128, 4), (torch.float32, 80, 3)]
+
+
+@pytest.mark.parametrize("capability", [90, 80])
+@pytest.mark.parametrize("builder", BUILDERS, ids=lambda b: b.__name__.strip("_"))
+@pytest.mark.parametrize("dtype,head_dim,group", CONFIGS, ids=["bf16", "fp32"])
+def test_compiles_for_target(builder, dtype, head_dim, group, capability):
+    kernel, pointers, constexprs = builder(dtype, head_dim, group)
+    src = ASTSource(kernel, _signature(kernel, pointers, constexprs), constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64))
+    assert len(compiled.asm["cubin"]) > 0
+    assert kernel.__name__ in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= MAX_SHARED[capability]

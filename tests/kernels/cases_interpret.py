@@ -1,0 +1,175 @@
+"""Triton kernels under TRITON_INTERPRET=1 vs the torch references, every element checked.
+
+Not collected on its own: test_triton_kernels.py runs it in a subprocess with the
+interpreter on, because the flag must be set before triton compiles the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton_ops imports triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels import reference, triton_ops  # noqa: E402
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _poison_buffers(monkeypatch):
+    """Outputs and scratch start as NaN, so an element the kernel skips cannot pass."""
+
+    def nan_empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_ops, "_empty", nan_empty)
+
+
+def _check(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == want.shape and out.dtype == want.dtype
+    assert not out.isnan().any(), "an output element was never written"
+    tol = 1e-3 if dtype == F32 else 2e-2
+    torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol * 1e-2)
+    scale = want.float().abs().max()
+    assert (out.float() - want.float()).abs().max() <= tol * scale
+
+
+class _Pool:
+    """Random pools and a req_to_token table whose rows hold distinct random slots."""
+
+    def __init__(self, lens, num_kv_heads, head_dim, dtype, seed, max_context=320):
+        self.gen = torch.Generator().manual_seed(seed)
+        num_slots = sum(lens) + 50
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = torch.randn(shape, generator=self.gen).to(dtype)
+        self.v = torch.randn(shape, generator=self.gen).to(dtype)
+        # Unused table cells hold real slot ids, so reading past a length would show.
+        self.table = torch.randint(1, num_slots, (len(lens) + 2, max_context), generator=self.gen)
+        self.table = self.table.to(torch.int32)
+        perm = torch.randperm(num_slots - 1, generator=self.gen) + 1
+        self.rows = torch.randperm(len(lens) + 2, generator=self.gen)[: len(lens)]
+        start = 0
+        for row, n in zip(self.rows.tolist(), lens, strict=True):
+            self.table[row, :n] = perm[start : start + n].int()
+            start += n
+
+    def randn(self, *shape, dtype):
+        return torch.randn(shape, generator=self.gen).to(dtype)
+
+
+DECODE_CASES = [
+    # lens, Hq, Hkv, D, dtype, num_splits (None: launcher default)
+    ([1, 37, 200], 2, 2, 64, F32, None),
+    ([3, 129, 64], 9, 3, 80, F32, 4),
+    ([250, 1, 17], 8, 2, 96, F16, 3),
+    ([65, 300], 8, 1, 128, BF16, 8),
+    ([7, 90], 4, 1, 80, F32, 16),
+]
+
+
+@pytest.mark.parametrize("lens,num_q_heads,num_kv_heads,head_dim,dtype,num_splits", DECODE_CASES)
+def test_decode(lens, num_q_heads, num_kv_heads, head_dim, dtype, num_splits):
+    pool = _Pool(lens, num_kv_heads, head_dim, dtype, seed=len(lens) * head_dim)
+    q = pool.randn(len(lens), num_q_heads, head_dim, dtype=dtype)
+    seq_lens = torch.tensor(lens)
+    args = (q, pool.k, pool.v, pool.table, pool.rows, seq_lens, 1 / math.sqrt(head_dim))
+    out = triton_ops.decode_attention(*args, num_splits=num_splits)
+    _check(out, reference.decode_attention(*args), dtype)
+
+
+EXTEND_CASES = [
+    # prefix_lens, extend_lens, Hq, Hkv, D, dtype
+    ([0, 5, 100], [1, 70, 20], 3, 1, 64, F32),
+    ([0], [130], 4, 1, 80, BF16),
+    ([40, 0, 7], [3, 9, 0], 4, 1, 96, F16),
+    ([200, 2], [5, 1], 2, 2, 128, F32),
+    ([16, 33], [20, 66], 8, 1, 64, F32),
+]
+
+
+EXTEND_ARGS = "prefix_lens,extend_lens,num_q_heads,num_kv_heads,head_dim,dtype"
+
+
+@pytest.mark.parametrize(EXTEND_ARGS, EXTEND_CASES)
+def test_extend(prefix_lens, extend_lens, num_q_heads, num_kv_heads, head_dim, dtype):
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    pool = _Pool(lens, num_kv_heads, head_dim, dtype, seed=sum(lens))
+    q = pool.randn(sum(extend_lens), num_q_heads, head_dim, dtype=dtype)
+    args = (
+        q, pool.k, pool.v, pool.table, pool.rows, torch.tensor(prefix_lens),
+        torch.tensor(extend_lens), 1 / math.sqrt(head_dim),
+    )  # fmt: skip
+    _check(triton_ops.extend_attention(*args), reference.extend_attention(*args), dtype)
+
+
+def _random_tree_mask(batch: int, num_draft: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestor-or-self masks of random trees (node i's parent is a node before it)."""
+    masks = torch.zeros(batch, num_draft, num_draft, dtype=torch.bool)
+    for b in range(batch):
+        for i in range(num_draft):
+            masks[b, i, i] = True
+            if i > 0:
+                parent = int(torch.randint(0, i, (1,), generator=gen))
+                masks[b, i] |= masks[b, parent]
+    return masks
+
+
+TREE_CASES = [
+    # prefix_lens, num_draft, Hq, Hkv, D, dtype
+    ([0, 90, 13], 4, 3, 1, 64, F32),
+    ([150], 20, 8, 1, 128, BF16),
+    ([5, 70], 1, 4, 4, 80, F32),
+    ([33, 1], 7, 4, 1, 96, F16),
+]
+
+
+TREE_ARGS = "prefix_lens,num_draft,num_q_heads,num_kv_heads,head_dim,dtype"
+
+
+@pytest.mark.parametrize(TREE_ARGS, TREE_CASES)
+def test_tree_verify(prefix_lens, num_draft, num_q_heads, num_kv_heads, head_dim, dtype):
+    lens = [p + num_draft for p in prefix_lens]
+    pool = _Pool(lens, num_kv_heads, head_dim, dtype, seed=num_draft)
+    q = pool.randn(len(lens) * num_draft, num_q_heads, head_dim, dtype=dtype)
+    tree_mask = _random_tree_mask(len(lens), num_draft, pool.gen)
+    args = (
+        q, pool.k, pool.v, pool.table, pool.rows, torch.tensor(prefix_lens), tree_mask,
+        1 / math.sqrt(head_dim),
+    )  # fmt: skip
+    out = triton_ops.tree_verify_attention(*args)
+    _check(out, reference.tree_verify_attention(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype,num_heads,head_dim", [(F32, 3, 80), (BF16, 1, 64), (F16, 2, 96)])
+def test_store_kv_writes_exactly_its_slots(dtype, num_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    k_pool = torch.full((40, num_heads, head_dim), float("nan"), dtype=dtype)
+    v_pool = k_pool.clone()
+    slots = torch.randperm(39, generator=gen)[:11] + 1
+    # k, v as strided views of a fused qkv buffer, in fp32 (the kernel casts).
+    qkv = torch.randn(11, 3, num_heads, head_dim, generator=gen)
+    k, v = qkv[:, 1], qkv[:, 2]
+    triton_ops.store_kv(k_pool, v_pool, slots, k, v)
+    assert torch.equal(k_pool[slots], k.to(dtype)) and torch.equal(v_pool[slots], v.to(dtype))
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert k_pool[untouched].isnan().all() and v_pool[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("vocab,extra_words", [(1, 0), (33, 0), (1000, 2), (2049, 0)])
+def test_bitmask_equals_reference(vocab, extra_words):
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32 + extra_words
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int32)
+    bitmask[1] = -1  # all allowed
+    bitmask[2, 0] = 0  # first 32 banned
+    logits = torch.randn(3, vocab, generator=gen)
+    want = logits.clone()
+    reference.apply_token_bitmask_(want, bitmask)
+    triton_ops.apply_token_bitmask_(logits, bitmask)
+    assert torch.equal(logits, want)
+    assert torch.isneginf(logits).any() and torch.isfinite(logits[1]).all()
