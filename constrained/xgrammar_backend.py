@@ -39,6 +39,9 @@ class XGrammarGrammar(Grammar):
             self._num_accepted -= num_tokens
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._matcher.is_terminated():
+            bitmask[row] = 0  # xgrammar raises here; nothing may follow EOS
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)
         # Specials whose text the grammar could match must still never be generated.
         bitmask[row] &= self._compiler.ever_allowed_words
