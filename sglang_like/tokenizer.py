@@ -146,12 +146,18 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         return [self.id_to_token(i) for i in ids]
 
+    @cached_property
+    def is_byte_level(self) -> bool:
+        """True when decoding is concatenating token_bytes_list() and decoding UTF-8 (lossy)."""
+        return _decoder_kind(self._backend) == "byte_level"
+
     def token_bytes_list(self) -> list[bytes]:
         """For each id, the raw bytes it decodes to; special tokens give their text's UTF-8."""
-        return list(self._token_bytes)
+        return list(self.token_bytes)
 
     @cached_property
-    def _token_bytes(self) -> tuple[bytes, ...]:
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """token_bytes_list() as a shared, immutable tuple (built once)."""
         decoder_kind = _decoder_kind(self._backend)
         added = self._backend.get_added_tokens_decoder()
         byte_of_char = {c: b for b, c in bytes_to_unicode().items()}
