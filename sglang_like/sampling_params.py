@@ -57,6 +57,11 @@ class SamplingParams:
         params.validate()
         return params
 
+    def replace_for_sample(self, index: int) -> SamplingParams:
+        """The params of sample `index` of an n > 1 request: n = 1, and a distinct seed."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

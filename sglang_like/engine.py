@@ -1,0 +1,408 @@
+"""Engine: the runtime in this process — tokenize, queue, run the scheduler loop, stream results."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+
+from sglang_like.config import ServerArgs
+from sglang_like.engine_io import RequestHandle, build_output, prepare_inputs
+from sglang_like.mem_pool import KVPool
+from sglang_like.model_loader import load_model
+from sglang_like.model_runner import ModelRunner
+from sglang_like.req import Req
+from sglang_like.sampling_params import SamplingParams
+from sglang_like.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+_CPU_MAX_AUTO_SLOTS = 1 << 16
+_GRAMMAR_WAIT_S = 60.0
+
+
+class Engine:
+    """An LLM engine in this process. `generate` / `async_generate` / `chat` are thread-safe;
+    one background thread runs the scheduler loop and owns every request's state."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        server_args = kwargs.pop("server_args", None) or ServerArgs(model_path=model_path, **kwargs)
+        t0 = time.perf_counter()
+        self.device = _resolve_device(server_args.device)
+        self.dtype = _resolve_dtype(server_args.dtype, self.device)
+        loaded = load_model(server_args.model_path, self.dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        context_len = server_args.context_length or loaded.config.max_position_embeddings
+        num_slots = server_args.max_total_tokens or _auto_pool_size(
+            loaded.config, self.dtype, self.device, server_args.mem_fraction_static
+        )
+        self.server_args = server_args.replace(
+            context_length=context_len, max_total_tokens=num_slots,
+            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+        )
+        self.runner = ModelRunner(
+            loaded.config, loaded.weights, dtype=self.dtype, device=self.device,
+            num_kv_slots=num_slots, context_len=context_len,
+            max_running_requests=server_args.max_running_requests,
+        )
+        del loaded
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
+            self.tokenizer.eos_token_ids
+        )
+        sa = self.server_args
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                pool_size=num_slots, context_len=context_len,
+                vocab_size=self.model_config.vocab_size,
+                max_running_requests=sa.max_running_requests,
+                max_prefill_tokens=sa.max_prefill_tokens,
+                chunked_prefill_size=sa.chunked_prefill_size,
+                schedule_policy=sa.schedule_policy, disable_radix_cache=sa.disable_radix_cache,
+                eviction_policy=sa.eviction_policy, enable_jump_forward=sa.enable_jump_forward,
+                random_seed=sa.random_seed,
+            ),
+            self.runner, self.tokenizer, self.eos_token_ids,
+        )
+        self._grammar_backend: Any = None
+        self._grammar_lock = threading.Lock()
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._handles: dict[str, RequestHandle] = {}
+        self._rid_counter = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="sglang-like-scheduler",
+                                        daemon=True)
+        self._thread.start()
+        logger.info(
+            "loaded %s (%s, %d layers) on %s/%s in %.1fs; KV pool %d slots, context %d",
+            self.model_config.model_path or "model", self.model_config.architecture,
+            self.model_config.num_hidden_layers, self.device, self.server_args.dtype,
+            time.perf_counter() - t0, num_slots, context_len,
+        )
+
+    # ---- public API ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one prompt (a dict), a list (a list of dicts), or stream increments."""
+        reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
+                                         logprob_start_len, top_logprobs_num, stream, rid)
+        self._attach_grammars_sync(reqs, is_batch)
+        handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
+        if stream:
+            if len(handles) != 1:
+                raise ValueError("stream=True takes a single prompt with n=1")
+            return self._stream_sync(handles[0])
+        results = [h.wait_final() for h in handles]
+        return results if is_batch else results[0]
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """The asyncio form of `generate`; with stream=True, an async iterator of increments."""
+        reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
+                                         logprob_start_len, top_logprobs_num, stream, rid)
+        await self._attach_grammars_async(reqs, is_batch)
+        loop = asyncio.get_running_loop()
+        handles = [self._submit(r, return_text_in_logprobs, loop) for r in reqs]
+        if stream:
+            if len(handles) != 1:
+                raise ValueError("stream=True takes a single prompt with n=1")
+            return self._stream_async(handles[0])
+        try:
+            results = [await h.async_final() for h in handles]
+        except asyncio.CancelledError:
+            for h in handles:
+                self.abort(h.rid)
+            raise
+        return results if is_batch else results[0]
+
+    def chat(self, messages: list[dict], sampling_params: dict | None = None,
+             **kwargs: Any) -> dict | Iterator[dict]:
+        """Apply the model's chat template to `messages` and generate the assistant turn."""
+        return self.generate(self.apply_chat_template(messages), sampling_params, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict], tools: Any = None) -> str:
+        if not messages:
+            raise ValueError("messages must be a non-empty list")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tools=tools)
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; False while requests are queued or running."""
+        return self._call_in_loop(self.scheduler.flush_cache)
+
+    def get_server_info(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            **{k: v for k, v in vars(self.server_args).items() if k != "api_key"},
+            "model_path": self.model_config.model_path,
+            "kv_pool": s.kv_pool_info(),
+            "cache_hit_rate": s.cache_hit_rate,
+            "num_running_reqs": len(s.running),
+            "num_queued_reqs": len(s.waiting),
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
+            "num_generated_tokens": s.num_generated_tokens,
+            "context_length": self.server_args.context_length,
+        }
+
+    @property
+    def num_queued_requests(self) -> int:
+        return len(self.scheduler.waiting) + self._inbox.qsize()
+
+    def shutdown(self) -> None:
+        """Abort what is in flight and stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+        if self._grammar_backend is not None:
+            self._grammar_backend.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- requests --------------------------------------------------------------------------
+    def _make_reqs(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
+                   logprob_start_len: int, top_logprobs_num: int, stream: bool,
+                   rid: Any) -> tuple[list[Req], bool]:
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+        items, is_batch = prepare_inputs(self.tokenizer, prompt, input_ids, sampling_params, rid)
+        reqs: list[Req] = []
+        for ids, sp_dict, item_rid in items:
+            sp = SamplingParams.from_dict(sp_dict)
+            sp.validate(self.model_config.vocab_size)
+            self._check_lengths(ids, sp, logprob_start_len, top_logprobs_num)
+            base = item_rid or uuid.uuid4().hex
+            for i in range(sp.n):
+                sp_i = sp if sp.n == 1 else sp.replace_for_sample(i)
+                r = Req(base if sp.n == 1 else f"{base}-{i}", list(ids), sp_i,
+                        return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                        top_logprobs_num=top_logprobs_num, stream=stream)
+                reqs.append(r)
+        if len(reqs) > 1 and not is_batch:
+            is_batch = True  # n > 1 on one prompt returns a list
+        return reqs, is_batch
+
+    def _check_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int,
+                       top_logprobs_num: int) -> None:
+        ctx = self.server_args.context_length
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= ctx:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {ctx}, "
+                             "which must also leave room for at least one new token")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"input_ids must be integers in [0, {vocab})")
+        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be -1 or >= 0, got {logprob_start_len!r}")
+        if logprob_start_len >= len(ids):
+            raise ValueError(f"logprob_start_len {logprob_start_len} is beyond the prompt "
+                             f"({len(ids)} tokens)")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:
+            raise ValueError(f"top_logprobs_num must be in [0, 100], got {top_logprobs_num!r}")
+
+    # ---- grammars --------------------------------------------------------------------------
+    @property
+    def grammar_backend(self) -> Any:
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                from constrained import GrammarBackend, TokenizerInfo
+
+                info = TokenizerInfo(
+                    vocab=self.tokenizer.token_bytes_list(),
+                    vocab_size=self.model_config.vocab_size,
+                    eos_token_ids=self.eos_token_ids,
+                    special_token_ids=self.tokenizer.special_token_ids,
+                )
+                self._grammar_backend = GrammarBackend(info, self.server_args.grammar_backend)
+            return self._grammar_backend
+
+    def _grammar_future(self, req: Req) -> Any:
+        kind, spec = req.sampling_params.constraint
+        return self.grammar_backend.get_future(kind, spec)
+
+    def _attach_grammars_sync(self, reqs: list[Req], is_batch: bool) -> None:
+        for req in reqs:
+            if req.sampling_params.constraint is not None:
+                self._attach(req, self._grammar_future(req).result(_GRAMMAR_WAIT_S), is_batch)
+
+    async def _attach_grammars_async(self, reqs: list[Req], is_batch: bool) -> None:
+        for req in reqs:
+            if req.sampling_params.constraint is not None:
+                fut = asyncio.wrap_future(self._grammar_future(req))
+                self._attach(req, await asyncio.wait_for(fut, _GRAMMAR_WAIT_S), is_batch)
+
+    def _attach(self, req: Req, grammar: Any, is_batch: bool) -> None:
+        from constrained import InvalidGrammar
+
+        if isinstance(grammar, InvalidGrammar):
+            if not is_batch:
+                raise ValueError(grammar.message)
+            req.invalid_message = grammar.message  # ends alone inside its batch
+        else:
+            req.grammar = grammar
+
+    # ---- the loop --------------------------------------------------------------------------
+    def _submit(self, req: Req, text_in_logprobs: bool,
+                loop: asyncio.AbstractEventLoop | None) -> RequestHandle:
+        handle = RequestHandle(req.rid, req.stream, loop)
+        handle.text_in_logprobs = text_in_logprobs
+        self._inbox.put(("add", (req, handle)))
+        return handle
+
+    def _stream_sync(self, handle: RequestHandle) -> Iterator[dict]:
+        try:
+            while True:
+                chunk = handle.next_sync()
+                yield chunk
+                if chunk["meta_info"]["finish_reason"] is not None:
+                    return
+        finally:
+            if not handle.done:
+                self.abort(handle.rid)
+
+    async def _stream_async(self, handle: RequestHandle) -> AsyncIterator[dict]:
+        try:
+            while True:
+                chunk = await handle.next_async()
+                yield chunk
+                if chunk["meta_info"]["finish_reason"] is not None:
+                    return
+        finally:
+            if not handle.done:
+                self.abort(handle.rid)
+
+    def _call_in_loop(self, fn: Any) -> Any:
+        done: queue.Queue = queue.Queue(maxsize=1)
+        self._inbox.put(("call", (fn, done)))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            try:
+                commands = [self._inbox.get(timeout=None if not sched.has_work else 0)]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for name, arg in commands:
+                if name == "stop":
+                    for req in sched.abort_all("the engine is shutting down"):
+                        self._deliver(req)
+                    return
+                self._command(name, arg)
+            if not sched.has_work:
+                continue
+            try:
+                touched = sched.step()
+            except Exception as exc:  # a bug must end requests, never the loop
+                logger.exception("scheduler step failed; aborting in-flight requests")
+                touched = sched.abort_all(f"internal error: {type(exc).__name__}: {exc}")
+            for req in touched:
+                self._deliver(req)
+
+    def _command(self, name: str, arg: Any) -> None:
+        if name == "add":
+            req, handle = arg
+            self._handles[req.rid] = handle
+            message = req.invalid_message
+            if message is not None:
+                from sglang_like.req import FinishReason
+
+                req.finish(FinishReason("abort", message=message))
+                self.scheduler._finished_outside_step.append(req)
+            else:
+                self.scheduler.add_request(req)
+        elif name == "abort":
+            self.scheduler.abort(arg)
+        elif name == "call":
+            fn, done = arg
+            try:
+                done.put((True, fn()))
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                done.put((False, exc))
+
+    def _deliver(self, req: Req) -> None:
+        handle = self._handles.get(req.rid)
+        if handle is None:
+            return
+        if req.stream or req.is_finished:
+            handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
+        if req.is_finished:
+            self._handles.pop(req.rid, None)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
+    return table[dtype]
+
+
+def _auto_pool_size(config: Any, dtype: torch.dtype, device: torch.device,
+                    fraction: float) -> int:
+    per_token = KVPool.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
+                                       config.head_dim, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int(free * fraction) // per_token, 1024)
+    try:
+        import os
+
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return max(min(int(avail * fraction) // per_token, _CPU_MAX_AUTO_SLOTS), 1024)

@@ -1,0 +1,41 @@
+"""ForwardBatch: everything one model forward needs, as tensors, built by the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One forward over B requests: each contributes `extend_lens[b]` new tokens after its
+    `prefix_lens[b]` cached ones (a decode step is an extend of 1; a verify pass is an extend of
+    N draft tokens with `tree_mask`).
+
+    Token rows are packed in request order: request b's new tokens are rows
+    [extend_start_loc[b], extend_start_loc[b] + extend_lens[b]).
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64: KV slot each new token's K/V is written to
+    req_pool_indices: torch.Tensor  # [B] int64: row of req_to_token
+    prefix_lens: torch.Tensor  # [B] int64
+    extend_lens: torch.Tensor  # [B] int64
+    logits_indices: torch.Tensor  # [L] int64: token rows whose logits the caller wants
+    req_to_token: torch.Tensor  # [num_rows, max_context] int32 (the pool's table)
+    tree_mask: torch.Tensor | None = None  # [B, N, N] bool for speculative verify
+    is_decode: bool = False  # every extend_len == 1 and no tree mask
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.prefix_lens + self.extend_lens

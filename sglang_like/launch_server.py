@@ -1,0 +1,144 @@
+"""`python -m sglang_like.launch_server`: parse the CLI, build the Engine, serve it over HTTP.
+
+SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
+--shutdown-timeout seconds (then abort them), shut the engine down, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from sglang_like.config import ServerArgs
+
+logger = logging.getLogger("sglang_like.launch_server")
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ServerArgs()
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_like.launch_server",
+        description="Serve a model with SGLang-native and OpenAI-compatible HTTP APIs.",
+    )
+    p.add_argument("--model-path", default=d.model_path,
+                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer-path", default=d.tokenizer_path)
+    p.add_argument("--served-model-name", default=d.served_model_name,
+                   help="model id in /v1/models (default: from the model path)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--api-key", default=d.api_key,
+                   help="require 'Authorization: Bearer <key>' on every route but /health")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--context-length", type=int, default=d.context_length)
+    p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
+                   help="KV pool size in tokens (default: from --mem-fraction-static)")
+    p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="beyond this many waiting requests, new ones get 429")
+    p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
+    p.add_argument("--disable-radix-cache", action="store_true", default=d.disable_radix_cache)
+    p.add_argument("--grammar-backend", default=d.grammar_backend,
+                   choices=["xgrammar", "outlines"])
+    p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--log-level", default=d.log_level, choices=_LOG_LEVELS)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before being aborted")
+    return p
+
+
+def server_args_from(ns: argparse.Namespace) -> ServerArgs:
+    """Map parsed options onto ServerArgs (options that are not ServerArgs fields are left out)."""
+    fields = set(ServerArgs.__dataclass_fields__)
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in fields})
+
+
+def _check(args: ServerArgs) -> None:
+    for name in ("port",):
+        if not 0 < getattr(args, name) < 65536:
+            raise SystemExit(f"--{name} must be in 1..65535")
+    for name in ("max_running_requests", "max_queued_requests"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    args = server_args_from(ns)
+    _check(args)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    import uvicorn
+
+    from sglang_like import Engine
+    from sglang_like.server import create_app
+
+    t0 = time.perf_counter()
+    engine = Engine(server_args=args)
+    app = create_app(engine)
+    state = app.state.server
+    info = engine.get_server_info()
+    print(
+        f"sglang_like: loaded {state.model_path} as '{state.served_model_name}' in "
+        f"{time.perf_counter() - t0:.1f}s (device {info.get('device')}, dtype "
+        f"{info.get('dtype')}, KV pool {info['kv_pool'].get('total_slots')} tokens, context "
+        f"{state.context_length}); listening on http://{args.host}:{args.port}"
+        + (" (API key required)" if args.api_key else ""),
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, int(ns.shutdown_timeout)), access_log=False,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown, which would end the
+    # process with the signal's default action; these handlers make that a no-op so we exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _noop)
+    try:
+        server.run()
+    finally:
+        logger.info("shutting down the engine")
+        engine.shutdown()
+        _exit_watchdog()
+    return 0 if server.started else 1
+
+
+def _noop(signum: int, frame: Any) -> None:
+    logger.debug("signal %d after shutdown ignored", signum)
+
+
+def _exit_watchdog(grace_s: float = 10.0) -> None:
+    """If a stray non-daemon thread would keep the process alive, exit anyway after a grace."""
+    def stragglers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate()
+                if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+
+    deadline = time.monotonic() + grace_s
+    while stragglers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if stragglers():
+        logger.warning("threads still alive after shutdown: %s; exiting anyway",
+                       [t.name for t in stragglers()])
+        sys.stdout.flush()
+        import os
+
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

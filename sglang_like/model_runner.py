@@ -1,0 +1,74 @@
+"""ModelRunner: owns the model and the KV pool; turns a ScheduleBatch into one forward."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_like.config import ModelConfig
+from sglang_like.forward_batch import ForwardBatch
+from sglang_like.mem_pool import KVPool, ReqToTokenPool
+from sglang_like.models.llama import LlamaForCausalLM
+from sglang_like.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ModelRunner:
+    """Builds the model from Hugging Face-named weights and runs mixed extend/decode batches."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_kv_slots: int,
+        context_len: int,
+        max_running_requests: int,
+    ) -> None:
+        if model_config.architecture not in _SUPPORTED_ARCHS:
+            raise ValueError(
+                f"unsupported architecture {model_config.architecture!r}; "
+                f"supported: {', '.join(_SUPPORTED_ARCHS)}"
+            )
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config)
+        model = model.to_empty(device=device).to(dtype)
+        model.set_rope(context_len, device)
+        model.load_weights(weights)
+        self.model = model.eval()
+        self.kv_pool = KVPool(
+            num_kv_slots, model_config.num_hidden_layers, model_config.num_key_value_heads,
+            model_config.head_dim, dtype, device,
+        )
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len, device)
+
+    def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
+        dev = self.device
+        positions = [p for pre, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)
+                     for p in range(pre, pre + n)]
+        return ForwardBatch(
+            input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            out_slots=torch.tensor(batch.out_slots, dtype=torch.long, device=dev),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.long,
+                                          device=dev),
+            prefix_lens=torch.tensor(batch.prefix_lens, dtype=torch.long, device=dev),
+            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(batch.logits_rows, dtype=torch.long, device=dev),
+            req_to_token=self.req_to_token_pool.req_to_token,
+            is_decode=batch.is_decode,
+        )
+
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Logits [len(batch.logits_rows), vocab] float32 on CPU."""
+        fb = self.build_forward_batch(batch)
+        return self.model(fb, self.kv_pool).float().cpu()

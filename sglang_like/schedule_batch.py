@@ -1,0 +1,65 @@
+"""ScheduleBatch: what the scheduler decided to run this step, as plain Python lists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sglang_like.req import Req
+
+
+@dataclass
+class ScheduleBatch:
+    """One mixed forward: for each request, `extend_lens[i]` new tokens after `prefix_lens[i]`.
+
+    Decode requests are extends of one token. `logits_rows` are token rows (indices into the
+    packed new tokens) whose logits the scheduler needs; `sample_index[i]` is the position in
+    logits_rows of request i's sampling row (-1: this forward does not finish its prefill),
+    and `input_logprob_rows[i]` the (position in logits_rows, target token, prompt position)
+    triples of its prompt-logprob rows.
+    """
+
+    reqs: list[Req] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    out_slots: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)
+    sample_index: list[int] = field(default_factory=list)
+    input_logprob_rows: list[list[tuple[int, int, int]]] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
+
+    def add(self, req: Req, extend_len: int, slots: list[int]) -> None:
+        """Append req's next `extend_len` tokens, with their freshly allocated KV slots."""
+        start_row = len(self.input_ids)
+        prefix_len = req.kv_len
+        fill = req.fill_ids
+        self.reqs.append(req)
+        self.prefix_lens.append(prefix_len)
+        self.extend_lens.append(extend_len)
+        self.input_ids += fill[prefix_len : prefix_len + extend_len]
+        self.out_slots += slots
+        # prompt logprobs: the row of position p-1 predicts token p
+        lp_rows: list[tuple[int, int, int]] = []
+        if req.wants_input_logprobs:
+            end = min(prefix_len + extend_len + 1, req.prompt_len)
+            for pos in range(max(req.input_logprob_next_pos, prefix_len + 1), end):
+                lp_rows.append((len(self.logits_rows), fill[pos], pos))
+                self.logits_rows.append(start_row + (pos - 1 - prefix_len))
+            req.input_logprob_next_pos = max(req.input_logprob_next_pos, end)
+        self.input_logprob_rows.append(lp_rows)
+        if prefix_len + extend_len == req.seq_len:
+            self.sample_index.append(len(self.logits_rows))
+            self.logits_rows.append(start_row + extend_len - 1)
+        else:
+            self.sample_index.append(-1)

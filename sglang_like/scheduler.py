@@ -1,0 +1,324 @@
+"""Scheduler: one `step()` = pick a mixed batch, run it, sample, finish requests."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from radix_cache import KVSlotAllocator, RadixCache
+from sglang_like.cache_manager import KVCacheManager
+from sglang_like.mem_pool import ReqToTokenPool
+from sglang_like.output_processor import OutputProcessor
+from sglang_like.req import FinishReason, Req
+from sglang_like.sampler import Sampler
+from sglang_like.schedule_batch import ScheduleBatch
+from sglang_like.schedule_policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
+
+logger = logging.getLogger(__name__)
+
+# Slots kept back per running request when admitting a new prefill, so that decoding does
+# not immediately run out and retract (requests still retract when this guess is short).
+_DECODE_RESERVE_PER_REQ = 8
+
+
+class ModelRunnerLike(Protocol):
+    """What the scheduler needs of a model runner (the real one, or a scripted fake in tests)."""
+
+    req_to_token_pool: ReqToTokenPool
+
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Logits [len(batch.logits_rows), vocab] float32."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's knobs, resolved from ServerArgs and the model."""
+
+    pool_size: int  # KV token slots
+    context_len: int
+    vocab_size: int
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int | None = 2048
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    eviction_policy: str = "lru"
+    enable_jump_forward: bool = True
+    random_seed: int = 0
+    check_accounting: bool = False  # assert the pool invariant after every step (tests)
+
+    @property
+    def prefill_budget(self) -> int:
+        if self.chunked_prefill_size and self.chunked_prefill_size > 0:
+            return min(self.max_prefill_tokens, self.chunked_prefill_size)
+        return self.max_prefill_tokens
+
+    @property
+    def is_chunking(self) -> bool:
+        return bool(self.chunked_prefill_size and self.chunked_prefill_size > 0)
+
+
+class Scheduler:
+    """Continuous batching over a radix-cached KV pool. Single-threaded: the engine's loop
+    thread calls add_request / abort / step; nothing else touches a Req while it is here."""
+
+    def __init__(self, config: SchedulerConfig, runner: ModelRunnerLike, tokenizer: Any,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.runner = runner
+        allocator = KVSlotAllocator(config.pool_size)
+        tree = RadixCache(allocator, config.eviction_policy, disable=config.disable_radix_cache)
+        self.cache = KVCacheManager(allocator, tree, runner.req_to_token_pool)
+        self.sampler = Sampler(eos_token_ids, config.vocab_size)
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, self.cache, config)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self._rng = random.Random(config.random_seed)
+        self._finished_outside_step: list[Req] = []
+        # statistics
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_forward_steps = 0
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        """Queue a validated request. One that can never fit ends at once with an abort."""
+        sp = req.sampling_params
+        if not sp.is_greedy:
+            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+            req.generator = torch.Generator().manual_seed(seed)
+        if req.seq_len + 1 > self.config.pool_size:
+            req.finish(FinishReason("abort", message=(
+                f"the prompt has {req.seq_len} tokens but the KV pool holds only "
+                f"{self.config.pool_size}; raise max_total_tokens")))
+            self._finished_outside_step.append(req)
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """End a queued or running request now and free what it holds."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    req.finish(FinishReason("abort", message="aborted"))
+                    queue.remove(req)
+                    self.cache.release(req)
+                    self._finished_outside_step.append(req)
+                    return True
+        return False
+
+    def abort_all(self, message: str) -> list[Req]:
+        reqs = self.waiting + self.running
+        for req in reqs:
+            req.finish(FinishReason("abort", message=message))
+            self.cache.release(req)
+        self.waiting, self.running = [], []
+        return reqs
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_outside_step)
+
+    def flush_cache(self) -> bool:
+        """Empty the radix tree; refused (False) while requests are queued or running."""
+        if self.waiting or self.running:
+            return False
+        self.cache.tree.reset()
+        return True
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one forward; return the requests with new output or that finished."""
+        touched = self._finished_outside_step
+        self._finished_outside_step = []
+        batch = self._schedule(touched)
+        if batch.batch_size:
+            logits = self.runner.forward(batch)
+            self.num_forward_steps += 1
+            touched += self._process(batch, logits)
+        if self.config.check_accounting:
+            self.cache.check_accounting(self.running)
+        return touched
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def _schedule(self, touched: list[Req]) -> ScheduleBatch:
+        batch = ScheduleBatch()
+        self._schedule_running(batch, touched)
+        self._schedule_waiting(batch, touched)
+        return batch
+
+    def _schedule_running(self, batch: ScheduleBatch, touched: list[Req]) -> None:
+        decoders = [r for r in self.running if r.num_uncomputed == 1]
+        while len(decoders) > self.cache.num_available_slots:
+            if not self._retract_one(touched):
+                break
+            decoders = [r for r in self.running if r.num_uncomputed == 1]
+        budget = self.config.prefill_budget
+        for req in list(self.running):
+            n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget)
+            if n > 1 and not self.config.is_chunking and n < req.num_uncomputed:
+                continue
+            if n <= 0:
+                continue
+            slots = self.cache.alloc_slots(n)
+            if slots is None:
+                if len(self.running) == 1:
+                    self._end(req, FinishReason("abort", message=(
+                        f"the KV pool ({self.config.pool_size} slots) is too small for this "
+                        f"request's {req.seq_len} tokens")), touched)
+                continue
+            if n > 1:
+                budget -= n
+            self._add_to_batch(batch, req, n, slots)
+
+    def _schedule_waiting(self, batch: ScheduleBatch, touched: list[Req]) -> None:
+        budget = self.config.prefill_budget - sum(n for n in batch.extend_lens if n > 1)
+        reserve = _DECODE_RESERVE_PER_REQ * len(self.running)
+        picked: list[Req] = []
+        ordered = order_waiting(self.waiting, self.config.schedule_policy,
+                                lambda r: self.cache.prefix_match_len(r.fill_ids))
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if self.cache.req_to_token_pool.num_free_rows == 0:
+                break
+            cap = self._max_prefix_len(req)
+            match_len = self.cache.prefix_match_len(req.fill_ids[:cap])
+            if any(common_prefix_len(req.fill_ids, p.fill_ids) - match_len
+                   >= IN_BATCH_SHARE_THRESHOLD for p in picked):
+                continue  # the picked request's prefix is in the tree by next step
+            extend = req.seq_len - match_len
+            n = min(extend, budget) if self.config.is_chunking else extend
+            if n > budget and batch.batch_size:
+                break
+            if n + reserve > self.cache.num_available_slots:
+                break
+            self.cache.match_and_lock(req, cap)
+            n = min(req.seq_len - req.kv_len, n)
+            slots = self.cache.alloc_slots(n)
+            if slots is None:  # the locked match changed what was evictable
+                self.cache.release(req)
+                break
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.perf_counter()
+                req.num_cached_tokens = req.kv_len
+                self.num_prompt_tokens += req.prompt_len
+                self.num_cached_prompt_tokens += req.kv_len
+            self.waiting.remove(req)
+            self.running.append(req)
+            picked.append(req)
+            self._add_to_batch(batch, req, n, slots)
+            budget -= n
+            reserve += _DECODE_RESERVE_PER_REQ
+
+    def _add_to_batch(self, batch: ScheduleBatch, req: Req, n: int, slots: list[int]) -> None:
+        self.cache.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
+        batch.add(req, n, slots)
+
+    def _max_prefix_len(self, req: Req) -> int:
+        cap = req.seq_len - 1  # at least one token must run to produce logits
+        if req.wants_input_logprobs and req.input_logprob_next_pos < req.prompt_len:
+            cap = min(cap, max(req.input_logprob_next_pos - 1, 0))
+        return cap
+
+    def _retract_one(self, touched: list[Req]) -> bool:
+        """Send the most recently arrived running request back to the queue (its output so far
+        is kept and recomputed later). False when there is only one left to retract."""
+        if len(self.running) <= 1:
+            if self.running and self.cache.num_available_slots == 0:
+                req = self.running[0]
+                self._end(req, FinishReason("abort", message=(
+                    f"the KV pool ({self.config.pool_size} slots) is too small for this "
+                    f"request's {req.seq_len} tokens")), touched)
+                return True
+            return False
+        victim = max(self.running, key=lambda r: r.arrival_time)
+        self.running.remove(victim)
+        self.cache.release(victim)
+        victim.num_retractions += 1
+        self.waiting.insert(0, victim)
+        logger.info("retracted %s to free KV slots", victim.rid)
+        return True
+
+    # ---- after the forward ---------------------------------------------------------------
+    def _process(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        touched: list[Req] = []
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += batch.extend_lens[i]
+        self._record_input_logprobs(batch, logits)
+        to_sample: list[int] = []
+        for i, req in enumerate(batch.reqs):
+            if batch.sample_index[i] < 0 or not req.output_ids:
+                self.cache.cache_computed_prefix(req)  # a prompt (or chunk) just computed
+            if batch.sample_index[i] < 0:
+                continue
+            if req.is_prefill_only:
+                self._end(req, FinishReason("length", length=0), touched)
+                continue
+            to_sample.append(i)
+        if to_sample:
+            reqs = [batch.reqs[i] for i in to_sample]
+            rows = logits[[batch.sample_index[i] for i in to_sample]]
+            bitmask = self.outputs.grammar_bitmask(reqs)
+            result = self.sampler.sample(rows, reqs, bitmask)
+            for j, req in enumerate(reqs):
+                self.num_generated_tokens += 1
+                self.outputs.append_token(req, result.next_token_ids[j], result.logprobs[j],
+                                          result.top_logprobs[j])
+                if req.is_finished:
+                    self._end(req, req.finished_reason, touched)
+                else:
+                    touched.append(req)
+        return touched
+
+    def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        if not any(batch.input_logprob_rows):
+            return
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        for i, req in enumerate(batch.reqs):
+            rows = batch.input_logprob_rows[i]
+            if not rows:
+                continue
+            record = req.logprobs
+            if not record.input_token and req.logprob_start_len == 0:
+                record.input_token.append((None, req.origin_input_ids[0]))
+                record.input_top.append(None)
+            idx = torch.tensor([r[0] for r in rows])
+            targets = torch.tensor([r[1] for r in rows])
+            sub = lp[idx]
+            values = sub[torch.arange(len(rows)), targets].tolist()
+            for k, (_, token, _) in enumerate(rows):
+                record.input_token.append((values[k], token))
+                if req.top_logprobs_num > 0:
+                    v, ids = torch.topk(sub[k], req.top_logprobs_num)
+                    record.input_top.append(list(zip(v.tolist(), ids.tolist(), strict=True)))
+                else:
+                    record.input_top.append(None)
+
+    def _end(self, req: Req, reason: FinishReason, touched: list[Req]) -> None:
+        req.finish(reason)
+        if req in self.running:
+            self.running.remove(req)
+        self.cache.release(req)
+        touched.append(req)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def kv_pool_info(self) -> dict[str, int]:
+        tree = self.cache.tree
+        free = self.cache.allocator.num_free_slots
+        return {
+            "total_slots": self.config.pool_size,
+            "free_slots": free,
+            "cached_slots": tree.evictable_size + tree.protected_size,
+            "used_slots": self.config.pool_size - free - tree.evictable_size,
+        }
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
