@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from sglang_like.tokenizer import Tokenizer, chat_stop_token_ids
@@ -50,19 +50,59 @@ def build_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
-def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
-    """A `Tokenizer` from the tokenizer.ggml.* / tokenizer.chat_template fields of a GGUF file."""
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE)")
-    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+def _byte_level_backend(metadata: dict[str, Any], vocab: dict[str, int]) -> Backend:
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-
     backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = build_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    # SentencePiece BPE merges the adjacent pair whose union has the best score; as BPE ranks:
+    # every split of every token into two vocab pieces, ordered by the token's score.
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for token, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[token], vocab[left], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_backend(metadata: dict[str, Any], vocab: dict[str, int], tokens: list[str]) -> Backend:
+    """llama.cpp's "llama" (SentencePiece BPE) vocab: score-ranked merges, byte fallback."""
+    scores = list(metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else None
+    backend = Backend(
+        models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores), unk_token=unk,
+                   fuse_unk=True, byte_fallback=True)
+    )
+    add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend("\u2581")] if add_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    strip = [decoders.Strip(" ", 1, 0)] if add_prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    return backend
+
+
+def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
+    """A `Tokenizer` from the tokenizer.ggml.* / tokenizer.chat_template fields of a GGUF file."""
+    kind = metadata.get("tokenizer.ggml.model")
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if kind == "gpt2":
+        backend = _byte_level_backend(metadata, vocab)
+    elif kind == "llama":
+        backend = _spm_backend(metadata, vocab, tokens)
+    else:
+        raise ValueError(f"GGUF tokenizer model {kind!r} unsupported (want 'gpt2' or 'llama')")
     if len(types) != len(tokens):
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
     pairs = list(zip(tokens, types, strict=True))
@@ -73,7 +113,8 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
 
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
     eos_id = metadata.get("tokenizer.ggml.eos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+    # llama.cpp adds BOS by default for SentencePiece vocabs, not for byte-level BPE ones.
+    if metadata.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos_id is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos_id]} $A", pair=f"{tokens[bos_id]} $A $B",
             special_tokens=[(tokens[bos_id], bos_id)],

@@ -178,3 +178,29 @@ def test_metaspace_token_bytes() -> None:
     backend = Backend(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
     backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     assert Tokenizer(backend).token_bytes_list() == [b"\n", b" hi", b"a"]
+
+
+def _spm_metadata() -> dict:
+    pieces = ["\u2581", "h", "e", "l", "o", "he", "ll", "\u2581he", "llo", "\u2581hello", "w"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * 259 + [-float(10 - len(p)) for p in pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    return {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+def test_gguf_sentencepiece_vocab() -> None:
+    from sglang_like.model_loader.gguf_tokenizer import tokenizer_from_gguf
+
+    tok = tokenizer_from_gguf(_spm_metadata())
+    ids = tok.encode("hello hé", add_special_tokens=True)
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert pieces == ["<s>", "\u2581hello", "\u2581", "h", "<0xC3>", "<0xA9>"]
+    assert tok.decode(ids, skip_special_tokens=True) == "hello hé"
+    table = tok.token_bytes_list()
+    assert b"".join(table[i] for i in ids[1:]) == " hello hé".encode()
+    assert tok.eos_token_ids == {2} and tok.special_token_ids == {0, 1, 2}
