@@ -151,13 +151,20 @@ def test_select_picks_the_likely_choice(backend, method) -> None:
         s += "The capital city of France is the city of"
         s += sgl.select("city", choices=[" Paris", " Berlin", " Madrid"], choices_method=method)
 
+    choices = [" Paris", " Berlin", " Madrid"]
     state = capital.run(backend=backend)
     meta = state.get_meta_info("city")
     scores = meta["normalized_prompt_logprobs"]
     assert all(x < 0 for x in scores)
+    if method == "unconditional_likelihood_normalized":
+        scores = meta["normalized_unconditional_prompt_logprobs"]
+    if method == "greedy_token_selection":
+        firsts = [row[0] for row in meta["greedy_logprob_matrix"]]
+        assert state["city"] == choices[firsts.index(max(firsts))]
+    else:
+        assert state["city"] == choices[scores.index(max(scores))]
     if method == "token_length_normalized":
-        assert state["city"] == [" Paris", " Berlin", " Madrid"][scores.index(max(scores))]
-    assert state["city"] == " Paris"
+        assert state["city"] == " Paris"
 
 
 def test_select_scores_match_full_prompt_logprobs(engine) -> None:
