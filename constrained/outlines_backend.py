@@ -32,12 +32,30 @@ from constrained.char_fsm import CharFSM, CharState
 
 _SENTINEL = b"\x00"
 # JSON-schema keywords whose constraint outlines-core's regex silently drops.
-_REFUSED_KEYWORDS = frozenset({
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-    "oneOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-    "uniqueItems", "contains", "patternProperties", "propertyNames", "minProperties",
-    "maxProperties", "$ref", "allOf",
-})
+_REFUSED_KEYWORDS = frozenset(
+    {
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "uniqueItems",
+        "contains",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "$ref",
+        "allOf",
+    }
+)
 
 
 class _Step(NamedTuple):

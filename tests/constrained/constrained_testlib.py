@@ -48,12 +48,18 @@ def load_smollm_vocab() -> tuple[list[bytes], list[str], frozenset[int], list[st
     """(token bytes, token strings, control token ids, merges) of SmolLM2's tokenizer."""
     reader = gguf.GGUFReader(gguf_path())
     fields = reader.fields
-    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in
-              fields["tokenizer.ggml.tokens"].data]
-    types = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in
-             fields["tokenizer.ggml.token_type"].data]
-    merges = [bytes(fields["tokenizer.ggml.merges"].parts[i]).decode() for i in
-              fields["tokenizer.ggml.merges"].data]
+    tokens = [
+        bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode()
+        for i in fields["tokenizer.ggml.tokens"].data
+    ]
+    types = [
+        int(fields["tokenizer.ggml.token_type"].parts[i][0])
+        for i in fields["tokenizer.ggml.token_type"].data
+    ]
+    merges = [
+        bytes(fields["tokenizer.ggml.merges"].parts[i]).decode()
+        for i in fields["tokenizer.ggml.merges"].data
+    ]
     control = frozenset(i for i, t in enumerate(types) if t == _CONTROL_TOKEN_TYPE)
     decoder = _byte_level_decoder()
     vocab = [
@@ -81,10 +87,12 @@ def smollm_bpe() -> tokenizers.Tokenizer:
     vocab = {tok: i for i, tok in enumerate(strings)}
     bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges])
     tokenizer = tokenizers.Tokenizer(bpe)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
