@@ -60,13 +60,113 @@ def decode_attention(
     slots = req_to_token[rows, :max_len].long()
     valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
     slots = torch.where(valid, slots, torch.zeros_like(slots))  # padding reads slot 0
-    row_elements = max_len * k_pool.shape[1] * k_pool.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    done = torch.zeros(batch, dtype=torch.bool)
+    for members, prefix_len in _shared_prefix_groups(slots, lens):
+        _cascade_decode(out, q, k_pool, v_pool, slots, lens, members, prefix_len, sm_scale)
+        done[members] = True
+    rest = (~done).nonzero().flatten()
+    if rest.numel():
+        max_rest = int(lens[rest].max())
+        out[rest] = _decode_rows(q[rest], k_pool, v_pool, slots[rest, :max_rest],
+                                 valid[rest, :max_rest], sm_scale)
+    return out.to(q.dtype)
+
+
+def _decode_rows(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Plain decode of requests that share nothing, chunked to bound the gather buffers."""
+    row_elements = slots.shape[1] * k_pool.shape[1] * k_pool.shape[2]
     chunk = max(1, _MAX_GATHER_ELEMENTS // row_elements)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for i in range(0, batch, chunk):
+    for i in range(0, q.shape[0], chunk):
         sl = slice(i, i + chunk)
         out[sl] = _decode_chunk(q[sl], k_pool, v_pool, slots[sl], valid[sl], sm_scale)
-    return out.to(q.dtype)
+    return out
+
+
+# Cascade decode: requests whose rows begin with the same slot ids (a radix-cache hit makes
+# them literally the same slots) attend to that shared prefix in one matmul over keys gathered
+# once, then to their own suffixes; the two softmax partials merge by log-sum-exp. Below this
+# many shared tokens the plain path is as fast.
+_MIN_SHARED_PREFIX = 32
+
+
+def _shared_prefix_groups(
+    slots: torch.Tensor, lens: torch.Tensor
+) -> list[tuple[torch.Tensor, int]]:
+    """Groups of >= 2 requests with a common leading run of >= _MIN_SHARED_PREFIX slots."""
+    if slots.shape[0] < 2 or slots.shape[1] <= _MIN_SHARED_PREFIX:
+        return []
+    first, inverse = torch.unique(slots[:, 0], return_inverse=True)
+    groups = []
+    for g in range(first.shape[0]):
+        members = (inverse == g).nonzero().flatten()
+        if members.numel() < 2:
+            continue
+        rows = slots[members]
+        same = (rows == rows[:1]).all(dim=0).to(torch.int32)
+        prefix_len = int(same.cumprod(0).sum())
+        # the query's own token is never shared: keep at least one suffix key per request
+        prefix_len = min(prefix_len, int(lens[members].min()) - 1)
+        if prefix_len >= _MIN_SHARED_PREFIX:
+            groups.append((members, prefix_len))
+    return groups
+
+
+def _softmax_partial(
+    scores: torch.Tensor, values: torch.Tensor, equation: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unnormalized output, row max, row sum) of softmax(scores) @ values."""
+    m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+    e = torch.exp(scores - m)
+    return torch.einsum(equation, e, values), m, e.sum(dim=-1, keepdim=True)
+
+
+def _cascade_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    members: torch.Tensor,
+    prefix_len: int,
+    sm_scale: float,
+) -> None:
+    """Decode `members` (sharing slots[:, :prefix_len]) into out[members]."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    n = members.numel()
+    qg = q[members].float().view(n, num_kv_heads, group, head_dim) * sm_scale
+    # shared prefix: keys gathered once, every member's queries in one matmul per kv head
+    prefix_slots = slots[members[0], :prefix_len]
+    pk = k_pool.index_select(0, prefix_slots).float()  # [P, Hkv, D]
+    pv = v_pool.index_select(0, prefix_slots).float()
+    s1 = torch.einsum("nhgd,phd->nhgp", qg, pk)
+    o1, m1, l1 = _softmax_partial(s1, pv, "nhgp,phd->nhgd")
+    # each member's own suffix, padded to the longest
+    suffix_lens = lens[members] - prefix_len
+    max_suffix = int(suffix_lens.max())
+    suffix_slots = slots[members, prefix_len : prefix_len + max_suffix]
+    valid = torch.arange(max_suffix)[None, :] < suffix_lens[:, None]
+    suffix_slots = torch.where(valid, suffix_slots, torch.zeros_like(suffix_slots))
+    sk = k_pool[suffix_slots].float()  # [n, S, Hkv, D]
+    sv = v_pool[suffix_slots].float()
+    s2 = torch.einsum("nhgd,nshd->nhgs", qg, sk)
+    s2.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    o2, m2, l2 = _softmax_partial(s2, sv, "nhgs,nshd->nhgd")
+    m = torch.maximum(m1, m2)
+    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    merged = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+    out[members] = merged.reshape(n, num_q_heads, head_dim)
 
 
 def _decode_chunk(

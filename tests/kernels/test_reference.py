@@ -67,6 +67,37 @@ def test_decode_matches_naive(lens, num_q_heads, num_kv_heads, head_dim, dtype):
         torch.testing.assert_close(out[b].double(), want, rtol=tol, atol=tol)
 
 
+SHARED_CASES = [
+    # shared prefix length, per-request suffix lengths (query token included), Hq, Hkv
+    (40, [1, 5, 30], 9, 3),
+    (100, [2, 2, 9, 1], 8, 8),
+    (33, [70], 4, 1),  # a group of one: plain path
+]
+
+
+@pytest.mark.parametrize("shared,suffixes,num_q_heads,num_kv_heads", SHARED_CASES)
+def test_decode_cascade_over_shared_prefix(shared, suffixes, num_q_heads, num_kv_heads):
+    """Rows that begin with the same slots (a radix-cache hit) take the cascade path, mixed
+    with one unrelated request that takes the plain path; all must equal the oracle."""
+    head_dim = 16
+    k_pool, v_pool, gen = _pools(900, num_kv_heads, head_dim, torch.float32, seed=3)
+    lens = [shared + n for n in suffixes] + [shared + 3]
+    table, rows = _table(lens, 200, 900, gen)
+    common = table[rows[0], :shared].clone()
+    for b in range(len(suffixes)):
+        table[rows[b], :shared] = common
+    q = torch.randn(len(lens), num_q_heads, head_dim, generator=gen)
+    out = kernels.decode_attention(q, k_pool, v_pool, table, rows, torch.tensor(lens),
+                                   1 / math.sqrt(head_dim))
+    for b, n in enumerate(lens):
+        slots = table[rows[b], :n].long()
+        want = _naive_attend(q[b], k_pool[slots], v_pool[slots])
+        torch.testing.assert_close(out[b].double(), want, rtol=1e-5, atol=1e-5)
+    groups = reference._shared_prefix_groups(table[rows, : max(lens)].long(),
+                                             torch.tensor(lens))
+    assert [g[1] for g in groups] == ([shared] if len(suffixes) > 1 else [])
+
+
 @pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 3, 10], [4, 1, 6]), ([5], [0])])
 def test_extend_matches_naive(prefix_lens, extend_lens):
     num_q_heads, num_kv_heads, head_dim = 6, 2, 16
