@@ -64,8 +64,10 @@ def _uncond_score(cond: list[list[Any]], uncond: list[list[Any]]) -> float:
     """Mean over the choice's tokens of log p(token | prompt) - log p(token | choice alone)."""
     a = [float(e[0]) if e[0] is not None else 0.0 for e in cond]
     b = [float(e[0]) if e[0] is not None else 0.0 for e in uncond]
-    if len(a) != len(b):
-        raise ValueError("conditional and unconditional logprobs differ in length")
+    if len(b) > len(a):
+        raise ValueError("more unconditional than conditional logprobs")
+    # the first token has no unconditional logprob (a runtime may omit or null it): count 0
+    b = [0.0] * (len(a) - len(b)) + b
     return _mean([x - y for x, y in zip(a, b, strict=False)])
 
 
