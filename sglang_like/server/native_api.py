@@ -105,8 +105,10 @@ async def get_model_info(request: Request) -> Response:
 async def get_server_info(request: Request) -> Response:
     state = get_state(request)
     info: dict[str, Any] = dataclasses.asdict(state.server_args)
+    info.pop("api_key", None)
     info["served_model_name"] = state.served_model_name
     info.update(state.engine.get_server_info())
+    info.pop("api_key", None)
     return json_response(info)
 
 
