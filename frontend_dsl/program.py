@@ -75,7 +75,7 @@ class SglFunction:
             return []
         backend = _backend_or_default(backend)
         if len(batch_kwargs) > 1:
-            self._warm_prefix(backend)
+            self._warm_prefix(backend, batch_kwargs)
         if num_threads == "auto":
             num_threads = max(1, min(64, len(batch_kwargs), 4 * (os.cpu_count() or 1) + 8))
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -93,9 +93,13 @@ class SglFunction:
                     _.result()
             return [f.result() for f in futures]
 
-    def _warm_prefix(self, backend: Any) -> str:
+    def _warm_prefix(self, backend: Any, batch_kwargs: list[dict[str, Any]]) -> str:
+        """Arguments equal across the whole batch are static; the rest become placeholders."""
+        first = batch_kwargs[0]
+        constant = {k: v for k, v in first.items()
+                    if all(k in b and b[k] == v for b in batch_kwargs[1:])}
         try:
-            prefix = self.trace(backend=backend).static_prefix
+            prefix = self.trace(backend=backend, **constant).static_prefix
         except Exception:  # noqa: BLE001 - a program trace() cannot follow just gets no warm-up
             return ""
         if prefix:

@@ -24,7 +24,8 @@ def few_shot_qa(s, country, max_tokens):
 def main() -> None:
     args = parse_args(__doc__, max_tokens=8)
     backend = make_backend(args)
-    print("static prefix found by trace():", repr(few_shot_qa.trace().static_prefix[:40]), "...")
+    prefix = few_shot_qa.trace(max_tokens=args.max_tokens).static_prefix
+    print(f"static prefix found by trace(): {prefix[:40]!r}... ({len(prefix)} chars)")
     t0 = time.perf_counter()
     states = few_shot_qa.run_batch(
         [{"country": c, "max_tokens": args.max_tokens} for c in QUESTIONS], progress_bar=True)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from frontend_dsl.backends.base import NativeBackend
@@ -106,3 +110,50 @@ def fake() -> Callable[..., FakeBackend]:
 @pytest.fixture
 def smol_template() -> str:
     return SMOL_TEMPLATE
+
+
+# ---- real model, shared by the end-to-end and example tests (built on first use) ----------
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Any]:
+    from sglang_like.engine import Engine
+
+    eng = Engine(max_total_tokens=16384)
+    yield eng
+    eng.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_like.launch_server", "--host", "127.0.0.1",
+         "--port", str(port), "--max-total-tokens", "16384", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise TimeoutError("server did not become healthy in 240 s")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

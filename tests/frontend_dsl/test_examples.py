@@ -1,4 +1,8 @@
-"""Every DSL example runs to completion on the in-process backend with a small token budget."""
+"""Every DSL example runs to completion with a small token budget.
+
+Each example loads nothing itself over HTTP, so all of them run against the one shared test
+server (one model load); one of them also runs with the in-process backend (its own load).
+"""
 
 from __future__ import annotations
 
@@ -28,13 +32,22 @@ def test_every_example_is_covered() -> None:
     assert SCRIPTS == sorted(EXPECTED)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_example_runs(script: str) -> None:
+def _run(script: str, *backend_args: str) -> None:
     out = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--backend", "local", "--max-tokens", "24"],
+        [sys.executable, str(EXAMPLES / script), *backend_args, "--max-tokens", "16"],
         capture_output=True, text=True, timeout=240, cwd=EXAMPLES,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     for needle in EXPECTED[script]:
         assert needle in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_runs_over_http(server_url: str, script: str) -> None:
+    _run(script, "--backend", "http", "--url", server_url)
+
+
+@pytest.mark.slow
+def test_example_runs_in_process() -> None:
+    _run("multi_turn_chat.py", "--backend", "local")

@@ -296,3 +296,14 @@ def test_default_backend_is_used(fake) -> None:
         assert sgl.flush_cache() is False  # the fake keeps no cache
     finally:
         sgl.set_default_backend(None)
+
+
+def test_run_batch_treats_batch_constant_arguments_as_static(fake) -> None:
+    @sgl.function
+    def prog(s, intro, question, budget):
+        s += intro + " Q: " + question + sgl.gen("a", max_tokens=budget)
+
+    backend = fake()
+    prog.run_batch([{"intro": "Same.", "question": q, "budget": 3} for q in ("x", "y")],
+                   backend=backend)
+    assert backend.bodies[0] == {"text": "Same. Q: ", "sampling_params": {"max_new_tokens": 0}}
