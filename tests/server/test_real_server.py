@@ -121,7 +121,8 @@ def test_native_select_shape(real_server: Any) -> None:
         assert meta["output_token_logprobs"] == []
     ids = [[e[1] for e in item["meta_info"]["input_token_logprobs"]] for item in out]
     uncond = httpx.post(url, json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-                                   "return_logprob": True}, timeout=60).json()
+                                   "return_logprob": True, "logprob_start_len": 0},
+                        timeout=60).json()
     for row, item in zip(ids, uncond, strict=True):
         lps = item["meta_info"]["input_token_logprobs"]
         assert [e[1] for e in lps] == row and lps[0][0] is None
