@@ -107,8 +107,6 @@ class Engine:
         self._attach_grammars_sync(reqs, is_batch)
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
-            if len(handles) != 1:
-                raise ValueError("stream=True takes a single prompt with n=1")
             return self._stream_sync(handles[0])
         results = [h.wait_final() for h in handles]
         return results if is_batch else results[0]
@@ -132,8 +130,6 @@ class Engine:
         loop = asyncio.get_running_loop()
         handles = [self._submit(r, return_text_in_logprobs, loop) for r in reqs]
         if stream:
-            if len(handles) != 1:
-                raise ValueError("stream=True takes a single prompt with n=1")
             return self._stream_async(handles[0])
         try:
             results = [await h.async_final() for h in handles]
@@ -215,6 +211,8 @@ class Engine:
                         return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num, stream=stream)
                 reqs.append(r)
+        if stream and len(reqs) != 1:  # checked before anything is submitted
+            raise ValueError("stream=True takes a single prompt with n=1")
         if len(reqs) > 1 and not is_batch:
             is_batch = True  # n > 1 on one prompt returns a list
         return reqs, is_batch
