@@ -53,8 +53,8 @@ CASES: dict[str, tuple[str, Any, str]] = {
     ),
     "nested": (
         "json",
-        _obj({"name": _NAME, "address": _obj({"city": _NAME, "zip": {"type": "integer"}})}),
-        "Describe a company as JSON: its name and its address (city, zip).",
+        _obj({"name": _NAME, "address": _obj({"city": _NAME, "country": _NAME})}),
+        "Describe a company as JSON: its name and its address (city, country).",
     ),
     "array_min_max": (
         "json",

@@ -1,0 +1,220 @@
+"""Jump-forward on vs off through the Engine on the default model, for both grammar backends.
+
+What jump-forward may and may not change, and what these tests hold it to:
+
+- Validity: never. Every output, on or off, greedy or sampled, must conform.
+- Token ids: with jump-forward on, forced text is appended as the tokenizer's own (canonical)
+  encoding, re-encoding up to 2 trailing sampled tokens with it, so e.g. a sampled `{` followed
+  by the forced `"name": "` becomes `{"`, `name`, `":`, ` "`. With jump-forward off the model
+  picks its own split of the forced text, often a non-canonical one (`{`, `"`, `name`, ...).
+- Greedy text: the two runs condition the model on different token ids from the first such
+  boundary on, so they may continue differently there (e.g. "John" vs "John Smith"). They agree
+  on every token before the first divergence, and that divergence can only sit at a
+  retokenization boundary: within 2 tokens before a point where the grammar forces text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from test_engine_conformance import (
+    CASES,
+    _obj,
+    chat_prompt,
+    constraint_params,
+    is_valid,
+    spec_of,
+)
+
+import constrained
+from constrained import GRAMMAR_BACKENDS, JumpForward
+from sglang_like import Engine
+
+MAX_NEW_TOKENS = 96
+_BACK_TOKENS = 2  # the output processor re-encodes at most this many trailing tokens
+
+_KEYS = ("person_optional", "nested", "array_min_max", "enum", "string_pattern")
+JF_CASES: dict[str, tuple[str, Any, str]] = {name: CASES[name] for name in _KEYS}
+JF_CASES["long_keys"] = (
+    "json",
+    _obj(
+        {
+            "customer_full_name": {"type": "string", "maxLength": 16},
+            "customer_membership_level": {"enum": ["gold", "silver", "bronze"]},
+            "is_premium_subscriber": {"type": "boolean"},
+        }
+    ),
+    "Describe a customer record as JSON.",
+)
+JF_CASES["phone"] = ("regex", r"\(\d{3}\) \d{3}-\d{4}", "Write a US phone number.")
+
+
+class _EditLog:
+    """Records every jump-forward the output processor applies (a spy around the real one)."""
+
+    def __init__(self) -> None:
+        self.edits: list[tuple[list[int], JumpForward]] = []
+        self._real = constrained.apply_jump_forward
+
+    def __call__(
+        self,
+        grammar: Any,
+        output_ids: list[int],
+        decode: Callable,
+        encode: Callable,
+        max_back_tokens: int = _BACK_TOKENS,
+    ) -> JumpForward | None:
+        before = list(output_ids)
+        jump = self._real(grammar, output_ids, decode, encode, max_back_tokens)
+        if jump is not None:
+            self.edits.append((before, jump))
+        return jump
+
+
+def _run(engine: Engine, modes: dict[str, float]) -> dict[str, dict[str, dict]]:
+    """Per case, one output per mode (name -> temperature), all in one batched call."""
+    prompts, params, keys = [], [], []
+    for name, (kind, spec, question) in JF_CASES.items():
+        for mode, temperature in modes.items():
+            prompts.append(chat_prompt(engine, kind, question))
+            params.append(
+                {
+                    **constraint_params(kind, spec),
+                    "max_new_tokens": MAX_NEW_TOKENS,
+                    "temperature": temperature,
+                    "seed": 7,
+                }
+            )
+            keys.append((name, mode))
+    outs = engine.generate(prompts, params)
+    result: dict[str, dict[str, dict]] = {name: {} for name in JF_CASES}
+    for (name, mode), out in zip(keys, outs, strict=True):
+        result[name][mode] = out
+    assert engine.get_server_info()["kv_pool"]["used_slots"] == 0
+    return result
+
+
+@pytest.fixture(scope="module", params=GRAMMAR_BACKENDS)
+def runs(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """Both settings of one backend: outputs, the jump-forward edit log, tokenizer, backend."""
+    log = _EditLog()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constrained, "apply_jump_forward", log)
+        engine = Engine(grammar_backend=request.param, max_total_tokens=16384)
+        try:
+            on = _run(engine, {"greedy": 0.0})
+        finally:
+            engine.shutdown()
+    engine = Engine(
+        grammar_backend=request.param, max_total_tokens=16384, enable_jump_forward=False
+    )
+    try:
+        off = _run(engine, {"greedy": 0.0, "sampled": 1.0})
+        yield {
+            "on": on,
+            "off": off,
+            "edits": log.edits,
+            "tokenizer": engine.tokenizer,
+            "eos": engine.eos_token_ids,
+            "backend": engine.grammar_backend,
+        }
+    finally:
+        engine.shutdown()
+
+
+def _content_ids(out: dict, eos: frozenset[int]) -> list[int]:
+    ids = out["output_ids"]
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+# Sampled outputs with jump-forward on are checked (3 per case) by test_engine_conformance.
+@pytest.mark.parametrize(
+    ("setting", "mode"), [("on", "greedy"), ("off", "greedy"), ("off", "sampled")]
+)
+def test_same_validity(runs: dict[str, Any], setting: str, mode: str) -> None:
+    for name, (kind, spec, _) in JF_CASES.items():
+        out = runs[setting][name][mode]
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "stop", (name, reason, out["text"])
+        assert is_valid(kind, spec, out["text"]), (name, out["text"])
+        assert out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+
+
+def test_jump_forward_happened_and_saved_tokens(runs: dict[str, Any]) -> None:
+    assert len(runs["edits"]) >= len(JF_CASES)  # every case forces some text
+    on = sum(len(runs["on"][n]["greedy"]["output_ids"]) for n in JF_CASES)
+    off = sum(len(runs["off"][n]["greedy"]["output_ids"]) for n in JF_CASES)
+    assert on < off, (on, off)  # canonical tokens for forced keys are fewer than the model's
+
+
+def test_each_edit_is_exact_and_canonical(runs: dict[str, Any]) -> None:
+    """Each edit appends exactly the forced text, as the tokenizer's own encoding of the
+    re-encoded tail (the <= 2 dropped tokens' text + the forced text)."""
+    tok = runs["tokenizer"]
+    for before, jump in runs["edits"]:
+        kept = before[: len(before) - jump.num_dropped]
+        assert jump.num_dropped <= _BACK_TOKENS
+        assert tok.decode(kept + jump.new_ids) == tok.decode(before) + jump.forced
+        tails = [
+            tok.encode(tok.decode(before[len(before) - k :]) + jump.forced)
+            for k in range(jump.num_dropped, min(_BACK_TOKENS, len(before)) + 1)
+        ]
+        assert any(t[len(t) - len(jump.new_ids) :] == jump.new_ids for t in tails), (before, jump)
+
+
+def test_greedy_output_ids_are_canonical(runs: dict[str, Any]) -> None:
+    """With jump-forward on, encode(text) == output ids (EOS aside) for every greedy case.
+
+    Only model-sampled tokens could break this (a model may sample `c` + `ooking` where the
+    tokenizer writes `cooking`); jump-forward itself never does (see the edit test). With it
+    off, the same prompts do come out non-canonical: forced keys split the model's way.
+    """
+    tok, eos = runs["tokenizer"], runs["eos"]
+    for name in JF_CASES:
+        out = runs["on"][name]["greedy"]
+        assert tok.encode(out["text"]) == _content_ids(out, eos), name
+    off_canonical = [
+        tok.encode(runs["off"][n]["greedy"]["text"]) == _content_ids(runs["off"][n]["greedy"], eos)
+        for n in JF_CASES
+    ]
+    assert not all(off_canonical), "expected the model's own split of some forced text"
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i in range(min(len(a), len(b))):
+        if a[i] != b[i]:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _forced_near(grammar: Any, ids: list[int], first: int) -> bool:
+    """Does the grammar force text after ids[:m] for some m in [first, first + 2]?"""
+    assert grammar.accept_tokens(ids[:first])
+    for m in range(first, min(first + _BACK_TOKENS, len(ids)) + 1):
+        if grammar.jump_forward_string():
+            return True
+        if m < len(ids):
+            assert grammar.accept_token(ids[m])
+    return False
+
+
+def test_greedy_agrees_up_to_a_retokenization_boundary(runs: dict[str, Any]) -> None:
+    """Greedy on/off agree token for token up to the first difference, which must sit within
+    2 tokens before forced text (where jump-forward retokenizes); after it, both are valid
+    but the model may continue differently (it saw different ids)."""
+    backend, eos = runs["backend"], runs["eos"]
+    num_equal = 0
+    for name, (kind, spec, _) in JF_CASES.items():
+        off_out, on_out = runs["off"][name]["greedy"], runs["on"][name]["greedy"]
+        off, on = _content_ids(off_out, eos), _content_ids(on_out, eos)
+        first = _first_difference(off, on)
+        if first is None or off_out["text"] == on_out["text"]:
+            num_equal += 1
+            continue
+        grammar = backend.compile(kind, spec_of(kind, spec))
+        assert _forced_near(grammar, off, first), (name, first, off_out["text"], on_out["text"])
+    print(f"\ngreedy texts equal with jump-forward on/off: {num_equal}/{len(JF_CASES)}")
+    # Agreement is the common case: forced keys and values mostly tokenize the model's way.
+    assert num_equal >= 2, num_equal
