@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 
@@ -196,3 +197,30 @@ def test_flush_cache_and_server_info(backend) -> None:
     info = backend.get_server_info()
     assert "cache_hit_rate" in info or "kv_pool" in info or info
     assert sgl.flush_cache(backend) is True
+
+
+def test_openai_backend_against_our_v1_chat(server_url: str) -> None:
+    model = httpx.get(server_url + "/v1/models").json()["data"][0]["id"]
+    backend = sgl.OpenAI(model, base_url=server_url + "/v1", api_key="unused")
+
+    @sgl.function
+    def chat(s):
+        s += sgl.system("You answer briefly.")
+        s += sgl.user("What is the capital of France?")
+        s += sgl.assistant(sgl.gen("free", max_tokens=8, temperature=0))
+        s += sgl.user("Say yes or no.")
+        s += sgl.assistant(sgl.gen("yn", regex=r"(yes|no)", max_tokens=3))
+        s += sgl.user("Give a JSON object.")
+        s += sgl.assistant(sgl.gen("obj", json_schema={"type": "object", "properties": {
+            "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+            max_tokens=16, temperature=0))
+        s += sgl.user("Which is a city?")
+        s += sgl.assistant(sgl.select("city", choices=["Paris", "Banana"]))
+
+    state = chat.run(backend=backend)
+    assert state["free"].strip()
+    assert state["yn"] in ("yes", "no")
+    assert isinstance(json.loads(state["obj"])["a"], int)
+    assert state["city"] in ("Paris", "Banana")
+    assert "first_token_logprobs" in state.get_meta_info("city")  # scored, not guessed
+    backend.shutdown()

@@ -34,7 +34,7 @@ def test_every_example_is_covered() -> None:
 
 def _run(script: str, *backend_args: str) -> None:
     out = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *backend_args, "--max-tokens", "16"],
+        [sys.executable, str(EXAMPLES / script), *backend_args, "--max-tokens", "12"],
         capture_output=True, text=True, timeout=240, cwd=EXAMPLES,
     )
     assert out.returncode == 0, out.stderr[-3000:]
