@@ -366,3 +366,55 @@ def test_engine_serves_after_bad_input(engine: Any, ref: list[dict]) -> None:
     assert out["output_ids"] == ref[0]["output_ids"][:NEW]
     info = _wait_idle(engine)
     assert info["kv_pool"]["used_slots"] == 0 and info["num_queued_reqs"] == 0
+
+
+# ---- the shell: python -m sglang_like generate ----------------------------------------------
+class _SharedEngine:
+    """The module's engine handed to the CLI, which must not shut it down."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--prompt", ""], "empty"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "--prompt", "hi", "--json-schema", "{bad"], "json-schema"),
+    (["generate", "--prompt", "hi", "--model-path", "/no/such/model.gguf"], "model-path"),
+    (["generate", "--prompt", "hi", "--regex", "(["], "regex"),
+])
+def test_cli_bad_input_exits_2(engine: Any, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture, argv: list[str],
+                               message: str) -> None:
+    import sglang_like.engine as engine_mod
+    from sglang_like.__main__ import main
+
+    monkeypatch.setattr(engine_mod, "Engine", lambda **_: _SharedEngine(engine))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_cli_generate_prints_the_completion(engine: Any, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture,
+                                            ref: list[dict]) -> None:
+    import sglang_like.engine as engine_mod
+    from sglang_like.__main__ import main
+
+    monkeypatch.setattr(engine_mod, "Engine", lambda **_: _SharedEngine(engine))
+    base = ["generate", "--prompt", PROMPTS[3], "--temperature", "0", "--max-new-tokens", "16",
+            "--ignore-eos"]
+    assert main(base) == 0
+    assert capsys.readouterr().out == ref[3]["text"] + "\n"
+    assert main([*base, "--stream"]) == 0
+    assert capsys.readouterr().out == ref[3]["text"] + "\n"
+    stop, _, at = _straddling_stop(engine, ref[3])
+    assert main([*base, "--stop", stop]) == 0
+    assert capsys.readouterr().out == ref[3]["text"][:at] + "\n"
