@@ -19,7 +19,7 @@ from sglang_like.engine_io import RequestHandle, build_output, prepare_inputs
 from sglang_like.mem_pool import KVPool
 from sglang_like.model_loader import load_model
 from sglang_like.model_runner import ModelRunner
-from sglang_like.req import Req
+from sglang_like.req import FinishReason, Req
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.scheduler import Scheduler, SchedulerConfig
 
@@ -211,6 +211,10 @@ class Engine:
                         return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                         top_logprobs_num=top_logprobs_num, stream=stream)
                 reqs.append(r)
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            dup = next(r for r in rids if rids.count(r) > 1)
+            raise ValueError(f"rid {dup!r} is given to more than one request")
         if stream and len(reqs) != 1:  # checked before anything is submitted
             raise ValueError("stream=True takes a single prompt with n=1")
         if len(reqs) > 1 and not is_batch:
@@ -346,11 +350,13 @@ class Engine:
     def _command(self, name: str, arg: Any) -> None:
         if name == "add":
             req, handle = arg
+            if req.rid in self._handles:  # its outputs would go to the other request's caller
+                req.finish(FinishReason("abort", message=f"rid {req.rid!r} is already in use"))
+                handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
+                return
             self._handles[req.rid] = handle
             message = req.invalid_message
             if message is not None:
-                from sglang_like.req import FinishReason
-
                 req.finish(FinishReason("abort", message=message))
                 self.scheduler._finished_outside_step.append(req)
             else:
