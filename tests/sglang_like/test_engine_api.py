@@ -348,6 +348,8 @@ _BAD: list[tuple[str, dict, str]] = [
     ("params count", {"prompt": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ("bad regex", {"sampling_params": {"regex": "(["}}, "regex"),
     ("stream a list", {"prompt": ["a", "b"], "stream": True}, "stream"),
+    ("stream n 2", {"sampling_params": {"n": 2}, "stream": True}, "stream"),
+    ("duplicate rid", {"prompt": ["a", "b"], "rid": ["x", "x"]}, "rid"),
 ]
 
 
@@ -359,6 +361,17 @@ def test_bad_input_raises_value_error(engine: Any, kwargs: dict, match: str) -> 
         engine.generate(**call)
     with pytest.raises(ValueError, match=match):
         asyncio.run(engine.async_generate(**call))
+
+
+def test_rid_in_use_ends_the_newcomer_only(engine: Any) -> None:
+    first = engine.generate(PROMPTS[0], _greedy(max_new_tokens=6), stream=True, rid="dup")
+    chunk = next(first)
+    second = engine.generate(PROMPTS[1], _greedy(), rid="dup")
+    assert second["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "in use" in second["meta_info"]["finish_reason"]["message"]
+    rest = list(first)
+    assert rest[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert len(chunk["output_ids"] + sum((c["output_ids"] for c in rest), [])) == 6
 
 
 def test_engine_serves_after_bad_input(engine: Any, ref: list[dict]) -> None:
