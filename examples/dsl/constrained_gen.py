@@ -22,7 +22,8 @@ def constrained(s, max_tokens):
     s += sgl.gen("ip", regex=r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)",
                  max_tokens=16) + "\n"
     s += "Describe a person as JSON: "
-    s += sgl.gen("person", json_schema=PERSON, max_tokens=max_tokens, temperature=0)
+    # the JSON needs room to close: a length cut would leave it unparseable
+    s += sgl.gen("person", json_schema=PERSON, max_tokens=max(max_tokens, 48), temperature=0)
 
 
 def main() -> None:
