@@ -122,8 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(model_path=args.model_path)
     prompts = make_prompts(engine.tokenizer, args.num_requests, args.prefix_len)
     single = bench_single_stream(engine, args.single_new_tokens)
+    print(f"single stream: {single}", flush=True)
     ours = bench_ours(engine, prompts, args.new_tokens)
+    print(f"ours: {ours}", flush=True)
     hf = None if args.skip_hf else bench_hf(engine, prompts, args.new_tokens, args.hf_batch_size)
+    print(f"hf: {hf}", flush=True)
     engine.shutdown()
 
     print(f"\nthreads={torch.get_num_threads()}  requests={args.num_requests}  "

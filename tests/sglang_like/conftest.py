@@ -1,0 +1,34 @@
+"""Shared fixtures: the default model's weights loaded once per test session."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import sglang_like.engine as engine_mod
+from sglang_like.model_loader import load_model
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_load(model_path, dtype):
+    return load_model(model_path, dtype)
+
+
+@pytest.fixture(scope="session")
+def make_engine():
+    """Build Engines with different knobs without reloading the weights each time."""
+    original = engine_mod.load_model
+    engine_mod.load_model = _cached_load
+    engines = []
+
+    def factory(**kwargs):
+        kwargs.setdefault("max_total_tokens", 16384)
+        e = engine_mod.Engine(**kwargs)
+        engines.append(e)
+        return e
+
+    yield factory
+    for e in engines:
+        e.shutdown()
+    engine_mod.load_model = original
