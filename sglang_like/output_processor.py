@@ -29,7 +29,7 @@ class OutputProcessor:
 
     # ---- grammar masks -------------------------------------------------------------------
     def grammar_bitmask(self, reqs: list[Req]) -> torch.Tensor | None:
-        """Packed int32 [B, ceil(V/32)] allowed-token bitmask, or None if no request has a grammar."""
+        """Packed int32 [B, ceil(V/32)] allowed-token bitmask; None if no request has a grammar."""
         if all(r.grammar is None for r in reqs):
             return None
         from constrained import allocate_token_bitmask
@@ -106,8 +106,11 @@ class OutputProcessor:
         from constrained import apply_jump_forward
 
         # The dropped tokens must be request-owned (not yet in the tree) and the last one
-        # is never computed, so at most kv_len - cache_protected_len + 1 can go.
+        # is never computed, so at most kv_len - cache_protected_len + 1 can go. A stream
+        # never drops ids it already sent: its chunks' output_ids must add up to the final.
         max_back = min(_JUMP_BACK_TOKENS, req.kv_len - req.cache_protected_len + 1)
+        if req.stream:
+            max_back = min(max_back, len(req.output_ids) - req.num_sent_ids)
         if max_back < 0:
             return
         jump = apply_jump_forward(req.grammar, req.output_ids, self.tokenizer.decode,
@@ -115,16 +118,19 @@ class OutputProcessor:
         if jump is None:
             return
         num_kept = len(req.output_ids) - jump.num_dropped
+        budget = req.sampling_params.max_new_tokens
+        new_ids = jump.new_ids[: budget - num_kept]  # forced text never runs past the budget
+        if len(new_ids) < len(jump.new_ids):
+            req.grammar.rollback(len(jump.new_ids) - len(new_ids))
         new_kv_len = min(req.kv_len, req.prompt_len + num_kept)
         self.cache.drop_tail(req, new_kv_len)
         del req.output_ids[num_kept:]
-        req.output_ids += jump.new_ids
-        self._resync_text(req)
-        budget = req.sampling_params.max_new_tokens
+        req.output_ids += new_ids
         if len(req.output_ids) >= budget:
-            req.finish(FinishReason("length", length=len(req.output_ids)))
+            req.finish(FinishReason("length", length=budget))
         elif req.grammar.is_terminated():
             req.finish(FinishReason("stop", matched=req.output_ids[-1]))
+        self._resync_text(req)  # after the finish checks, so a finished request is flushed
 
     def _resync_text(self, req: Req) -> None:
         """After a token edit the text only grew; rebuild the detokenizer at the new ids."""

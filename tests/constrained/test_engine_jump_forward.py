@@ -102,26 +102,26 @@ def runs(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     log = _EditLog()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(constrained, "apply_jump_forward", log)
-        engine = Engine(grammar_backend=request.param, max_total_tokens=16384)
-        try:
-            on = _run(engine, {"greedy": 0.0})
-        finally:
-            engine.shutdown()
-    engine = Engine(
+        on_engine = Engine(grammar_backend=request.param, max_total_tokens=16384)
+        on = _run(on_engine, {"greedy": 0.0})
+        edits = list(log.edits)
+    off_engine = Engine(
         grammar_backend=request.param, max_total_tokens=16384, enable_jump_forward=False
     )
     try:
-        off = _run(engine, {"greedy": 0.0, "sampled": 1.0})
+        off = _run(off_engine, {"greedy": 0.0, "sampled": 1.0})
         yield {
             "on": on,
             "off": off,
-            "edits": log.edits,
-            "tokenizer": engine.tokenizer,
-            "eos": engine.eos_token_ids,
-            "backend": engine.grammar_backend,
+            "edits": edits,
+            "tokenizer": off_engine.tokenizer,
+            "eos": off_engine.eos_token_ids,
+            "backend": off_engine.grammar_backend,
+            "on_engine": on_engine,
         }
     finally:
-        engine.shutdown()
+        off_engine.shutdown()
+        on_engine.shutdown()
 
 
 def _content_ids(out: dict, eos: frozenset[int]) -> list[int]:
@@ -218,3 +218,40 @@ def test_greedy_agrees_up_to_a_retokenization_boundary(runs: dict[str, Any]) -> 
     print(f"\ngreedy texts equal with jump-forward on/off: {num_equal}/{len(JF_CASES)}")
     # Agreement is the common case: forced keys and values mostly tokenize the model's way.
     assert num_equal >= 2, num_equal
+
+
+def _long_keys_request(engine: Engine, max_new_tokens: int) -> tuple[str, dict]:
+    kind, spec, question = JF_CASES["long_keys"]
+    params = {**constraint_params(kind, spec), "max_new_tokens": max_new_tokens, "temperature": 0.0}
+    return chat_prompt(engine, kind, question), params
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 6])
+def test_forced_text_never_exceeds_max_new_tokens(
+    runs: dict[str, Any], max_new_tokens: int
+) -> None:
+    """A jump can force more tokens than the budget has left: it is cut at the budget."""
+    engine = runs["on_engine"]
+    prompt, params = _long_keys_request(engine, max_new_tokens)
+    out = engine.generate(prompt, params)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": max_new_tokens}
+    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) == max_new_tokens
+    assert runs["on"]["long_keys"]["greedy"]["text"].startswith(out["text"])
+    assert engine.tokenizer.decode(out["output_ids"]) == out["text"]
+    assert engine.get_server_info()["kv_pool"]["used_slots"] == 0
+
+
+def test_streamed_ids_add_up_to_the_text(runs: dict[str, Any]) -> None:
+    """Jump-forward never re-tokenizes ids a stream has already sent, so the chunks' ids
+    concatenate to ids that decode to the streamed text (and the output is still valid)."""
+    engine = runs["on_engine"]
+    prompt, params = _long_keys_request(engine, MAX_NEW_TOKENS)
+    chunks = list(engine.generate(prompt, params, stream=True))
+    ids = [i for c in chunks for i in c["output_ids"]]
+    text = "".join(c["text"] for c in chunks)
+    last = chunks[-1]["meta_info"]
+    assert last["finish_reason"]["type"] == "stop" and last["completion_tokens"] == len(ids)
+    kind, spec, _ = JF_CASES["long_keys"]
+    assert is_valid(kind, spec, text), text
+    assert engine.tokenizer.decode(_content_ids({"output_ids": ids}, runs["eos"])) == text
+    assert engine.get_server_info()["kv_pool"]["used_slots"] == 0
