@@ -203,7 +203,7 @@ class Engine:
         for ids, sp_dict, item_rid in items:
             sp = SamplingParams.from_dict(sp_dict)
             sp.validate(self.model_config.vocab_size)
-            self._check_lengths(ids, sp, logprob_start_len, top_logprobs_num)
+            self._check_lengths(ids, sp, return_logprob, logprob_start_len, top_logprobs_num)
             base = item_rid or uuid.uuid4().hex
             for i in range(sp.n):
                 sp_i = sp if sp.n == 1 else sp.replace_for_sample(i)
@@ -221,8 +221,8 @@ class Engine:
             is_batch = True  # n > 1 on one prompt returns a list
         return reqs, is_batch
 
-    def _check_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int,
-                       top_logprobs_num: int) -> None:
+    def _check_lengths(self, ids: list[int], sp: SamplingParams, return_logprob: bool,
+                       logprob_start_len: int, top_logprobs_num: int) -> None:
         ctx = self.server_args.context_length
         if not ids:
             raise ValueError("the prompt is empty")
@@ -234,7 +234,7 @@ class Engine:
             raise ValueError(f"input_ids must be integers in [0, {vocab})")
         if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
             raise ValueError(f"logprob_start_len must be -1 or >= 0, got {logprob_start_len!r}")
-        if logprob_start_len >= len(ids):
+        if return_logprob and logprob_start_len >= len(ids):
             raise ValueError(f"logprob_start_len {logprob_start_len} is beyond the prompt "
                              f"({len(ids)} tokens)")
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:

@@ -278,6 +278,12 @@ class Scheduler:
         return touched
 
     def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        for req in batch.reqs:
+            record = req.logprobs
+            if req.wants_input_logprobs and req.logprob_start_len == 0 and not record.input_token:
+                # nothing predicts the first prompt token: its entry has no logprob
+                record.input_token.append((None, req.origin_input_ids[0]))
+                record.input_top.append(None)
         if not any(batch.input_logprob_rows):
             return
         lp = torch.log_softmax(logits.float(), dim=-1)
@@ -286,9 +292,6 @@ class Scheduler:
             if not rows:
                 continue
             record = req.logprobs
-            if not record.input_token and req.logprob_start_len == 0:
-                record.input_token.append((None, req.origin_input_ids[0]))
-                record.input_top.append(None)
             idx = torch.tensor([r[0] for r in rows])
             targets = torch.tensor([r[1] for r in rows])
             sub = lp[idx]

@@ -1,8 +1,7 @@
 """SGLang's own frontend client (`RuntimeEndpoint`) against our server, unchanged.
 
-Needs `pip install --no-deps sglang` plus the few modules its import chain touches
-(aiohttp, requests, orjson, psutil, pybase64, pillow, msgspec, pyzmq); where those are not
-installed this file is skipped, and the same request shapes are covered by test_real_server.py.
+The test set-up installs `sglang` with --no-deps (its runtime would pull a CUDA torch) and the
+few modules its frontend's import chain touches (the `test` extra of pyproject.toml).
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ from typing import Any
 import pytest
 
 pytestmark = pytest.mark.slow
-runtime_endpoint = pytest.importorskip("sglang.lang.backend.runtime_endpoint")
-sgl = pytest.importorskip("sglang")
+import sglang as sgl  # noqa: E402
+from sglang.lang.backend import runtime_endpoint  # noqa: E402
 
 
 def test_runtime_endpoint_gen_select_stream(real_server: Any) -> None:
