@@ -86,8 +86,19 @@ def build_hf_model(engine: Any) -> Any:
     return model
 
 
-def bench_hf(engine: Any, prompts: list[str], new_tokens: int, batch_size: int) -> dict:
-    model = build_hf_model(engine)
+def bench_hf_single_stream(model: Any, engine: Any, new_tokens: int) -> float:
+    ids = torch.tensor([engine.tokenizer.encode("Tell me a story about a robot.")])
+    pad = sorted(engine.eos_token_ids)[0]
+    with torch.inference_mode():
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=pad)
+    return new_tokens / (time.perf_counter() - t0)
+
+
+def bench_hf(model: Any, engine: Any, prompts: list[str], new_tokens: int,
+             batch_size: int) -> dict:
     tok = engine.tokenizer
     pad = sorted(engine.eos_token_ids)[0]
     gen = 0
@@ -125,14 +136,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"single stream: {single}", flush=True)
     ours = bench_ours(engine, prompts, args.new_tokens)
     print(f"ours: {ours}", flush=True)
-    hf = None if args.skip_hf else bench_hf(engine, prompts, args.new_tokens, args.hf_batch_size)
+    hf = None
+    if not args.skip_hf:
+        model = build_hf_model(engine)
+        hf = bench_hf(model, engine, prompts, args.new_tokens, args.hf_batch_size)
+        hf["single_tok_s"] = bench_hf_single_stream(model, engine, args.single_new_tokens)
     print(f"hf: {hf}", flush=True)
     engine.shutdown()
 
     print(f"\nthreads={torch.get_num_threads()}  requests={args.num_requests}  "
           f"shared prefix={args.prefix_len} tokens  new tokens={args.new_tokens}")
     print(f"{'workload':<34}{'ours':>14}{'HF generate':>14}{'ratio':>8}")
-    print(f"{'single-stream decode (tok/s)':<34}{single['decode_tok_s']:>14.1f}{'':>14}{'':>8}")
+    hf_single = f"{hf['single_tok_s']:>14.1f}" if hf else f"{'skipped':>14}"
+    single_ratio = f"{single['decode_tok_s'] / hf['single_tok_s']:>7.2f}x" if hf else ""
+    print(f"{'single-stream decode (tok/s)':<34}{single['decode_tok_s']:>14.1f}{hf_single}"
+          f"{single_ratio}")
     hf_tps = f"{hf['tok_s']:>14.1f}" if hf else f"{'skipped':>14}"
     ratio = f"{ours['tok_s'] / hf['tok_s']:>7.2f}x" if hf else ""
     print(f"{'shared-prefix batch (tok/s)':<34}{ours['tok_s']:>14.1f}{hf_tps}{ratio}")

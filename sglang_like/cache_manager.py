@@ -41,7 +41,7 @@ class KVCacheManager:
 
     # ---- admission -----------------------------------------------------------------------
     def match_and_lock(self, req: Req, max_prefix_len: int) -> None:
-        """Give a request without a row its row and the longest cached prefix (<= max_prefix_len)."""
+        """Give a row-less request a row and its longest cached prefix (<= max_prefix_len)."""
         assert req.req_pool_idx is None and req.last_node is None
         row = self.req_to_token_pool.alloc()
         assert row is not None, "caller checks num_free_rows first"
@@ -85,7 +85,7 @@ class KVCacheManager:
         self.req_to_token_pool.write(row, 0, match.slots)
 
     def drop_tail(self, req: Req, new_kv_len: int) -> None:
-        """Forget computed tokens [new_kv_len, kv_len) (request-owned only), e.g. for jump-forward."""
+        """Forget computed tokens [new_kv_len, kv_len) (request-owned only): jump-forward."""
         assert req.cache_protected_len <= new_kv_len <= req.kv_len
         slots = self.req_to_token_pool.read(req.req_pool_idx, new_kv_len, req.kv_len)
         self.allocator.free(slots)

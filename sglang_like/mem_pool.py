@@ -1,4 +1,4 @@
-"""Memory pools: the token-granular KV pool (per-layer K/V by slot id) and the req_to_token table."""
+"""Memory pools: the token-granular KV pool (per-layer K/V by slot id) and req_to_token."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ class KVPool:
             buf[0].zero_()
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
@@ -41,7 +43,9 @@ class ReqToTokenPool:
     """
 
     def __init__(self, num_rows: int, max_context_len: int, device: torch.device | str) -> None:
-        self.req_to_token = torch.zeros((num_rows, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros(
+            (num_rows, max_context_len), dtype=torch.int32, device=device
+        )
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     @property

@@ -1,4 +1,4 @@
-"""Scheduler.step() driven by a scripted runner: batching, chunking, reuse, retraction, accounting."""
+"""Scheduler.step() with a scripted runner: batching, chunking, reuse, retraction, accounting."""
 
 from __future__ import annotations
 
