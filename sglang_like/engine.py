@@ -41,6 +41,10 @@ class Engine:
         loaded = load_model(server_args.model_path, self.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        if server_args.tokenizer_path is not None:
+            from sglang_like.model_loader import load_tokenizer
+
+            self.tokenizer = load_tokenizer(server_args.tokenizer_path)
         context_len = server_args.context_length or loaded.config.max_position_embeddings
         num_slots = server_args.max_total_tokens or _auto_pool_size(
             loaded.config, self.dtype, self.device, server_args.mem_fraction_static
@@ -261,15 +265,17 @@ class Engine:
         return self.grammar_backend.get_future(kind, spec)
 
     def _attach_grammars_sync(self, reqs: list[Req], is_batch: bool) -> None:
-        for req in reqs:
-            if req.sampling_params.constraint is not None:
-                self._attach(req, self._grammar_future(req).result(_GRAMMAR_WAIT_S), is_batch)
+        # Ask for every compile first so that the distinct specs of a batch compile in parallel.
+        pending = [(r, self._grammar_future(r)) for r in reqs
+                   if r.sampling_params.constraint is not None]
+        for req, future in pending:
+            self._attach(req, future.result(_GRAMMAR_WAIT_S), is_batch)
 
     async def _attach_grammars_async(self, reqs: list[Req], is_batch: bool) -> None:
-        for req in reqs:
-            if req.sampling_params.constraint is not None:
-                fut = asyncio.wrap_future(self._grammar_future(req))
-                self._attach(req, await asyncio.wait_for(fut, _GRAMMAR_WAIT_S), is_batch)
+        pending = [(r, asyncio.wrap_future(self._grammar_future(r))) for r in reqs
+                   if r.sampling_params.constraint is not None]
+        for req, future in pending:
+            self._attach(req, await asyncio.wait_for(future, _GRAMMAR_WAIT_S), is_batch)
 
     def _attach(self, req: Req, grammar: Any, is_batch: bool) -> None:
         from constrained import InvalidGrammar
