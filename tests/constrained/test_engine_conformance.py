@@ -19,6 +19,8 @@ import regex
 from constrained import GRAMMAR_BACKENDS
 from sglang_like import Engine
 
+pytestmark = pytest.mark.slow  # the real default model
+
 NUM_SAMPLES = 3  # at temperature 1.0, plus one greedy sample per case
 # Regex answers may ramble digits at temperature 1.0 (checked as valid prefixes when cut);
 # the JSON schemas bound their strings so every JSON sample finishes well inside its budget.

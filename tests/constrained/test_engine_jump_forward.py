@@ -32,6 +32,8 @@ import constrained
 from constrained import GRAMMAR_BACKENDS, JumpForward
 from sglang_like import Engine
 
+pytestmark = pytest.mark.slow  # the real default model
+
 MAX_NEW_TOKENS = 96
 _BACK_TOKENS = 2  # the output processor re-encodes at most this many trailing tokens
 
