@@ -2,7 +2,17 @@
 
 Each public function runs the Triton launcher (``kernels.triton_ops``) when its tensors are
 on CUDA and the torch reference (``kernels.reference``) otherwise. Triton is imported only
-on the CUDA path, so CPU users never pay for it.
+when a launcher first runs, so CPU users never pay for it.
+
+The environment variable ``SGLANG_LIKE_KERNELS`` overrides that choice; it is read once, when
+this package is imported:
+
+- ``auto`` (default, also when unset or empty): by the device of the tensors, as above;
+- ``triton``: the Triton launchers for every tensor. On CPU tensors this needs
+  ``TRITON_INTERPRET=1`` set before triton is imported (tests of the whole model);
+- ``reference``: the torch references for every tensor, CUDA included.
+
+Any other value is a ValueError at import.
 
 KV layout, per layer: ``k_pool``/``v_pool`` [num_slots, num_kv_heads, head_dim] (slot 0 is
 padding, never owned by a request); ``req_to_token`` [max_requests, max_context] int32 maps
@@ -11,6 +21,7 @@ padding, never owned by a request); ``req_to_token`` [max_requests, max_context]
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
@@ -26,12 +37,35 @@ __all__ = [
 ]
 
 
-def _backend(tensor: torch.Tensor) -> ModuleType:
-    if tensor.is_cuda:
+_ENV_VAR = "SGLANG_LIKE_KERNELS"
+_MODES = ("auto", "triton", "reference")
+
+
+def _read_mode() -> str:
+    mode = os.environ.get(_ENV_VAR, "").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{_ENV_VAR}={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
+
+
+_MODE = _read_mode()
+_triton_ops: ModuleType | None = None
+
+
+def _triton() -> ModuleType:
+    global _triton_ops
+    if _triton_ops is None:
         from kernels import triton_ops
 
-        return triton_ops
-    return reference
+        _triton_ops = triton_ops
+    return _triton_ops
+
+
+def _backend(tensor: torch.Tensor) -> ModuleType:
+    """The module that runs a call on `tensor` (hot path: a string compare and a flag)."""
+    if _MODE == "auto":
+        return _triton() if tensor.is_cuda else reference
+    return reference if _MODE == "reference" else _triton()
 
 
 def store_kv(
