@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from typing import Any
 
@@ -12,6 +13,8 @@ from safetensors.torch import load_file
 from sglang_like.config import ModelConfig
 from sglang_like.model_loader.hf_tokenizer import load_hf_tokenizer, read_json
 from sglang_like.model_loader.loaded import LoadedModel, check_weights
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -24,6 +27,31 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     return float(theta), scaling
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The attention window some layer uses, or None when every layer sees its whole context."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:  # transformers >= 4.53 lists each layer's kind
+        return int(window) if "sliding_attention" in layer_types else None
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        return None  # Qwen configs carry a window they only use behind this flag
+    return int(window)
+
+
+def _max_positions(cfg: dict[str, Any]) -> int:
+    # Our attention has no sliding window: stop the context at the window, where it still
+    # equals the model's (Mistral v0.1: 4096 of 32768), rather than go on silently wrong.
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    window = _sliding_window(cfg)
+    if window is not None and window < max_positions:
+        logger.warning("sliding window %d: context limited to %d (of %d)", window, window,
+                       max_positions)
+        return window
+    return max_positions
 
 
 def hf_model_config(
@@ -49,7 +77,7 @@ def hf_model_config(
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_max_positions(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", not has_lm_head)),
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=model_type == "qwen3",

@@ -12,6 +12,7 @@ import sglang_like.engine as engine_mod
 from sglang_like import Engine
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.model_loader import load_model, load_tokenizer
+from sglang_like.model_loader.hf_loader import hf_model_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -232,6 +233,28 @@ def test_chat_uses_folder_template(built: Built) -> None:
     out = engine.chat(MESSAGES, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert out["meta_info"]["prompt_tokens"] == len(want_ids)
     assert out["output_ids"] == _hf_greedy(built.hf_model, want_ids, 8)
+
+
+WINDOW_CASES = [  # (config.json fields, context we may serve exactly)
+    ({"model_type": "mistral", "sliding_window": 64}, 64),
+    ({"model_type": "mistral", "sliding_window": 4096}, 512),
+    ({"model_type": "mistral", "sliding_window": None}, 512),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False}, 512),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, 64),
+    ({"model_type": "qwen3", "sliding_window": 64,
+      "layer_types": ["full_attention", "sliding_attention"]}, 64),
+    ({"model_type": "qwen3", "sliding_window": 64,
+      "layer_types": ["full_attention", "full_attention"]}, 512),
+]
+
+
+@pytest.mark.parametrize(("fields", "context"), WINDOW_CASES)
+def test_sliding_window_limits_context(fields: dict[str, Any], context: int) -> None:
+    """Attention here has no window: the context stops where the model's still matches ours."""
+    cfg = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
+    config = hf_model_config(cfg | fields, has_lm_head=True, eos_token_ids=(), model_path="x")
+    assert config.max_position_embeddings == context
 
 
 # ---- the default model in bfloat16 ------------------------------------------------------------
