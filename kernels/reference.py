@@ -61,7 +61,7 @@ def decode_attention(
     valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
     slots = torch.where(valid, slots, torch.zeros_like(slots))  # padding reads slot 0
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    done = torch.zeros(batch, dtype=torch.bool)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     for members, prefix_len in _shared_prefix_groups(slots, lens):
         _cascade_decode(out, q, k_pool, v_pool, slots, lens, members, prefix_len, sm_scale)
         done[members] = True
@@ -156,7 +156,7 @@ def _cascade_decode(
     suffix_lens = lens[members] - prefix_len
     max_suffix = int(suffix_lens.max())
     suffix_slots = slots[members, prefix_len : prefix_len + max_suffix]
-    valid = torch.arange(max_suffix)[None, :] < suffix_lens[:, None]
+    valid = torch.arange(max_suffix, device=slots.device)[None, :] < suffix_lens[:, None]
     suffix_slots = torch.where(valid, suffix_slots, torch.zeros_like(suffix_slots))
     sk = k_pool[suffix_slots].float()  # [n, S, Hkv, D]
     sv = v_pool[suffix_slots].float()
