@@ -257,6 +257,30 @@ def test_sliding_window_limits_context(fields: dict[str, Any], context: int) -> 
     assert config.max_position_embeddings == context
 
 
+L3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}
+ROPE_CASES = [  # (config.json rope fields as transformers 4.x or 5.x write them, theta, scaling)
+    ({}, 10000.0, None),
+    ({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **L3}}, 5e5,
+     {"rope_type": "llama3", **L3}),
+    ({"rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}}, 1e6,
+     {"type": "linear", "factor": 2.0}),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, 1e6, None),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **L3}}, 5e5,
+     {"rope_type": "llama3", **L3}),
+]
+
+
+@pytest.mark.parametrize(("fields", "theta", "scaling"), ROPE_CASES)
+def test_rope_fields_of_both_config_formats(
+    fields: dict, theta: float, scaling: dict | None
+) -> None:
+    cfg = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = hf_model_config(cfg | fields, has_lm_head=True, eos_token_ids=(), model_path="x")
+    assert (config.rope_theta, config.rope_scaling) == (theta, scaling)
+
+
 # ---- the default model in bfloat16 ------------------------------------------------------------
 
 
@@ -267,5 +291,7 @@ def test_default_model_bfloat16_greedy(make_engine) -> None:
     assert next(bf16.runner.model.parameters()).dtype == torch.bfloat16
     f32 = make_engine(max_total_tokens=4096)
     got, want = bf16.generate(prompt, params), f32.generate(prompt, params)
+    # Measured: the closest top-2 logprob gap over these 8 steps is ~0.22 in both dtypes, while
+    # bf16 moves logprobs by <0.1, so exact equality is not a coin toss.
     assert got["output_ids"] == want["output_ids"], (got["text"], want["text"])
-    assert got["text"].strip() and got["text"] == want["text"]
+    assert got["text"] == want["text"] and "Paris" in got["text"]
