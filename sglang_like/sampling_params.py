@@ -91,7 +91,8 @@ class SamplingParams:
             return ("regex", self.regex)
         if self.json_schema is not None:
             spec = self.json_schema
-            return ("json", spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True))
+            # key order is kept: a schema's property order is the order the output follows
+            return ("json", spec if isinstance(spec, str) else json.dumps(spec))
         if self.json_object:
             return ("json", _ANY_JSON_OBJECT)
         if self.ebnf is not None:

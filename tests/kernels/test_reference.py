@@ -125,6 +125,39 @@ def test_extend_matches_naive(prefix_lens, extend_lens):
     assert t == q.shape[0]
 
 
+@pytest.mark.parametrize(
+    "shared,private,extend_lens",
+    [
+        # members' cached prefixes: `shared` common slots + `private` own ones; last is unrelated
+        (40, [0, 7, 3, 0], [5, 1, 12, 0]),
+        (64, [2, 0], [30, 4]),
+    ],
+)
+def test_extend_cascade_over_shared_prefix(shared, private, extend_lens):
+    """Several requests extending after the same cached slots (n > 1 samples, a radix hit
+    shared by a batch) take the cascade path; one unrelated request the plain path."""
+    num_q_heads, num_kv_heads, head_dim = 6, 2, 16
+    k_pool, v_pool, gen = _pools(900, num_kv_heads, head_dim, torch.float32, seed=4)
+    prefix_lens = [shared + p for p in private] + [shared + 5]
+    extend_lens = extend_lens + [3]
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    table, rows = _table(lens, 200, 900, gen)
+    common = table[rows[0], :shared].clone()
+    for b in range(len(private)):
+        table[rows[b], :shared] = common
+    q = torch.randn(sum(extend_lens), num_q_heads, head_dim, generator=gen)
+    out = kernels.extend_attention(q, k_pool, v_pool, table, rows, torch.tensor(prefix_lens),
+                                   torch.tensor(extend_lens), 1 / math.sqrt(head_dim))
+    t = 0
+    for b, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        for i in range(e):
+            slots = table[rows[b], : p + i + 1].long()
+            want = _naive_attend(q[t], k_pool[slots], v_pool[slots])
+            torch.testing.assert_close(out[t].double(), want, rtol=1e-5, atol=1e-5)
+            t += 1
+    assert t == q.shape[0]
+
+
 def test_tree_verify_matches_naive():
     num_q_heads, num_kv_heads, head_dim, num_draft = 4, 2, 8, 4
     prefix_lens = [3, 0, 9]
