@@ -98,6 +98,18 @@ def test_decode_cascade_over_shared_prefix(shared, suffixes, num_q_heads, num_kv
     assert [g[1] for g in groups] == ([shared] if len(suffixes) > 1 else [])
 
 
+def _assert_extend_matches_naive(out, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens):
+    """Query i of request b sees keys 0..prefix_len+i of its row, nothing else."""
+    t = 0
+    for b, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        for i in range(e):
+            slots = table[rows[b], : p + i + 1].long()
+            want = _naive_attend(q[t], k_pool[slots], v_pool[slots])
+            torch.testing.assert_close(out[t].double(), want, rtol=1e-5, atol=1e-5)
+            t += 1
+    assert t == q.shape[0]
+
+
 @pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 3, 10], [4, 1, 6]), ([5], [0])])
 def test_extend_matches_naive(prefix_lens, extend_lens):
     num_q_heads, num_kv_heads, head_dim = 6, 2, 16
@@ -115,14 +127,7 @@ def test_extend_matches_naive(prefix_lens, extend_lens):
         torch.tensor(extend_lens),
         1 / math.sqrt(head_dim),
     )
-    t = 0
-    for b, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
-        for i in range(e):
-            slots = table[rows[b], : p + i + 1].long()
-            want = _naive_attend(q[t], k_pool[slots], v_pool[slots])
-            torch.testing.assert_close(out[t].double(), want, rtol=1e-5, atol=1e-5)
-            t += 1
-    assert t == q.shape[0]
+    _assert_extend_matches_naive(out, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens)
 
 
 @pytest.mark.parametrize(
@@ -148,14 +153,7 @@ def test_extend_cascade_over_shared_prefix(shared, private, extend_lens):
     q = torch.randn(sum(extend_lens), num_q_heads, head_dim, generator=gen)
     out = kernels.extend_attention(q, k_pool, v_pool, table, rows, torch.tensor(prefix_lens),
                                    torch.tensor(extend_lens), 1 / math.sqrt(head_dim))
-    t = 0
-    for b, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
-        for i in range(e):
-            slots = table[rows[b], : p + i + 1].long()
-            want = _naive_attend(q[t], k_pool[slots], v_pool[slots])
-            torch.testing.assert_close(out[t].double(), want, rtol=1e-5, atol=1e-5)
-            t += 1
-    assert t == q.shape[0]
+    _assert_extend_matches_naive(out, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens)
 
 
 def test_tree_verify_matches_naive():
