@@ -256,18 +256,8 @@ def extend_attention(
     starts = [0]
     for n in extends[:-1]:
         starts.append(starts[-1] + n)
-    handled: set[int] = set()
-    if len(rows) >= 2 and max(prefixes) > _MIN_SHARED_PREFIX:
-        # requests whose cached prefixes begin with the same slots share that part's keys
-        table = req_to_token[req_pool_indices.to(device).long(), : max(prefixes)].long()
-        limits = prefix_lens.to(device=device, dtype=torch.long) + 1
-        for members, shared_len in _shared_prefix_groups(table, limits):
-            group = [b for b in members.tolist() if extends[b] > 0]
-            _cascade_extend(out, q, k_pool, v_pool, req_to_token, rows, prefixes, extends,
-                            starts, group, shared_len, sm_scale)
-            handled.update(group)
     for b, (row, prefix_len, extend_len) in enumerate(zip(rows, prefixes, extends, strict=True)):
-        if extend_len == 0 or b in handled:
+        if extend_len == 0:
             continue
         total = prefix_len + extend_len
         slots = req_to_token[row, :total].long()
@@ -276,51 +266,6 @@ def extend_attention(
         start, end = starts[b], starts[b] + extend_len
         out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale)
     return out.to(q.dtype)
-
-
-def _cascade_extend(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    req_to_token: torch.Tensor,
-    rows: list[int],
-    prefixes: list[int],
-    extends: list[int],
-    starts: list[int],
-    members: list[int],
-    shared_len: int,
-    sm_scale: float,
-) -> None:
-    """Extend for `members`, whose first shared_len slots are the same: every member's new
-    queries score the shared keys in one matmul; each then attends its own remaining prefix
-    and, causally, its new tokens; the two partials merge by log-sum-exp."""
-    if not members:
-        return
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_pool.shape[1]
-    group = num_q_heads // num_kv_heads
-    device = k_pool.device
-    queries = torch.cat([q[starts[b] : starts[b] + extends[b]] for b in members])
-    qg = queries.float().view(-1, num_kv_heads, group, head_dim) * sm_scale
-    shared = req_to_token[rows[members[0]], :shared_len].long()
-    pk = k_pool.index_select(0, shared).float()
-    pv = v_pool.index_select(0, shared).float()
-    o1, m1, l1 = _softmax_partial(torch.einsum("nhgd,phd->nhgp", qg, pk), pv, "nhgp,phd->nhgd")
-    offset = 0
-    for b in members:
-        n, total = extends[b], prefixes[b] + extends[b]
-        own = req_to_token[rows[b], shared_len:total].long()
-        key_pos = torch.arange(shared_len, total, device=device)
-        query_pos = torch.arange(prefixes[b], total, device=device)
-        allowed = key_pos[None, :] <= query_pos[:, None]  # [n, L]
-        sl = slice(offset, offset + n)
-        s2 = torch.einsum("nhgd,lhd->nhgl", qg[sl], k_pool.index_select(0, own).float())
-        s2.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-        o2, m2, l2 = _softmax_partial(s2, v_pool.index_select(0, own).float(), "nhgl,lhd->nhgd")
-        merged = _merge_partials(o1[sl], m1[sl], l1[sl], o2, m2, l2)
-        out[starts[b] : starts[b] + n] = merged.reshape(n, num_q_heads, head_dim)
-        offset += n
 
 
 def tree_verify_attention(

@@ -138,9 +138,9 @@ def test_extend_matches_naive(prefix_lens, extend_lens):
         (64, [2, 0], [30, 4]),
     ],
 )
-def test_extend_cascade_over_shared_prefix(shared, private, extend_lens):
+def test_extend_after_a_shared_prefix(shared, private, extend_lens):
     """Several requests extending after the same cached slots (n > 1 samples, a radix hit
-    shared by a batch) take the cascade path; one unrelated request the plain path."""
+    shared by a batch), beside one unrelated request, each see exactly their own keys."""
     num_q_heads, num_kv_heads, head_dim = 6, 2, 16
     k_pool, v_pool, gen = _pools(900, num_kv_heads, head_dim, torch.float32, seed=4)
     prefix_lens = [shared + p for p in private] + [shared + 5]
