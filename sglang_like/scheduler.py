@@ -161,14 +161,25 @@ class Scheduler:
             decoders = [r for r in self.running if r.num_uncomputed == 1]
         budget = self.config.prefill_budget
         for req in list(self.running):
+            if req not in self.running:
+                continue  # retracted below to make room for an earlier one
             n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget)
             if n > 1 and not self.config.is_chunking and n < req.num_uncomputed:
                 continue
             if n <= 0:
                 continue
             slots = self.cache.alloc_slots(n)
+            while slots is None and len(self.running) > 1:
+                # Two part-prefilled requests could each hold what the other needs: retract
+                # the latest arrival not already in this batch (possibly req itself).
+                idle = [r for r in self.running if r not in batch.reqs]
+                victim = max(idle, key=lambda r: r.arrival_time)
+                self._retract(victim)
+                if victim is req:
+                    break
+                slots = self.cache.alloc_slots(n)
             if slots is None:
-                if len(self.running) == 1:
+                if self.running == [req]:
                     self._end(req, FinishReason("abort", message=(
                         f"the KV pool ({self.config.pool_size} slots) is too small for this "
                         f"request's {req.seq_len} tokens")), touched)
@@ -238,13 +249,15 @@ class Scheduler:
                     f"request's {req.seq_len} tokens")), touched)
                 return True
             return False
-        victim = max(self.running, key=lambda r: r.arrival_time)
+        self._retract(max(self.running, key=lambda r: r.arrival_time))
+        return True
+
+    def _retract(self, victim: Req) -> None:
         self.running.remove(victim)
         self.cache.release(victim)
         victim.num_retractions += 1
         self.waiting.insert(0, victim)
         logger.info("retracted %s to free KV slots", victim.rid)
-        return True
 
     # ---- after the forward ---------------------------------------------------------------
     def _process(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
