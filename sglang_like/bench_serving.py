@@ -13,7 +13,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,30 +100,38 @@ async def _send_sglang(client: httpx.AsyncClient, base_url: str, prompt: str,
         "max_new_tokens": args.output_len, "temperature": args.temperature,
         "ignore_eos": args.ignore_eos}}
     res, t0, last, text = RequestResult(ok=False), time.perf_counter(), 0.0, ""
-    async with client.stream("POST", base_url + "/generate", json=body) as r:
+    async for data in _sse_events(client, base_url + "/generate", body, res):
+        now = time.perf_counter()
+        if data["text"] != text:
+            if not text:
+                res.ttft = now - t0
+            else:
+                res.itls.append(now - last)
+            last, text = now, data["text"]
+        meta = data["meta_info"]
+        res.prompt_tokens = meta.get("prompt_tokens", 0)
+        res.completion_tokens = meta.get("completion_tokens", 0)
+        res.cached_tokens = meta.get("cached_tokens", 0)
+    if not res.error:
+        res.ok, res.e2e, res.text = True, time.perf_counter() - t0, text
+    return res
+
+
+async def _sse_events(client: httpx.AsyncClient, url: str, body: dict,
+                      res: RequestResult) -> AsyncIterator[dict]:
+    """The JSON events of one streamed POST; an HTTP or in-stream error ends it in res.error."""
+    async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            return res
+            return
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[6:])
             if "error" in data:
                 res.error = str(data["error"])
-                return res
-            now = time.perf_counter()
-            if data["text"] != text:
-                if not text:
-                    res.ttft = now - t0
-                else:
-                    res.itls.append(now - last)
-                last, text = now, data["text"]
-            meta = data["meta_info"]
-            res.prompt_tokens = meta.get("prompt_tokens", 0)
-            res.completion_tokens = meta.get("completion_tokens", 0)
-            res.cached_tokens = meta.get("cached_tokens", 0)
-    res.ok, res.e2e, res.text = True, time.perf_counter() - t0, text
-    return res
+                return
+            yield data
 
 
 async def _send_openai(client: httpx.AsyncClient, base_url: str, prompt: str,
@@ -134,32 +142,24 @@ async def _send_openai(client: httpx.AsyncClient, base_url: str, prompt: str,
     if args.ignore_eos:
         body["ignore_eos"] = True
     res, t0, last, parts = RequestResult(ok=False), time.perf_counter(), 0.0, []
-    async with client.stream("POST", base_url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            return res
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                res.error = str(data["error"])
-                return res
-            now = time.perf_counter()
-            delta = "".join(c.get("text") or "" for c in data.get("choices") or [])
-            if delta:
-                if not parts:
-                    res.ttft = now - t0
-                else:
-                    res.itls.append(now - last)
-                last = now
-                parts.append(delta)
-            usage = data.get("usage")
-            if usage:
-                res.prompt_tokens = usage.get("prompt_tokens", 0)
-                res.completion_tokens = usage.get("completion_tokens", 0)
-                details = usage.get("prompt_tokens_details") or {}
-                res.cached_tokens = details.get("cached_tokens", 0) or 0
+    async for data in _sse_events(client, base_url + "/v1/completions", body, res):
+        now = time.perf_counter()
+        delta = "".join(c.get("text") or "" for c in data.get("choices") or [])
+        if delta:
+            if not parts:
+                res.ttft = now - t0
+            else:
+                res.itls.append(now - last)
+            last = now
+            parts.append(delta)
+        usage = data.get("usage")
+        if usage:
+            res.prompt_tokens = usage.get("prompt_tokens", 0)
+            res.completion_tokens = usage.get("completion_tokens", 0)
+            details = usage.get("prompt_tokens_details") or {}
+            res.cached_tokens = details.get("cached_tokens", 0) or 0
+    if res.error:
+        return res
     res.ok, res.e2e, res.text = True, time.perf_counter() - t0, "".join(parts)
     if not res.completion_tokens:
         res.completion_tokens = len(res.itls) + (1 if parts else 0)
