@@ -7,6 +7,9 @@ position) -> slot id. All attention math is fp32; outputs are in q's dtype.
 
 from __future__ import annotations
 
+import threading
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
@@ -53,24 +56,61 @@ def decode_attention(
     batch = q.shape[0]
     if batch == 0:
         return torch.empty_like(q)
-    device = k_pool.device
+    plan = _decode_plan(req_to_token, req_pool_indices, seq_lens, k_pool.device)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for members, prefix_len in plan.groups:
+        _cascade_decode(out, q, k_pool, v_pool, plan.slots, plan.lens, members, prefix_len,
+                        sm_scale)
+    rest = plan.rest
+    if rest.numel():
+        max_rest = int(plan.lens[rest].max())
+        out[rest] = _decode_rows(q[rest], k_pool, v_pool, plan.slots[rest, :max_rest],
+                                 plan.valid[rest, :max_rest], sm_scale)
+    return out.to(q.dtype)
+
+
+class _DecodePlan(NamedTuple):
+    """What decode attention derives from the request table alone, the same for every layer."""
+
+    slots: torch.Tensor  # [B, max_len] slot ids, 0 where past a request's length
+    valid: torch.Tensor  # [B, max_len] bool
+    lens: torch.Tensor  # [B]
+    groups: list[tuple[torch.Tensor, int]]  # (members, shared prefix length) for the cascade
+    rest: torch.Tensor  # requests outside every group
+
+
+_plan_memo = threading.local()
+
+
+def _decode_plan(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    device: torch.device,
+) -> _DecodePlan:
+    """Build the plan once per forward: the model calls decode attention once per layer with
+    the very same tensors. The memo holds them (so their ids stay theirs) and their version
+    counters (so an in-place write between calls rebuilds it)."""
+    key = (req_to_token, req_pool_indices, seq_lens)
+    versions = tuple(t._version for t in key)
+    memo = getattr(_plan_memo, "entry", None)
+    if memo is not None and all(a is b for a, b in zip(memo[0], key, strict=True)) and (
+        memo[1] == versions
+    ):
+        return memo[2]
     rows = req_pool_indices.to(device=device, dtype=torch.long)
     lens = seq_lens.to(device=device, dtype=torch.long)
     max_len = int(lens.max())
     slots = req_to_token[rows, :max_len].long()
     valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
     slots = torch.where(valid, slots, torch.zeros_like(slots))  # padding reads slot 0
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    for members, prefix_len in _shared_prefix_groups(slots, lens):
-        _cascade_decode(out, q, k_pool, v_pool, slots, lens, members, prefix_len, sm_scale)
+    groups = _shared_prefix_groups(slots, lens)
+    done = torch.zeros(rows.shape[0], dtype=torch.bool, device=device)
+    for members, _ in groups:
         done[members] = True
-    rest = (~done).nonzero().flatten()
-    if rest.numel():
-        max_rest = int(lens[rest].max())
-        out[rest] = _decode_rows(q[rest], k_pool, v_pool, slots[rest, :max_rest],
-                                 valid[rest, :max_rest], sm_scale)
-    return out.to(q.dtype)
+    plan = _DecodePlan(slots, valid, lens, groups, (~done).nonzero().flatten())
+    _plan_memo.entry = (key, versions, plan)
+    return plan
 
 
 def _decode_rows(

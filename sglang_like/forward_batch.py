@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,11 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [num_rows, max_context] int32 (the pool's table)
     tree_mask: torch.Tensor | None = None  # [B, N, N] bool for speculative verify
     is_decode: bool = False  # every extend_len == 1 and no tree mask
+    seq_lens: torch.Tensor = field(init=False)  # [B] prefix + extend, built once per forward
+
+    def __post_init__(self) -> None:
+        # one tensor for every layer's attention call (the CPU decode path memoizes on it)
+        self.seq_lens = self.prefix_lens + self.extend_lens
 
     @property
     def batch_size(self) -> int:
@@ -36,6 +41,3 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        return self.prefix_lens + self.extend_lens

@@ -99,6 +99,13 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids (the decode path asks every step)."""
+        num_prompt = len(self.origin_input_ids)
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : end - num_prompt]
+        return self.origin_input_ids[start:end] + self.output_ids[: max(end - num_prompt, 0)]
+
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)

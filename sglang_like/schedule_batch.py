@@ -43,18 +43,18 @@ class ScheduleBatch:
         """Append req's next `extend_len` tokens, with their freshly allocated KV slots."""
         start_row = len(self.input_ids)
         prefix_len = req.kv_len
-        fill = req.fill_ids
         self.reqs.append(req)
         self.prefix_lens.append(prefix_len)
         self.extend_lens.append(extend_len)
-        self.input_ids += fill[prefix_len : prefix_len + extend_len]
+        self.input_ids += req.fill_slice(prefix_len, prefix_len + extend_len)
         self.out_slots += slots
         # prompt logprobs: the row of position p-1 predicts token p
         lp_rows: list[tuple[int, int, int]] = []
         if req.wants_input_logprobs:
             end = min(prefix_len + extend_len + 1, req.prompt_len)
+            prompt = req.origin_input_ids  # prompt logprobs only ever cover prompt positions
             for pos in range(max(req.input_logprob_next_pos, prefix_len + 1), end):
-                lp_rows.append((len(self.logits_rows), fill[pos], pos))
+                lp_rows.append((len(self.logits_rows), prompt[pos], pos))
                 self.logits_rows.append(start_row + (pos - 1 - prefix_len))
             req.input_logprob_next_pos = max(req.input_logprob_next_pos, end)
         self.input_logprob_rows.append(lp_rows)

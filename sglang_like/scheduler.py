@@ -190,6 +190,10 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduleBatch, touched: list[Req]) -> None:
         budget = self.config.prefill_budget - sum(n for n in batch.extend_lens if n > 1)
+        if (not self.waiting or budget <= 0
+                or len(self.running) >= self.config.max_running_requests
+                or self.cache.req_to_token_pool.num_free_rows == 0):
+            return  # nothing can be admitted: skip ordering (a tree walk per waiting request)
         reserve = _DECODE_RESERVE_PER_REQ * len(self.running)
         picked: list[Req] = []
         ordered = order_waiting(self.waiting, self.config.schedule_policy,

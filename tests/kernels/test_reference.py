@@ -216,3 +216,34 @@ def test_bitmask_little_endian_bits(vocab):
     reference.apply_token_bitmask_(logits, bitmask)
     assert torch.equal(logits[allowed], before[allowed])
     assert torch.isneginf(logits[~allowed]).all()
+
+
+def test_decode_plan_is_built_once_per_forward_and_rebuilt_after_writes(monkeypatch):
+    """The model calls decode once per layer with the same tensors: the table-derived plan is
+    built once; an in-place write to the table or the lengths makes it rebuild."""
+    k_pool, v_pool, gen = _pools(300, 2, 8, torch.float32, seed=5)
+    lens = [40, 40, 12]
+    table, rows = _table(lens, 80, 300, gen)
+    table[rows[1], :39] = table[rows[0], :39]
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(3, 4, 8, generator=gen)
+    calls = []
+    real = reference._shared_prefix_groups
+    monkeypatch.setattr(reference, "_shared_prefix_groups",
+                        lambda *a: calls.append(1) or real(*a))
+
+    def check():
+        out = kernels.decode_attention(q, k_pool, v_pool, table, rows, seq_lens, 8**-0.5)
+        for b in range(3):
+            slots = table[rows[b], : int(seq_lens[b])].long()
+            want = _naive_attend(q[b], k_pool[slots], v_pool[slots])
+            torch.testing.assert_close(out[b].double(), want, rtol=1e-5, atol=1e-5)
+
+    check()
+    check()
+    assert len(calls) == 1
+    seq_lens[2] += 5  # in place: the plan must see the new length
+    check()
+    table[rows[1], :39] = table[rows[2], :39]  # the shared prefix is gone
+    check()
+    assert len(calls) == 3

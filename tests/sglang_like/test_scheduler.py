@@ -228,3 +228,10 @@ def test_random_workloads_keep_pool_accounting(tokenizer, seed):
             continue
         assert r.output_ids == expected_continuation(p, max_news[i])
     assert_pool_clean(sched)
+
+
+@pytest.mark.parametrize("start,end", [(0, 3), (2, 6), (4, 7), (5, 6), (0, 7), (3, 3)])
+def test_fill_slice_equals_slicing_fill_ids(start, end):
+    r = req("s", [10, 11, 12, 13], max_new=4)
+    r.output_ids = [20, 21, 22]
+    assert r.fill_slice(start, end) == r.fill_ids[start:end]
