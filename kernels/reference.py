@@ -57,6 +57,9 @@ def decode_attention(
     if batch == 0:
         return torch.empty_like(q)
     plan = _decode_plan(req_to_token, req_pool_indices, seq_lens, k_pool.device)
+    if not plan.groups:  # nothing shared: every request in one plain pass
+        valid = None if plan.all_full else plan.valid
+        return _decode_rows(q, k_pool, v_pool, plan.slots, valid, sm_scale).to(q.dtype)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for members, prefix_len in plan.groups:
         _cascade_decode(out, q, k_pool, v_pool, plan.slots, plan.lens, members, prefix_len,
@@ -77,6 +80,7 @@ class _DecodePlan(NamedTuple):
     lens: torch.Tensor  # [B]
     groups: list[tuple[torch.Tensor, int]]  # (members, shared prefix length) for the cascade
     rest: torch.Tensor  # requests outside every group
+    all_full: bool  # every request has max_len keys (no padding to mask)
 
 
 _plan_memo = threading.local()
@@ -108,7 +112,8 @@ def _decode_plan(
     done = torch.zeros(rows.shape[0], dtype=torch.bool, device=device)
     for members, _ in groups:
         done[members] = True
-    plan = _DecodePlan(slots, valid, lens, groups, (~done).nonzero().flatten())
+    all_full = bool((lens == max_len).all())
+    plan = _DecodePlan(slots, valid, lens, groups, (~done).nonzero().flatten(), all_full)
     _plan_memo.entry = (key, versions, plan)
     return plan
 
@@ -118,16 +123,19 @@ def _decode_rows(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     slots: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     sm_scale: float,
 ) -> torch.Tensor:
     """Plain decode of requests that share nothing, chunked to bound the gather buffers."""
     row_elements = slots.shape[1] * k_pool.shape[1] * k_pool.shape[2]
     chunk = max(1, _MAX_GATHER_ELEMENTS // row_elements)
+    if chunk >= q.shape[0]:
+        return _decode_chunk(q, k_pool, v_pool, slots, valid, sm_scale)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for i in range(0, q.shape[0], chunk):
         sl = slice(i, i + chunk)
-        out[sl] = _decode_chunk(q[sl], k_pool, v_pool, slots[sl], valid[sl], sm_scale)
+        part = None if valid is None else valid[sl]
+        out[sl] = _decode_chunk(q[sl], k_pool, v_pool, slots[sl], part, sm_scale)
     return out
 
 
@@ -221,33 +229,27 @@ def _decode_chunk(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     slots: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     sm_scale: float,
 ) -> torch.Tensor:
-    """Decode for a few requests: q [b, Hq, D], slots/valid [b, L]; returns fp32 [b, Hq, D].
+    """Decode for a few requests: q [b, Hq, D], slots/valid [b, L] (valid None: every slot is
+    a key); returns fp32 [b, Hq, D].
 
-    Keys stay in pool layout [b, L, Hkv*D] (no transpose copy); q is spread into a
-    block-diagonal [b, Hkv*D, Hq] so one bmm scores every head, wasting Hkv-fold flops
-    that are cheap next to the gather.
+    Keys are gathered in pool layout and viewed head-major (no copy) for SDPA; the math is
+    fp32 (a half-precision pool's keys are upcast after the gather).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
-    group = num_q_heads // num_kv_heads
     length = slots.shape[1]
     flat = slots.reshape(-1)
-    width = num_kv_heads * head_dim
-    keys = k_pool.view(-1, width).index_select(0, flat).view(batch, length, width).float()
-    values = v_pool.view(-1, width).index_select(0, flat).view(batch, length, width).float()
-    eye = torch.eye(num_kv_heads, dtype=torch.float32, device=q.device)
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    q_blocks = torch.einsum("bhgd,hk->bkdhg", qg, eye).reshape(batch, width, num_q_heads)
-    scores = torch.bmm(keys, q_blocks) * sm_scale  # [b, L, Hq]
-    scores.masked_fill_(~valid[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    mixed = torch.bmm(probs.transpose(1, 2), values)  # [b, Hq, Hkv*D]
-    mixed = mixed.view(batch, num_kv_heads, group, num_kv_heads, head_dim)
-    out = torch.diagonal(mixed, dim1=1, dim2=3)  # [b, G, D, Hkv]
-    return out.permute(0, 3, 1, 2).reshape(batch, num_q_heads, head_dim)
+    keys = k_pool.index_select(0, flat).view(batch, length, num_kv_heads, head_dim).float()
+    values = v_pool.index_select(0, flat).view(batch, length, num_kv_heads, head_dim).float()
+    mask = None if valid is None else valid[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().view(batch, num_q_heads, 1, head_dim), keys.transpose(1, 2),
+        values.transpose(1, 2), attn_mask=mask, scale=sm_scale, enable_gqa=True,
+    )
+    return out.view(batch, num_q_heads, head_dim)
 
 
 def _attend_one(

@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from sglang_like.config import QUANTIZATION_CHOICES
+
 _EXIT_BAD_INPUT = 2
 _EXIT_ABORTED = 1
 _ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
@@ -29,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto")
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
+                   help="weights: auto (CPU: int4/int8, CUDA: none), none (exact), int8, int4")
     g.add_argument("--max-total-tokens", type=int, default=_DEFAULT_POOL_TOKENS,
                    help=f"KV pool size in tokens (default {_DEFAULT_POOL_TOKENS})")
     g.add_argument("--max-new-tokens", type=int, default=None)
@@ -151,7 +155,7 @@ def generate_main(ns: argparse.Namespace) -> int:
 
     try:
         engine = Engine(model_path=ns.model_path, dtype=ns.dtype, device=ns.device,
-                        max_total_tokens=ns.max_total_tokens)
+                        quantization=ns.quantization, max_total_tokens=ns.max_total_tokens)
     except (ValueError, OSError) as exc:
         raise UsageError(f"cannot load the model: {exc}") from None
     try:

@@ -1,165 +1,195 @@
-"""Offline benchmark: single-stream decode and a shared-prefix batch, ours beside HF generate.
+"""Offline benchmark: every weight format of ours beside llama.cpp on the same GGUF, one run.
 
-    python -m sglang_like.bench_offline                 # the issue's workload (takes minutes)
-    python -m sglang_like.bench_offline --num-requests 16 --prefix-len 500 --new-tokens 32
+    python -m sglang_like.bench_offline --llama-cpp-bin ~/.cache/peers/llama.cpp-0.3.36/build/bin
+    python -m sglang_like.bench_offline --formats int4 --skip-peer        # ours only, quick
+    python -m sglang_like.bench_offline --shared-prefix                   # + 64 x 1000-token
+                                                                          #   prefix vs HF
 
-Both sides run the same dequantized weights in float32 on the same machine, in one run.
+Each format runs in a fresh process (its RSS is its own): batch-1 decode, batch 8 and 32
+decode, a 1,024-token prefill. The bandwidth floor is the weight bytes one decode step reads
+over this machine's measured read bandwidth. llama.cpp runs `llama-bench` (batch-1 decode,
+prefill) and `llama-batched-bench` (batched decode) with 2 threads, as its users run them;
+build it with ../shared/peers/llama-cpp.sh, which prints the folder to pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
 import torch
 
-_WORDS = (
-    "system policy assistant answer question careful detail context tool result user task "
-    "plan step check value reason memory cache token model batch server request output "
-    "format schema field number string list object language program function call return"
-).split()
+from sglang_like.bench_shared_prefix import run_shared_prefix
+
+# name -> Engine kwargs
+FORMATS = {
+    "fp32": {"quantization": "none"},
+    "bf16": {"quantization": "none", "dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+}
+_PROMPT = "Tell me a story about a robot who learns to paint."
 
 
-def make_prompts(tokenizer: Any, num_requests: int, prefix_len: int) -> list[str]:
-    """One shared ~prefix_len-token preamble, then a distinct short question per request."""
-    words, text = [], ""
-    i = 0
-    while len(tokenizer.encode(text)) < prefix_len:
-        words.append(_WORDS[(i * 7 + i // 3) % len(_WORDS)])
-        i += 1
-        if i % 16 == 0:
-            text = " ".join(words)
-    text = " ".join(words)
-    ids = tokenizer.encode(text)[:prefix_len]
-    prefix = tokenizer.decode(ids)
-    return [f"{prefix}\nQuestion {k}: what is {k} times {k + 3}?\nAnswer:"
-            for k in range(num_requests)]
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def bench_single_stream(engine: Any, new_tokens: int) -> dict[str, float]:
-    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    engine.generate("Warm up the engine.", {"max_new_tokens": 4})
-    t0 = time.perf_counter()
-    first = None
-    n = 0
-    for chunk in engine.generate("Tell me a story about a robot.", params, stream=True):
-        if first is None:
-            first = time.perf_counter()
-        n = chunk["meta_info"]["completion_tokens"]
-    end = time.perf_counter()
-    return {"ttft_s": first - t0, "decode_tok_s": (n - 1) / max(end - first, 1e-9)}
-
-
-def bench_ours(engine: Any, prompts: list[str], new_tokens: int) -> dict[str, float]:
+def _decode_tok_s(engine: Any, batch: int, new_tokens: int) -> float:
+    """Decode tokens/s of `batch` streams: a full run less a prefill-only run (+1 token)."""
+    prompts = [f"{_PROMPT} Chapter {i}." for i in range(batch)]
+    params = {"temperature": 0, "ignore_eos": True}
     engine.flush_cache()
-    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    dt = time.perf_counter() - t0
-    gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs)
-    return {"seconds": dt, "gen_tokens": gen, "tok_s": gen / dt,
-            "cache_hit_rate": cached / max(prompt, 1)}
+    engine.generate(prompts, {**params, "max_new_tokens": 1})
+    prefill = time.perf_counter() - t0
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    engine.generate(prompts, {**params, "max_new_tokens": new_tokens + 1})
+    total = time.perf_counter() - t0
+    return batch * new_tokens / max(total - prefill, 1e-9)
 
 
-def build_hf_model(engine: Any) -> Any:
-    """transformers' Llama on the very weights our engine runs (no second GGUF load)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = engine.model_config
-    cfg = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings, torch_dtype=torch.float32,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    state = {k: v for k, v in engine.runner.model.state_dict().items()}
-    model.load_state_dict(state, strict=False)
-    if c.tie_word_embeddings:
-        model.tie_weights()
-    return model
+def _prefill_tok_s(engine: Any, num_tokens: int) -> float:
+    ids = (engine.tokenizer.encode(" ".join(["the quick brown fox jumps"] * num_tokens)))
+    ids = ids[:num_tokens]
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
+    return num_tokens / (time.perf_counter() - t0)
 
 
-def bench_hf_single_stream(model: Any, engine: Any, new_tokens: int) -> float:
-    ids = torch.tensor([engine.tokenizer.encode("Tell me a story about a robot.")])
-    pad = sorted(engine.eos_token_ids)[0]
-    with torch.inference_mode():
-        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+def worker(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One format, in this process: numbers as a dict (printed as JSON by --worker)."""
+    from sglang_like.engine import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine(model_path=args.model_path, max_total_tokens=16384, **FORMATS[fmt])
+    load_s = time.perf_counter() - t0
+    engine.generate("Warm up.", {"max_new_tokens": 8})
+    out = {"format": fmt, "quantization": engine.server_args.quantization, "load_s": load_s,
+           "weight_mb": engine.runner.model.weight_bytes() / 1e6}
+    out["b1_tok_s"] = _decode_tok_s(engine, 1, args.new_tokens)
+    for batch in args.batch_sizes:
+        out[f"b{batch}_tok_s"] = _decode_tok_s(engine, batch, args.batch_new_tokens)
+    out["prefill_tok_s"] = _prefill_tok_s(engine, args.prefill_tokens)
+    out["rss_mb"] = _rss_mb()
+    engine.shutdown()
+    return out
+
+
+def measure_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
+    """Read bandwidth with torch's threads: the best of 5 sums over a buffer >> cache."""
+    x = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(5):
         t0 = time.perf_counter()
-        model.generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=pad)
-    return new_tokens / (time.perf_counter() - t0)
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best / 1e9
 
 
-def bench_hf(model: Any, engine: Any, prompts: list[str], new_tokens: int,
-             batch_size: int) -> dict:
-    tok = engine.tokenizer
-    pad = sorted(engine.eos_token_ids)[0]
-    gen = 0
-    t0 = time.perf_counter()
-    for s in range(0, len(prompts), batch_size):
-        id_lists = [tok.encode(p) for p in prompts[s : s + batch_size]]
-        width = max(len(x) for x in id_lists)
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in id_lists])
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in id_lists])
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
-        gen += (out.shape[1] - width) * len(id_lists)
-    dt = time.perf_counter() - t0
-    return {"seconds": dt, "gen_tokens": gen, "tok_s": gen / dt}
+def _run_worker(fmt: str, argv: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "sglang_like.bench_offline", "--worker", fmt, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{fmt} worker failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _peer(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.skip_peer or not args.llama_cpp_bin:
+        return None
+    from sglang_like.bench_peers import llama_batched_bench, llama_bench
+    from sglang_like.model_loader import default_model_path
+
+    model = args.model_path or default_model_path()
+    peer = llama_bench(args.llama_cpp_bin, model, torch.get_num_threads(), args.prefill_tokens,
+                       args.new_tokens)
+    batched = llama_batched_bench(args.llama_cpp_bin, model, torch.get_num_threads(),
+                                  list(args.batch_sizes), 32, args.batch_new_tokens)
+    for batch, speed in batched.items():
+        peer[f"b{batch}_tok_s"] = speed
+    peer["weight_mb"] = os.path.getsize(model) / 1e6
+    return peer
+
+
+def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: float,
+                batch_sizes: list[int]) -> None:
+    cols = ["b1_tok_s", *[f"b{b}_tok_s" for b in batch_sizes], "prefill_tok_s"]
+    head = (f"{'format':<16}{'weights MB':>11}{'RSS MB':>8}{'floor tok/s':>12}"
+            + "".join(f"{c.removesuffix('_tok_s').replace('b', 'batch ', 1):>11}"
+                      if c != "prefill_tok_s" else f"{'prefill':>10}" for c in cols))
+    isa = torch.backends.cpu.get_cpu_capability()
+    print(f"\ndecode and prefill in tokens/s; floor = read bandwidth {gbs:.1f} GB/s / weight "
+          f"bytes; threads={torch.get_num_threads()}, ISA {isa}")
+    print(head)
+    every = [*rows, *([{"format": "llama.cpp GGUF", **peer}] if peer else [])]
+    for r in every:
+        floor = gbs * 1e3 / r["weight_mb"]
+        cells = "".join(f"{r.get(c, float('nan')):>11.1f}" if c != "prefill_tok_s"
+                        else f"{r.get(c, float('nan')):>10.1f}" for c in cols)
+        print(f"{r['format']:<16}{r['weight_mb']:>11.0f}{r.get('rss_mb', float('nan')):>8.0f}"
+              f"{floor:>12.1f}{cells}")
+    if peer:
+        print("\nratio to llama.cpp (ours / theirs):")
+        for r in rows:
+            ratios = "  ".join(f"{c.removesuffix('_tok_s')} {r[c] / peer[c]:.2f}x"
+                               for c in cols if c in peer and peer[c])
+            print(f"  {r['format']:<8}{ratios}")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--prefix-len", type=int, default=1000)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--single-new-tokens", type=int, default=128)
-    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"comma list of {', '.join(FORMATS)}")
+    ap.add_argument("--new-tokens", type=int, default=128, help="batch-1 decode length")
+    ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[8, 32])
+    ap.add_argument("--batch-new-tokens", type=int, default=32)
+    ap.add_argument("--prefill-tokens", type=int, default=1024)
+    ap.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
+                    help="folder with llama-bench and llama-batched-bench")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="also the 64 x 1000-token shared-prefix batch (ours vs HF generate)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-
-    from sglang_like.engine import Engine
-
-    engine = Engine(model_path=args.model_path)
-    prompts = make_prompts(engine.tokenizer, args.num_requests, args.prefix_len)
-    single = bench_single_stream(engine, args.single_new_tokens)
-    print(f"single stream: {single}", flush=True)
-    ours = bench_ours(engine, prompts, args.new_tokens)
-    print(f"ours: {ours}", flush=True)
-    hf = None
-    if not args.skip_hf:
-        model = build_hf_model(engine)
-        hf = bench_hf(model, engine, prompts, args.new_tokens, args.hf_batch_size)
-        hf["single_tok_s"] = bench_hf_single_stream(model, engine, args.single_new_tokens)
-    print(f"hf: {hf}", flush=True)
-    engine.shutdown()
-
-    print(f"\nthreads={torch.get_num_threads()}  requests={args.num_requests}  "
-          f"shared prefix={args.prefix_len} tokens  new tokens={args.new_tokens}")
-    print(f"{'workload':<34}{'ours':>14}{'HF generate':>14}{'ratio':>8}")
-    hf_single = f"{hf['single_tok_s']:>14.1f}" if hf else f"{'skipped':>14}"
-    single_ratio = f"{single['decode_tok_s'] / hf['single_tok_s']:>7.2f}x" if hf else ""
-    print(f"{'single-stream decode (tok/s)':<34}{single['decode_tok_s']:>14.1f}{hf_single}"
-          f"{single_ratio}")
-    hf_tps = f"{hf['tok_s']:>14.1f}" if hf else f"{'skipped':>14}"
-    ratio = f"{ours['tok_s'] / hf['tok_s']:>7.2f}x" if hf else ""
-    print(f"{'shared-prefix batch (tok/s)':<34}{ours['tok_s']:>14.1f}{hf_tps}{ratio}")
-    hf_s = f"{hf['seconds']:>14.1f}" if hf else f"{'':>14}"
-    print(f"{'shared-prefix batch (seconds)':<34}{ours['seconds']:>14.1f}{hf_s}")
-    print(f"{'cache hit rate (prompt tokens)':<34}{ours['cache_hit_rate']:>14.1%}")
+    if args.worker:
+        print(json.dumps(worker(args.worker, args)))
+        return
+    passthrough = [f"--new-tokens={args.new_tokens}",
+                   f"--batch-sizes={','.join(map(str, args.batch_sizes))}",
+                   f"--batch-new-tokens={args.batch_new_tokens}",
+                   f"--prefill-tokens={args.prefill_tokens}"]
+    if args.model_path:
+        passthrough.append(f"--model-path={args.model_path}")
+    rows = []
+    for fmt in args.formats.split(","):
+        if fmt not in FORMATS:
+            raise SystemExit(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+        rows.append(_run_worker(fmt, passthrough))
+        print(f"{fmt}: {rows[-1]}", flush=True)
+    peer = _peer(args)
+    if peer:
+        print(f"llama.cpp: {peer}", flush=True)
+    gbs = measure_bandwidth_gbs()
+    print_table(rows, peer, gbs, args.batch_sizes)
+    shared = run_shared_prefix(args.model_path, skip_hf=args.skip_hf) if args.shared_prefix \
+        else None
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "single": single, "ours": ours, "hf": hf}, f, indent=2)
+            json.dump({"rows": rows, "peer": peer, "bandwidth_gbs": gbs,
+                       "shared_prefix": shared}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+"""Values of `--quantization` (see sglang_like.quant)."""
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every runtime and server knob, resolved ("auto" values filled) before freezing.
@@ -53,6 +57,9 @@ class ServerArgs:
     tokenizer_path: str | None = None
     dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto -> cuda if available else cpu
+    # auto -> CPU: int4 for a Q4_0/Q4_1 GGUF, int8 otherwise (none when dtype is given); CUDA: none
+    quantization: str = "auto"  # "auto" | "none" | "int8" | "int4"
+    kv_cache_dtype: str = "auto"  # auto -> the dense dtype (float32 on CPU); or "bfloat16"
     context_length: int | None = None  # None -> the model's max_position_embeddings
     # Memory: the KV pool holds max_total_tokens token slots (page size 1).
     max_total_tokens: int | None = None  # None -> from mem_fraction_static

@@ -15,10 +15,12 @@ from typing import Any
 import torch
 
 from sglang_like.config import ServerArgs
+from sglang_like.cpu_threads import release_openmp_threads
 from sglang_like.engine_io import RequestHandle, build_output, prepare_inputs
 from sglang_like.mem_pool import KVPool
-from sglang_like.model_loader import load_model
+from sglang_like.model_loader import has_int4_blocks, load_model
 from sglang_like.model_runner import ModelRunner
+from sglang_like.quant import QuantConfig, resolve_quantization
 from sglang_like.req import FinishReason, Req
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.scheduler import Scheduler, SchedulerConfig
@@ -36,9 +38,52 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         server_args = kwargs.pop("server_args", None) or ServerArgs(model_path=model_path, **kwargs)
         t0 = time.perf_counter()
+        # Every torch op of the engine (load, forward, sampling) runs on the loop thread: a
+        # second thread with its own OpenMP team oversubscribes the cores, and GNU OpenMP
+        # then stops spinning between parallel regions (each matmul pays a wake-up; measured
+        # 2x slower decode on 2 cores). The caller's own team, if it made one, is let go.
+        release_openmp_threads()
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        ready: queue.Queue[BaseException | None] = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._main, args=(server_args, ready),
+                                        name="sglang-like-scheduler", daemon=True)
+        self._thread.start()
+        error = ready.get()
+        if error is not None:
+            self._thread.join()
+            raise error
+        logger.info(
+            "loaded %s (%s, %d layers) on %s/%s, weights %s (%.0f MB) in %.1fs; KV pool %d "
+            "slots (%s), context %d",
+            self.model_config.model_path or "model", self.model_config.architecture,
+            self.model_config.num_hidden_layers, self.device, self.server_args.dtype,
+            self.server_args.quantization, self.runner.model.weight_bytes() / 1e6,
+            time.perf_counter() - t0, self.server_args.max_total_tokens,
+            self.server_args.kv_cache_dtype, self.server_args.context_length,
+        )
+
+    def _main(self, server_args: ServerArgs, ready: queue.Queue) -> None:
+        """The loop thread: build the model and scheduler here, then serve."""
+        try:
+            self._build(server_args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by __init__ in the caller
+            ready.put(exc)
+            return
+        ready.put(None)
+        self._loop()
+
+    def _build(self, server_args: ServerArgs) -> None:
         self.device = _resolve_device(server_args.device)
         self.dtype = _resolve_dtype(server_args.dtype, self.device)
-        loaded = load_model(server_args.model_path, self.dtype)
+        quantization = resolve_quantization(
+            server_args.quantization, device=self.device,
+            dtype_is_explicit=server_args.dtype != "auto",
+            source_has_int4_blocks=server_args.quantization == "auto"
+            and self.device.type == "cpu" and has_int4_blocks(server_args.model_path),
+        )
+        quant = QuantConfig(quantization, self.dtype)
+        kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, self.device, default=self.dtype)
+        loaded = load_model(server_args.model_path, self.dtype, keep_packed=quant.is_quantized)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         if server_args.tokenizer_path is not None:
@@ -47,16 +92,18 @@ class Engine:
             self.tokenizer = load_tokenizer(server_args.tokenizer_path)
         context_len = server_args.context_length or loaded.config.max_position_embeddings
         num_slots = server_args.max_total_tokens or _auto_pool_size(
-            loaded.config, self.dtype, self.device, server_args.mem_fraction_static
+            loaded.config, kv_dtype, self.device, server_args.mem_fraction_static
         )
         self.server_args = server_args.replace(
             context_length=context_len, max_total_tokens=num_slots,
             device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            quantization=quantization, kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         )
         self.runner = ModelRunner(
             loaded.config, loaded.weights, dtype=self.dtype, device=self.device,
             num_kv_slots=num_slots, context_len=context_len,
-            max_running_requests=server_args.max_running_requests,
+            max_running_requests=server_args.max_running_requests, quant=quant,
+            kv_dtype=kv_dtype,
         )
         del loaded
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
@@ -78,19 +125,9 @@ class Engine:
         )
         self._grammar_backend: Any = None
         self._grammar_lock = threading.Lock()
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._handles: dict[str, RequestHandle] = {}
         self._rid_counter = itertools.count()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="sglang-like-scheduler",
-                                        daemon=True)
-        self._thread.start()
-        logger.info(
-            "loaded %s (%s, %d layers) on %s/%s in %.1fs; KV pool %d slots, context %d",
-            self.model_config.model_path or "model", self.model_config.architecture,
-            self.model_config.num_hidden_layers, self.device, self.server_args.dtype,
-            time.perf_counter() - t0, num_slots, context_len,
-        )
 
     # ---- public API ------------------------------------------------------------------------
     def generate(
@@ -392,8 +429,11 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def _resolve_dtype(dtype: str, device: torch.device,
+                   default: torch.dtype | None = None) -> torch.dtype:
     if dtype == "auto":
+        if default is not None:
+            return default
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "half": torch.float16}

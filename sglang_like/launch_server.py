@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from sglang_like.config import ServerArgs
+from sglang_like.config import QUANTIZATION_CHOICES, ServerArgs
 
 logger = logging.getLogger("sglang_like.launch_server")
 
@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <key>' on every route but /health")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default=d.device)
+    p.add_argument("--quantization", default=d.quantization, choices=list(QUANTIZATION_CHOICES),
+                   help="weights: auto (CPU: int4 for a Q4 GGUF, else int8; CUDA: none), none "
+                        "(dense, exact), int8, int4")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
                    help="KV pool size in tokens (default: from --mem-fraction-static)")

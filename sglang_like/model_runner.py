@@ -10,6 +10,7 @@ from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool, ReqToTokenPool
 from sglang_like.models.llama import LlamaForCausalLM
+from sglang_like.quant import QuantConfig
 from sglang_like.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,11 @@ class ModelRunner:
         num_kv_slots: int,
         context_len: int,
         max_running_requests: int,
+        quant: QuantConfig | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """`dtype` is the dense dtype (residual stream, unquantized weights); `quant` picks each
+        linear's method (default: dense in `dtype`); `kv_dtype` the KV pool's (default `dtype`)."""
         if model_config.architecture not in _SUPPORTED_ARCHS:
             raise ValueError(
                 f"unsupported architecture {model_config.architecture!r}; "
@@ -39,15 +44,14 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_config)
-        model = model.to_empty(device=device).to(dtype)
+        self.quant = quant or QuantConfig("none", dtype)
+        model = LlamaForCausalLM(model_config, self.quant)
         model.set_rope(context_len, device)
-        model.load_weights(weights)
+        model.load_weights(weights, device)
         self.model = model.eval()
         self.kv_pool = KVPool(
             num_kv_slots, model_config.num_hidden_layers, model_config.num_key_value_heads,
-            model_config.head_dim, dtype, device,
+            model_config.head_dim, kv_dtype or dtype, device,
         )
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len, device)
 

@@ -15,7 +15,11 @@ import os
 
 import torch
 
-from sglang_like.model_loader.gguf_loader import load_gguf, load_gguf_tokenizer
+from sglang_like.model_loader.gguf_loader import (
+    gguf_has_int4_blocks,
+    load_gguf,
+    load_gguf_tokenizer,
+)
 from sglang_like.model_loader.hf_loader import load_hf_folder
 from sglang_like.model_loader.loaded import LoadedModel, check_weights, expected_weight_shapes
 from sglang_like.tokenizer import Tokenizer
@@ -26,6 +30,7 @@ __all__ = [
     "check_weights",
     "default_model_path",
     "expected_weight_shapes",
+    "has_int4_blocks",
     "load_model",
     "load_tokenizer",
 ]
@@ -61,10 +66,24 @@ def _resolve(model_path: str | None) -> tuple[str, str]:
     raise ValueError(f"{model_path!r} is neither a .gguf file nor a folder with config.json")
 
 
-def load_model(model_path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model (None: the default SmolLM2 GGUF) with weights cast to `dtype` on the CPU."""
+def load_model(
+    model_path: str | None = None, dtype: torch.dtype = torch.float32, keep_packed: bool = False
+) -> LoadedModel:
+    """Load a model (None: the default SmolLM2 GGUF) with weights cast to `dtype` on the CPU.
+
+    `keep_packed`: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks
+    (`GGUFBlockWeight`) for a quantized model to repack; other sources are unaffected.
+    """
     kind, path = _resolve(model_path)
-    return load_gguf(path, dtype) if kind == "gguf" else load_hf_folder(path, dtype)
+    if kind == "gguf":
+        return load_gguf(path, dtype, keep_packed)
+    return load_hf_folder(path, dtype)
+
+
+def has_int4_blocks(model_path: str | None = None) -> bool:
+    """Whether the model is a GGUF whose block matrices are all Q4_0 / Q4_1."""
+    kind, path = _resolve(model_path)
+    return kind == "gguf" and gguf_has_int4_blocks(path)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:

@@ -11,6 +11,8 @@ import gguf
 import numpy as np
 import torch
 
+from sglang_like.quant.gguf_blocks import PACKED_QTYPES, GGUFBlockWeight
+
 # llama.cpp per-block tensor names -> Hugging Face names (suffix .weight / .bias kept).
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -177,21 +179,40 @@ def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     return np.asarray(array, dtype=np.float32).reshape(tensor.shape)
 
 
+def _packed(tensor: GGUFTensor, heads: int | None) -> GGUFBlockWeight:
+    weight = GGUFBlockWeight(tensor.qtype.name, tensor.shape, tensor.data)
+    if heads is None:
+        return weight
+    order = unpermute_qk(torch.arange(tensor.shape[0])[:, None], heads)[:, 0]
+    return weight.take_rows(order)
+
+
 def iter_hf_tensors(
-    tensors: list[GGUFTensor], *, arch: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, tensor) for every tensor of the file, dequantized and un-permuted."""
+    tensors: list[GGUFTensor], *, arch: str, num_heads: int, num_kv_heads: int,
+    dtype: torch.dtype, keep_packed: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
+    """Yield (hf_name, tensor) for every tensor of the file, dequantized and un-permuted.
+
+    With `keep_packed`, Q4_0 / Q4_1 / Q8_0 matrices come as `GGUFBlockWeight` (their blocks,
+    rows un-permuted) for a quantized model to repack; nothing of them is dequantized here.
+    """
     permuted = arch in ("llama", "mistral")
     for tensor in tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
+        heads = None
+        if permuted and ".self_attn.q_proj." in name:
+            heads = num_heads
+        elif permuted and ".self_attn.k_proj." in name:
+            heads = num_kv_heads
+        if keep_packed and tensor.qtype.name in PACKED_QTYPES and len(tensor.shape) == 2:
+            yield name, _packed(tensor, heads)
+            continue
         array = dequantize_tensor(tensor)
         if not array.flags.writeable:
             array = array.copy()  # F32 tensors come back as views of the read-only memmap
         value = torch.from_numpy(array)
-        if permuted and ".self_attn.q_proj." in name:
-            value = unpermute_qk(value, num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            value = unpermute_qk(value, num_kv_heads)
+        if heads is not None:
+            value = unpermute_qk(value, heads)
         yield name, value.to(dtype)

@@ -72,8 +72,17 @@ def gguf_model_config(
     )
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Read `path`, dequantize tensors to `dtype`, un-permute llama Q/K, build the tokenizer."""
+def gguf_has_int4_blocks(path: str) -> bool:
+    """Whether the file's transformer matrices are Q4_0 / Q4_1 (int4 repacks them exactly)."""
+    qtypes = {t.qtype.name for t in read_gguf(path).tensors if t.name.startswith("blk.")
+              and len(t.shape) == 2}
+    return bool(qtypes) and qtypes <= {"Q4_0", "Q4_1"}
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32,
+              keep_packed: bool = False) -> LoadedModel:
+    """Read `path`, dequantize tensors to `dtype` (or, with `keep_packed`, keep Q4_0/Q4_1/Q8_0
+    matrices as their blocks), un-permute llama Q/K, build the tokenizer."""
     file = read_gguf(path)
     metadata = file.metadata
     tokenizer = tokenizer_from_gguf(metadata)
@@ -82,7 +91,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     weights = dict(
         iter_hf_tensors(
             file.tensors, arch=config.architecture, num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads, dtype=dtype,
+            num_kv_heads=config.num_key_value_heads, dtype=dtype, keep_packed=keep_packed,
         )
     )
     check_weights(config, weights)

@@ -10,23 +10,27 @@ import kernels
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
-from sglang_like.models.rotary import RotaryEmbedding
+from sglang_like.models.rotary import RotaryEmbedding, RotaryTables
+from sglang_like.quant import QuantConfig, QuantLinear, WeightSource
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm computed in float32; the result is written in `out_dtype` (the dtype the next
+    matmul wants), so a quantized model casts once per norm rather than once per linear."""
+
+    def __init__(self, dim: int, eps: float, out_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.out_dtype = out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # F.rms_norm: HF's formula (x * rsqrt(mean(x^2) + eps) * w), one call from Python
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(self.out_dtype)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
@@ -34,28 +38,34 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.sm_scale = self.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = QuantLinear(quant.linear_method(hidden), hidden,
+                                    [q_rows, kv_rows, kv_rows],
+                                    ["q_proj", "k_proj", "v_proj"], bias=bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
         o_bias = bias and config.architecture != "qwen2"
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = QuantLinear(quant.linear_method(q_rows), q_rows, [hidden], ["o_proj"],
+                                  bias=o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            dtype = quant.activation_dtype
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, x: torch.Tensor, fb: ForwardBatch, rope: RotaryEmbedding, pool: KVPool
+        self, x: torch.Tensor, fb: ForwardBatch, rope: RotaryTables, pool: KVPool
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        num_qk = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim)
+        v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k, fb.positions)
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = rope.rotate(qk)  # q and k heads in one pass, left in fp32 (the attention's math)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_pool, v_pool = pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id]
         kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
         if fb.tree_mask is not None:
@@ -77,53 +87,71 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = QuantLinear(quant.linear_method(hidden), hidden, [inter, inter],
+                                        ["gate_proj", "up_proj"])
+        self.down_proj = QuantLinear(quant.linear_method(inter), inter, [hidden], ["down_proj"])
+        self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        act = quant.activation_dtype
+        self.self_attn = LlamaAttention(config, layer_id, quant)
+        self.mlp = LlamaMLP(config, quant)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
 
     def forward(
-        self, x: torch.Tensor, fb: ForwardBatch, rope: RotaryEmbedding, pool: KVPool
+        self, x: torch.Tensor, fb: ForwardBatch, rope: RotaryTables, pool: KVPool
     ) -> torch.Tensor:
+        # the residual stream stays in the dense dtype; sub-layer outputs add into it
         x = x + self.self_attn(self.input_layernorm(x), fb, rope, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        embed = (quant.head_method() if config.tie_word_embeddings
+                 else quant.embedding_method())
+        self.embed_tokens = QuantLinear(embed, config.hidden_size, [config.vocab_size],
+                                        ["embed_tokens"])
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, quant) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                            quant.head_method(embeds=config.tie_word_embeddings).input_dtype)
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only Llama-family model whose attention reads and writes K/V by slot id.
 
+    Every matmul goes through a `QuantLinear` whose method `quant` picks (dense, int8, int4);
+    q/k/v and gate/up are fused. The embedding and a tied LM head are one matrix.
     `forward(fb, pool)` returns float32 logits [len(fb.logits_indices), vocab_size].
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig | None = None) -> None:
         super().__init__()
+        quant = quant or QuantConfig("none", torch.float32)
         self.config = config
-        self.model = LlamaModel(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.quant = quant
+        self.dtype = quant.dtype  # the residual stream's
+        self.model = LlamaModel(config, quant)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = QuantLinear(quant.head_method(embeds=False), config.hidden_size,
+                                       [config.vocab_size], ["lm_head"])
         self.rope: RotaryEmbedding | None = None  # set by the runner: it knows the context
 
     def set_rope(self, max_positions: int, device: torch.device | str) -> None:
@@ -131,32 +159,41 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling,
                                     device)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
-
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        x = self.model.embed_tokens(fb.input_ids)
+        embed = self.model.embed_tokens
+        x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
+        rope = self.rope.tables(fb.positions)  # gathered once, used by every layer
         for layer in self.model.layers:
-            x = layer(x, fb, self.rope, pool)
+            x = layer(x, fb, rope, pool)
         x = self.model.norm(x[fb.logits_indices])
-        return F.linear(x, self.lm_head_weight).float()
+        return self.lm_head(x).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in; a missing or mis-shaped tensor is a ValueError."""
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(weights))
+    def load_weights(self, weights: dict[str, WeightSource], device: torch.device) -> None:
+        """Build every layer's weights from Hugging Face-named sources (dense tensors or GGUF
+        blocks); a missing or mis-shaped tensor is a ValueError."""
+        needed = {f"{prefix}{p}.weight" for prefix, lin in self._linears()
+                  for p in lin.partitions}
+        needed |= {n for n, _ in self.named_parameters()}
+        missing = sorted(needed - set(weights))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        for name, param in params.items():
+        for prefix, lin in self._linears():
+            lin.load_weights(weights, prefix, device)
+        for name, param in self.named_parameters():
             src = weights[name]
             if tuple(src.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(param.shape)}"
                 )
-            with torch.no_grad():
-                param.copy_(src.to(param.dtype))
-        self.requires_grad_(False)
+            param.data = src.float().to(device)  # norms stay float32 (they compute in it)
+
+    def _linears(self) -> list[tuple[str, QuantLinear]]:
+        """(HF name prefix of its partitions, layer) for every linear; a tied head once."""
+        return [(name.rpartition(".")[0] + "." if "." in name else "", mod)
+                for name, mod in self.named_modules() if isinstance(mod, QuantLinear)]
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the forward reads (packed sizes for quantized layers)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        return total + sum(lin.method.weight_bytes(lin) for _, lin in self._linears())

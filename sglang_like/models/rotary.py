@@ -44,21 +44,29 @@ class RotaryEmbedding:
         inv_freq = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        self.cos = freqs.cos().to(torch.float32).to(device)  # [P, D/2]
-        self.sin = freqs.sin().to(torch.float32).to(device)
+        cos = freqs.cos().to(torch.float32)  # [P, D/2]
+        sin = freqs.sin().to(torch.float32)
+        # full-width rows for the per-forward tables: [cos, cos] and [-sin, sin]
+        self._cos_full = torch.cat([cos, cos], dim=-1).to(device)  # [P, D]
+        self._sin_signed = torch.cat([-sin, sin], dim=-1).to(device)
 
-    def apply(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies (computed in fp32, returned in q dtype)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> RotaryTables:
+        """The cos/sin rows of `positions` [T], for every layer of one forward."""
+        return RotaryTables(self._cos_full[positions], self._sin_signed[positions])
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+class RotaryTables:
+    """cos/sin rows of one forward's positions, gathered once and shared by every layer."""
+
+    def __init__(self, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        self.cos = cos_full.unsqueeze(1)  # [T, 1, D]: [cos, cos]
+        self.sin = sin_signed.unsqueeze(1)  # [T, 1, D]: [-sin, sin]
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] -> rotate-half RoPE applied, in float32 (attention's dtype, so a bf16
+        model casts once here rather than in the KV store and the attention).
+
+        rotate_half(x) * [sin, sin] == roll(x, D/2) * [-sin, sin]: three ops in all.
+        """
+        xf = x.float()
+        return torch.addcmul(xf * self.cos, xf.roll(x.shape[-1] // 2, dims=-1), self.sin)

@@ -26,9 +26,8 @@ import torch
 import kernels
 from kernels import reference
 from sglang_like.config import ModelConfig
-from sglang_like.model_loader import load_tokenizer
+from sglang_like.model_loader import expected_weight_shapes, load_tokenizer
 from sglang_like.model_runner import ModelRunner
-from sglang_like.models.llama import LlamaForCausalLM
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.schedule_batch import ScheduleBatch
@@ -49,8 +48,7 @@ KERNEL_NAMES = ("store_kv", "decode_attention", "extend_attention")
 def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Hugging Face-named weights: N(0, 1/fan_in) matrices, norms near 1, N(0, 1) embeddings."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {n: p.shape for n, p in LlamaForCausalLM(config).named_parameters()}
+    shapes = expected_weight_shapes(config)
     weights = {}
     for name, shape in sorted(shapes.items()):
         x = torch.randn(shape, generator=gen)

@@ -10,9 +10,9 @@ import sglang_like.engine as engine_mod
 from sglang_like.model_loader import load_model
 
 
-@functools.lru_cache(maxsize=2)
-def _cached_load(model_path, dtype):
-    return load_model(model_path, dtype)
+@functools.lru_cache(maxsize=3)
+def _cached_load(model_path, dtype, keep_packed=False):
+    return load_model(model_path, dtype, keep_packed)
 
 
 @pytest.fixture(scope="session")

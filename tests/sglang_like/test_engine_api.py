@@ -211,9 +211,18 @@ def test_prefill_only_input_logprobs(engine: Any) -> None:
     assert _wait_idle(engine)["kv_pool"]["used_slots"] == 0
 
 
-def test_output_logprobs_match_scoring_the_sequence(engine: Any, ref: list[dict]) -> None:
+@pytest.mark.parametrize(("quantization", "tolerance"), [("none", 2e-3), ("auto", 0.1)])
+def test_output_logprobs_match_scoring_the_sequence(make_engine: Any, engine: Any,
+                                                    quantization: str, tolerance: float) -> None:
     """Greedy picks the top-1 alternative; its logprob equals the input logprob of the same
-    token when prompt + output is scored in one prefill."""
+    token when prompt + output is scored in one prefill. Exactly so on the fp32 path; with the
+    default (int4, bf16 activations) decode and prefill round differently (measured up to 0.04
+    nats over 16 tokens)."""
+    if quantization == "none":
+        engine = make_engine(max_total_tokens=4096, quantization="none")
+    ref = [engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 16,
+                                        "ignore_eos": True}, return_logprob=True,
+                           top_logprobs_num=2)]
     meta = ref[0]["meta_info"]
     chosen = meta["output_token_logprobs"]
     for (lp, tok, _), top in zip(chosen, meta["output_top_logprobs"], strict=True):
@@ -224,7 +233,7 @@ def test_output_logprobs_match_scoring_the_sequence(engine: Any, ref: list[dict]
                              logprob_start_len=len(prompt_ids))
     entries = scored["meta_info"]["input_token_logprobs"]
     assert [e[1] for e in entries] == ref[0]["output_ids"]
-    assert [e[0] for e in entries] == pytest.approx([c[0] for c in chosen], abs=2e-3)
+    assert [e[0] for e in entries] == pytest.approx([c[0] for c in chosen], abs=tolerance)
 
 
 # ---- streaming, async, cancellation -------------------------------------------------------

@@ -46,7 +46,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def engine(make_engine):
-    return make_engine()
+    return make_engine(quantization="none")  # the exact fp32 path
 
 
 def hf_greedy(model, id_lists, pad_id):

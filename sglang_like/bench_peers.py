@@ -1,0 +1,70 @@
+"""llama.cpp as a peer in benchmarks: its own bench tools on the same GGUF, parsed to numbers.
+
+Build them with `../shared/peers/llama-cpp.sh` (prints the folder that holds the binaries) and
+pass that folder as `--llama-cpp-bin`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import time
+from typing import Any
+
+
+def _binary(bin_dir: str, name: str) -> str:
+    path = os.path.join(os.path.expanduser(bin_dir), name)
+    if not os.access(path, os.X_OK):
+        raise ValueError(f"{path} is not an executable (build it with ../shared/peers/"
+                         "llama-cpp.sh and pass the folder it prints)")
+    return path
+
+
+def _run(cmd: list[str], timeout_s: float) -> tuple[str, float]:
+    """(stdout, the child's peak RSS in MB); stderr (llama.cpp's logs) is dropped."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(cmd[0])} failed ({proc.returncode}): "
+                           f"{proc.stderr[-500:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # ru_maxrss is the largest child so far: exact for the first run, a bound after
+    return proc.stdout, max(peak, before) / 1024
+
+
+def llama_bench(bin_dir: str, model: str, threads: int, n_prompt: int, n_gen: int,
+                repetitions: int = 3, timeout_s: float = 900) -> dict[str, Any]:
+    """`llama-bench` prefill (pp) and decode (tg) tokens/s, as its users run it."""
+    cmd = [_binary(bin_dir, "llama-bench"), "-m", model, "-t", str(threads), "-p", str(n_prompt),
+           "-n", str(n_gen), "-r", str(repetitions), "-o", "json"]
+    t0 = time.perf_counter()
+    out, rss_mb = _run(cmd, timeout_s)
+    rows = json.loads(out)
+    result: dict[str, Any] = {"rss_mb": rss_mb, "wall_s": time.perf_counter() - t0}
+    for row in rows:
+        if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
+            result["prefill_tok_s"] = float(row["avg_ts"])
+        elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
+            result["decode_tok_s"] = float(row["avg_ts"])
+    return result
+
+
+def llama_batched_bench(bin_dir: str, model: str, threads: int, batch_sizes: list[int],
+                        n_prompt: int, n_gen: int, timeout_s: float = 1800) -> dict[int, float]:
+    """`llama-batched-bench` decode tokens/s (S_TG) per number of parallel sequences."""
+    ctx = max(batch_sizes) * (n_prompt + n_gen) + 256
+    cmd = [_binary(bin_dir, "llama-batched-bench"), "-m", model, "-t", str(threads),
+           "-c", str(ctx), "-npp", str(n_prompt), "-ntg", str(n_gen),
+           "-npl", ",".join(map(str, batch_sizes)), "--output-format", "jsonl"]
+    out, _ = _run(cmd, timeout_s)
+    speeds = {}
+    for line in out.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        if "pl" in row and "speed_tg" in row:
+            speeds[int(row["pl"])] = float(row["speed_tg"])
+    return speeds

@@ -1,0 +1,123 @@
+"""Weight quantization: the linear-method seam and the methods behind `--quantization`.
+
+`none` keeps dense weights in the model dtype (the exact fp32 path on CPU, bf16 on CUDA);
+`int8` is weight-only int8 per output row; `int4` is weight-only int4 per group of 32/64
+input columns. Both keep the LM head at 16 bits with fp32 logits (fbgemm fp16) and the
+embedding rows in int8. GGUF Q4_0/Q4_1/Q8_0 matrices are repacked from their blocks, never
+held as fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_like.config import QUANTIZATION_CHOICES
+from sglang_like.quant.base import LinearMethod, WeightSource, dense
+from sglang_like.quant.dense import DenseMethod
+from sglang_like.quant.fp16_fbgemm import Fp16FbgemmMethod, fbgemm_fp16_available
+from sglang_like.quant.gguf_blocks import PACKED_QTYPES, GGUFBlockWeight
+from sglang_like.quant.int4 import Int4Method, quantize_groups_int4
+from sglang_like.quant.int8 import (
+    Int8EmbeddingMethod,
+    Int8Method,
+    quantize_blocks_int8,
+    quantize_rows_int8,
+)
+from sglang_like.quant.linear import QuantLinear
+
+__all__ = [
+    "PACKED_QTYPES",
+    "QUANTIZATION_CHOICES",
+    "DenseMethod",
+    "Fp16FbgemmMethod",
+    "GGUFBlockWeight",
+    "Int4Method",
+    "Int8EmbeddingMethod",
+    "Int8Method",
+    "LinearMethod",
+    "QuantConfig",
+    "QuantLinear",
+    "WeightSource",
+    "dense",
+    "fbgemm_fp16_available",
+    "quantize_blocks_int8",
+    "quantize_groups_int4",
+    "quantize_rows_int8",
+    "resolve_quantization",
+]
+
+
+
+def resolve_quantization(
+    quantization: str, *, device: torch.device, dtype_is_explicit: bool,
+    source_has_int4_blocks: bool,
+) -> str:
+    """`auto` -> a concrete method; a choice the device cannot run is a ValueError.
+
+    On CPU, `auto` is int4 when the checkpoint is a GGUF whose matrices are Q4_0/Q4_1 (they
+    repack code for code: the same weights, a third of int8's bytes) and int8 otherwise;
+    an explicit `--dtype` means the user asked for dense weights, so `auto` is `none` then.
+    On CUDA `auto` is `none` (bf16): the int kernels here are CPU kernels.
+    """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; "
+                         f"got {quantization!r}")
+    if device.type != "cpu":
+        if quantization in ("int8", "int4"):
+            raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
+        return "none"
+    if quantization != "auto":
+        return quantization
+    if dtype_is_explicit:
+        return "none"
+    return "int4" if source_has_int4_blocks else "int8"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The methods a model's linears use, built once from the resolved `--quantization`."""
+
+    name: str  # "none" | "int8" | "int4"
+    dtype: torch.dtype  # dense dtype: unquantized weights and the `none` path's activations
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.name != "none"
+
+    def linear_method(self, in_features: int) -> LinearMethod:
+        """The method of a transformer-block linear with `in_features` inputs."""
+        if self.name == "int4" and in_features % 32 == 0:
+            return _INT4 if in_features % 64 == 0 else _INT4_G32
+        if self.name in ("int4", "int8"):
+            return _INT8
+        return DenseMethod(self.dtype)
+
+    def head_method(self, *, embeds: bool = True) -> LinearMethod:
+        """The method of the LM head; `embeds`: it is also the (tied) embedding.
+
+        Quantized models keep logits in fp32: fbgemm's fp16 GEMM where the CPU has it (fp16
+        weights, half of fp32's bytes), else int8 (whose bf16 output is cast up).
+        """
+        if not self.is_quantized:
+            return DenseMethod(self.dtype)
+        if fbgemm_fp16_available():
+            return _FP16_TIED if embeds else _FP16
+        return _INT8
+
+    def embedding_method(self) -> LinearMethod:
+        """The method of an untied embedding (rows gathered, never multiplied)."""
+        return _INT8_EMBED if self.is_quantized else DenseMethod(self.dtype)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.is_quantized else self.dtype
+
+
+_INT8 = Int8Method()
+_INT8_EMBED = Int8EmbeddingMethod()
+_FP16 = Fp16FbgemmMethod(embed_rows=False)
+_FP16_TIED = Fp16FbgemmMethod(embed_rows=True)
+_INT4 = Int4Method(64)
+_INT4_G32 = Int4Method(32)

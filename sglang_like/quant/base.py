@@ -1,0 +1,57 @@
+"""The linear-method seam: a method owns one linear's weight layout and its matmul."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from sglang_like.quant.gguf_blocks import GGUFBlockWeight
+
+WeightSource = torch.Tensor | GGUFBlockWeight
+"""A loaded weight: a dense [out, in] tensor, or a GGUF matrix still in its blocks."""
+
+
+def dense(source: WeightSource) -> torch.Tensor:
+    """The source as a float32 [out, in] tensor."""
+    if isinstance(source, GGUFBlockWeight):
+        return source.dequantize()
+    return source.float()
+
+
+class LinearMethod(ABC):
+    """How a linear layer stores its weight and computes `x @ W.T (+ b)`.
+
+    The model names its linears and hands each one the weights of its partitions (q, k, v for
+    a fused qkv; gate, up); `create_weights` stacks them along the output dim into whatever
+    layout the method's kernel wants, once, at load, and registers the result as buffers of
+    the layer. `apply` is the hot path; it may assume `x` is 2-D in `input_dtype`. A method
+    object holds no per-layer state, so one instance serves every layer.
+    """
+
+    #: dtype `apply` wants its input in (the model's norms write this dtype)
+    input_dtype: torch.dtype = torch.float32
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, sources: list[WeightSource],
+                       device: torch.device) -> None:
+        """Register the packed weight of `layer` built from its partitions' sources."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """[T, in] -> [T, out] in `input_dtype` (bias not included)."""
+
+    @abstractmethod
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The float32 [out, in] matrix `apply` really multiplies by (tests, debugging)."""
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the matrix as float32 [T, in] (for an embedding that is also a head)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        return sum(b.numel() * b.element_size() for b in layer.buffers(recurse=False))
+
+    def __repr__(self) -> str:
+        return type(self).__name__

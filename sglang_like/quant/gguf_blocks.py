@@ -1,0 +1,70 @@
+"""GGUF block-quantized matrices kept packed: Q4_0 / Q4_1 / Q8_0 decoded to codes + scales."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import gguf
+import numpy as np
+import torch
+
+# Each block covers 32 weights of one row. Byte layout per block:
+#   Q4_0: d f16 | 16 bytes of nibbles            w = d * (q - 8)
+#   Q4_1: d f16 | m f16 | 16 bytes of nibbles     w = d * q + m
+#   Q8_0: d f16 | 32 int8                         w = d * q
+# A nibble byte j holds weight j in its low half and weight j + 16 in its high half.
+BLOCK = 32
+PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+class GGUFBlockWeight(NamedTuple):
+    """One [out, in] matrix as the GGUF file stores it: `blocks` uint8 [out, bytes per row]."""
+
+    qtype: str  # one of PACKED_QTYPES
+    shape: tuple[int, int]
+    blocks: np.ndarray
+
+    @property
+    def dtype(self) -> torch.dtype:  # what it dequantizes to
+        return torch.float32
+
+    def _view(self, block_bytes: int) -> np.ndarray:
+        rows, cols = self.shape
+        return np.asarray(self.blocks).reshape(rows, cols // BLOCK, block_bytes)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix (as gguf's reference dequantizer gives it)."""
+        qtype = gguf.GGMLQuantizationType[self.qtype]
+        values = gguf.quants.dequantize(np.asarray(self.blocks), qtype)
+        return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(self.shape))
+
+    def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q4_0/Q4_1 as (codes uint8 [out, in] in 0..15, scale, zero fp32 [out, in/32]) with
+        w = (code - 8) * scale + zero, which is exactly the file's value."""
+        if self.qtype not in ("Q4_0", "Q4_1"):
+            raise ValueError(f"{self.qtype} has no 4-bit codes")
+        head = 2 if self.qtype == "Q4_0" else 4
+        view = self._view(head + BLOCK // 2)
+        d = view[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = view[..., head:]
+        codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [rows, nb, 32]
+        codes = codes.reshape(self.shape)
+        if self.qtype == "Q4_0":
+            zero = np.zeros_like(d)
+        else:
+            m = view[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            zero = m + 8.0 * d
+        return torch.from_numpy(codes.copy()), torch.from_numpy(d), torch.from_numpy(zero)
+
+    def int8_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q8_0 as (codes int8 [out, in], d fp32 [out, in/32]) with w = code * d."""
+        if self.qtype != "Q8_0":
+            raise ValueError(f"{self.qtype} has no 8-bit codes")
+        view = self._view(2 + BLOCK)
+        d = view[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = view[..., 2:].copy().view(np.int8).reshape(self.shape)
+        return torch.from_numpy(codes), torch.from_numpy(d)
+
+    def take_rows(self, index: torch.Tensor) -> GGUFBlockWeight:
+        """Rows reordered by `index` (a row permutation keeps blocks whole)."""
+        return self._replace(blocks=np.ascontiguousarray(np.asarray(self.blocks)[index.numpy()]))

@@ -1,0 +1,80 @@
+"""Weight-only int4, asymmetric per group of K: torch's `_weight_int4pack_mm_for_cpu`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang_like.quant.base import LinearMethod, WeightSource, dense
+from sglang_like.quant.gguf_blocks import BLOCK, GGUFBlockWeight
+
+_GGUF_INT4 = ("Q4_0", "Q4_1")
+
+
+def quantize_groups_int4(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 [N, K] in 0..15, scale, zero fp32 [N, K/g]) with w ~ (code-8)*scale+zero.
+
+    Scale and zero are rounded to bf16 (the kernel's dtype) before the codes are chosen, so
+    the codes fit the values the kernel will really use.
+    """
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-8).bfloat16().float()
+    zero = (lo + 8.0 * scale).bfloat16().float()
+    low = zero - 8.0 * scale
+    codes = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15)
+    return codes.to(torch.uint8).reshape(n, k), scale, zero
+
+
+class Int4Method(LinearMethod):
+    """int4 codes packed for the host CPU (the layout depends on its ISA: pack where it runs)
+    with bf16 (scale, zero) per group of `group_size` input columns; bf16 activations.
+
+    GGUF Q4_0 / Q4_1 blocks map onto it code for code at group size 32 (only their f16 scales
+    round to bf16); other sources are quantized at load with `group_size`.
+    """
+
+    input_dtype = torch.bfloat16
+
+    def __init__(self, group_size: int = 64) -> None:
+        if group_size not in (32, 64, 128, 256):
+            raise ValueError(f"int4 group size must be 32, 64, 128 or 256; got {group_size}")
+        self.group_size = group_size
+
+    def group_size_for(self, sources: list[WeightSource]) -> int:
+        """32 when any partition comes as GGUF 4-bit blocks (kept exact), else the default."""
+        exact = any(isinstance(s, GGUFBlockWeight) and s.qtype in _GGUF_INT4 for s in sources)
+        return BLOCK if exact else self.group_size
+
+    def create_weights(self, layer: nn.Module, sources: list[WeightSource],
+                       device: torch.device) -> None:
+        group = self.group_size_for(sources)
+        parts = [
+            s.int4_groups() if isinstance(s, GGUFBlockWeight) and s.qtype in _GGUF_INT4
+            else quantize_groups_int4(dense(s), group)
+            for s in sources
+        ]
+        codes = torch.cat([c for c, _, _ in parts])
+        scale = torch.cat([s for _, s, _ in parts])  # [N, K/g]
+        zero = torch.cat([z for _, _, z in parts])
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [K/g, N, 2]
+        layer.register_buffer("weight", packed.to(device))
+        layer.register_buffer("scale_zero", scale_zero.to(device=device, dtype=torch.bfloat16))
+        layer.group_size = group
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, layer.weight, layer.group_size,
+                                                 layer.scale_zero)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        # the packed layout is the kernel's own: read the matrix back through the kernel
+        k = layer.scale_zero.shape[0] * layer.group_size
+        eye = torch.eye(k, dtype=torch.bfloat16, device=layer.weight.device)
+        return self.apply(layer, eye).float().t().contiguous()
+
+    def __repr__(self) -> str:
+        return f"Int4Method(group_size={self.group_size})"
