@@ -73,12 +73,14 @@ def worker(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(model_path=args.model_path, max_total_tokens=16384, **FORMATS[fmt])
     load_s = time.perf_counter() - t0
     engine.generate("Warm up.", {"max_new_tokens": 8})
+    model = engine.runner.model
     out = {"format": fmt, "quantization": engine.server_args.quantization, "load_s": load_s,
-           "weight_mb": engine.runner.model.weight_bytes() / 1e6}
+           "weight_mb": model.weight_bytes() / 1e6, "decode_mb": model.decode_bytes() / 1e6}
     out["b1_tok_s"] = _decode_tok_s(engine, 1, args.new_tokens)
     for batch in args.batch_sizes:
         out[f"b{batch}_tok_s"] = _decode_tok_s(engine, batch, args.batch_new_tokens)
     out["prefill_tok_s"] = _prefill_tok_s(engine, args.prefill_tokens)
+    engine._call_in_loop(lambda: None)  # the loop has gone idle (and trimmed its heap)
     out["rss_mb"] = _rss_mb()
     engine.shutdown()
     return out
@@ -116,26 +118,26 @@ def _peer(args: argparse.Namespace) -> dict[str, Any] | None:
                                   list(args.batch_sizes), 32, args.batch_new_tokens)
     for batch, speed in batched.items():
         peer[f"b{batch}_tok_s"] = speed
-    peer["weight_mb"] = os.path.getsize(model) / 1e6
+    peer["weight_mb"] = peer["decode_mb"] = os.path.getsize(model) / 1e6
     return peer
 
 
 def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: float,
                 batch_sizes: list[int]) -> None:
     cols = ["b1_tok_s", *[f"b{b}_tok_s" for b in batch_sizes], "prefill_tok_s"]
-    head = (f"{'format':<16}{'weights MB':>11}{'RSS MB':>8}{'floor tok/s':>12}"
+    head = (f"{'format':<16}{'read/step MB':>13}{'RSS MB':>8}{'floor tok/s':>12}"
             + "".join(f"{c.removesuffix('_tok_s').replace('b', 'batch ', 1):>11}"
                       if c != "prefill_tok_s" else f"{'prefill':>10}" for c in cols))
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"\ndecode and prefill in tokens/s; floor = read bandwidth {gbs:.1f} GB/s / weight "
-          f"bytes; threads={torch.get_num_threads()}, ISA {isa}")
+          f"bytes one decode step reads; threads={torch.get_num_threads()}, ISA {isa}")
     print(head)
     every = [*rows, *([{"format": "llama.cpp GGUF", **peer}] if peer else [])]
     for r in every:
-        floor = gbs * 1e3 / r["weight_mb"]
+        floor = gbs * 1e3 / r["decode_mb"]
         cells = "".join(f"{r.get(c, float('nan')):>11.1f}" if c != "prefill_tok_s"
                         else f"{r.get(c, float('nan')):>10.1f}" for c in cols)
-        print(f"{r['format']:<16}{r['weight_mb']:>11.0f}{r.get('rss_mb', float('nan')):>8.0f}"
+        print(f"{r['format']:<16}{r['decode_mb']:>13.0f}{r.get('rss_mb', float('nan')):>8.0f}"
               f"{floor:>12.1f}{cells}")
     if peer:
         print("\nratio to llama.cpp (ours / theirs):")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from sglang_like.config import ServerArgs
-from sglang_like.cpu_threads import release_openmp_threads
+from sglang_like.cpu_runtime import release_openmp_threads, trim_heap
 from sglang_like.engine_io import RequestHandle, build_output, prepare_inputs
 from sglang_like.mem_pool import KVPool
 from sglang_like.model_loader import has_int4_blocks, load_model
@@ -69,6 +69,7 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - re-raised by __init__ in the caller
             ready.put(exc)
             return
+        trim_heap()  # the loader's temporaries
         ready.put(None)
         self._loop()
 
@@ -389,6 +390,8 @@ class Engine:
                 touched = sched.abort_all(f"internal error: {type(exc).__name__}: {exc}")
             for req in touched:
                 self._deliver(req)
+            if not sched.has_work:  # going idle: hand back what the batch's temporaries took
+                trim_heap()
 
     def _command(self, name: str, arg: Any) -> None:
         if name == "add":

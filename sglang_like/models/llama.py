@@ -194,6 +194,11 @@ class LlamaForCausalLM(nn.Module):
                 for name, mod in self.named_modules() if isinstance(mod, QuantLinear)]
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight the forward reads (packed sizes for quantized layers)."""
+        """Bytes every weight holds in memory (packed sizes for quantized layers)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         return total + sum(lin.method.weight_bytes(lin) for _, lin in self._linears())
+
+    def decode_bytes(self) -> int:
+        """Bytes of weights one decode step reads: the bandwidth floor of a token."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        return total + sum(lin.method.decode_bytes(lin) for _, lin in self._linears())

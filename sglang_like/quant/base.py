@@ -51,7 +51,12 @@ class LinearMethod(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")
 
     def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes this layer's weights hold in memory."""
         return sum(b.numel() * b.element_size() for b in layer.buffers(recurse=False))
+
+    def decode_bytes(self, layer: nn.Module) -> int:
+        """Bytes one decode step reads (the bandwidth floor's numerator)."""
+        return self.weight_bytes(layer)
 
     def __repr__(self) -> str:
         return type(self).__name__

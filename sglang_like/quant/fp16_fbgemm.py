@@ -66,3 +66,6 @@ class Fp16FbgemmMethod(LinearMethod):
     def weight_bytes(self, layer: nn.Module) -> int:
         rows = layer.weight.numel() + layer.block_scale.numel() * 4 if self.embed_rows else 0
         return layer.fp16_bytes + rows
+
+    def decode_bytes(self, layer: nn.Module) -> int:
+        return layer.fp16_bytes  # a step gathers only a few embedding rows

@@ -35,7 +35,15 @@ class Int4Method(LinearMethod):
 
     GGUF Q4_0 / Q4_1 blocks map onto it code for code at group size 32 (only their f16 scales
     round to bf16); other sources are quantized at load with `group_size`.
+
+    The kernel is compute-bound on AVX2 and falls behind MKL's fp32 GEMM once a forward has
+    a few hundred rows (measured for 3072x576: 11.5 vs 9.1 ms at 256 rows, 49 vs 22 ms at
+    1024), so prefill chunks of `dense_min_rows` rows or more dequantize the layer into fp32
+    (about 2 ms per 1.8M weights) and run the GEMM. That needs the codes in a portable layout
+    too (the kernel's is per ISA): a nibble copy, +0.5 byte per weight.
     """
+
+    dense_min_rows = 256
 
     input_dtype = torch.bfloat16
 
@@ -65,16 +73,34 @@ class Int4Method(LinearMethod):
         layer.register_buffer("weight", packed.to(device))
         layer.register_buffer("scale_zero", scale_zero.to(device=device, dtype=torch.bfloat16))
         layer.group_size = group
+        # the portable copy: byte j of a row holds columns 2j (low nibble) and 2j+1 (high)
+        nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        layer.register_buffer("nibbles", nibbles.contiguous().to(device))
+        used = layer.scale_zero.float()  # the kernel's bf16 values, so both paths agree
+        layer.register_buffer("scale_f32", used[..., 0].t().contiguous(), persistent=False)
+        layer.register_buffer("zero_f32", used[..., 1].t().contiguous(), persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.dense_min_rows:
+            return torch.nn.functional.linear(x.float(), self.dequantize(layer))
         return torch._weight_int4pack_mm_for_cpu(x, layer.weight, layer.group_size,
                                                  layer.scale_zero)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        # the packed layout is the kernel's own: read the matrix back through the kernel
-        k = layer.scale_zero.shape[0] * layer.group_size
-        eye = torch.eye(k, dtype=torch.bfloat16, device=layer.weight.device)
-        return self.apply(layer, eye).float().t().contiguous()
+        n, half = layer.nibbles.shape
+        groups = layer.scale_f32.shape[1]
+        codes = torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1)
+        codes = codes.view(n, groups, 2 * half // groups)
+        w = torch.addcmul(layer.zero_f32.unsqueeze(-1), codes.float() - 8,
+                          layer.scale_f32.unsqueeze(-1))
+        return w.view(n, 2 * half)
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        return sum(b.numel() * b.element_size() for name, b in layer.named_buffers(recurse=False)
+                   if name in ("weight", "scale_zero", "nibbles"))
+
+    def decode_bytes(self, layer: nn.Module) -> int:
+        return layer.weight.numel() + layer.scale_zero.numel() * 2  # not the prefill copy
 
     def __repr__(self) -> str:
         return f"Int4Method(group_size={self.group_size})"

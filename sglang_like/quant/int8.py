@@ -66,13 +66,18 @@ class Int8EmbeddingMethod(LinearMethod):
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return embed_block_rows(layer.weight, layer.block_scale, ids)
 
+    def decode_bytes(self, layer: nn.Module) -> int:
+        return 0  # a step gathers only a few rows
+
 
 class Int8Method(LinearMethod):
     """int8 codes [N, K] with a bf16 scale per row; activations in bf16 (the vectorized path
     of the CPU kernel). GGUF Q8_0 blocks are re-scaled per row (its 32-wide blocks have no
-    matching kernel); every other source is quantized at load."""
+    matching kernel); every other source is quantized at load. Forwards of `dense_min_rows`
+    rows or more (prefill) dequantize into fp32 and run the GEMM, like int4 (see there)."""
 
     input_dtype = torch.bfloat16
+    dense_min_rows = 256
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
@@ -85,6 +90,8 @@ class Int8Method(LinearMethod):
         layer.register_buffer("scale_f32", layer.scale.float(), persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.dense_min_rows:
+            return torch.nn.functional.linear(x.float(), self.dequantize(layer))
         return torch._weight_int8pack_mm(x, layer.weight, layer.scale)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""CPU thread hygiene: one OpenMP team for the engine's torch work, none left idle elsewhere."""
+"""CPU runtime hygiene: one OpenMP team for the engine's torch work, freed heap handed back."""
 
 from __future__ import annotations
 
@@ -46,3 +46,23 @@ def release_openmp_threads() -> bool:
     if rc != 0:
         logger.debug("omp_pause_resource_all returned %d", rc)
     return rc == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+def trim_heap() -> bool:
+    """Return glibc's free heap pages to the OS (`malloc_trim`). Loading and a long prefill
+    leave tens to hundreds of MB of freed temporaries in malloc's arenas, which would count as
+    RSS for the life of the server; returns whether glibc took the call."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
