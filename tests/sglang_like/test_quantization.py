@@ -289,3 +289,36 @@ def test_int4_prefill_path_equals_the_kernel() -> None:
     big = lin(x.bfloat16()).float()  # the GEMM path
     small = lin(x[:8].bfloat16()).float()  # the kernel path
     torch.testing.assert_close(big[:8], small, rtol=2e-2, atol=2e-2)
+
+
+def test_cli_and_server_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang_like.engine as engine_mod
+    from sglang_like.__main__ import main
+    from sglang_like.launch_server import build_parser, server_args_from
+
+    seen = {}
+
+    def fake_engine(**kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(engine_mod, "Engine", fake_engine)
+    assert main(["generate", "--prompt", "x", "--quantization", "int8"]) == 2
+    assert seen["quantization"] == "int8"
+    args = server_args_from(build_parser().parse_args(
+        ["--quantization", "int4", "--kv-cache-dtype", "bfloat16"]))
+    assert (args.quantization, args.kv_cache_dtype) == ("int4", "bfloat16")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "fp8"])
+
+
+@pytest.mark.slow
+def test_bf16_kv_pool(make_engine, engines) -> None:
+    """--kv-cache-dtype bfloat16 halves the pool; greedy text stays the fp32-pool text here."""
+    engine = make_engine(quantization="int4", kv_cache_dtype="bfloat16", max_total_tokens=4096)
+    assert engine.runner.kv_pool.k_buffers[0].dtype == torch.bfloat16
+    assert engine.server_args.kv_cache_dtype == "bfloat16"
+    params = {"max_new_tokens": 12, "temperature": 0}
+    got = engine.generate("The capital of France is", params)
+    want = engines["int4"].generate("The capital of France is", params)
+    assert got["output_ids"] == want["output_ids"] and "Paris" in got["text"]

@@ -1,0 +1,161 @@
+"""Our server and llama.cpp's llama-server under the same load, one after the other, one run.
+
+    python -m sglang_like.bench_serving_peers \\
+        --llama-cpp-bin ~/.cache/peers/llama.cpp-0.3.36/build/bin      # from llama-cpp.sh
+
+Each server is started on loopback, driven by `bench_serving`'s OpenAI client (/v1/completions,
+streaming) with the shared-prefix workload at each concurrency, and stopped. Ours runs once per
+`--quantizations` entry. Also prints our offline batch-1 TPOT for the same weights, so the
+server's overhead over the engine shows (`--skip-offline` to leave it out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from sglang_like.bench_serving import build_parser, run_benchmark
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout_s:.0f}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _drive(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    for concurrency in args.concurrency:
+        num = max(args.min_prompts, 2 * concurrency)
+        bench_args = build_parser().parse_args([
+            "--base-url", url, "--backend", "openai", "--workload", "shared-prefix",
+            "--num-prompts", str(num), "--concurrency", str(concurrency),
+            "--output-len", str(args.output_len), "--prefix-words", str(args.prefix_words),
+            "--ignore-eos", "--disable-tqdm", "--seed", "0",
+        ])
+        # one warm-up request so neither side pays first-call costs inside the measurement
+        warm = build_parser().parse_args(["--base-url", url, "--backend", "openai",
+                                          "--num-prompts", "1", "--concurrency", "1",
+                                          "--output-len", "4", "--disable-tqdm",
+                                          "--workload", "random", "--seed", "99"])
+        asyncio.run(run_benchmark(warm))
+        out.append(asyncio.run(run_benchmark(bench_args)))
+    return out
+
+
+def _ours(quantization: str, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
+           "--quantization", quantization, "--log-level", "warning"]
+    if args.model_path:
+        cmd += ["--model-path", args.model_path]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, 300)
+        return _drive(url, args)
+    finally:
+        _stop(proc)
+
+
+def _llama(port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from sglang_like.model_loader import default_model_path
+
+    binary = os.path.join(os.path.expanduser(args.llama_cpp_bin), "llama-server")
+    slots = max(args.concurrency)
+    # as its users run it for concurrent clients: one slot per client, each with room for the
+    # shared prompt and the answer; its own defaults otherwise (prompt cache on)
+    cmd = [binary, "-m", args.model_path or default_model_path(), "--port", str(port),
+           "-t", str(args.threads), "-np", str(slots), "-c", str(slots * 2048)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, 300)
+        return _drive(url, args)
+    finally:
+        _stop(proc)
+
+
+def _offline_tpot_ms(quantization: str, args: argparse.Namespace) -> float:
+    from sglang_like.bench_offline import _decode_tok_s
+    from sglang_like.engine import Engine
+
+    engine = Engine(model_path=args.model_path, quantization=quantization)
+    try:
+        engine.generate("Warm up.", {"max_new_tokens": 8})
+        return 1e3 / _decode_tok_s(engine, 1, args.output_len)
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
+                    help="folder with llama-server (omit to run ours only)")
+    ap.add_argument("--quantizations", default="auto", help="comma list, e.g. auto,none")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1, 32])
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prefix-words", type=int, default=700,
+                    help="shared system prompt length in words (~900 tokens at 700)")
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--port", type=int, default=30871)
+    ap.add_argument("--skip-offline", action="store_true")
+    args = ap.parse_args(argv)
+
+    rows: list[tuple[str, dict[str, Any]]] = []
+    offline: dict[str, float] = {}
+    for quantization in args.quantizations.split(","):
+        for s in _ours(quantization, args.port, args):
+            rows.append((f"ours ({quantization})", s))
+        if not args.skip_offline:
+            offline[quantization] = _offline_tpot_ms(quantization, args)
+    if args.llama_cpp_bin:
+        for s in _llama(args.port + 1, args):
+            rows.append(("llama-server", s))
+
+    print(f"\nshared-prefix workload (~{args.prefix_words} words shared), {args.output_len} "
+          "tokens each, OpenAI /v1/completions streaming, same client for every server")
+    print(f"{'server':<18}{'conc':>5}{'ok':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
+          f"{'ITL p99':>9}{'out tok/s':>11}{'hit':>7}")
+    for name, s in rows:
+        ok = f"{s['num_ok']}/{s['num_requests']}"
+        print(f"{name:<18}{s['concurrency']:>5}{ok:>8}{s['ttft_p50_ms']:>10.1f}"
+              f"{s['tpot_p50_ms']:>10.1f}{s['itl_p50_ms']:>9.1f}{s['itl_p99_ms']:>9.1f}"
+              f"{s['output_token_throughput']:>11.1f}{s['cache_hit_rate']:>7.0%}")
+    for quantization, tpot in offline.items():
+        served = next((s for n, s in rows if n == f"ours ({quantization})"
+                       and s["concurrency"] == 1), None)
+        if served:
+            print(f"ours ({quantization}) batch-1 TPOT: server {served['tpot_p50_ms']:.1f} ms, "
+                  f"offline {tpot:.1f} ms ({served['tpot_p50_ms'] / tpot - 1:+.0%})")
+
+
+if __name__ == "__main__":
+    main()
