@@ -291,23 +291,44 @@ def extend_attention(
     Returns [T, Hq, D] in q's dtype.
     """
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    device = k_pool.device
-    rows = req_pool_indices.tolist()
-    prefixes = prefix_lens.tolist()
-    extends = extend_lens.tolist()
-    starts = [0]
-    for n in extends[:-1]:
-        starts.append(starts[-1] + n)
-    for b, (row, prefix_len, extend_len) in enumerate(zip(rows, prefixes, extends, strict=True)):
-        if extend_len == 0:
-            continue
-        total = prefix_len + extend_len
-        slots = req_to_token[row, :total].long()
-        query_pos = torch.arange(prefix_len, total, device=device)
-        allowed = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
-        start, end = starts[b], starts[b] + extend_len
+    for start, end, slots, allowed in _extend_plan(req_to_token, req_pool_indices, prefix_lens,
+                                                   extend_lens, k_pool.device):
         out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale)
     return out.to(q.dtype)
+
+
+_extend_memo = threading.local()
+
+
+def _extend_plan(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    device: torch.device,
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(row start, row end, key slots, causal mask) per request with new tokens, built once
+    per forward and memoized like the decode plan (every layer asks with the same tensors)."""
+    key = (req_to_token, req_pool_indices, prefix_lens, extend_lens)
+    versions = tuple(t._version for t in key)
+    memo = getattr(_extend_memo, "entry", None)
+    if memo is not None and all(a is b for a, b in zip(memo[0], key, strict=True)) and (
+        memo[1] == versions
+    ):
+        return memo[2]
+    plan = []
+    start = 0
+    for row, prefix_len, extend_len in zip(req_pool_indices.tolist(), prefix_lens.tolist(),
+                                           extend_lens.tolist(), strict=True):
+        if extend_len:
+            total = prefix_len + extend_len
+            slots = req_to_token[row, :total].to(device=device, dtype=torch.long)
+            query_pos = torch.arange(prefix_len, total, device=device)
+            allowed = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
+            plan.append((start, start + extend_len, slots, allowed))
+        start += extend_len
+    _extend_memo.entry = (key, versions, plan)
+    return plan
 
 
 def tree_verify_attention(
