@@ -68,11 +68,7 @@ def _drive(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
-def _ours(quantization: str, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
-           "--quantization", quantization, "--log-level", "warning"]
-    if args.model_path:
-        cmd += ["--model-path", args.model_path]
+def _serve_and_drive(cmd: list[str], port: int, args: argparse.Namespace) -> list[dict]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -80,6 +76,14 @@ def _ours(quantization: str, port: int, args: argparse.Namespace) -> list[dict[s
         return _drive(url, args)
     finally:
         _stop(proc)
+
+
+def _ours(quantization: str, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
+           "--quantization", quantization, "--log-level", "warning"]
+    if args.model_path:
+        cmd += ["--model-path", args.model_path]
+    return _serve_and_drive(cmd, port, args)
 
 
 def _llama(port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -91,13 +95,7 @@ def _llama(port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     # shared prompt and the answer; its own defaults otherwise (prompt cache on)
     cmd = [binary, "-m", args.model_path or default_model_path(), "--port", str(port),
            "-t", str(args.threads), "-np", str(slots), "-c", str(slots * 2048)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc, 300)
-        return _drive(url, args)
-    finally:
-        _stop(proc)
+    return _serve_and_drive(cmd, port, args)
 
 
 def _offline_tpot_ms(quantization: str, args: argparse.Namespace) -> float:

@@ -24,6 +24,8 @@ from sglang_like.quant import (
     resolve_quantization,
 )
 
+from .prompts import PROMPTS
+
 CPU = torch.device("cpu")
 
 
@@ -158,24 +160,6 @@ def test_odd_input_width_falls_back_from_int4() -> None:
 
 # ---- the default model ------------------------------------------------------------------------
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "import numpy as np\nx = np.arange(10)\n",
-    "Q: What is 17 plus 25?\nA:",
-    "The quick brown fox",
-    "In 1969, the first humans",
-    "Photosynthesis is the process by which",
-    "List of planets: Mercury, Venus,",
-    "<|im_start|>user\nWrite a haiku about rain.<|im_end|>\n<|im_start|>assistant\n",
-    "The best way to learn a new language is",
-    "SELECT name, age FROM users WHERE",
-    "Bonjour, je m'appelle",
-    "1, 2, 3, 5, 8, 13,",
-]
 NEW_TOKENS = 64
 PPL_TEXT = (
     "The history of the bicycle begins in the early nineteenth century, when inventors in "
