@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
+import tempfile
 import time
 from typing import Any
 
@@ -23,15 +23,25 @@ def _binary(bin_dir: str, name: str) -> str:
 
 
 def _run(cmd: list[str], timeout_s: float) -> tuple[str, float]:
-    """(stdout, the child's peak RSS in MB); stderr (llama.cpp's logs) is dropped."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{os.path.basename(cmd[0])} failed ({proc.returncode}): "
-                           f"{proc.stderr[-500:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # ru_maxrss is the largest child so far: exact for the first run, a bound after
-    return proc.stdout, max(peak, before) / 1024
+    """(stdout, this child's own peak RSS in MB, from wait4); stderr (its logs) is dropped."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{os.path.basename(cmd[0])} ran past {timeout_s:.0f}s")
+            time.sleep(0.1)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(cmd[0])} failed ({proc.returncode}): "
+                               f"{err.read()[-500:].decode(errors='replace')}")
+        return out.read().decode(), usage.ru_maxrss / 1024
 
 
 def llama_bench(bin_dir: str, model: str, threads: int, n_prompt: int, n_gen: int,
@@ -47,7 +57,7 @@ def llama_bench(bin_dir: str, model: str, threads: int, n_prompt: int, n_gen: in
         if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
             result["prefill_tok_s"] = float(row["avg_ts"])
         elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
-            result["decode_tok_s"] = float(row["avg_ts"])
+            result["b1_tok_s"] = float(row["avg_ts"])
     return result
 
 
