@@ -12,22 +12,15 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import torch
-
 from sglang_like.config import ServerArgs
 from sglang_like.cpu_runtime import release_openmp_threads, trim_heap
 from sglang_like.engine_io import RequestHandle, build_output, prepare_inputs
-from sglang_like.mem_pool import KVPool
-from sglang_like.model_loader import has_int4_blocks, load_model
-from sglang_like.model_runner import ModelRunner
-from sglang_like.quant import QuantConfig, resolve_quantization
+from sglang_like.engine_setup import build_engine_parts
 from sglang_like.req import FinishReason, Req
 from sglang_like.sampling_params import SamplingParams
-from sglang_like.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
-_CPU_MAX_AUTO_SLOTS = 1 << 16
 _GRAMMAR_WAIT_S = 60.0
 
 
@@ -74,56 +67,11 @@ class Engine:
         self._loop()
 
     def _build(self, server_args: ServerArgs) -> None:
-        self.device = _resolve_device(server_args.device)
-        self.dtype = _resolve_dtype(server_args.dtype, self.device)
-        quantization = resolve_quantization(
-            server_args.quantization, device=self.device,
-            dtype_is_explicit=server_args.dtype != "auto",
-            source_has_int4_blocks=server_args.quantization == "auto"
-            and self.device.type == "cpu" and has_int4_blocks(server_args.model_path),
-        )
-        quant = QuantConfig(quantization, self.dtype)
-        kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, self.device, default=self.dtype)
-        loaded = load_model(server_args.model_path, self.dtype, keep_packed=quant.is_quantized)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        if server_args.tokenizer_path is not None:
-            from sglang_like.model_loader import load_tokenizer
-
-            self.tokenizer = load_tokenizer(server_args.tokenizer_path)
-        context_len = server_args.context_length or loaded.config.max_position_embeddings
-        num_slots = server_args.max_total_tokens or _auto_pool_size(
-            loaded.config, kv_dtype, self.device, server_args.mem_fraction_static
-        )
-        self.server_args = server_args.replace(
-            context_length=context_len, max_total_tokens=num_slots,
-            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            quantization=quantization, kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-        )
-        self.runner = ModelRunner(
-            loaded.config, loaded.weights, dtype=self.dtype, device=self.device,
-            num_kv_slots=num_slots, context_len=context_len,
-            max_running_requests=server_args.max_running_requests, quant=quant,
-            kv_dtype=kv_dtype,
-        )
-        del loaded
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
-            self.tokenizer.eos_token_ids
-        )
-        sa = self.server_args
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                pool_size=num_slots, context_len=context_len,
-                vocab_size=self.model_config.vocab_size,
-                max_running_requests=sa.max_running_requests,
-                max_prefill_tokens=sa.max_prefill_tokens,
-                chunked_prefill_size=sa.chunked_prefill_size,
-                schedule_policy=sa.schedule_policy, disable_radix_cache=sa.disable_radix_cache,
-                eviction_policy=sa.eviction_policy, enable_jump_forward=sa.enable_jump_forward,
-                random_seed=sa.random_seed,
-            ),
-            self.runner, self.tokenizer, self.eos_token_ids,
-        )
+        parts = build_engine_parts(server_args)
+        self.server_args, self.device, self.dtype = parts.server_args, parts.device, parts.dtype
+        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
+        self.runner, self.scheduler = parts.runner, parts.scheduler
+        self.eos_token_ids = parts.eos_token_ids
         self._grammar_backend: Any = None
         self._grammar_lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}
@@ -424,38 +372,3 @@ class Engine:
             handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
         if req.is_finished:
             self._handles.pop(req.rid, None)
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, device: torch.device,
-                   default: torch.dtype | None = None) -> torch.dtype:
-    if dtype == "auto":
-        if default is not None:
-            return default
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
-    return table[dtype]
-
-
-def _auto_pool_size(config: Any, dtype: torch.dtype, device: torch.device,
-                    fraction: float) -> int:
-    per_token = KVPool.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
-                                       config.head_dim, dtype)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(int(free * fraction) // per_token, 1024)
-    try:
-        import os
-
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = 8 << 30
-    return max(min(int(avail * fraction) // per_token, _CPU_MAX_AUTO_SLOTS), 1024)

@@ -7,6 +7,7 @@ import functools
 import pytest
 
 import sglang_like.engine as engine_mod
+import sglang_like.engine_setup as setup_mod
 from sglang_like.model_loader import load_model
 
 
@@ -18,8 +19,8 @@ def _cached_load(model_path, dtype, keep_packed=False):
 @pytest.fixture(scope="session")
 def make_engine():
     """Build Engines with different knobs without reloading the weights each time."""
-    original = engine_mod.load_model
-    engine_mod.load_model = _cached_load
+    original = setup_mod.load_model
+    setup_mod.load_model = _cached_load
     engines = []
 
     def factory(**kwargs):
@@ -31,4 +32,4 @@ def make_engine():
     yield factory
     for e in engines:
         e.shutdown()
-    engine_mod.load_model = original
+    setup_mod.load_model = original

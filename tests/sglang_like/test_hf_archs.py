@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-import sglang_like.engine as engine_mod
+import sglang_like.engine_setup as setup_mod
 from sglang_like import Engine
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.model_loader import load_model, load_tokenizer
@@ -131,7 +131,7 @@ def built(request, tmp_path_factory, tokenizer_json: tuple[str, int]):
     # The conftest may have swapped in a load_model cache sized for the default model; these
     # throwaway folders go around it.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_mod, "load_model", load_model)
+        mp.setattr(setup_mod, "load_model", load_model)
         engine = Engine(model_path=str(folder), max_total_tokens=4096, quantization="none")
     yield Built(case, str(folder), hf_model, hf_tokenizer, engine)
     engine.shutdown()
@@ -314,7 +314,7 @@ def test_quantized_folder_tracks_transformers(built: Built, quantization: str) -
     tied and untied heads): the logits stay near transformers' and the linears really are
     quantized."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_mod, "load_model", load_model)
+        mp.setattr(setup_mod, "load_model", load_model)
         engine = Engine(model_path=built.path, max_total_tokens=4096,
                         quantization=quantization)
     try:
