@@ -42,12 +42,12 @@ class LlamaAttention(nn.Module):
         self.sm_scale = self.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QuantLinear(quant.linear_method(hidden), hidden,
+        self.qkv_proj = QuantLinear(quant.linear_method(hidden, q_rows + 2 * kv_rows), hidden,
                                     [q_rows, kv_rows, kv_rows],
                                     ["q_proj", "k_proj", "v_proj"], bias=bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
         o_bias = bias and config.architecture != "qwen2"
-        self.o_proj = QuantLinear(quant.linear_method(q_rows), q_rows, [hidden], ["o_proj"],
+        self.o_proj = QuantLinear(quant.linear_method(q_rows, hidden), q_rows, [hidden], ["o_proj"],
                                   bias=o_bias)
         if config.qk_norm:
             dtype = quant.activation_dtype
@@ -93,9 +93,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, quant: QuantConfig) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = QuantLinear(quant.linear_method(hidden), hidden, [inter, inter],
+        self.gate_up_proj = QuantLinear(quant.linear_method(hidden, 2 * inter), hidden,
+                                        [inter, inter],
                                         ["gate_proj", "up_proj"])
-        self.down_proj = QuantLinear(quant.linear_method(inter), inter, [hidden], ["down_proj"])
+        self.down_proj = QuantLinear(quant.linear_method(inter, hidden), inter, [hidden],
+                                     ["down_proj"])
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -86,9 +86,10 @@ class QuantConfig:
     def is_quantized(self) -> bool:
         return self.name != "none"
 
-    def linear_method(self, in_features: int) -> LinearMethod:
-        """The method of a transformer-block linear with `in_features` inputs."""
-        if self.name == "int4" and in_features % 32 == 0:
+    def linear_method(self, in_features: int, out_features: int) -> LinearMethod:
+        """The method of a transformer-block linear of that shape (the int4 packer wants
+        out_features % 16 == 0 and groups that divide in_features; else int8)."""
+        if self.name == "int4" and in_features % 32 == 0 and out_features % 16 == 0:
             return _INT4 if in_features % 64 == 0 else _INT4_G32
         if self.name in ("int4", "int8"):
             return _INT8

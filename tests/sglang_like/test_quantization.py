@@ -148,10 +148,11 @@ def test_resolve_quantization(asked, device, explicit_dtype, int4_blocks, want) 
 
 def test_odd_input_width_falls_back_from_int4() -> None:
     config = QuantConfig("int4", torch.float32)
-    assert isinstance(config.linear_method(576), Int4Method)
-    assert config.linear_method(576).group_size == 64
-    assert config.linear_method(96).group_size == 32
-    assert isinstance(config.linear_method(100), Int8Method)
+    assert isinstance(config.linear_method(576, 960), Int4Method)
+    assert config.linear_method(576, 960).group_size == 64
+    assert config.linear_method(96, 960).group_size == 32
+    assert isinstance(config.linear_method(100, 960), Int8Method)
+    assert isinstance(config.linear_method(576, 970), Int8Method)  # the packer wants N % 16
     assert isinstance(config.embedding_method(), Int8EmbeddingMethod)
     if fbgemm_fp16_available():
         assert isinstance(config.head_method(), Fp16FbgemmMethod)
