@@ -440,3 +440,18 @@ def test_cli_generate_prints_the_completion(engine: Any, monkeypatch: pytest.Mon
     stop, _, at = _straddling_stop(engine, ref[3])
     assert main([*base, "--stop", stop]) == 0
     assert capsys.readouterr().out == ref[3]["text"][:at] + "\n"
+
+
+def test_load_error_on_the_loop_thread_reaches_the_caller(tmp_path: Any) -> None:
+    """The engine loads on its own loop thread; a failure there is raised in the caller and
+    the thread is gone."""
+    import threading
+
+    from sglang_like.engine import Engine
+
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="neither a .gguf file"):
+        Engine(model_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        Engine(quantization="fp8")
+    assert {t.ident for t in threading.enumerate()} <= before
