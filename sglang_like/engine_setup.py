@@ -9,9 +9,9 @@ import torch
 
 from sglang_like.config import ModelConfig, ServerArgs
 from sglang_like.mem_pool import KVPool
-from sglang_like.model_loader import has_int4_blocks, load_model
+from sglang_like.model_loader import load_model
 from sglang_like.model_runner import ModelRunner
-from sglang_like.quant import QuantConfig, resolve_quantization
+from sglang_like.quant import QuantConfig, all_int4_blocks, resolve_quantization
 from sglang_like.scheduler import Scheduler, SchedulerConfig
 from sglang_like.tokenizer import Tokenizer
 
@@ -36,14 +36,16 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     the thread that will run them: see Engine)."""
     device = _resolve_device(server_args.device)
     dtype = _resolve_dtype(server_args.dtype, device)
+    # One read of the checkpoint: GGUF blocks stay packed unless dense was asked for, and
+    # `auto` is decided from what was read (a dense method dequantizes blocks it is handed).
+    keep_packed = device.type == "cpu" and server_args.quantization != "none"
+    loaded = load_model(server_args.model_path, dtype, keep_packed=keep_packed)
     quantization = resolve_quantization(
         server_args.quantization, device=device, dtype_is_explicit=server_args.dtype != "auto",
-        source_has_int4_blocks=server_args.quantization == "auto" and device.type == "cpu"
-        and has_int4_blocks(server_args.model_path),
+        source_has_int4_blocks=all_int4_blocks(loaded.weights),
     )
     quant = QuantConfig(quantization, dtype)
     kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, device, default=dtype)
-    loaded = load_model(server_args.model_path, dtype, keep_packed=quant.is_quantized)
     tokenizer = loaded.tokenizer
     if server_args.tokenizer_path is not None:
         from sglang_like.model_loader import load_tokenizer

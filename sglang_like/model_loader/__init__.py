@@ -15,11 +15,7 @@ import os
 
 import torch
 
-from sglang_like.model_loader.gguf_loader import (
-    gguf_has_int4_blocks,
-    load_gguf,
-    load_gguf_tokenizer,
-)
+from sglang_like.model_loader.gguf_loader import load_gguf, load_gguf_tokenizer
 from sglang_like.model_loader.hf_loader import load_hf_folder
 from sglang_like.model_loader.loaded import LoadedModel, check_weights, expected_weight_shapes
 from sglang_like.tokenizer import Tokenizer
@@ -30,7 +26,6 @@ __all__ = [
     "check_weights",
     "default_model_path",
     "expected_weight_shapes",
-    "has_int4_blocks",
     "load_model",
     "load_tokenizer",
 ]
@@ -79,11 +74,6 @@ def load_model(
         return load_gguf(path, dtype, keep_packed)
     return load_hf_folder(path, dtype)
 
-
-def has_int4_blocks(model_path: str | None = None) -> bool:
-    """Whether the model is a GGUF whose block matrices are all Q4_0 / Q4_1."""
-    kind, path = _resolve(model_path)
-    return kind == "gguf" and gguf_has_int4_blocks(path)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:

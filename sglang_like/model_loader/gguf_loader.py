@@ -72,13 +72,6 @@ def gguf_model_config(
     )
 
 
-def gguf_has_int4_blocks(path: str) -> bool:
-    """Whether the file's transformer matrices are Q4_0 / Q4_1 (int4 repacks them exactly)."""
-    qtypes = {t.qtype.name for t in read_gguf(path).tensors if t.name.startswith("blk.")
-              and len(t.shape) == 2}
-    return bool(qtypes) and qtypes <= {"Q4_0", "Q4_1"}
-
-
 def load_gguf(path: str, dtype: torch.dtype = torch.float32,
               keep_packed: bool = False) -> LoadedModel:
     """Read `path`, dequantize tensors to `dtype` (or, with `keep_packed`, keep Q4_0/Q4_1/Q8_0

@@ -17,7 +17,7 @@ from sglang_like.config import QUANTIZATION_CHOICES
 from sglang_like.quant.base import LinearMethod, WeightSource, dense
 from sglang_like.quant.dense import DenseMethod
 from sglang_like.quant.fp16_fbgemm import Fp16FbgemmMethod, fbgemm_fp16_available
-from sglang_like.quant.gguf_blocks import PACKED_QTYPES, GGUFBlockWeight
+from sglang_like.quant.gguf_blocks import PACKED_QTYPES, GGUFBlockWeight, all_int4_blocks
 from sglang_like.quant.int4 import Int4Method, quantize_groups_int4
 from sglang_like.quant.int8 import (
     Int8EmbeddingMethod,
@@ -40,6 +40,7 @@ __all__ = [
     "QuantConfig",
     "QuantLinear",
     "WeightSource",
+    "all_int4_blocks",
     "dense",
     "fbgemm_fp16_available",
     "quantize_blocks_int8",

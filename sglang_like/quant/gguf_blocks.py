@@ -68,3 +68,12 @@ class GGUFBlockWeight(NamedTuple):
     def take_rows(self, index: torch.Tensor) -> GGUFBlockWeight:
         """Rows reordered by `index` (a row permutation keeps blocks whole)."""
         return self._replace(blocks=np.ascontiguousarray(np.asarray(self.blocks)[index.numpy()]))
+
+
+def all_int4_blocks(weights: dict[str, object]) -> bool:
+    """Whether every transformer-block matrix of loaded weights is a GGUF Q4_0/Q4_1 block
+    matrix (int4 then repacks the file's own codes)."""
+    matrices = [w for name, w in weights.items() if name.startswith("model.layers.")
+                and len(w.shape) == 2]
+    return bool(matrices) and all(isinstance(w, GGUFBlockWeight) and w.qtype in ("Q4_0", "Q4_1")
+                                  for w in matrices)
