@@ -1,0 +1,149 @@
+"""EAGLE-3 training: the unroll's semantics, the loss going down, resume == uninterrupted.
+
+A tiny random-init head and random "captured" conversations; no real weights."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_like.models.rotary import RotaryEmbedding
+from sglang_like.speculative.eagle_head import Eagle3Config
+from sglang_like.speculative.train_eagle import build_draft_vocab
+from sglang_like.speculative.train_eagle_core import (
+    TrainConfig,
+    build_head,
+    evaluate,
+    make_batch,
+    train_loop,
+    unroll,
+)
+
+torch.set_num_threads(1)
+
+H, VOCAB, DRAFT = 32, 96, 48
+
+
+def _config() -> Eagle3Config:
+    return Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=VOCAB, draft_vocab_size=DRAFT,
+                        target_hidden_size=H, rope_theta=10000.0, max_position_embeddings=256,
+                        aux_layer_ids=[0, 1, 2])
+
+
+def _data(n_convs: int = 12, seed: int = 0) -> tuple[list[dict], torch.Tensor, torch.Tensor,
+                                                     torch.Tensor]:
+    """Conversations whose labels are a learnable function (next token = a fixed map of the
+    current one), features random; the draft vocab holds the even target ids."""
+    g = torch.Generator().manual_seed(seed)
+    d2t = torch.arange(DRAFT)  # draft d -> target 2d
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[::2] = True
+    succ = torch.randperm(DRAFT, generator=g)  # draft id of the token after target id 2d
+    convs = []
+    for _ in range(n_convs):
+        t = int(torch.randint(9, 20, (1,), generator=g))
+        ids = [2 * int(torch.randint(0, DRAFT, (1,), generator=g))]
+        for _ in range(t - 1):
+            ids.append(2 * int(succ[ids[-1] // 2]))
+        ids_t = torch.tensor(ids, dtype=torch.int32)
+        nxt = succ[ids_t.long() // 2]
+        others = (nxt[:, None] + torch.arange(1, 4)[None, :]) % DRAFT
+        convs.append({
+            "ids": ids_t, "prompt_len": 3,
+            "features": torch.randn(t, 3 * H, generator=g).half(),
+            "label_ids": torch.cat([nxt[:, None], others], 1).to(torch.int16),
+            "label_logp": torch.tensor([-0.05, -4.0, -5.0, -6.0]).repeat(t, 1).half(),
+            "target_top1": (2 * nxt).to(torch.int32),
+        })
+    embed_table = torch.randn(VOCAB, H, generator=g)
+    return convs, embed_table, d2t, t2d
+
+
+def _rope() -> RotaryEmbedding:
+    return RotaryEmbedding(H // 4, 256, 10000.0, None, "cpu")
+
+
+def test_draft_vocab_convention() -> None:
+    d2t, t2d = build_draft_vocab([[5, 5, 5, 9, 9, 1, 7]], 12, 4, always={2})
+    target = torch.arange(4) + d2t
+    assert target.tolist() == [1, 2, 5, 9]  # 5, 9 most frequent; 1 beats 7 on the tie
+    assert target.tolist() == sorted(target.tolist())
+    assert t2d.sum() == 4 and bool(t2d[target].all())
+    assert 2 in target.tolist() and 5 in target.tolist() and 9 in target.tolist()
+
+
+def test_unroll_matches_step_by_step_drafting() -> None:
+    """Row p at step k, computed the way inference drafts (explicit key list: step-0 keys of
+    rows 0..p, then row p's own keys of steps 1..k), equals the batched unroll."""
+    convs, table, d2t, t2d = _data(2)
+    head = build_head(_config(), None, d2t, t2d, seed=1).eval()
+    rope, K = _rope(), 3
+    batch = make_batch(convs, [0, 1], table, 1024)
+    got: list[torch.Tensor] = []
+    with torch.no_grad():
+        unroll(head, batch, rope, K, collect=got)
+    c = head.config
+    group = c.num_attention_heads // c.num_key_value_heads
+    off = 0
+    with torch.no_grad():
+        for conv in convs:
+            t = conv["ids"].numel()
+            emb = table[conv["ids"].long()]
+            f0 = head.project(conv["features"])
+            # step-0 keys / values of every row
+            q0, k0, v0 = head.qkv(emb[1:], f0[:-1])
+            tab0 = rope.tables(torch.arange(t - 1))
+            k0 = tab0.rotate(k0)
+            for p in range(t - K - 1):
+                keys, vals = list(k0[: p + 1]), list(v0[: p + 1].float())
+                hidden = f0[p: p + 1]
+                for k in range(K):
+                    q, kk, vv = head.qkv(emb[p + k + 1: p + k + 2], hidden)
+                    tab = rope.tables(torch.tensor([p + k]))
+                    q, kk = tab.rotate(q), tab.rotate(kk)
+                    if k > 0:
+                        keys.append(kk[0])
+                        vals.append(vv[0].float())
+                    kt = torch.stack(keys).repeat_interleave(group, 1)  # [m, hq, d]
+                    vt = torch.stack(vals).repeat_interleave(group, 1)
+                    s = torch.einsum("hd,mhd->hm", q[0], kt) * c.head_dim ** -0.5
+                    a = torch.einsum("hm,mhd->hd", s.softmax(-1), vt).reshape(1, -1)
+                    out = head.finish(a, hidden)
+                    torch.testing.assert_close(head.logits(out)[0], got[k][off + p],
+                                               atol=1e-4, rtol=1e-4)
+                    hidden = out
+            off += t
+
+
+def test_training_lowers_loss_and_resume_matches(tmp_path) -> None:
+    convs, table, d2t, t2d = _data(12)
+    cfg = TrainConfig(unroll=3, steps=24, batch_tokens=64, lr=3e-3, warmup=4, seed=0,
+                      ckpt_every_s=1e9)
+    rope = _rope()
+
+    def fresh():
+        return build_head(_config(), table[::2].clone(), d2t, t2d, seed=3)
+
+    before = evaluate(fresh(), convs, table, rope, 3, 64)
+    full = fresh()
+    hist = train_loop(full, convs, table, rope, cfg, str(tmp_path / "a.pt"), log=lambda m: None)
+    after = evaluate(full, convs, table, rope, 3, 64)
+    assert len(hist) == 24
+    first = sum(h["loss"] for h in hist[:4]) / 4
+    last = sum(h["loss"] for h in hist[-4:]) / 4
+    assert last < 0.7 * first, (first, last)
+    assert after[0]["acc"] > before[0]["acc"] + 0.2, (before, after)
+
+    # interrupted after 10 steps (checkpoint written), then resumed by a new process-like call
+    part = fresh()
+    ck = str(tmp_path / "b.pt")
+    h1 = train_loop(part, convs, table, rope, cfg, ck, stop_after_steps=10, log=lambda m: None)
+    assert len(h1) == 10
+    torch.manual_seed(1234)  # a resumed run restores the RNG itself
+    resumed = fresh()
+    msgs: list[str] = []
+    h2 = train_loop(resumed, convs, table, rope, cfg, ck, log=msgs.append)
+    assert any("at step 10" in m for m in msgs)
+    assert [h["step"] for h in h2] == list(range(1, 25))
+    for (n, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=n)
