@@ -1,0 +1,181 @@
+"""Stages 4-5 of `train_eagle`: train the head on the captured shards, export it + its card."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from typing import Any
+
+import torch
+
+from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head, load_eagle3_head
+from sglang_like.speculative.train_eagle import (
+    _add_timing,
+    _data_stats,
+    _embedding_and_head,
+    _log,
+    _save_atomic,
+    _timings,
+)
+from sglang_like.speculative.train_eagle_core import (
+    TrainConfig,
+    build_head,
+    evaluate,
+    load_capture,
+    train_loop,
+)
+
+
+def _capture_paths(work: str) -> list[str]:
+    cdir = os.path.join(work, "capture")
+    return sorted(os.path.join(cdir, f) for f in os.listdir(cdir) if f.endswith(".pt"))
+
+
+def _split(n: int, heldout: float, seed: int) -> tuple[list[int], list[int]]:
+    order = list(range(n))
+    random.Random(seed + 17).shuffle(order)
+    k = max(1, round(n * heldout))
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def _setup(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    """Everything train and export share: vocab, embedding table, head config."""
+    vocab = torch.load(os.path.join(work, "vocab.pt"))
+    draft_to_target = torch.nonzero(vocab["t2d"]).squeeze(1)
+    cache = os.path.join(work, "embed.pt")
+    if os.path.isfile(cache):
+        saved = torch.load(cache)
+        table, facts = saved["table"], saved["facts"]
+    else:
+        embed, _, facts = _embedding_and_head(draft_to_target)
+        table = embed(torch.arange(facts["vocab_size"]))
+        _save_atomic({"table": table, "facts": facts}, cache)
+    config = Eagle3Config(
+        hidden_size=facts["hidden_size"], intermediate_size=facts["intermediate_size"],
+        num_attention_heads=facts["num_attention_heads"],
+        num_key_value_heads=facts["num_key_value_heads"], vocab_size=facts["vocab_size"],
+        draft_vocab_size=int(draft_to_target.numel()), target_hidden_size=facts["hidden_size"],
+        head_dim=facts["head_dim"], rms_norm_eps=facts["rms_norm_eps"],
+        rope_theta=facts["rope_theta"],
+        max_position_embeddings=facts["max_position_embeddings"],
+        aux_layer_ids=list(facts["aux_layers"]))
+    from sglang_like.models.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(config.head_dim, 4096 + 16, config.rope_theta, None, "cpu")
+    return {"vocab": vocab, "d2t_rows": table[draft_to_target], "table": table,
+            "config": config, "rope": rope}
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(unroll=args.unroll, steps=args.steps, batch_tokens=args.batch_tokens,
+                       lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                       clip=args.clip, seed=args.seed, ckpt_every_s=args.ckpt_every_s)
+
+
+def stage_train(args: argparse.Namespace, work: str) -> None:
+    done = os.path.join(work, "train_done.json")
+    if os.path.isfile(done):
+        _log("train: finished before, skipped")
+        return
+    t0 = time.perf_counter()
+    s = _setup(args, work)
+    convs = load_capture(_capture_paths(work))
+    train_idx, held_idx = _split(len(convs), args.heldout, args.seed)
+    train = [convs[i] for i in train_idx]
+    held = [convs[i] for i in held_idx]
+    cfg = _train_config(args)
+    head = build_head(s["config"], s["d2t_rows"], s["vocab"]["d2t"], s["vocab"]["t2d"],
+                      seed=args.seed)
+    ntok = sum(int(c["ids"].numel()) for c in train)
+    _log(f"train: {len(train)} conversations ({ntok} tokens) train, {len(held)} held out; "
+         f"K={cfg.unroll}, {cfg.steps} steps of <= {cfg.batch_tokens} tokens")
+    ckpt = os.path.join(work, "train_ckpt.pt")
+    history = train_loop(head, train, s["table"], s["rope"], cfg, ckpt, progress=True, log=_log)
+    t_train = time.perf_counter() - t0
+    _add_timing(work, "train", t_train)
+    t1 = time.perf_counter()
+    res = evaluate(head, held, s["table"], s["rope"], cfg.unroll, cfg.batch_tokens)
+    _add_timing(work, "eval", time.perf_counter() - t1)
+    epochs = cfg.steps * cfg.batch_tokens / max(ntok, 1)  # upper bound (batches are not full)
+    with open(done, "w", encoding="utf-8") as f:
+        json.dump({"heldout": res, "train_conversations": len(train), "train_tokens": ntok,
+                   "heldout_conversations": len(held), "config": vars(cfg) | {},
+                   "approx_epochs": epochs, "final_loss": history[-1]["loss"],
+                   "first_loss": history[0]["loss"]}, f, indent=2)
+    _log(f"train: {t_train:.0f}s wall; held-out top-1 per step: "
+         + " ".join(f"{r['acc']:.3f}" for r in res))
+
+
+def stage_export(args: argparse.Namespace, work: str) -> None:
+    t0 = time.perf_counter()
+    s = _setup(args, work)
+    head = Eagle3Head(s["config"])
+    ck = torch.load(os.path.join(work, "train_ckpt.pt"), weights_only=False)
+    head.load_state_dict(ck["model"])
+    os.makedirs(args.out, exist_ok=True)
+    head.save(args.out)
+    back = load_eagle3_head(args.out)
+    for name, want in head.state_dict().items():
+        got = back.state_dict()[name]
+        ref = want.half().float() if want.is_floating_point() else want
+        if not torch.equal(got, ref):
+            raise RuntimeError(f"export: {name} does not round-trip")
+    with open(os.path.join(work, "train_done.json"), encoding="utf-8") as f:
+        done = json.load(f)
+    _add_timing(work, "export", time.perf_counter() - t0)
+    _write_card(args, work, s, done)
+    _log(f"export: {args.out} written and reloaded")
+
+
+def _write_card(args: argparse.Namespace, work: str, s: dict, done: dict) -> None:
+    stats = _data_stats(work)
+    t = _timings(work)
+    cfg = done["config"]
+    rows = "\n".join(f"| {k} | {r['acc']:.3f} | {r['acc_full_vocab']:.3f} | {r['rows']} |"
+                     for k, r in enumerate(done["heldout"]))
+    size = os.path.getsize(os.path.join(args.out, "model.safetensors")) / 1e6
+    text = f"""# SmolLM2-135M-Instruct EAGLE-3 draft head
+
+An EAGLE-3 head (SGLang / SpecForge layout, `LlamaForCausalLMEagle3`, fp16, {size:.1f} MB) for
+the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, served as int4), trained on this machine
+from the default model alone by `python -m sglang_like.speculative.train_eagle`.
+
+- Target features: residual stream entering layers {s['config'].aux_layer_ids} (3 x 576),
+  captured with the serving path (`forward_features`, int4 weights as served).
+- Data: {stats['conversations']} conversations generated by the engine itself, Magpie-style:
+  the ChatML template up to `<|im_start|>user\\n` (after the default system prompt) samples a
+  user turn (temperature 1, top_p 0.95, <= {args.user_max_tokens} tokens), then the chat
+  template answers it (half greedy, half temperature 0.7 / top_p 0.95, <= {args.answer_max_tokens}
+  tokens). {stats['answer_tokens']} answer tokens, {stats['total_tokens']} tokens in all.
+- Soft labels: top-{args.label_topk} of the target's log-probabilities over the draft vocab per
+  position, renormalised over those {args.label_topk}; loss only where the label predicts an
+  answer token.
+- Draft vocabulary: {s['config'].draft_vocab_size} most frequent answer tokens (plus ids 0 and 2,
+  `<|endoftext|>` / `<|im_end|>`), covering {s['vocab']['coverage']:.2%} of answer tokens;
+  `d2t[d] = target_id - d` (target = d + d2t[d]), draft ids sorted by target id; `t2d` mask.
+- Training: training-time-test unroll K = {cfg['unroll']} (loss weight 0.8^k), {cfg['steps']}
+  AdamW steps (lr {cfg['lr']}, {cfg['warmup']} warmup, cosine to 5%, clip {cfg['clip']}) of
+  <= {cfg['batch_tokens']} packed tokens: about {done['approx_epochs']:.1f} epochs over
+  {done['train_tokens']} tokens ({done['train_conversations']} conversations). LM head
+  initialised from the target's (tied) embedding rows of the draft vocab, norms at one.
+  Loss {done['first_loss']:.3f} -> {done['final_loss']:.3f}.
+
+## Held-out accuracy ({done['heldout_conversations']} conversations, 5%)
+
+Top-1 of the head at unroll step k vs the target's argmax (over the draft vocab / over the
+full vocab: the second is what greedy verification accepts, one draft at a time).
+
+| step k | acc (draft vocab) | acc (full vocab) | rows |
+|---|---|---|---|
+{rows}
+
+## Wall time on this machine (2 cores AMD EPYC AVX2, one torch thread, shared)
+
+| stage | seconds |
+|---|---|
+""" + "\n".join(f"| {k} | {v:.0f} |" for k, v in t.items()) + "\n"
+    with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:
+        f.write(text)
