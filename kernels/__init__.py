@@ -32,6 +32,7 @@ __all__ = [
     "apply_token_bitmask_",
     "decode_attention",
     "extend_attention",
+    "masked_attention",
     "store_kv",
     "tree_verify_attention",
 ]
@@ -137,6 +138,25 @@ def tree_verify_attention(
     """
     return _backend(q).tree_verify_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, tree_mask, sm_scale
+    )
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    masks: list[torch.Tensor],
+    sm_scale: float,
+) -> torch.Tensor:
+    """Attention under a per-request mask (ragged trees mixed with extends): request b's
+    masks[b].shape[0] packed queries see its first prefix_lens[b] keys and key
+    prefix_lens[b] + j iff masks[b][i, j]. The torch reference on every device (a uniform
+    verify batch on CUDA goes through `tree_verify_attention` instead)."""
+    return reference.masked_attention(
+        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, masks, sm_scale
     )
 
 

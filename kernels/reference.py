@@ -16,6 +16,7 @@ __all__ = [
     "apply_token_bitmask_",
     "decode_attention",
     "extend_attention",
+    "masked_attention",
     "store_kv",
     "tree_verify_attention",
 ]
@@ -359,6 +360,41 @@ def tree_verify_attention(
         allowed = torch.cat([prefix_allowed, mask[b]], dim=1)
         sl = slice(b * num_draft, (b + 1) * num_draft)
         out[sl] = _attend_one(q[sl], k_pool, v_pool, slots, allowed, sm_scale)
+    return out.to(q.dtype)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    masks: list[torch.Tensor],
+    sm_scale: float,
+) -> torch.Tensor:
+    """Queries under a per-request mask over the keys after a fully visible prefix.
+
+    Request b contributes masks[b].shape[0] query rows (packed in batch order) and reads keys
+    req_to_token[r, : prefix_lens[b] + masks[b].shape[1]]; its queries see every one of the
+    first prefix_lens[b] keys and key prefix_lens[b] + j iff masks[b][i, j]. A causal mask is
+    an extend, a tree mask a speculative verify (or a draft step over the nodes so far).
+    Returns [sum of rows, Hq, D] in q's dtype.
+    """
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    device = k_pool.device
+    start = 0
+    for row, prefix_len, mask in zip(req_pool_indices.tolist(), prefix_lens.tolist(), masks,
+                                     strict=True):
+        rows, width = mask.shape
+        if rows == 0:
+            continue
+        slots = req_to_token[row, : prefix_len + width].to(device=device, dtype=torch.long)
+        allowed = torch.cat([torch.ones(rows, prefix_len, dtype=torch.bool, device=device),
+                             mask.to(device=device, dtype=torch.bool)], dim=1)
+        out[start : start + rows] = _attend_one(q[start : start + rows], k_pool, v_pool, slots,
+                                                allowed, sm_scale)
+        start += rows
     return out.to(q.dtype)
 
 

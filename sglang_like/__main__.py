@@ -9,7 +9,8 @@ import os
 import sys
 from typing import Any
 
-from sglang_like.config import QUANTIZATION_CHOICES
+from sglang_like.config import QUANTIZATION_CHOICES, ServerArgs
+from sglang_like.launch_server import add_speculative_arguments
 
 _EXIT_BAD_INPUT = 2
 _EXIT_ABORTED = 1
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights: auto (CPU: int4/int8, CUDA: none), none (exact), int8, int4")
     g.add_argument("--max-total-tokens", type=int, default=_DEFAULT_POOL_TOKENS,
                    help=f"KV pool size in tokens (default {_DEFAULT_POOL_TOKENS})")
+    add_speculative_arguments(g, ServerArgs())
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--min-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)
@@ -155,7 +157,8 @@ def generate_main(ns: argparse.Namespace) -> int:
 
     try:
         engine = Engine(model_path=ns.model_path, dtype=ns.dtype, device=ns.device,
-                        quantization=ns.quantization, max_total_tokens=ns.max_total_tokens)
+                        quantization=ns.quantization, max_total_tokens=ns.max_total_tokens,
+                        **{k: v for k, v in vars(ns).items() if k.startswith("speculative_")})
     except (ValueError, OSError) as exc:
         raise UsageError(f"cannot load the model: {exc}") from None
     try:

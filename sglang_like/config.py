@@ -45,6 +45,9 @@ class ModelConfig:
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 """Values of `--quantization` (see sglang_like.quant)."""
 
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
+"""Values of `--speculative-algorithm` (see sglang_like.speculative)."""
+
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -74,6 +77,17 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
     enable_jump_forward: bool = True
     random_seed: int = 0
+    # Speculative decoding (SGLang's switches; None -> the algorithm's default, see
+    # sglang_like.speculative.SpecConfig)
+    speculative_algorithm: str | None = None  # "EAGLE" | "EAGLE3" | "NGRAM" | None (off)
+    speculative_draft_model_path: str | None = None  # None + EAGLE*: the head shipped here
+    speculative_num_steps: int | None = None  # draft depth
+    speculative_eagle_topk: int | None = None  # beams per draft step
+    speculative_num_draft_tokens: int | None = None  # tree nodes verified per step (root too)
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_max_bfs_breadth: int = 1  # continuations a tree may branch into
+    speculative_auto_disable: bool = True  # turn off per request/batch where it does not pay
     # Server
     host: str = "127.0.0.1"
     port: int = 30000

@@ -159,6 +159,8 @@ class Engine:
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
             "num_generated_tokens": s.num_generated_tokens,
+            # speculative decoding: how many verify passes committed k tokens
+            "spec_accept_lengths": dict(sorted(s.spec_accept_lengths.items())),
             "context_length": self.server_args.context_length,
         }
 

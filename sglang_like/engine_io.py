@@ -145,6 +145,9 @@ def build_output(req: Req, tokenizer: Any, text_in_logprobs: bool, incremental: 
         "prompt_tokens": req.prompt_len,
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.num_cached_tokens,
+        # decode forwards (verify passes) of this request, as SGLang reports it; with
+        # speculation on, acceptance length = completion_tokens / spec_verify_ct
+        "spec_verify_ct": req.spec.verify_ct,
         "finish_reason": req.finished_reason.to_dict() if finished else None,
         "e2e_latency": time.perf_counter() - req.arrival_time,
         "queue_time": ((req.first_scheduled_time or time.perf_counter()) - req.arrival_time),

@@ -13,6 +13,7 @@ from sglang_like.model_loader import load_model
 from sglang_like.model_runner import ModelRunner
 from sglang_like.quant import QuantConfig, all_int4_blocks, resolve_quantization
 from sglang_like.scheduler import Scheduler, SchedulerConfig
+from sglang_like.speculative import SpecConfig, resolve_spec_config
 from sglang_like.tokenizer import Tokenizer
 
 _CPU_MAX_AUTO_SLOTS = 1 << 16
@@ -36,6 +37,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     the thread that will run them: see Engine)."""
     device = _resolve_device(server_args.device)
     dtype = _resolve_dtype(server_args.dtype, device)
+    spec = resolve_spec_config(server_args, default_model=server_args.model_path is None)
     # One read of the checkpoint: GGUF blocks stay packed unless dense was asked for, and
     # `auto` is decided from what was read (a dense method dequantizes blocks it is handed).
     keep_packed = device.type == "cpu" and server_args.quantization != "none"
@@ -66,6 +68,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         kv_dtype=kv_dtype,
     )
     eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
+    drafter = build_drafter(spec, runner) if spec is not None else None
     scheduler = Scheduler(
         SchedulerConfig(
             pool_size=num_slots, context_len=context_len, vocab_size=loaded.config.vocab_size,
@@ -74,10 +77,23 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
             chunked_prefill_size=sa.chunked_prefill_size, schedule_policy=sa.schedule_policy,
             disable_radix_cache=sa.disable_radix_cache, eviction_policy=sa.eviction_policy,
             enable_jump_forward=sa.enable_jump_forward, random_seed=sa.random_seed,
+            speculative_auto_disable=sa.speculative_auto_disable,
         ),
-        runner, tokenizer, eos,
+        runner, tokenizer, eos, drafter,
     )
     return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos)
+
+
+def build_drafter(spec: SpecConfig, runner: ModelRunner) -> Any:
+    """The drafter `spec` names, attached to the target's runner."""
+    if spec.algorithm == "NGRAM":
+        from sglang_like.speculative.ngram import NgramDrafter
+
+        return NgramDrafter(spec.num_draft_tokens, spec.ngram_min_window, spec.ngram_max_window,
+                            spec.ngram_breadth)
+    from sglang_like.speculative.eagle import EagleDrafter
+
+    return EagleDrafter(spec, runner)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -26,6 +26,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [L] int64: token rows whose logits the caller wants
     req_to_token: torch.Tensor  # [num_rows, max_context] int32 (the pool's table)
     tree_mask: torch.Tensor | None = None  # [B, N, N] bool for speculative verify
+    # per request, bool [extend_len, m]: its queries see the first prefix_len keys and key
+    # prefix_len + j iff mask[i, j] (trees of any size beside causal extends; see
+    # kernels.masked_attention). Positions are then given, not derived.
+    custom_masks: list[torch.Tensor] | None = None
     is_decode: bool = False  # every extend_len == 1 and no tree mask
     seq_lens: torch.Tensor = field(init=False)  # [B] prefix + extend, built once per forward
 

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from sglang_like.config import QUANTIZATION_CHOICES, ServerArgs
+from sglang_like.config import QUANTIZATION_CHOICES, SPECULATIVE_ALGORITHMS, ServerArgs
 
 logger = logging.getLogger("sglang_like.launch_server")
 
@@ -57,10 +57,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grammar-backend", default=d.grammar_backend,
                    choices=["xgrammar", "outlines"])
     p.add_argument("--random-seed", type=int, default=d.random_seed)
+    add_speculative_arguments(p, d)
     p.add_argument("--log-level", default=d.log_level, choices=_LOG_LEVELS)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before being aborted")
     return p
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
+    """SGLang's speculative-decoding switches (shared by the server and the CLI)."""
+    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm,
+                   type=lambda s: s.upper(), choices=list(SPECULATIVE_ALGORITHMS),
+                   help="EAGLE/EAGLE3 (a draft head; the default model ships one) or NGRAM")
+    p.add_argument("--speculative-draft-model-path", default=d.speculative_draft_model_path,
+                   help="folder of an EAGLE/EAGLE3 head in SGLang's layout")
+    p.add_argument("--speculative-num-steps", type=int, default=d.speculative_num_steps)
+    p.add_argument("--speculative-eagle-topk", type=int, default=d.speculative_eagle_topk)
+    p.add_argument("--speculative-num-draft-tokens", type=int,
+                   default=d.speculative_num_draft_tokens)
+    p.add_argument("--speculative-ngram-min-match-window-size", type=int,
+                   default=d.speculative_ngram_min_match_window_size)
+    p.add_argument("--speculative-ngram-max-match-window-size", type=int,
+                   default=d.speculative_ngram_max_match_window_size)
+    p.add_argument("--speculative-ngram-max-bfs-breadth", type=int,
+                   default=d.speculative_ngram_max_bfs_breadth)
+    p.add_argument("--disable-speculative-auto-disable", dest="speculative_auto_disable",
+                   action="store_false", default=d.speculative_auto_disable,
+                   help="speculate on every step, even where it measured as not paying")
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:

@@ -54,11 +54,30 @@ class ModelRunner:
             model_config.head_dim, kv_dtype or dtype, device,
         )
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len, device)
+        self.aux_layers: tuple[int, ...] = ()  # set by an EAGLE-3 drafter
+        self.last_features: torch.Tensor | None = None
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         dev = self.device
-        positions = [p for pre, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)
-                     for p in range(pre, pre + n)]
+        custom_masks = tree_mask = None
+        if batch.has_trees:
+            positions = []
+            custom_masks = []
+            for pre, n, tree in zip(batch.prefix_lens, batch.extend_lens, batch.trees,
+                                    strict=True):
+                if tree is None:
+                    positions += range(pre, pre + n)
+                    custom_masks.append(torch.ones(n, n, dtype=torch.bool).tril_())
+                else:
+                    positions += [pre + d for d in tree.depth]
+                    custom_masks.append(tree.mask())
+            if dev.type == "cuda" and all(t is not None for t in batch.trees) and len(
+                    set(batch.extend_lens)) == 1:
+                # a uniform verify batch: the Triton tree kernel
+                tree_mask, custom_masks = torch.stack(custom_masks).to(dev), None
+        else:
+            positions = [p for pre, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)
+                         for p in range(pre, pre + n)]
         return ForwardBatch(
             input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -69,10 +88,18 @@ class ModelRunner:
             extend_lens=torch.tensor(batch.extend_lens, dtype=torch.long, device=dev),
             logits_indices=torch.tensor(batch.logits_rows, dtype=torch.long, device=dev),
             req_to_token=self.req_to_token_pool.req_to_token,
+            tree_mask=tree_mask,
+            custom_masks=custom_masks,
             is_decode=batch.is_decode,
         )
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_rows), vocab] float32 on CPU."""
+        """Logits [len(batch.logits_rows), vocab] float32 on CPU. With `aux_layers` set (an
+        EAGLE-3 drafter is on), the target's features of every token row are kept in
+        `last_features` [num_tokens, 3 * hidden] for the drafter."""
         fb = self.build_forward_batch(batch)
+        if self.aux_layers:
+            logits, self.last_features = self.model.forward_features(fb, self.kv_pool,
+                                                                     self.aux_layers)
+            return logits.float().cpu()
         return self.model(fb, self.kv_pool).float().cpu()

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from sglang_like.sampling_params import SamplingParams
+from sglang_like.speculative.controller import SpecState
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Req:
         self.grammar: Any = None  # constrained.Grammar, or None
         self.invalid_message: str | None = None  # a grammar that failed to compile
         self.generator: torch.Generator | None = None
+        self.spec = SpecState()  # speculative decoding: counters and drafter state
         self.finished_reason: FinishReason | None = None
         self.logprobs = Logprobs()
         # next prompt position whose logprob is still to be collected

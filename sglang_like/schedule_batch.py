@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sglang_like.req import Req
+from sglang_like.speculative.tree import DraftTree
 
 
 @dataclass
@@ -26,6 +27,9 @@ class ScheduleBatch:
     logits_rows: list[int] = field(default_factory=list)
     sample_index: list[int] = field(default_factory=list)
     input_logprob_rows: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    # a speculative verify: request i's rows are its tree's nodes (else None); its logits
+    # rows are all N nodes, from sample_index[i] on
+    trees: list[DraftTree | None] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -37,7 +41,24 @@ class ScheduleBatch:
 
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.extend_lens)
+        return all(n == 1 for n in self.extend_lens) and not self.has_trees
+
+    @property
+    def has_trees(self) -> bool:
+        return any(t is not None for t in self.trees)
+
+    def add_tree(self, req: Req, tree: DraftTree, slots: list[int]) -> None:
+        """Append a verify of `tree` (root = req's last token) on freshly allocated slots."""
+        start_row = len(self.input_ids)
+        self.reqs.append(req)
+        self.prefix_lens.append(req.kv_len)
+        self.extend_lens.append(tree.num_nodes)
+        self.input_ids += tree.tokens
+        self.out_slots += slots
+        self.input_logprob_rows.append([])
+        self.sample_index.append(len(self.logits_rows))
+        self.logits_rows += range(start_row, start_row + tree.num_nodes)
+        self.trees.append(tree)
 
     def add(self, req: Req, extend_len: int, slots: list[int]) -> None:
         """Append req's next `extend_len` tokens, with their freshly allocated KV slots."""
@@ -58,6 +79,7 @@ class ScheduleBatch:
                 self.logits_rows.append(start_row + (pos - 1 - prefix_len))
             req.input_logprob_next_pos = max(req.input_logprob_next_pos, end)
         self.input_logprob_rows.append(lp_rows)
+        self.trees.append(None)
         if prefix_len + extend_len == req.seq_len:
             self.sample_index.append(len(self.logits_rows))
             self.logits_rows.append(start_row + extend_len - 1)

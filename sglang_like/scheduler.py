@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import time
@@ -18,6 +19,9 @@ from sglang_like.req import FinishReason, Req
 from sglang_like.sampler import Sampler
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.schedule_policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
+from sglang_like.speculative.controller import SpecController, propose_trees
+from sglang_like.speculative.tree import DraftTree
+from sglang_like.speculative.verify import TreeWalk, accept_trees
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class SchedulerConfig:
     enable_jump_forward: bool = True
     random_seed: int = 0
     check_accounting: bool = False  # assert the pool invariant after every step (tests)
+    speculative_auto_disable: bool = True  # speculate only where measured to pay
 
     @property
     def prefill_budget(self) -> int:
@@ -68,7 +73,9 @@ class Scheduler:
     thread calls add_request / abort / step; nothing else touches a Req while it is here."""
 
     def __init__(self, config: SchedulerConfig, runner: ModelRunnerLike, tokenizer: Any,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], drafter: Any = None) -> None:
+        """`drafter` (speculative decoding, optional): `propose(reqs, max_depths, sched) ->
+        list[DraftTree | None]`; it may also have `after_forward(batch, walks, sched)`."""
         self.config = config
         self.runner = runner
         allocator = KVSlotAllocator(config.pool_size)
@@ -80,6 +87,9 @@ class Scheduler:
         self.running: list[Req] = []
         self._rng = random.Random(config.random_seed)
         self._finished_outside_step: list[Req] = []
+        self.drafter = drafter
+        self.spec_controller = SpecController(enabled=config.speculative_auto_disable)
+        self.spec_accept_lengths: collections.Counter[int] = collections.Counter()
         # statistics
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
@@ -139,9 +149,15 @@ class Scheduler:
         self._finished_outside_step = []
         batch = self._schedule(touched)
         if batch.batch_size:
+            start = time.perf_counter()
             logits = self.runner.forward(batch)
+            self.spec_controller.record_forward(batch.num_tokens, time.perf_counter() - start)
             self.num_forward_steps += 1
-            touched += self._process(batch, logits)
+            walks: list[TreeWalk] = []
+            touched += self._process(batch, logits, walks)
+            after = getattr(self.drafter, "after_forward", None)
+            if after is not None:
+                after(batch, walks, self)
         if self.config.check_accounting:
             self.cache.check_accounting(self.running)
         return touched
@@ -159,10 +175,18 @@ class Scheduler:
             if not self._retract_one(touched):
                 break
             decoders = [r for r in self.running if r.num_uncomputed == 1]
+        trees = self._propose_trees(decoders)
         budget = self.config.prefill_budget
         for req in list(self.running):
             if req not in self.running:
                 continue  # retracted below to make room for an earlier one
+            tree = trees.get(id(req))
+            if tree is not None:
+                slots = self.cache.alloc_slots(tree.num_nodes)
+                if slots is not None:
+                    self.cache.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
+                    batch.add_tree(req, tree, slots)
+                    continue
             n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget)
             if n > 1 and not self.config.is_chunking and n < req.num_uncomputed:
                 continue
@@ -187,6 +211,9 @@ class Scheduler:
             if n > 1:
                 budget -= n
             self._add_to_batch(batch, req, n, slots)
+
+    def _propose_trees(self, decoders: list[Req]) -> dict[int, DraftTree]:
+        return propose_trees(self, decoders) if self.drafter is not None else {}
 
     def _schedule_waiting(self, batch: ScheduleBatch, touched: list[Req]) -> None:
         budget = self.config.prefill_budget - sum(n for n in batch.extend_lens if n > 1)
@@ -264,13 +291,22 @@ class Scheduler:
         logger.info("retracted %s to free KV slots", victim.rid)
 
     # ---- after the forward ---------------------------------------------------------------
-    def _process(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+    def _process(self, batch: ScheduleBatch, logits: torch.Tensor,
+                 walks: list[TreeWalk]) -> list[Req]:
         touched: list[Req] = []
         for i, req in enumerate(batch.reqs):
+            tree = batch.trees[i]
+            if tree is not None:  # a verify: its nodes are committed as the walk accepts them
+                first = sum(batch.extend_lens[:i])
+                walks.append(TreeWalk(req, tree, batch.out_slots[first : first + tree.num_nodes],
+                                      batch.sample_index[i]))
+                continue
             req.kv_len += batch.extend_lens[i]
         self._record_input_logprobs(batch, logits)
         to_sample: list[int] = []
         for i, req in enumerate(batch.reqs):
+            if batch.trees[i] is not None:
+                continue
             if batch.sample_index[i] < 0 or not req.output_ids:
                 self.cache.cache_computed_prefix(req)  # a prompt (or chunk) just computed
             if batch.sample_index[i] < 0:
@@ -286,12 +322,17 @@ class Scheduler:
             result = self.sampler.sample(rows, reqs, bitmask)
             for j, req in enumerate(reqs):
                 self.num_generated_tokens += 1
+                if self.drafter is not None and req.output_ids:
+                    req.spec.verify_ct += 1  # a decode forward without a tree counts as one
+                    self.spec_accept_lengths[1] += 1
                 self.outputs.append_token(req, result.next_token_ids[j], result.logprobs[j],
                                           result.top_logprobs[j])
                 if req.is_finished:
                     self._end(req, req.finished_reason, touched)
                 else:
                     touched.append(req)
+        if walks:
+            accept_trees(self, walks, logits, touched)
         return touched
 
     def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:

@@ -32,6 +32,23 @@ class RMSNorm(nn.Module):
         return torch.mul(xf, inv).mul_(self.weight).to(self.out_dtype)
 
 
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fb: ForwardBatch,
+           sm_scale: float) -> torch.Tensor:
+    """The attention kernel this forward's shape calls for (K/V of its tokens stored)."""
+    if fb.custom_masks is not None:
+        return kernels.masked_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
+                                        fb.prefix_lens, fb.custom_masks, sm_scale)
+    if fb.tree_mask is not None:
+        return kernels.tree_verify_attention(q, k_pool, v_pool, fb.req_to_token,
+                                             fb.req_pool_indices, fb.prefix_lens, fb.tree_mask,
+                                             sm_scale)
+    if fb.is_decode:
+        return kernels.decode_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
+                                        fb.seq_lens, sm_scale)
+    return kernels.extend_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
+                                    fb.prefix_lens, fb.extend_lens, sm_scale)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig) -> None:
         super().__init__()
@@ -71,21 +88,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_pool, v_pool = pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id]
         kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
-        if fb.tree_mask is not None:
-            out = kernels.tree_verify_attention(
-                q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
-                fb.tree_mask, self.sm_scale,
-            )
-        elif fb.is_decode:
-            out = kernels.decode_attention(
-                q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                self.sm_scale,
-            )
-        else:
-            out = kernels.extend_attention(
-                q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
-                fb.extend_lens, self.sm_scale,
-            )
+        out = attend(q, k_pool, v_pool, fb, self.sm_scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -166,13 +169,30 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        return self.forward_features(fb, pool, ())[0]
+
+    @torch.inference_mode()
+    def forward_features(self, fb: ForwardBatch, pool: KVPool, aux_layers: tuple[int, ...]
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, features): features [T, len(aux_layers) * hidden] float32 are the residual
+        stream entering each layer in `aux_layers` (SGLang's EAGLE-3 capture), for every token
+        row; None when `aux_layers` is empty."""
         embed = self.model.embed_tokens
         x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
         rope = self.rope.tables(fb.positions)  # gathered once, used by every layer
-        for layer in self.model.layers:
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                aux.append(x.float())
             x = layer(x, fb, rope, pool)
         x = self.model.norm(x[fb.logits_indices])
-        return self.lm_head(x).float()
+        features = torch.cat(aux, dim=-1) if aux else None
+        return self.lm_head(x).float(), features
+
+    def default_aux_layers(self) -> tuple[int, ...]:
+        """SGLang's default EAGLE-3 capture: low, middle and high layers."""
+        n = self.config.num_hidden_layers
+        return (min(2, n - 1), n // 2, max(n - 3, 0))
 
     def load_weights(self, weights: dict[str, WeightSource], device: torch.device) -> None:
         """Build every layer's weights from Hugging Face-named sources (dense tensors or GGUF

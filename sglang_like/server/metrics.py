@@ -12,6 +12,7 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0,
 )
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
 class ServerMetrics:
@@ -35,6 +36,11 @@ class ServerMetrics:
         self.queue_time = Histogram(
             _PREFIX + "queue_time_seconds", "Time a request waited before its first prefill.",
             buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.spec_accept_length = Histogram(
+            _PREFIX + "spec_accept_length", "Tokens per verify pass of finished speculative "
+            "requests (completion tokens / spec_verify_ct).",
+            buckets=_ACCEPT_BUCKETS, registry=r,
         )
         self.prompt_tokens = Counter(
             _PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
@@ -79,6 +85,10 @@ class ServerMetrics:
         reason = meta_info.get("finish_reason")
         kind = reason.get("type", "unknown") if isinstance(reason, dict) else "unknown"
         self.requests.labels(finish_reason=str(kind)).inc()
+        verifies = meta_info.get("spec_verify_ct")
+        tokens = meta_info.get("completion_tokens")
+        if isinstance(verifies, int) and verifies > 0 and isinstance(tokens, int):
+            self.spec_accept_length.observe(tokens / verifies)
         e2e = meta_info.get("e2e_latency")
         if isinstance(e2e, (int, float)) and e2e >= 0:
             self.e2e_latency.observe(e2e)

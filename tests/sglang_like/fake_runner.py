@@ -33,6 +33,37 @@ def expected_continuation(prompt: list[int], num_tokens: int) -> list[int]:
     return seq[len(prompt) :]
 
 
+class ScriptedDrafter:
+    """Drafts trees whose first `right` tokens follow the script and then go wrong, with a
+    wrong sibling at every depth: verifies accept a known number of tokens."""
+
+    def __init__(self, depth: int, right: int, branch: bool = True) -> None:
+        self.depth, self.right, self.branch = depth, right, branch
+        self.num_proposed = 0
+
+    def propose(self, reqs, max_depths, sched):
+        trees = []
+        for req, cap in zip(reqs, max_depths, strict=True):
+            from sglang_like.speculative.tree import DraftTree
+
+            seq = list(req.fill_ids)
+            tokens, parents = [seq[-1]], [-1]
+            node = 0
+            for d in range(min(self.depth, cap)):
+                true = next_token(seq)
+                tok = true if d < self.right else FIRST_TOKEN + (true + 7) % SPAN
+                if self.branch:  # a wrong sibling first: the walk must pick the right child
+                    tokens.append(FIRST_TOKEN + (true + 13) % SPAN)
+                    parents.append(node)
+                tokens.append(tok)
+                parents.append(node)
+                node = len(tokens) - 1
+                seq.append(tok)
+            self.num_proposed += 1
+            trees.append(DraftTree(tokens, parents))
+        return trees
+
+
 class FakeRunner:
     def __init__(self, num_slots: int, max_rows: int, context_len: int) -> None:
         self.req_to_token_pool = ReqToTokenPool(max_rows, context_len, "cpu")
@@ -44,16 +75,28 @@ class FakeRunner:
         for slot, tok in zip(batch.out_slots, batch.input_ids, strict=True):
             assert self.slot_tokens[slot] == -1 or slot != 0, "slot 0 is padding"
             self.slot_tokens[slot] = tok
-        row_of_token: list[tuple[int, int]] = []
-        for i, req in enumerate(batch.reqs):
-            for j in range(batch.extend_lens[i]):
-                row_of_token.append((req.req_pool_idx, batch.prefix_lens[i] + j))
-        logits = torch.full((len(batch.logits_rows), VOCAB), -10.0)
         table = self.req_to_token_pool.req_to_token
+        # the slots each token row attends to: its prefix, then itself causally, or (a tree
+        # node of a verify) its ancestors and itself
+        keys_of_row: list[list[int]] = []
+        start = 0
+        for i, req in enumerate(batch.reqs):
+            prefix = table[req.req_pool_idx, : batch.prefix_lens[i]].tolist()
+            tree = batch.trees[i] if batch.trees else None
+            for j in range(batch.extend_lens[i]):
+                if tree is None:
+                    own = batch.out_slots[start : start + j + 1]
+                else:
+                    chain, node = [], j
+                    while node >= 0:
+                        chain.append(batch.out_slots[start + node])
+                        node = tree.parents[node]
+                    own = chain[::-1]
+                keys_of_row.append(prefix + own)
+            start += batch.extend_lens[i]
+        logits = torch.full((len(batch.logits_rows), VOCAB), -10.0)
         for k, token_row in enumerate(batch.logits_rows):
-            row, pos = row_of_token[token_row]
-            slots = table[row, : pos + 1].tolist()
-            seq = [self.slot_tokens[s] for s in slots]
+            seq = [self.slot_tokens[s] for s in keys_of_row[token_row]]
             assert -1 not in seq, "read a slot nobody wrote"
             logits[k, next_token(seq)] = 10.0
         return logits

@@ -11,7 +11,7 @@ from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.scheduler import Scheduler, SchedulerConfig
 
-from .fake_runner import VOCAB, FakeRunner, expected_continuation
+from .fake_runner import VOCAB, FakeRunner, ScriptedDrafter, expected_continuation
 
 EOS = frozenset({0, 2})
 
@@ -235,3 +235,67 @@ def test_fill_slice_equals_slicing_fill_ids(start, end):
     r = req("s", [10, 11, 12, 13], max_new=4)
     r.output_ids = [20, 21, 22]
     assert r.fill_slice(start, end) == r.fill_ids[start:end]
+
+
+# ---- speculative verify through the scheduler (scripted drafter) ------------------------------
+
+def make_spec(tokenizer, drafter, **kw):
+    sched, runner = make(tokenizer, **kw)
+    sched.drafter = drafter
+    sched.spec_controller.enabled = False  # verify every step: the accounting is the point
+    return sched, runner
+
+
+@pytest.mark.parametrize("right", [0, 1, 3, 5])
+def test_verify_accepts_the_agreeing_prefix_and_frees_the_rest(tokenizer, right):
+    drafter = ScriptedDrafter(depth=4, right=right)
+    sched, runner = make_spec(tokenizer, drafter)
+    rng = random.Random(right)
+    prompts = prompts_with_shared_prefix(rng, 4, 30, 10)
+    for i, p in enumerate(prompts):
+        sched.add_request(req(f"r{i}", p, max_new=23))
+    done = run(sched)
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"].output_ids == expected_continuation(p, 23)
+        # every verify commits min(right, 4) drafts + the bonus, until the budget runs out
+        assert done[f"r{i}"].spec.accepted_drafts >= min(right, 4) * (
+            23 // (min(right, 4) + 1) - 1)
+    assert drafter.num_proposed > 0
+    assert_pool_clean(sched)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_with_speculation_keep_pool_accounting(tokenizer, seed):
+    """As above with a verify tree every decode step: tree slots are allocated and the
+    rejected ones freed in the same step (the invariant is checked after every step), under
+    retraction in tiny pools and aborts; outputs still follow the script."""
+    rng = random.Random(100 + seed)
+    drafter = ScriptedDrafter(depth=rng.randint(1, 5), right=rng.randint(0, 5),
+                              branch=bool(seed % 2))
+    sched, _ = make_spec(tokenizer, drafter, pool_size=rng.choice([48, 64, 96, 160]),
+                         chunk=rng.choice([None, 8, 24]), max_running=rng.choice([2, 4, 8]),
+                         policy=rng.choice(["lpm", "fcfs"]))
+    prompts = prompts_with_shared_prefix(rng, 10, rng.randint(0, 20), 15)
+    max_news = [rng.randint(0, 25) for _ in prompts]
+    pending = list(enumerate(prompts))
+    aborted: set[str] = set()
+    done = {}
+    while pending or sched.has_work:
+        if pending and rng.random() < 0.5:
+            i, p = pending.pop(0)
+            sched.add_request(req(f"w{i}", p, max_new=max_news[i]))
+        if rng.random() < 0.08:
+            live = [r.rid for r in sched.running + sched.waiting]
+            if live and sched.abort(victim := rng.choice(live)):
+                aborted.add(victim)
+        for r in sched.step():
+            if r.is_finished:
+                done[r.rid] = r
+    for i, p in enumerate(prompts):
+        r = done[f"w{i}"]
+        if r.rid in aborted or r.finished_reason.type == "abort":
+            continue
+        assert r.output_ids == expected_continuation(p, max_news[i])
+    assert drafter.num_proposed > 0
+    assert sum(sched.spec_accept_lengths.values()) > 0
+    assert_pool_clean(sched)

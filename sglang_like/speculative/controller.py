@@ -1,0 +1,110 @@
+"""When to speculate: a measured cost model, so speculation is never a net slowdown.
+
+A verify pass of N nodes per request costs more than a one-token decode (on CPU the int
+kernels' time grows with rows), and a request whose drafts keep failing gains nothing. The
+controller keeps what it measured: the forward's wall time per number of token rows, and per
+request the tokens each verify committed (an exponential moving average). A step speculates
+when the expected tokens per second with the trees beat those without them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_like.req import Req
+    from sglang_like.scheduler import Scheduler
+    from sglang_like.speculative.tree import DraftTree
+
+# A request whose verifies commit fewer than this many tokens on average stops drafting for
+# a while, then tries again (text changes: a copy-heavy stretch may follow a free one).
+_MIN_USEFUL_ACCEPT = 1.3
+_BACKOFF_STEPS = 32
+_EMA = 0.3
+
+
+@dataclass
+class SpecState:
+    """Per-request speculation state (lives on the Req)."""
+
+    verify_ct: int = 0  # decode forwards of this request (plain or tree): SGLang's spec_verify_ct
+    accepted_drafts: int = 0  # drafted tokens the target kept
+    accept_ema: float | None = None  # tokens committed per tree verify
+    backoff_until: int = 0  # the controller's step count before which it does not draft
+    ngram: object | None = None  # NgramIndex
+    eagle: object | None = None  # EAGLE drafter state: next-step candidates, feature
+
+
+def _bucket(num_rows: int) -> int:
+    return num_rows if num_rows <= 64 else 1 << math.ceil(math.log2(num_rows))
+
+
+@dataclass
+class SpecController:
+    enabled: bool = True  # False: always speculate where a draft exists (tests, benchmarks)
+    step: int = 0
+    cost: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds (EMA)
+
+    def record_forward(self, num_rows: int, seconds: float) -> None:
+        self.step += 1
+        b = _bucket(num_rows)
+        old = self.cost.get(b)
+        self.cost[b] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def record_verify(self, state: SpecState, committed: int) -> None:
+        state.accept_ema = committed if state.accept_ema is None else (
+            (1 - _EMA) * state.accept_ema + _EMA * committed)
+        if self.enabled and state.accept_ema < _MIN_USEFUL_ACCEPT:
+            state.backoff_until = self.step + _BACKOFF_STEPS
+            state.accept_ema = None  # the next try starts afresh
+
+    def may_draft(self, state: SpecState) -> bool:
+        return not self.enabled or self.step >= state.backoff_until
+
+    def worth_it(self, base_rows: int, base_tokens: float, tree_rows: int,
+                 tree_tokens: float) -> bool:
+        """base: the step without trees (rows run, tokens it commits); tree: with them."""
+        if not self.enabled:
+            return True
+        c_base, c_tree = self.cost.get(_bucket(base_rows)), self.cost.get(_bucket(tree_rows))
+        if c_tree is None:
+            return True  # not measured yet: try it
+        if c_base is None:
+            return False  # measure the plain step once, to compare
+        return tree_tokens / c_tree > base_tokens / c_base
+
+    def expected_tokens(self, state: SpecState, num_nodes: int) -> float:
+        """Tokens a verify of this request is expected to commit (optimistic when unknown)."""
+        if state.accept_ema is None:
+            return 1.0 + 0.5 * (num_nodes - 1)
+        return state.accept_ema
+
+
+def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]:
+    """Draft trees for this step's decoders (by id of the Req); {} when speculation is
+    off, the pool is short, or the controller expects it not to pay."""
+    if sched.drafter is None or not decoders:
+        return {}
+    ctl = sched.spec_controller
+    eligible, depths = [], []
+    for req in decoders:
+        depth = min(req.sampling_params.max_new_tokens - len(req.output_ids),
+                    sched.config.context_len - req.seq_len) - 1
+        if req.is_decoding and depth >= 1 and ctl.may_draft(req.spec):
+            eligible.append(req)
+            depths.append(depth)
+    if not eligible:
+        return {}
+    proposed = sched.drafter.propose(eligible, depths, sched)
+    trees = {id(r): t for r, t in zip(eligible, proposed, strict=True) if t is not None}
+    extra = sum(t.num_nodes - 1 for t in trees.values())
+    if not trees or len(decoders) + extra > sched.cache.num_available_slots:
+        return {}
+    expected = sum(ctl.expected_tokens(r.spec, trees[id(r)].num_nodes)
+                   for r in eligible if id(r) in trees)
+    base = len(decoders)
+    if not ctl.worth_it(base, base, base + extra, base - len(trees) + expected):
+        return {}
+    return trees

@@ -1,0 +1,281 @@
+"""EAGLE-3 drafting: a one-layer head over the target's features proposes a token tree.
+
+Positions. A request with seq_len n has target K/V for positions [0, n - 1) (its last token,
+the root, is the next forward's input). The head's K/V at position p is computed from the
+token at p + 1 and the target's features at p, so after each target forward the drafter runs
+the head over the positions that forward committed (`after_forward`); the output at the last
+one predicts the token after the root: the depth-1 candidates. A node at depth d sits at
+draft position n - 2 + d, its input being its token and the head's output at its parent.
+
+KV. The head's K/V live in their own one-layer pool addressed by the same slot ids as the
+target's, so a radix hit hands the draft its prefix too (only committed tokens are ever
+written there by an extend). Draft steps write their nodes' K/V into scratch slots that are
+allocated and freed within `propose`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang_like.forward_batch import ForwardBatch
+from sglang_like.mem_pool import KVPool
+from sglang_like.models.llama import attend
+from sglang_like.models.rotary import RotaryEmbedding
+from sglang_like.speculative.eagle_head import Eagle3Head, load_eagle3_head
+from sglang_like.speculative.tree import DraftTree
+
+if TYPE_CHECKING:
+    from sglang_like.model_runner import ModelRunner
+    from sglang_like.req import Req
+    from sglang_like.schedule_batch import ScheduleBatch
+    from sglang_like.scheduler import Scheduler
+    from sglang_like.speculative import SpecConfig
+    from sglang_like.speculative.verify import TreeWalk
+
+
+@dataclass
+class EagleState:
+    """What the head's last extend left for the next tree: candidates for the token after
+    the root (target ids, log-probs) and the output feature they came from."""
+
+    cand_ids: list[int]
+    cand_logprobs: list[float]
+    hidden: torch.Tensor  # [H]
+    position: int  # draft position of that output (= kv_len - 1 when fresh)
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index into the request's node list; -1: the root
+    score: float
+    feature: torch.Tensor | None  # the head output that predicted it (its input feature)
+    slot: int = 0  # scratch slot once forwarded
+
+
+class EagleDrafter:
+    def __init__(self, spec: SpecConfig, runner: ModelRunner) -> None:
+        self.spec = spec
+        self.runner = runner
+        self.head: Eagle3Head = load_eagle3_head(spec.draft_model_path, runner.device)
+        hc, tc = self.head.config, runner.model_config
+        if hc.vocab_size != tc.vocab_size or hc.target_hidden_size != tc.hidden_size:
+            raise ValueError(
+                f"draft head {spec.draft_model_path!r} was trained for a target with vocab "
+                f"{hc.vocab_size} and hidden {hc.target_hidden_size}; this model has "
+                f"{tc.vocab_size} and {tc.hidden_size}")
+        aux = tuple(hc.aux_layer_ids) or runner.model.default_aux_layers()
+        runner.aux_layers = aux
+        self.pool = KVPool(runner.kv_pool.num_slots, 1, hc.num_key_value_heads, hc.head_dim,
+                           torch.float32, runner.device)
+        context = runner.req_to_token_pool.req_to_token.shape[1]
+        self.rope = RotaryEmbedding(hc.head_dim, context + 1, hc.rope_theta, None,
+                                    runner.device)
+        self.sm_scale = hc.head_dim ** -0.5
+        self.num_forwards = 0
+
+    # ---- the head over the pool ----------------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = self.runner.model.model.embed_tokens
+        return emb.method.embed(emb, ids).float()
+
+    @torch.inference_mode()
+    def _forward(self, fb: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
+        """Head outputs [T, H] of fb's rows, their K/V written to the draft pool."""
+        head = self.head
+        hidden = head.project(features)
+        q, k, v = head.qkv(self._embed(fb.input_ids), hidden)
+        tables = self.rope.tables(fb.positions)
+        q, k = tables.rotate(q), tables.rotate(k)
+        k_pool, v_pool = self.pool.k_buffers[0], self.pool.v_buffers[0]
+        import kernels
+
+        kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
+        out = attend(q, k_pool, v_pool, fb, self.sm_scale)
+        self.num_forwards += 1
+        return head.finish(out.reshape(out.shape[0], -1), hidden)
+
+    def _candidates(self, outs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of the head's distribution: (target ids [R, k], log-probs [R, k])."""
+        lp = torch.log_softmax(self.head.logits(outs), dim=-1)
+        values, ids = torch.topk(lp, k, dim=-1)
+        return self.head.to_target_ids(ids), values
+
+    # ---- after each target forward: extend the head over the committed positions --------
+    def after_forward(self, batch: ScheduleBatch, walks: list[TreeWalk],
+                      sched: Scheduler) -> None:
+        features = self.runner.last_features
+        if features is None:
+            return
+        walk_of = {id(w.req): w for w in walks}
+        table = self.runner.req_to_token_pool.req_to_token
+        ids, pos, slots, rows, prefix, lens, reqs = [], [], [], [], [], [], []
+        row_start = 0
+        for i, req in enumerate(batch.reqs):
+            n = batch.extend_lens[i]
+            first = batch.prefix_lens[i]
+            w = walk_of.get(id(req))
+            if w is not None:
+                feat_rows = [row_start + j for j in w.committed]
+            else:
+                feat_rows = list(range(row_start, row_start + n))
+            row_start += n
+            if req.is_finished or req.req_pool_idx is None:
+                req.spec.eagle = None
+                continue
+            count = min(len(feat_rows), req.kv_len - first)  # jump-forward may drop a tail
+            if count <= 0:
+                req.spec.eagle = None
+                continue
+            fill = req.fill_slice(first + 1, first + count + 1)
+            ids += fill
+            pos += range(first, first + count)
+            slots += table[req.req_pool_idx, first : first + count].tolist()
+            rows += feat_rows[:count]
+            prefix.append(first)
+            lens.append(count)
+            reqs.append(req)
+        if not reqs:
+            return
+        dev = self.runner.device
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            out_slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long,
+                                          device=dev),
+            prefix_lens=torch.tensor(prefix, dtype=torch.long, device=dev),
+            extend_lens=torch.tensor(lens, dtype=torch.long, device=dev),
+            logits_indices=torch.empty(0, dtype=torch.long, device=dev),
+            req_to_token=table, is_decode=all(n == 1 for n in lens),
+        )
+        outs = self._forward(fb, features[torch.tensor(rows, device=features.device)])
+        last = torch.tensor(lens).cumsum(0) - 1
+        last_outs = outs[last]
+        cand_ids, cand_lp = self._candidates(last_outs, self.spec.eagle_topk)
+        for j, req in enumerate(reqs):
+            if req.kv_len != prefix[j] + lens[j]:
+                req.spec.eagle = None  # a prefill chunk: more prompt follows, no candidates
+                continue
+            req.spec.eagle = EagleState(cand_ids[j].tolist(), cand_lp[j].tolist(), last_outs[j],
+                                        req.kv_len - 1)
+
+    # ---- a tree per request ---------------------------------------------------------------
+    def propose(self, reqs: list[Req], max_depths: list[int], sched: Scheduler
+                ) -> list[DraftTree | None]:
+        spec = self.spec
+        trees: list[DraftTree | None] = [None] * len(reqs)
+        live = [i for i, r in enumerate(reqs)
+                if r.spec.eagle is not None and r.spec.eagle.position == r.kv_len - 1]
+        if not live:
+            return trees
+        nodes: dict[int, list[_Node]] = {}
+        beams: dict[int, list[int]] = {}
+        for i in live:
+            st = reqs[i].spec.eagle
+            nodes[i] = [_Node(t, -1, s, st.hidden) for t, s in zip(st.cand_ids, st.cand_logprobs,
+                                                                  strict=True)]
+            beams[i] = list(range(len(nodes[i])))
+        depth_cap = {i: min(spec.num_steps, max_depths[i]) for i in live}
+        scratch: list[int] = []
+        try:
+            for depth in range(1, spec.num_steps):
+                step = [i for i in live if depth < depth_cap[i]]
+                if not step:
+                    break
+                need = sum(len(beams[i]) for i in step)
+                got = sched.cache.alloc_slots(need)
+                if got is None:
+                    break  # the pool is short: draft no deeper
+                scratch += got
+                self._draft_step(reqs, step, nodes, beams, got, depth)
+        finally:
+            sched.cache.allocator.free(scratch)
+        for i in live:
+            trees[i] = self._select(reqs[i], nodes[i], min(spec.num_draft_tokens,
+                                                           1 + spec.eagle_topk * depth_cap[i]),
+                                    depth_cap[i])
+        return trees
+
+    def _draft_step(self, reqs: list[Req], step: list[int], nodes: dict[int, list[_Node]],
+                    beams: dict[int, list[int]], slots: list[int], depth: int) -> None:
+        """Run the head on each request's current beams (depth `depth`) and expand them."""
+        table = self.runner.req_to_token_pool.req_to_token
+        k = self.spec.eagle_topk
+        ids, pos, feats, out_slots, masks = [], [], [], [], []
+        taken = 0
+        for i in step:
+            req, ns = reqs[i], nodes[i]
+            for b in beams[i]:
+                ns[b].slot = slots[taken]
+                taken += 1
+            # every forwarded node so far, in forward order, after the committed prefix
+            done = [j for j, nd in enumerate(ns) if nd.slot]
+            base = req.kv_len
+            table[req.req_pool_idx, base : base + len(done)] = torch.tensor(
+                [ns[j].slot for j in done], dtype=table.dtype)
+            col = {j: c for c, j in enumerate(done)}
+            mask = torch.zeros(len(beams[i]), len(done), dtype=torch.bool)
+            for r, b in enumerate(beams[i]):
+                j = b
+                while j >= 0:
+                    mask[r, col[j]] = True
+                    j = ns[j].parent
+                ids.append(ns[b].token)
+                pos.append(base - 1 + depth)
+                feats.append(ns[b].feature)
+                out_slots.append(ns[b].slot)
+            masks.append(mask)
+        dev = self.runner.device
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
+            req_pool_indices=torch.tensor([reqs[i].req_pool_idx for i in step], dtype=torch.long,
+                                          device=dev),
+            prefix_lens=torch.tensor([reqs[i].kv_len for i in step], dtype=torch.long,
+                                     device=dev),
+            extend_lens=torch.tensor([len(beams[i]) for i in step], dtype=torch.long,
+                                     device=dev),
+            logits_indices=torch.empty(0, dtype=torch.long, device=dev),
+            req_to_token=table, custom_masks=masks,
+        )
+        outs = self._forward(fb, torch.stack(feats))
+        cand_ids, cand_lp = self._candidates(outs, k)
+        cand_ids, cand_lp = cand_ids.tolist(), cand_lp.tolist()
+        r = 0
+        for i in step:
+            ns = nodes[i]
+            children = []
+            for b in beams[i]:
+                for t, lp in zip(cand_ids[r], cand_lp[r], strict=True):
+                    ns.append(_Node(t, b, ns[b].score + lp, outs[r]))
+                    children.append(len(ns) - 1)
+                r += 1
+            children.sort(key=lambda j: -ns[j].score)
+            beams[i] = children[:k]
+
+    @staticmethod
+    def _select(req: Req, ns: list[_Node], num_nodes: int, max_depth: int) -> DraftTree:
+        """The root and the best num_nodes - 1 candidates whose parents are in too."""
+        depth = []
+        for nd in ns:
+            depth.append(1 if nd.parent < 0 else depth[nd.parent] + 1)
+        order = sorted(range(len(ns)), key=lambda j: (-ns[j].score, depth[j]))
+        picked: dict[int, int] = {}  # candidate -> tree index
+        tokens, parents = [req.output_ids[-1] if req.output_ids else req.fill_ids[-1]], [-1]
+        for j in order:
+            if len(tokens) >= num_nodes:
+                break
+            if depth[j] > max_depth:
+                continue
+            p = ns[j].parent
+            if p >= 0 and p not in picked:
+                continue
+            picked[j] = len(tokens)
+            tokens.append(ns[j].token)
+            parents.append(0 if p < 0 else picked[p])
+        return DraftTree(tokens, parents)

@@ -1,0 +1,225 @@
+"""An EAGLE-3 draft head in SGLang's on-disk layout (`LlamaForCausalLMEagle3`).
+
+One decoder layer predicts the target's next token from the target's own features:
+
+    g      = fc(cat(h_low, h_mid, h_high))          (3H -> H; a later draft step feeds
+                                                      the head's own output instead)
+    x      = cat(input_layernorm(embed(token)), hidden_norm(g))    (2H wide)
+    r      = g + o_proj(attention(q/k/v_proj(x)))
+    out    = r + mlp(post_attention_layernorm(r))
+    logits = lm_head(norm(out))                      (over a reduced draft vocabulary;
+                                                      draft id d is target id d + d2t[d])
+
+`out` (before the norm) is what the next draft step takes as its feature. The embedding is
+the target's (SGLang shares it too), so a head folder holds: config.json and
+model.safetensors with `fc.weight`, `midlayer.{input_layernorm,hidden_norm,
+post_attention_layernorm}.weight`, `midlayer.self_attn.{q,k,v,o}_proj.weight`,
+`midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+Checkpoints SpecForge writes for other Llama/Qwen targets have the same names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass
+class Eagle3Config:
+    """What config.json says (the keys SGLang and SpecForge read)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    aux_layer_ids: list[int] = field(default_factory=list)  # target layers whose input is fed
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Eagle3Config:
+        archs = raw.get("architectures") or [ARCHITECTURE]
+        if archs[0] != ARCHITECTURE:
+            raise ValueError(f"not an EAGLE-3 head: architectures {archs}; expected "
+                             f"[{ARCHITECTURE!r}]")
+        if raw.get("num_hidden_layers", 1) != 1:
+            raise ValueError("only single-layer EAGLE-3 heads are supported")
+        eagle = raw.get("eagle_config") or {}
+        return cls(
+            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            vocab_size=raw["vocab_size"],
+            draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
+            target_hidden_size=raw.get("target_hidden_size") or raw["hidden_size"],
+            head_dim=raw.get("head_dim") or 0, rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            rope_theta=raw.get("rope_theta", 10000.0),
+            max_position_embeddings=raw.get("max_position_embeddings", 8192),
+            aux_layer_ids=list(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        aux = d.pop("aux_layer_ids")
+        d |= {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+              "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float16"}
+        if aux:
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+        return d
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, q_rows, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, kv_rows, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, kv_rows, bias=False)
+        self.o_proj = nn.Linear(q_rows, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+
+
+class Eagle3Head(nn.Module):
+    """The head's weights and its math in pieces, shared by inference (attention over the
+    draft KV pool, `sglang_like.speculative.eagle`) and training (dense attention with the
+    training-time-test unroll, `sglang_like.speculative.train_eagle`)."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = _MidLayer(c)
+        self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    # ---- the math, in the order a forward runs it ---------------------------------------
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [T, 3H_target] -> [T, H]; the head's own outputs pass through."""
+        if features.shape[-1] == self.config.hidden_size:
+            return features.float()
+        return self.fc(features.float())
+
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) before RoPE."""
+        c, layer = self.config, self.midlayer
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        attn = layer.self_attn
+        t = x.shape[0]
+        return (attn.q_proj(x).view(t, c.num_attention_heads, c.head_dim),
+                attn.k_proj(x).view(t, c.num_key_value_heads, c.head_dim),
+                attn.v_proj(x).view(t, c.num_key_value_heads, c.head_dim))
+
+    def finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, Hq*D] and the layer's input feature -> `out` [T, H] (pre-norm:
+        the next draft step's feature)."""
+        layer = self.midlayer
+        r = hidden + layer.self_attn.o_proj(attn_out)
+        return r + layer.mlp(layer.post_attention_layernorm(r))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> draft-vocabulary logits [T, draft_vocab] float32."""
+        return self.lm_head(self.norm(out)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- files ---------------------------------------------------------------------------
+    def save(self, folder: str, dtype: torch.dtype = torch.float16) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+                   for k, v in self.state_dict().items()}
+        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(self.config.to_json(), f, indent=2)
+
+
+def load_eagle3_head(folder: str, device: torch.device | str = "cpu") -> Eagle3Head:
+    """Read a head folder (config.json + *.safetensors in SGLang's names); weights become
+    float32. A missing or mis-shaped tensor is a ValueError naming it."""
+    from safetensors.torch import load_file
+
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"draft model folder {folder!r} has no config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = Eagle3Config.from_json(json.load(f))
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors |= load_file(os.path.join(folder, name))
+    # SpecForge / SGLang spellings: an optional "model." prefix; embed_tokens (the target's
+    # is used) is ignored when present
+    tensors = {k.removeprefix("model."): v for k, v in tensors.items()
+               if not k.removeprefix("model.").startswith("embed_tokens")}
+    head = Eagle3Head(config)
+    state = head.state_dict()
+    if "t2d" not in tensors and "d2t" in tensors:
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
+        tensors["t2d"] = t2d
+    if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
+        tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
+        tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    missing = sorted(set(state) - set(tensors))
+    if missing:
+        raise ValueError(f"draft head {folder!r} lacks {missing}")
+    for name, want in state.items():
+        got = tensors[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"draft head {name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+        state[name] = got.to(want.dtype)
+    head.load_state_dict(state)
+    return head.to(device).eval().requires_grad_(False)

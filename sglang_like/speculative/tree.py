@@ -1,0 +1,73 @@
+"""DraftTree: the tokens one verify pass checks for one request, as a tree rooted at the
+request's last committed token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """Node 0 is the root (the request's last token, whose K/V is not computed yet); every
+    other node is a drafted continuation of its parent. Parents precede children.
+
+    A verify pass runs all N nodes in one forward: node j sits at position seq_len - 1 +
+    depth[j] and attends to the committed prefix and to its ancestors (`mask`, diagonal set).
+    """
+
+    tokens: list[int]
+    parents: list[int]  # parents[0] == -1
+    depth: list[int] = field(init=False)
+    _children: list[dict[int, int]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.tokens or self.parents[0] != -1 or len(self.parents) != len(self.tokens):
+            raise ValueError("a draft tree needs a root (parent -1) and a parent per node")
+        self.depth = [0] * len(self.tokens)
+        self._children = [{} for _ in self.tokens]
+        for j in range(1, len(self.tokens)):
+            p = self.parents[j]
+            if not 0 <= p < j:
+                raise ValueError(f"node {j}: parent {p} does not precede it")
+            self.depth[j] = self.depth[p] + 1
+            # one child per token: a duplicate would be verified twice for nothing
+            self._children[p].setdefault(self.tokens[j], j)
+
+    @classmethod
+    def chain(cls, root: int, drafts: list[int]) -> DraftTree:
+        return cls([root, *drafts], list(range(-1, len(drafts))))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    def child(self, node: int, token: int) -> int | None:
+        """The child of `node` drafted as `token`, if any."""
+        return self._children[node].get(token)
+
+    def mask(self) -> torch.Tensor:
+        """bool [N, N]: node i sees node j iff j is i or an ancestor of i."""
+        n = self.num_nodes
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = self.parents[j]
+        return m
+
+    def truncated(self, max_depth: int) -> DraftTree:
+        """The nodes at depth <= max_depth (parents stay before children)."""
+        keep = [j for j in range(self.num_nodes) if self.depth[j] <= max_depth]
+        if len(keep) == self.num_nodes:
+            return self
+        new_index = {old: new for new, old in enumerate(keep)}
+        return DraftTree([self.tokens[j] for j in keep],
+                         [-1 if self.parents[j] < 0 else new_index[self.parents[j]]
+                          for j in keep])
