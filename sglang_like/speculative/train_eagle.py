@@ -131,12 +131,15 @@ def _data_shards(work: str) -> list[str]:
 
 def _data_stats(work: str) -> dict[str, int]:
     convs = ans = tot = 0
+    distinct: set[int] = set()
     for path in _data_shards(work):
         for c in torch.load(path)["convs"]:
             convs += 1
             ans += len(c["ids"]) - c["prompt_len"]
             tot += len(c["ids"])
-    return {"conversations": convs, "answer_tokens": ans, "total_tokens": tot}
+            distinct.update(c["ids"][c["prompt_len"]:])
+    return {"conversations": convs, "answer_tokens": ans, "total_tokens": tot,
+            "distinct_answer_tokens": len(distinct)}
 
 
 # ---- 2. draft vocabulary -----------------------------------------------------------------------

@@ -77,9 +77,17 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 def stage_train(args: argparse.Namespace, work: str) -> None:
     done = os.path.join(work, "train_done.json")
+    segments: list[list[int]] = []  # [first step, last step, the schedule's total] per run
     if os.path.isfile(done):
-        _log("train: finished before, skipped")
-        return
+        with open(done, encoding="utf-8") as f:
+            prev = json.load(f)
+        if prev["config"]["steps"] >= args.steps:
+            _log("train: finished before, skipped")
+            return
+        # a larger --steps continues from the checkpoint; the cosine is then over the new total
+        segments = prev.get("segments") or [[0, prev["config"]["steps"],
+                                              prev["config"]["steps"]]]
+        _log(f"train: extending {prev['config']['steps']} -> {args.steps} steps")
     t0 = time.perf_counter()
     s = _setup(args, work)
     convs = load_capture(_capture_paths(work))
@@ -94,6 +102,8 @@ def stage_train(args: argparse.Namespace, work: str) -> None:
          f"K={cfg.unroll}, {cfg.steps} steps of <= {cfg.batch_tokens} tokens")
     ckpt = os.path.join(work, "train_ckpt.pt")
     history = train_loop(head, train, s["table"], s["rope"], cfg, ckpt, progress=True, log=_log)
+    first = segments[-1][1] if segments else 0
+    segments.append([first, len(history), cfg.steps])
     t_train = time.perf_counter() - t0
     _add_timing(work, "train", t_train)
     t1 = time.perf_counter()
@@ -104,6 +114,7 @@ def stage_train(args: argparse.Namespace, work: str) -> None:
         json.dump({"heldout": res, "train_conversations": len(train), "train_tokens": ntok,
                    "heldout_conversations": len(held), "config": vars(cfg) | {},
                    "approx_epochs": epochs, "final_loss": history[-1]["loss"],
+                   "segments": segments,
                    "first_loss": history[0]["loss"]}, f, indent=2)
     _log(f"train: {t_train:.0f}s wall; held-out top-1 per step: "
          + " ".join(f"{r['acc']:.3f}" for r in res))
@@ -154,14 +165,18 @@ from the default model alone by `python -m sglang_like.speculative.train_eagle`.
   position, renormalised over those {args.label_topk}; loss only where the label predicts an
   answer token.
 - Draft vocabulary: {s['config'].draft_vocab_size} most frequent answer tokens (plus ids 0 and 2,
-  `<|endoftext|>` / `<|im_end|>`), covering {s['vocab']['coverage']:.2%} of answer tokens;
+  `<|endoftext|>` / `<|im_end|>`), covering {s['vocab']['coverage']:.2%} of answer tokens
+  (the answers hold {stats['distinct_answer_tokens']} distinct tokens; the remaining slots are
+  the lowest unused target ids);
   `d2t[d] = target_id - d` (target = d + d2t[d]), draft ids sorted by target id; `t2d` mask.
 - Training: training-time-test unroll K = {cfg['unroll']} (loss weight 0.8^k), {cfg['steps']}
   AdamW steps (lr {cfg['lr']}, {cfg['warmup']} warmup, cosine to 5%, clip {cfg['clip']}) of
   <= {cfg['batch_tokens']} packed tokens: about {done['approx_epochs']:.1f} epochs over
   {done['train_tokens']} tokens ({done['train_conversations']} conversations). LM head
   initialised from the target's (tied) embedding rows of the draft vocab, norms at one.
-  Loss {done['first_loss']:.3f} -> {done['final_loss']:.3f}.
+  Loss {done['first_loss']:.3f} -> {done['final_loss']:.3f}. Runs (first step, last step,
+  schedule length): {done.get('segments')}; a run that extends the step count continues from
+  the checkpoint on the cosine of the new total.
 
 ## Held-out accuracy ({done['heldout_conversations']} conversations, 5%)
 
