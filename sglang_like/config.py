@@ -42,7 +42,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16")
 """Values of `--quantization` (see sglang_like.quant)."""
 
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
@@ -60,8 +60,9 @@ class ServerArgs:
     tokenizer_path: str | None = None
     dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto -> cuda if available else cpu
-    # auto -> CPU: int4 for a Q4_0/Q4_1 GGUF, int8 otherwise (none when dtype is given); CUDA: none
-    quantization: str = "auto"  # "auto" | "none" | "int8" | "int4"
+    # auto -> CPU: int4 for a Q4_0/Q4_1 GGUF, int8 otherwise, fp16 with speculation (none when
+    # dtype is given); CUDA: none
+    quantization: str = "auto"  # "auto" | "none" | "int8" | "int4" | "fp16"
     kv_cache_dtype: str = "auto"  # auto -> the dense dtype (float32 on CPU); or "bfloat16"
     context_length: int | None = None  # None -> the model's max_position_embeddings
     # Memory: the KV pool holds max_total_tokens token slots (page size 1).

@@ -180,13 +180,13 @@ class LlamaForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
         rope = self.rope.tables(fb.positions)  # gathered once, used by every layer
-        aux = []
+        aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
-                aux.append(x.float())
+                aux[i] = x.float()
             x = layer(x, fb, rope, pool)
         x = self.model.norm(x[fb.logits_indices])
-        features = torch.cat(aux, dim=-1) if aux else None
+        features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.lm_head(x).float(), features
 
     def default_aux_layers(self) -> tuple[int, ...]:

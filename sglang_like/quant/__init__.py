@@ -2,8 +2,8 @@
 
 `none` keeps dense weights in the model dtype (the exact fp32 path on CPU, bf16 on CUDA);
 `int8` is weight-only int8 per output row; `int4` is weight-only int4 per group of 32/64
-input columns. Both keep the LM head at 16 bits with fp32 logits (fbgemm fp16) and the
-embedding rows in int8. GGUF Q4_0/Q4_1/Q8_0 matrices are repacked from their blocks, never
+input columns; `fp16` keeps every matrix in fp16 for fbgemm's GEMM (fp32 activations). All
+keep the LM head at 16 bits with fp32 logits (fbgemm fp16) and the embedding rows in int8. GGUF Q4_0/Q4_1/Q8_0 matrices are repacked from their blocks, never
 held as fp32.
 """
 
@@ -53,26 +53,34 @@ __all__ = [
 
 def resolve_quantization(
     quantization: str, *, device: torch.device, dtype_is_explicit: bool,
-    source_has_int4_blocks: bool,
+    source_has_int4_blocks: bool, speculative: bool = False,
 ) -> str:
     """`auto` -> a concrete method; a choice the device cannot run is a ValueError.
 
     On CPU, `auto` is int4 when the checkpoint is a GGUF whose matrices are Q4_0/Q4_1 (they
     repack code for code: the same weights, a third of int8's bytes) and int8 otherwise;
     an explicit `--dtype` means the user asked for dense weights, so `auto` is `none` then.
+    With speculative decoding on, `auto` is fp16 where fbgemm has it: a verify pass runs
+    several rows per request, and the int kernels' time grows with rows (measured here, AVX2:
+    a 6-row forward cost 2.5x a 1-row one under int4, 1.8x under fp16), which would eat what
+    speculation saves.
     On CUDA `auto` is `none` (bf16): the int kernels here are CPU kernels.
     """
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; "
                          f"got {quantization!r}")
     if device.type != "cpu":
-        if quantization in ("int8", "int4"):
+        if quantization in ("int8", "int4", "fp16"):
             raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
         return "none"
     if quantization != "auto":
         return quantization
+    if quantization == "fp16" and not fbgemm_fp16_available():
+        raise ValueError("quantization 'fp16' needs fbgemm's fp16 GEMM (an x86 CPU with AVX2)")
     if dtype_is_explicit:
         return "none"
+    if speculative and fbgemm_fp16_available():
+        return "fp16"
     return "int4" if source_has_int4_blocks else "int8"
 
 
@@ -80,7 +88,7 @@ def resolve_quantization(
 class QuantConfig:
     """The methods a model's linears use, built once from the resolved `--quantization`."""
 
-    name: str  # "none" | "int8" | "int4"
+    name: str  # "none" | "int8" | "int4" | "fp16"
     dtype: torch.dtype  # dense dtype: unquantized weights and the `none` path's activations
 
     @property
@@ -90,6 +98,8 @@ class QuantConfig:
     def linear_method(self, in_features: int, out_features: int) -> LinearMethod:
         """The method of a transformer-block linear of that shape (the int4 packer wants
         out_features % 16 == 0 and groups that divide in_features; else int8)."""
+        if self.name == "fp16":
+            return _FP16
         if self.name == "int4" and in_features % 32 == 0 and out_features % 16 == 0:
             return _INT4 if in_features % 64 == 0 else _INT4_G32
         if self.name in ("int4", "int8"):
@@ -114,6 +124,8 @@ class QuantConfig:
 
     @property
     def activation_dtype(self) -> torch.dtype:
+        if self.name == "fp16":
+            return torch.float32  # fbgemm's fp16 GEMM takes and returns fp32
         return torch.bfloat16 if self.is_quantized else self.dtype
 
 

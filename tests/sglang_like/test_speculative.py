@@ -1,0 +1,449 @@
+"""Speculative decoding: trees, n-gram drafting, the settings, the masked attention a verify
+runs, the cost controller; and on real models: greedy invariance (alone, in a mixed batch,
+radix warm/cold, chunked prefill), lossless sampling, grammars, pool accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+import regex
+import torch
+
+import kernels
+from kernels import reference
+from sglang_like.config import ServerArgs
+from sglang_like.req import Req
+from sglang_like.sampling_params import SamplingParams
+from sglang_like.speculative import DraftTree, SpecController, SpecState, resolve_spec_config
+from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head, load_eagle3_head
+from sglang_like.speculative.ngram import NgramDrafter, NgramIndex
+
+from .prompts import PROMPTS
+
+# ---- trees and drafting -----------------------------------------------------------------------
+
+
+def test_tree_mask_depth_and_children() -> None:
+    #        0
+    #      1   2
+    #      3
+    tree = DraftTree([10, 11, 12, 13], [-1, 0, 0, 1])
+    assert tree.depth == [0, 1, 1, 2]
+    assert tree.child(0, 12) == 2 and tree.child(1, 13) == 3 and tree.child(2, 13) is None
+    want = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(tree.mask(), want)
+    cut = tree.truncated(1)
+    assert cut.tokens == [10, 11, 12] and cut.parents == [-1, 0, 0]
+    with pytest.raises(ValueError):
+        DraftTree([1, 2], [-1, 1])  # a node cannot be its own parent
+
+
+def _req(ids: list[int], **sp) -> Req:
+    return Req("r", ids, SamplingParams(max_new_tokens=sp.pop("max_new_tokens", 64), **sp))
+
+
+def test_ngram_continues_the_longest_most_recent_match() -> None:
+    index = NgramIndex(1, 4)
+    seq = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
+    # "2 3 4" occurred twice before: the latest first (7 8 ...), then the earlier (5 9 ...)
+    assert index.continuations(seq, 3, 2) == [[7, 8, 2], [5, 9, 2]]
+    assert NgramIndex(2, 4).continuations([1, 2, 3, 4], 3, 1) == []  # no earlier bigram
+
+
+def test_ngram_drafter_builds_a_capped_trie() -> None:
+    drafter = NgramDrafter(num_draft_tokens=6, min_window=1, max_window=3, breadth=2)
+    req = _req([5, 6, 7, 8, 5, 6, 9, 1, 5, 6])
+    tree = drafter.propose([req], [10])[0]
+    # the root is the last token; "5 6" continued latest with 9 1 5 6, earlier with 7 8 ...
+    assert tree.tokens == [6, 9, 1, 5, 6, 7]  # capped at 6 nodes
+    assert tree.parents == [-1, 0, 1, 2, 3, 0]
+    assert drafter.propose([_req([1, 2, 3])], [10]) == [None]
+    assert drafter.propose([req], [1])[0].max_depth == 1  # depth capped by the budget
+
+
+def test_spec_config_defaults_and_errors() -> None:
+    assert resolve_spec_config(ServerArgs(), True) is None
+    ngram = resolve_spec_config(ServerArgs(speculative_algorithm="ngram"), True)
+    assert ngram.algorithm == "NGRAM" and ngram.num_draft_tokens >= 2
+    eagle = resolve_spec_config(ServerArgs(speculative_algorithm="EAGLE3"), True)
+    assert eagle.draft_model_path.endswith("smollm2-135m-instruct-eagle3")
+    assert (eagle.num_steps, eagle.eagle_topk, eagle.num_draft_tokens) == (3, 1, 4)
+    tree = resolve_spec_config(ServerArgs(speculative_algorithm="EAGLE", speculative_num_steps=4,
+                                          speculative_eagle_topk=2), True)
+    assert tree.num_draft_tokens == 9
+    bad = [dict(speculative_algorithm="MEDUSA"),
+           dict(speculative_algorithm="EAGLE", speculative_eagle_topk=0),
+           dict(speculative_algorithm="EAGLE", speculative_num_steps=2,
+                speculative_eagle_topk=1, speculative_num_draft_tokens=8),
+           dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
+                speculative_ngram_max_match_window_size=3),
+           dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/nonexistent")]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            resolve_spec_config(ServerArgs(**kw), True)
+    with pytest.raises(ValueError, match="draft-model-path"):
+        resolve_spec_config(ServerArgs(speculative_algorithm="EAGLE3"), default_model=False)
+
+
+def test_controller_compares_measured_rates_and_backs_off() -> None:
+    ctl = SpecController()
+    assert ctl.worth_it(1, 1, 4, 2.5)  # nothing measured: try the tree
+    ctl.record_forward(4, 0.030)
+    assert not ctl.worth_it(1, 1, 4, 2.5)  # measure the plain step before judging
+    ctl.record_forward(1, 0.020)
+    assert ctl.worth_it(1, 1, 4, 2.5)  # 83 vs 50 tokens/s
+    assert not ctl.worth_it(1, 1, 4, 1.2)  # 40 vs 50
+    state = SpecState()
+    for _ in range(5):
+        ctl.record_verify(state, 1)
+    assert not ctl.may_draft(state)  # nothing accepted: drafting pauses
+    ctl.step += 100
+    assert ctl.may_draft(state)
+    assert SpecController(enabled=False).worth_it(1, 1, 64, 0.1)
+
+
+# ---- the attention a verify runs ---------------------------------------------------------------
+
+
+def _pool_case(seed: int, lens: list[int], extra: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d = 4, 2, 16
+    num_slots = sum(lens) + sum(extra) + 8
+    k_pool = torch.randn(num_slots + 1, hkv, d, generator=g)
+    v_pool = torch.randn(num_slots + 1, hkv, d, generator=g)
+    table = torch.zeros(len(lens), 256, dtype=torch.int32)
+    perm = (torch.randperm(num_slots, generator=g) + 1).tolist()
+    for b, (n, e) in enumerate(zip(lens, extra, strict=True)):
+        table[b, : n + e] = torch.tensor(perm[: n + e], dtype=torch.int32)
+        perm = perm[n + e :]
+    q = torch.randn(sum(extra), hq, d, generator=g)
+    return q, k_pool, v_pool, table
+
+
+def test_masked_attention_is_extend_under_causal_masks_and_tree_verify_under_trees() -> None:
+    lens, extra = [5, 9, 0], [3, 4, 2]
+    q, k_pool, v_pool, table = _pool_case(0, lens, extra)
+    rows, prefix = torch.arange(3), torch.tensor(lens)
+    causal = [torch.ones(e, e, dtype=torch.bool).tril() for e in extra]
+    got = kernels.masked_attention(q, k_pool, v_pool, table, rows, prefix, causal, 0.25)
+    want = reference.extend_attention(q, k_pool, v_pool, table, rows, prefix,
+                                      torch.tensor(extra), 0.25)
+    torch.testing.assert_close(got, want)
+    # uniform trees: the tree verify reference agrees
+    lens, extra = [6, 2], [4, 4]
+    q, k_pool, v_pool, table = _pool_case(1, lens, extra)
+    masks = [DraftTree([1, 2, 3, 4], [-1, 0, 0, 1]).mask(), DraftTree.chain(1, [2, 3, 4]).mask()]
+    got = kernels.masked_attention(q, k_pool, v_pool, table, torch.arange(2), torch.tensor(lens),
+                                   masks, 0.25)
+    want = reference.tree_verify_attention(q, k_pool, v_pool, table, torch.arange(2),
+                                           torch.tensor(lens), torch.stack(masks), 0.25)
+    torch.testing.assert_close(got, want)
+
+
+# ---- the head's files -------------------------------------------------------------------------
+
+
+def _tiny_head_config(vocab: int = 96, hidden: int = 32) -> Eagle3Config:
+    return Eagle3Config(hidden_size=hidden, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=vocab, draft_vocab_size=vocab // 2,
+                        target_hidden_size=hidden, aux_layer_ids=[0, 1, 1])
+
+
+def test_head_round_trips_in_sglang_layout(tmp_path) -> None:
+    torch.manual_seed(0)
+    head = Eagle3Head(_tiny_head_config())
+    head.d2t.copy_(torch.arange(48))  # draft id d -> target id 2d
+    head.t2d[::2] = True
+    head.save(str(tmp_path))
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
+            "lm_head.weight", "d2t", "t2d", "norm.weight"} <= names
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    back = load_eagle3_head(str(tmp_path))
+    assert torch.equal(back.to_target_ids(torch.tensor([0, 5])), torch.tensor([0, 10]))
+    for (n, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items(), strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=1e-3, msg=n)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["Other"]}))
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        load_eagle3_head(str(tmp_path))
+
+
+# ---- the default model ------------------------------------------------------------------------
+
+# Verify (masked attention over the tree) and decode (one query) order their float sums
+# differently; under bf16 activations that moves logits by a few hundredths (see
+# test_invariance): outputs must be equal or first differ at a near-tie of the baseline.
+TIE_NATS = 0.1
+NEW_TOKENS = 64
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+SPEC = {
+    "NGRAM": dict(speculative_algorithm="NGRAM"),
+    # a random head proposes nonsense, a trained one good drafts: either way output is the
+    # target's; the shipped head is used where it exists
+    "EAGLE3": dict(speculative_algorithm="EAGLE3"),
+}
+
+
+def _random_head(folder: str, vocab: int, hidden: int, layers: int) -> str:
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, draft_vocab_size=vocab,
+        target_hidden_size=hidden, aux_layer_ids=[0, layers // 2, layers - 1]))
+    head.t2d[:] = True
+    head.save(folder)
+    return folder
+
+
+def _spec_kwargs(name: str, tmp_path_factory) -> dict:
+    kw = dict(SPEC[name], speculative_auto_disable=False)
+    from sglang_like.speculative import DEFAULT_HEAD
+
+    if name == "EAGLE3" and not (DEFAULT_HEAD and __import__("os").path.isfile(
+            DEFAULT_HEAD + "/model.safetensors")):
+        kw["speculative_draft_model_path"] = _random_head(
+            str(tmp_path_factory.mktemp("head")), 49152, 576, 30)
+    return kw
+
+
+@pytest.fixture(scope="module")
+def chat_prompts():
+    from sglang_like.model_loader import load_tokenizer
+
+    tok = load_tokenizer()
+    asks = ["What is a radix tree?", "Write a haiku about rain.", "Name three planets.",
+            "Copy this list exactly: apple, pear, plum, apple, pear, plum."]
+    return [tok.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
+
+
+@pytest.fixture(scope="module")
+def off_engine(make_engine):
+    return make_engine()
+
+
+@pytest.fixture(scope="module")
+def baseline(off_engine, chat_prompts):
+    """Spec off, all prompts in one batch (batch invariance without speculation is
+    test_invariance's): (prompts, output ids, top-2 logprob gap at each step)."""
+    prompts = PROMPTS + chat_prompts
+    runs = off_engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+    gaps = [[t[0][0] - t[1][0] for t in r["meta_info"]["output_top_logprobs"]] for r in runs]
+    return prompts, [r["output_ids"] for r in runs], gaps
+
+
+def _assert_same(outputs, ids, gaps) -> None:
+    for k, (got, want, gap) in enumerate(zip(outputs, ids, gaps, strict=True)):
+        diverge = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b),
+                       None)
+        assert diverge is None or gap[diverge] < TIE_NATS, (k, diverge, gap[diverge])
+        assert len(got) == len(want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["NGRAM", "EAGLE3"])
+def test_greedy_equals_spec_off(make_engine, baseline, name, tmp_path_factory) -> None:
+    prompts, ids, gaps = baseline
+    kw = _spec_kwargs(name, tmp_path_factory)
+    # alone (radix cold: every prompt is new to this engine; every 3rd prompt, to bound the
+    # time), then all 20 in one batch (radix warm), then in a chunked-prefill engine without
+    # the radix cache
+    engine = make_engine(**kw)
+    alone = [engine.generate(p, GREEDY)["output_ids"] for p in prompts[::3]]
+    _assert_same(alone, ids[::3], gaps[::3])
+    batched = engine.generate(prompts, GREEDY)
+    _assert_same([o["output_ids"] for o in batched], ids, gaps)
+    assert sum(o["meta_info"]["cached_tokens"] for o in batched) > 0
+    chunked = make_engine(chunked_prefill_size=16, disable_radix_cache=True, **kw)
+    _assert_same([o["output_ids"] for o in chunked.generate(prompts, GREEDY)], ids, gaps)
+    hist = engine.get_server_info()["spec_accept_lengths"]
+    assert sum(v for k, v in hist.items() if k > 1) > 0, hist  # some verify committed drafts
+    # acceptance length as SGLang's clients compute it
+    meta = [o["meta_info"] for o in batched]
+    assert all(m["spec_verify_ct"] > 0 for m in meta)
+    accept = sum(m["completion_tokens"] for m in meta) / sum(m["spec_verify_ct"] for m in meta)
+    print(f"\n{name}: acceptance length {accept:.2f} (greedy, {len(prompts)} prompts)")
+    if name == "NGRAM":
+        assert accept > 1.05
+
+
+def _mixed_batch(prompts: list[str]) -> tuple[list[str], list[dict]]:
+    """Every kind of request at once: greedy, sampled (seeded), n > 1 samples, stop strings,
+    logprobs, a regex and a JSON schema."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    rows = [
+        (prompts[0], {"max_new_tokens": 40, "temperature": 0}),
+        (prompts[1], {"max_new_tokens": 40, "temperature": 0.8, "seed": 7}),
+        (prompts[2], {"max_new_tokens": 30, "temperature": 0, "stop": ["\n\n", "planet"]}),
+        (prompts[3], {"max_new_tokens": 60, "temperature": 0}),
+        ("Reply with a date: ", {"max_new_tokens": 12, "temperature": 0,
+                                 "regex": r"\d{4}-\d{2}-\d{2}"}),
+        ("A person as JSON: ", {"max_new_tokens": 40, "temperature": 0,
+                                "json_schema": json.dumps(schema)}),
+        (prompts[0], {"max_new_tokens": 24, "temperature": 0.7, "seed": 3, "n": 2}),
+    ]
+    return [r[0] for r in rows], [r[1] for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["NGRAM", "EAGLE3"])
+def test_mixed_batch_with_grammars_equals_spec_off(make_engine, off_engine, chat_prompts, name,
+                                                   tmp_path_factory) -> None:
+    prompts, params = _mixed_batch(chat_prompts)
+    engine = make_engine(**_spec_kwargs(name, tmp_path_factory))
+    want = off_engine.generate(prompts, params, return_logprob=True)
+    got = engine.generate(prompts, params, return_logprob=True)
+    flat_params = [p for p in params for _ in range(p.get("n", 1))]
+    assert len(got) == len(want) == len(flat_params)
+    for g, w, p in zip(got, want, flat_params, strict=True):
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        if "regex" in p:
+            assert regex.fullmatch(p["regex"], g["text"]), g["text"]
+        if "json_schema" in p:
+            data = json.loads(g["text"])
+            assert set(data) == {"name", "age"} and isinstance(data["age"], int)
+        # greedy and seeded samples alike: each committed token consumes one draw of the
+        # request's generator, in the same order as without speculation
+        assert g["output_ids"] == w["output_ids"], (p, g["text"], w["text"])
+        lp_g = [e[0] for e in g["meta_info"]["output_token_logprobs"]]
+        lp_w = [e[0] for e in w["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(lp_g, lp_w, strict=True)) < 0.1
+    assert sum(engine.get_server_info()["spec_accept_lengths"].values()) > 0
+
+
+@pytest.mark.slow
+def test_pool_accounting_with_speculation_aborts_and_retraction(make_engine) -> None:
+    """A small pool (retraction), aborts mid-flight and speculation every step: the invariant
+    is asserted after every step, and every slot comes back."""
+    engine = make_engine(speculative_algorithm="NGRAM", speculative_auto_disable=False,
+                         max_total_tokens=700, chunked_prefill_size=64)
+    sched = engine.scheduler
+    sched.config = dataclasses.replace(sched.config, check_accounting=True)
+    rng = random.Random(0)
+    prompts = [p + " " + p for p in PROMPTS]
+    params = [{"max_new_tokens": rng.randint(8, 60), "temperature": 0} for _ in prompts]
+    rids = [f"acct-{i}" for i in range(len(prompts))]
+    import threading
+
+    results = {}
+
+    def run():
+        results["out"] = engine.generate(prompts, params, rid=rids)
+
+    t = threading.Thread(target=run)
+    t.start()
+    for rid in rids[::5]:
+        engine.abort(rid)
+    t.join(timeout=600)
+    assert not t.is_alive()
+    assert len(results["out"]) == len(prompts)
+    assert engine.get_server_info()["num_running_reqs"] == 0
+    assert engine.flush_cache()
+    pool = engine.get_server_info()["kv_pool"]
+    assert pool["free_slots"] == pool["total_slots"]
+    sched.config = dataclasses.replace(sched.config, check_accounting=False)
+
+
+# ---- lossless sampling on a tiny random model ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from sglang_like.model_loader import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-spec")
+    tok = load_tokenizer()
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
+    torch.manual_seed(7)
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # no attention output: the next token depends on the last one only
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+def _first_tokens(engine, prompt: list[int], seeds: range, k: int) -> list[tuple[int, ...]]:
+    params = [{"max_new_tokens": k, "temperature": 1.0, "top_k": 3, "seed": s,
+               "ignore_eos": True} for s in seeds]
+    outs = engine.generate(input_ids=[prompt] * len(params), sampling_params=params)
+    return [tuple(o["output_ids"]) for o in outs]
+
+
+def _chi_square(a: list, b: list) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the categories seen, and its degrees of freedom."""
+    cats = sorted(set(a) | set(b))
+    ca = {c: a.count(c) for c in cats}
+    cb = {c: b.count(c) for c in cats}
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for c in cats:
+        tot = ca[c] + cb[c]
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (ca[c] - ea) ** 2 / ea + (cb[c] - eb) ** 2 / eb
+    return stat, len(cats) - 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["NGRAM", "EAGLE3"])
+def test_sampling_is_lossless_on_a_tiny_model(tiny_folder, name, tmp_path) -> None:
+    """The joint distribution of the first 3 sampled tokens (top-k 3, temperature 1) with
+    speculation on matches off: a chi-square test of homogeneity between independent seeds,
+    at a fixed threshold (p < 0.001 fails)."""
+    import sglang_like.engine_setup as setup_mod
+    from sglang_like import Engine
+    from sglang_like.model_loader import load_model
+
+    kw = dict(speculative_algorithm=name, speculative_auto_disable=False)
+    if name == "EAGLE3":
+        kw["speculative_draft_model_path"] = _random_head(str(tmp_path / "head"), 49152, 64, 2)
+    samples = 600
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(setup_mod, "load_model", load_model)
+        off = Engine(model_path=tiny_folder, quantization="none", max_total_tokens=8192)
+        on = Engine(model_path=tiny_folder, quantization="none", max_total_tokens=8192, **kw)
+    try:
+        # The tiny model is a Markov chain over tokens (its attention is switched off). The
+        # prompt holds, for each of the 3 tokens that can follow its end, that token and the
+        # model's greedy walk from it: n-gram drafts are then likely continuations, so the
+        # verifies both accept and reject
+        start = off.tokenizer.encode("red green blue")
+        top = off.generate(input_ids=start, sampling_params={"max_new_tokens": 1},
+                           return_logprob=True, top_logprobs_num=3)
+        prompt = []
+        for _, tok, *_ in top["meta_info"]["output_top_logprobs"][0]:
+            walk = off.generate(input_ids=[tok], sampling_params={"max_new_tokens": 3,
+                                                                  "temperature": 0})
+            prompt += [tok, *walk["output_ids"]]
+        prompt += start
+        a = _first_tokens(off, prompt, range(samples), 3)
+        b = _first_tokens(on, prompt, range(samples, 2 * samples), 3)
+        hist = on.get_server_info()["spec_accept_lengths"]
+    finally:
+        off.shutdown()
+        on.shutdown()
+    stat, dof = _chi_square(a, b)
+    # the 0.999 quantile of chi-square(dof), Wilson-Hilferty
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    print(f"\n{name}: chi-square {stat:.1f} on {dof} dof (limit {limit:.1f}); verifies {hist}")
+    assert stat < limit
+    assert sum(hist.values()) >= samples  # every sample went through verify passes
+    if name == "NGRAM":
+        assert sum(v for k, v in hist.items() if k > 1) > samples // 20  # drafts got accepted
