@@ -296,16 +296,19 @@ def _mixed_batch(prompts: list[str]) -> tuple[list[str], list[dict]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["NGRAM", "EAGLE3"])
-def test_mixed_batch_with_grammars_equals_spec_off(make_engine, off_engine, chat_prompts, name,
+def test_mixed_batch_with_grammars_equals_spec_off(make_engine, chat_prompts, name,
                                                    tmp_path_factory) -> None:
+    """On the exact fp32 path, where a verify's float order cannot flip a token: every
+    output, greedy or seeded sample, equals the one without speculation."""
     prompts, params = _mixed_batch(chat_prompts)
-    engine = make_engine(**_spec_kwargs(name, tmp_path_factory))
+    engine = make_engine(quantization="none", **_spec_kwargs(name, tmp_path_factory))
+    off_engine = make_engine(quantization="none")
     want = off_engine.generate(prompts, params, return_logprob=True)
     got = engine.generate(prompts, params, return_logprob=True)
     flat_params = [p for p in params for _ in range(p.get("n", 1))]
     assert len(got) == len(want) == len(flat_params)
     for g, w, p in zip(got, want, flat_params, strict=True):
-        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"], (p, g["text"], w["text"])
         if "regex" in p:
             assert regex.fullmatch(p["regex"], g["text"]), g["text"]
         if "json_schema" in p:
@@ -316,7 +319,7 @@ def test_mixed_batch_with_grammars_equals_spec_off(make_engine, off_engine, chat
         assert g["output_ids"] == w["output_ids"], (p, g["text"], w["text"])
         lp_g = [e[0] for e in g["meta_info"]["output_token_logprobs"]]
         lp_w = [e[0] for e in w["meta_info"]["output_token_logprobs"]]
-        assert max(abs(a - b) for a, b in zip(lp_g, lp_w, strict=True)) < 0.1
+        assert max(abs(a - b) for a, b in zip(lp_g, lp_w, strict=True)) < 1e-3
     assert sum(engine.get_server_info()["spec_accept_lengths"].values()) > 0
 
 
@@ -325,12 +328,12 @@ def test_pool_accounting_with_speculation_aborts_and_retraction(make_engine) -> 
     """A small pool (retraction), aborts mid-flight and speculation every step: the invariant
     is asserted after every step, and every slot comes back."""
     engine = make_engine(speculative_algorithm="NGRAM", speculative_auto_disable=False,
-                         max_total_tokens=700, chunked_prefill_size=64)
+                         max_total_tokens=400, chunked_prefill_size=64)
     sched = engine.scheduler
     sched.config = dataclasses.replace(sched.config, check_accounting=True)
     rng = random.Random(0)
-    prompts = [p + " " + p for p in PROMPTS]
-    params = [{"max_new_tokens": rng.randint(8, 60), "temperature": 0} for _ in prompts]
+    prompts = [p + " " + p for p in PROMPTS[::2]]
+    params = [{"max_new_tokens": rng.randint(8, 40), "temperature": 0} for _ in prompts]
     rids = [f"acct-{i}" for i in range(len(prompts))]
     import threading
 
@@ -341,7 +344,7 @@ def test_pool_accounting_with_speculation_aborts_and_retraction(make_engine) -> 
 
     t = threading.Thread(target=run)
     t.start()
-    for rid in rids[::5]:
+    for rid in rids[::3]:
         engine.abort(rid)
     t.join(timeout=600)
     assert not t.is_alive()
