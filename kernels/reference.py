@@ -87,6 +87,15 @@ class _DecodePlan(NamedTuple):
 _plan_memo = threading.local()
 
 
+def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...] | None:
+    """Version counters of the memo key; None (never equal: no memo) for inference-mode
+    tensors, which have none."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:
+        return None
+
+
 def _decode_plan(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -97,11 +106,11 @@ def _decode_plan(
     the very same tensors. The memo holds them (so their ids stay theirs) and their version
     counters (so an in-place write between calls rebuilds it)."""
     key = (req_to_token, req_pool_indices, seq_lens)
-    versions = tuple(t._version for t in key)
+    versions = _versions(key)
     memo = getattr(_plan_memo, "entry", None)
-    if memo is not None and all(a is b for a, b in zip(memo[0], key, strict=True)) and (
-        memo[1] == versions
-    ):
+    if memo is not None and versions is not None and all(
+        a is b for a, b in zip(memo[0], key, strict=True)
+    ) and memo[1] == versions:
         return memo[2]
     rows = req_pool_indices.to(device=device, dtype=torch.long)
     lens = seq_lens.to(device=device, dtype=torch.long)
@@ -311,11 +320,11 @@ def _extend_plan(
     """(row start, row end, key slots, causal mask) per request with new tokens, built once
     per forward and memoized like the decode plan (every layer asks with the same tensors)."""
     key = (req_to_token, req_pool_indices, prefix_lens, extend_lens)
-    versions = tuple(t._version for t in key)
+    versions = _versions(key)
     memo = getattr(_extend_memo, "entry", None)
-    if memo is not None and all(a is b for a, b in zip(memo[0], key, strict=True)) and (
-        memo[1] == versions
-    ):
+    if memo is not None and versions is not None and all(
+        a is b for a, b in zip(memo[0], key, strict=True)
+    ) and memo[1] == versions:
         return memo[2]
     plan = []
     start = 0

@@ -60,16 +60,20 @@ def resolve_spec_config(sa: ServerArgs, default_model: bool) -> SpecConfig | Non
         raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}"
                          f"; got {sa.speculative_algorithm!r}")
     path = sa.speculative_draft_model_path
+
+    def given(value: int | None, default: int) -> int:
+        return default if value is None else value
+
     if algo == "NGRAM":
-        steps = sa.speculative_num_steps or _NGRAM_DRAFT_TOKENS - 1
+        steps = given(sa.speculative_num_steps, _NGRAM_DRAFT_TOKENS - 1)
         topk = 1
-        draft = sa.speculative_num_draft_tokens or steps + 1
+        draft = given(sa.speculative_num_draft_tokens, steps + 1)
     else:
         d_steps, d_topk, d_draft = _EAGLE_DEFAULTS
-        steps = sa.speculative_num_steps or d_steps
-        topk = sa.speculative_eagle_topk or d_topk
-        draft = sa.speculative_num_draft_tokens or (d_draft if (steps, topk) == (d_steps, d_topk)
-                                                    else min(steps * topk, 64) + 1)
+        steps = given(sa.speculative_num_steps, d_steps)
+        topk = given(sa.speculative_eagle_topk, d_topk)
+        draft = given(sa.speculative_num_draft_tokens,
+                      d_draft if (steps, topk) == (d_steps, d_topk) else min(steps * topk, 64) + 1)
         if path is None:
             if not default_model:
                 raise ValueError(f"--speculative-algorithm {algo} needs "

@@ -60,8 +60,9 @@ class SpecController:
             state.backoff_until = self.step + _BACKOFF_STEPS
             state.accept_ema = None  # the next try starts afresh
 
-    def may_draft(self, state: SpecState) -> bool:
-        return not self.enabled or self.step >= state.backoff_until
+    def may_draft(self, state: SpecState, ahead: int = 0) -> bool:
+        """Whether the request may draft `ahead` steps from now."""
+        return not self.enabled or self.step + ahead >= state.backoff_until
 
     def worth_it(self, base_rows: int, base_tokens: float, tree_rows: int,
                  tree_tokens: float) -> bool:
@@ -97,14 +98,16 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
             depths.append(depth)
     if not eligible:
         return {}
+    # judge with the trees' full size before drafting: an EAGLE draft costs head forwards
+    nodes = sched.drafter.num_draft_tokens
+    base = len(decoders)
+    expected = sum(ctl.expected_tokens(r.spec, nodes) for r in eligible)
+    if not ctl.worth_it(base, base, base + len(eligible) * (nodes - 1),
+                        base - len(eligible) + expected):
+        return {}
     proposed = sched.drafter.propose(eligible, depths, sched)
     trees = {id(r): t for r, t in zip(eligible, proposed, strict=True) if t is not None}
     extra = sum(t.num_nodes - 1 for t in trees.values())
     if not trees or len(decoders) + extra > sched.cache.num_available_slots:
-        return {}
-    expected = sum(ctl.expected_tokens(r.spec, trees[id(r)].num_nodes)
-                   for r in eligible if id(r) in trees)
-    base = len(decoders)
-    if not ctl.worth_it(base, base, base + extra, base - len(trees) + expected):
         return {}
     return trees

@@ -59,6 +59,7 @@ class _Node:
 class EagleDrafter:
     def __init__(self, spec: SpecConfig, runner: ModelRunner) -> None:
         self.spec = spec
+        self.num_draft_tokens = spec.num_draft_tokens
         self.runner = runner
         self.head: Eagle3Head = load_eagle3_head(spec.draft_model_path, runner.device)
         hc, tc = self.head.config, runner.model_config
@@ -123,7 +124,11 @@ class EagleDrafter:
             else:
                 feat_rows = list(range(row_start, row_start + n))
             row_start += n
-            if req.is_finished or req.req_pool_idx is None:
+            if req.is_finished or req.req_pool_idx is None or not sched.spec_controller.may_draft(
+                    req.spec, ahead=1):
+                # finished, or not drafting next step (the controller backed off): skip the
+                # head; its K/V at these positions stay unwritten, which only costs the
+                # acceptance of a later draft that attends to them, never correctness
                 req.spec.eagle = None
                 continue
             count = min(len(feat_rows), req.kv_len - first)  # jump-forward may drop a tail

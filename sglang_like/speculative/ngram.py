@@ -54,7 +54,7 @@ class NgramDrafter:
 
     def __init__(self, num_draft_tokens: int, min_window: int, max_window: int,
                  breadth: int) -> None:
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = num_draft_tokens  # tree nodes, root included
         self.min_window = min_window
         self.max_window = max_window
         self.breadth = breadth

@@ -39,6 +39,7 @@ class ScriptedDrafter:
 
     def __init__(self, depth: int, right: int, branch: bool = True) -> None:
         self.depth, self.right, self.branch = depth, right, branch
+        self.num_draft_tokens = 1 + depth * (2 if branch else 1)
         self.num_proposed = 0
 
     def propose(self, reqs, max_depths, sched):

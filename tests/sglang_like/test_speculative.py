@@ -450,3 +450,43 @@ def test_sampling_is_lossless_on_a_tiny_model(tiny_folder, name, tmp_path) -> No
     assert sum(hist.values()) >= samples  # every sample went through verify passes
     if name == "NGRAM":
         assert sum(v for k, v in hist.items() if k > 1) > samples // 20  # drafts got accepted
+
+
+# ---- the shipped head ---------------------------------------------------------------------------
+
+HELD_OUT = [  # written for this test; the head trained on conversations the model wrote itself
+    "What is the tallest mountain in the world?",
+    "How do I make a cup of green tea?",
+    "Give me three tips for learning to play the guitar.",
+    "What does a firefighter do?",
+    "Explain what a rainbow is.",
+    "Write a short poem about autumn leaves.",
+    "Why do cats purr?",
+    "What is the boiling point of water in Fahrenheit?",
+    "Suggest a name for a small bakery.",
+    "How many days are there in a leap year?",
+    "What are the colors of the French flag?",
+    "Describe a sunset over the ocean.",
+    "What is photosynthesis in simple words?",
+    "List four animals that live in the Arctic.",
+    "How can I improve my sleep?",
+    "What is the difference between a lake and a sea?",
+]
+# Measured on this machine with the committed head (greedy, 64 new tokens, every step
+# drafting a 3-token chain): 1.31 tokens per verify (a random head gives 1.00). The floor is
+# that less a margin for float noise in a different batch; a head that regressed to guessing
+# fails it. The 2.5 needs far more training data than this head had (see its card).
+SHIPPED_HEAD_ACCEPT_FLOOR = 1.2
+
+
+@pytest.mark.slow
+def test_shipped_head_accepts_on_held_out_chat(make_engine) -> None:
+    engine = make_engine(speculative_algorithm="EAGLE3", speculative_auto_disable=False)
+    prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in HELD_OUT]
+    outs = engine.generate(prompts, {"max_new_tokens": 64, "temperature": 0})
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    verifies = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    accept = tokens / verifies
+    print(f"\nshipped EAGLE-3 head: acceptance length {accept:.2f} on {len(prompts)} held-out "
+          f"chat prompts ({tokens} tokens, {verifies} verify passes)")
+    assert accept > SHIPPED_HEAD_ACCEPT_FLOOR
