@@ -224,9 +224,15 @@ def chat_prompts():
     return [tok.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
 
 
+# The weights these tests run: what `auto` picks with speculation on (fp16 where fbgemm has
+# it), pinned so the engine without speculation runs the same ones.
+SPEC_QUANT = "fp16" if __import__("sglang_like.quant", fromlist=["x"]).fbgemm_fp16_available() \
+    else "int4"
+
+
 @pytest.fixture(scope="module")
 def off_engine(make_engine):
-    return make_engine()
+    return make_engine(quantization=SPEC_QUANT)
 
 
 @pytest.fixture(scope="module")
@@ -255,13 +261,15 @@ def test_greedy_equals_spec_off(make_engine, baseline, name, tmp_path_factory) -
     # alone (radix cold: every prompt is new to this engine; every 3rd prompt, to bound the
     # time), then all 20 in one batch (radix warm), then in a chunked-prefill engine without
     # the radix cache
-    engine = make_engine(**kw)
+    engine = make_engine(quantization=SPEC_QUANT, **kw)
+    assert engine.server_args.quantization == SPEC_QUANT
     alone = [engine.generate(p, GREEDY)["output_ids"] for p in prompts[::3]]
     _assert_same(alone, ids[::3], gaps[::3])
     batched = engine.generate(prompts, GREEDY)
     _assert_same([o["output_ids"] for o in batched], ids, gaps)
     assert sum(o["meta_info"]["cached_tokens"] for o in batched) > 0
-    chunked = make_engine(chunked_prefill_size=16, disable_radix_cache=True, **kw)
+    chunked = make_engine(chunked_prefill_size=16, disable_radix_cache=True,
+                          quantization=SPEC_QUANT, **kw)
     _assert_same([o["output_ids"] for o in chunked.generate(prompts, GREEDY)], ids, gaps)
     hist = engine.get_server_info()["spec_accept_lengths"]
     assert sum(v for k, v in hist.items() if k > 1) > 0, hist  # some verify committed drafts
