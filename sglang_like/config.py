@@ -60,8 +60,8 @@ class ServerArgs:
     tokenizer_path: str | None = None
     dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto -> cuda if available else cpu
-    # auto -> CPU: int4 for a Q4_0/Q4_1 GGUF, int8 otherwise, fp16 (fbgemm) with speculative
-    # decoding (none when dtype is given); CUDA: none
+    # auto -> CPU: int4 for a Q4_0/Q4_1 GGUF, int8 otherwise (none when dtype is given);
+    # CUDA: none. fp16: every matrix fp16 in fbgemm (asked for only)
     quantization: str = "auto"  # "auto" | "none" | "int8" | "int4" | "fp16"
     kv_cache_dtype: str = "auto"  # auto -> the dense dtype (float32 on CPU); or "bfloat16"
     context_length: int | None = None  # None -> the model's max_position_embeddings

@@ -44,7 +44,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     loaded = load_model(server_args.model_path, dtype, keep_packed=keep_packed)
     quantization = resolve_quantization(
         server_args.quantization, device=device, dtype_is_explicit=server_args.dtype != "auto",
-        source_has_int4_blocks=all_int4_blocks(loaded.weights), speculative=spec is not None,
+        source_has_int4_blocks=all_int4_blocks(loaded.weights),
     )
     quant = QuantConfig(quantization, dtype)
     kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, device, default=dtype)

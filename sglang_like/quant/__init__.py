@@ -53,19 +53,19 @@ __all__ = [
 
 def resolve_quantization(
     quantization: str, *, device: torch.device, dtype_is_explicit: bool,
-    source_has_int4_blocks: bool, speculative: bool = False,
+    source_has_int4_blocks: bool,
 ) -> str:
     """`auto` -> a concrete method; a choice the device cannot run is a ValueError.
 
     On CPU, `auto` is int4 when the checkpoint is a GGUF whose matrices are Q4_0/Q4_1 (they
     repack code for code: the same weights, a third of int8's bytes) and int8 otherwise;
     an explicit `--dtype` means the user asked for dense weights, so `auto` is `none` then.
-    With speculative decoding on, `auto` is fp16 where fbgemm has it: a verify pass runs
-    several rows per request, and the int kernels are compute-bound, their time growing with
-    rows (measured here, AVX2, default model: a 6-row forward cost 1.8x a 1-row one under
-    int4, 1.36x under fp16), which would eat what speculation saves. The weights are the
-    same GGUF values either way (fp16 holds Q4_1's to within fp16 rounding); to compare
-    outputs with speculation on and off, pin `--quantization`.
+    `fp16` (asked for) keeps every matrix in fp16 for fbgemm. Its time grows less with rows
+    than the int kernels' (measured here, AVX2, default model: a 6-row forward cost 1.8x a
+    1-row one under int4, 1.36x under fp16), which speculative verify passes like, but a
+    1-row step reads twice int4's bytes: bench_speculative measured fp16 with speculation at
+    0.75-0.88x of int4 without it at batch 1, so `auto` keeps int4 with speculation on too
+    (and turning speculation on never changes the weights outputs come from).
     On CUDA `auto` is `none` (bf16): the int kernels here are CPU kernels.
     """
     if quantization not in QUANTIZATION_CHOICES:
@@ -81,8 +81,6 @@ def resolve_quantization(
         raise ValueError("quantization 'fp16' needs fbgemm's fp16 GEMM (an x86 CPU with AVX2)")
     if dtype_is_explicit:
         return "none"
-    if speculative and fbgemm_fp16_available():
-        return "fp16"
     return "int4" if source_has_int4_blocks else "int8"
 
 

@@ -36,12 +36,14 @@ class NgramIndex:
 
     def continuations(self, seq: list[int], length: int, breadth: int) -> list[list[int]]:
         """Up to `breadth` distinct continuations of `seq`'s suffix, longest match first, the
-        most recent occurrence first among equals; each at most `length` tokens."""
+        most recent occurrence first among equals; each at most `length` tokens, and at most
+        twice the matched length (a one-token match is weak evidence: a short draft costs a
+        short verify)."""
         self.sync(seq)
         found: list[list[int]] = []
         for n in range(min(self.max_window, len(seq) - 1), self.min_window - 1, -1):
             for start in reversed(self.last_end.get(tuple(seq[-n:]), ())):
-                cont = seq[start : start + length]
+                cont = seq[start : start + min(length, 2 * n)]
                 if cont and cont not in found:
                     found.append(cont)
                     if len(found) >= breadth:

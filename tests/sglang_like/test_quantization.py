@@ -136,15 +136,11 @@ def test_int8_embedding_rows_match_its_head() -> None:
         ("fp8", "cpu", False, True, ValueError),
         ("fp16", "cuda", False, True, ValueError),
         ("fp16", "cpu", False, True, "fp16"),
-        ("auto+spec", "cpu", False, True, "fp16" if fbgemm_fp16_available() else "int4"),
-        ("auto+spec", "cpu", True, True, "none"),
-        ("auto+spec", "cuda", False, True, "none"),
     ],
 )
 def test_resolve_quantization(asked, device, explicit_dtype, int4_blocks, want) -> None:
     kwargs = {"device": torch.device(device), "dtype_is_explicit": explicit_dtype,
-              "source_has_int4_blocks": int4_blocks, "speculative": asked.endswith("+spec")}
-    asked = asked.removesuffix("+spec")
+              "source_has_int4_blocks": int4_blocks}
     if asked == "fp16" and device == "cpu" and not fbgemm_fp16_available():
         want = ValueError
     if want is ValueError:

@@ -224,10 +224,9 @@ def chat_prompts():
     return [tok.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
 
 
-# The weights these tests run: what `auto` picks with speculation on (fp16 where fbgemm has
-# it), pinned so the engine without speculation runs the same ones.
-SPEC_QUANT = "fp16" if __import__("sglang_like.quant", fromlist=["x"]).fbgemm_fp16_available() \
-    else "int4"
+# The weights these tests run: what `auto` picks on the default model, pinned so the engines
+# with and without speculation run the same ones.
+SPEC_QUANT = "int4"
 
 
 @pytest.fixture(scope="module")
