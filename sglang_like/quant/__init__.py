@@ -3,8 +3,8 @@
 `none` keeps dense weights in the model dtype (the exact fp32 path on CPU, bf16 on CUDA);
 `int8` is weight-only int8 per output row; `int4` is weight-only int4 per group of 32/64
 input columns; `fp16` keeps every matrix in fp16 for fbgemm's GEMM (fp32 activations). All
-keep the LM head at 16 bits with fp32 logits (fbgemm fp16) and the embedding rows in int8. GGUF Q4_0/Q4_1/Q8_0 matrices are repacked from their blocks, never
-held as fp32.
+keep the LM head at 16 bits with fp32 logits (fbgemm fp16) and the embedding rows in int8.
+GGUF Q4_0/Q4_1/Q8_0 matrices are repacked from their blocks, never held as fp32.
 """
 
 from __future__ import annotations

@@ -315,7 +315,8 @@ def test_mixed_batch_with_grammars_equals_spec_off(make_engine, chat_prompts, na
     flat_params = [p for p in params for _ in range(p.get("n", 1))]
     assert len(got) == len(want) == len(flat_params)
     for g, w, p in zip(got, want, flat_params, strict=True):
-        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"], (p, g["text"], w["text"])
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"], (
+            p, g["text"], w["text"])
         if "regex" in p:
             assert regex.fullmatch(p["regex"], g["text"]), g["text"]
         if "json_schema" in p:
