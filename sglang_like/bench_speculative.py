@@ -3,9 +3,9 @@
     python -m sglang_like.bench_speculative                     # the table + PNG histogram
     python -m sglang_like.bench_speculative --batch-sizes 1 --workloads chat --max-new-tokens 64
 
-Each config runs in turn, each cell `--repeats` times (the median is kept). Three workloads of greedy chat requests: open
-chat, extracting fields of a given document as JSON (copy-heavy), editing a given piece of
-code (copy-heavy). At batch 1 each prompt runs
+Each config runs in turn, each cell `--repeats` times (the median is kept). Three workloads
+of greedy chat requests: open chat, extracting fields of a given document as JSON
+(copy-heavy), editing a given piece of code (copy-heavy). At batch 1 each prompt runs
 alone and the column is decode tokens/s (completion tokens after the first over the time
 after the first, streamed); at batch 8 and 32 the prompts are cycled to fill the batch and
 the column is output tokens/s of the whole batch. Acceptance length is completion tokens /
