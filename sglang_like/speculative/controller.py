@@ -35,6 +35,7 @@ class SpecState:
     backoff_until: int = 0  # the controller's step count before which it does not draft
     ngram: object | None = None  # NgramIndex
     eagle: object | None = None  # EAGLE drafter state: next-step candidates, feature
+    eagle_pending: object | None = None  # (first position, target features) not yet drafted
 
 
 def _bucket(num_rows: int) -> int:

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from sglang_like.speculative.verify import TreeWalk
 
 
+_MAX_PENDING = 2048  # target features kept per request while its drafting is paused
+
+
 @dataclass
 class EagleState:
     """What the head's last extend left for the next tree: candidates for the token after
@@ -113,7 +116,7 @@ class EagleDrafter:
             return
         walk_of = {id(w.req): w for w in walks}
         table = self.runner.req_to_token_pool.req_to_token
-        ids, pos, slots, rows, prefix, lens, reqs = [], [], [], [], [], [], []
+        ids, pos, slots, feats, prefix, lens, reqs = [], [], [], [], [], [], []
         row_start = 0
         for i, req in enumerate(batch.reqs):
             n = batch.extend_lens[i]
@@ -124,22 +127,31 @@ class EagleDrafter:
             else:
                 feat_rows = list(range(row_start, row_start + n))
             row_start += n
-            if req.is_finished or req.req_pool_idx is None or not sched.spec_controller.may_draft(
-                    req.spec, ahead=1):
-                # finished, or not drafting next step (the controller backed off): skip the
-                # head; its K/V at these positions stay unwritten, which only costs the
-                # acceptance of a later draft that attends to them, never correctness
-                req.spec.eagle = None
+            state = req.spec
+            pending, state.eagle_pending = state.eagle_pending, None
+            if req.is_finished or req.req_pool_idx is None:
+                state.eagle = None
                 continue
             count = min(len(feat_rows), req.kv_len - first)  # jump-forward may drop a tail
             if count <= 0:
-                req.spec.eagle = None
+                state.eagle = None
                 continue
-            fill = req.fill_slice(first + 1, first + count + 1)
-            ids += fill
+            cur = features[torch.tensor(feat_rows[:count], device=features.device)]
+            if pending is not None and pending[0] + pending[1].shape[0] == first:
+                first, cur = pending[0], torch.cat([pending[1], cur])  # catch up
+                count = cur.shape[0]
+            if not sched.spec_controller.may_draft(state, ahead=1):
+                # not drafting next step (the controller backed off): keep the features and
+                # run the head over all of them at once when drafting resumes, so its K/V
+                # have no holes and idle steps cost nothing
+                if count <= _MAX_PENDING:
+                    state.eagle_pending = (first, cur)
+                state.eagle = None
+                continue
+            ids += req.fill_slice(first + 1, first + count + 1)
             pos += range(first, first + count)
             slots += table[req.req_pool_idx, first : first + count].tolist()
-            rows += feat_rows[:count]
+            feats.append(cur)
             prefix.append(first)
             lens.append(count)
             reqs.append(req)
@@ -157,7 +169,7 @@ class EagleDrafter:
             logits_indices=torch.empty(0, dtype=torch.long, device=dev),
             req_to_token=table, is_decode=all(n == 1 for n in lens),
         )
-        outs = self._forward(fb, features[torch.tensor(rows, device=features.device)])
+        outs = self._forward(fb, torch.cat(feats))
         last = torch.tensor(lens).cumsum(0) - 1
         last_outs = outs[last]
         cand_ids, cand_lp = self._candidates(last_outs, self.spec.eagle_topk)
