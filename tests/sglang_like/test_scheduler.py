@@ -200,25 +200,25 @@ def test_random_workloads_keep_pool_accounting(tokenizer, seed):
     pool = rng.choice([48, 64, 96, 160])
     sched, _ = make(tokenizer, pool_size=pool, chunk=rng.choice([None, 8, 24]),
                     max_running=rng.choice([2, 4, 8]), policy=rng.choice(["lpm", "fcfs"]))
+    run_random_workload(sched, rng)
+
+
+def run_random_workload(sched, rng):
+    """Requests sharing prefixes arrive at random steps and some are aborted mid-flight;
+    every one that ran to its length follows the script, and every slot comes back."""
     prompts = prompts_with_shared_prefix(rng, 10, rng.randint(0, 20), 15)
     max_news = [rng.randint(0, 25) for _ in prompts]
     pending = list(enumerate(prompts))
     aborted: set[str] = set()
-
-    def on_step(step):
+    done = {}
+    while pending or sched.has_work:
         if pending and rng.random() < 0.5:
             i, p = pending.pop(0)
             sched.add_request(req(f"w{i}", p, max_new=max_news[i]))
         if rng.random() < 0.08:
             live = [r.rid for r in sched.running + sched.waiting]
-            if live:
-                victim = rng.choice(live)
-                if sched.abort(victim):
-                    aborted.add(victim)
-
-    done = {}
-    while pending or sched.has_work:
-        on_step(0)
+            if live and sched.abort(victim := rng.choice(live)):
+                aborted.add(victim)
         for r in sched.step():
             if r.is_finished:
                 done[r.rid] = r
@@ -228,7 +228,6 @@ def test_random_workloads_keep_pool_accounting(tokenizer, seed):
             continue
         assert r.output_ids == expected_continuation(p, max_news[i])
     assert_pool_clean(sched)
-
 
 @pytest.mark.parametrize("start,end", [(0, 3), (2, 6), (4, 7), (5, 6), (0, 7), (3, 3)])
 def test_fill_slice_equals_slicing_fill_ids(start, end):
@@ -275,27 +274,6 @@ def test_random_workloads_with_speculation_keep_pool_accounting(tokenizer, seed)
     sched, _ = make_spec(tokenizer, drafter, pool_size=rng.choice([48, 64, 96, 160]),
                          chunk=rng.choice([None, 8, 24]), max_running=rng.choice([2, 4, 8]),
                          policy=rng.choice(["lpm", "fcfs"]))
-    prompts = prompts_with_shared_prefix(rng, 10, rng.randint(0, 20), 15)
-    max_news = [rng.randint(0, 25) for _ in prompts]
-    pending = list(enumerate(prompts))
-    aborted: set[str] = set()
-    done = {}
-    while pending or sched.has_work:
-        if pending and rng.random() < 0.5:
-            i, p = pending.pop(0)
-            sched.add_request(req(f"w{i}", p, max_new=max_news[i]))
-        if rng.random() < 0.08:
-            live = [r.rid for r in sched.running + sched.waiting]
-            if live and sched.abort(victim := rng.choice(live)):
-                aborted.add(victim)
-        for r in sched.step():
-            if r.is_finished:
-                done[r.rid] = r
-    for i, p in enumerate(prompts):
-        r = done[f"w{i}"]
-        if r.rid in aborted or r.finished_reason.type == "abort":
-            continue
-        assert r.output_ids == expected_continuation(p, max_news[i])
+    run_random_workload(sched, rng)
     assert drafter.num_proposed > 0
     assert sum(sched.spec_accept_lengths.values()) > 0
-    assert_pool_clean(sched)
