@@ -84,16 +84,39 @@ class _DecodePlan(NamedTuple):
     all_full: bool  # every request has max_len keys (no padding to mask)
 
 
-_plan_memo = threading.local()
+class _ForwardMemo:
+    """The last plan built from a key of tensors, per thread: the model calls an attention
+    once per layer with the very same tensors, so each plan is built once per forward. The
+    memo holds the tensors (so their ids stay theirs) and their version counters (so an
+    in-place write between calls rebuilds it); inference-mode tensors have no counters and
+    are never memoized."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @staticmethod
+    def _versions(key: tuple[torch.Tensor, ...]) -> tuple[int, ...] | None:
+        try:
+            return tuple(t._version for t in key)
+        except RuntimeError:
+            return None
+
+    def get(self, key: tuple[torch.Tensor, ...]):
+        entry = getattr(self._local, "entry", None)
+        if entry is None or len(entry[0]) != len(key):
+            return None
+        versions = self._versions(key)
+        if versions is None or entry[1] != versions or not all(
+                a is b for a, b in zip(entry[0], key, strict=True)):
+            return None
+        return entry[2]
+
+    def put(self, key: tuple[torch.Tensor, ...], plan):
+        self._local.entry = (key, self._versions(key), plan)
+        return plan
 
 
-def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...] | None:
-    """Version counters of the memo key; None (never equal: no memo) for inference-mode
-    tensors, which have none."""
-    try:
-        return tuple(t._version for t in tensors)
-    except RuntimeError:
-        return None
+_plan_memo = _ForwardMemo()
 
 
 def _decode_plan(
@@ -102,16 +125,11 @@ def _decode_plan(
     seq_lens: torch.Tensor,
     device: torch.device,
 ) -> _DecodePlan:
-    """Build the plan once per forward: the model calls decode attention once per layer with
-    the very same tensors. The memo holds them (so their ids stay theirs) and their version
-    counters (so an in-place write between calls rebuilds it)."""
+    """Built once per forward (see _ForwardMemo)."""
     key = (req_to_token, req_pool_indices, seq_lens)
-    versions = _versions(key)
-    memo = getattr(_plan_memo, "entry", None)
-    if memo is not None and versions is not None and all(
-        a is b for a, b in zip(memo[0], key, strict=True)
-    ) and memo[1] == versions:
-        return memo[2]
+    memo = _plan_memo.get(key)
+    if memo is not None:
+        return memo
     rows = req_pool_indices.to(device=device, dtype=torch.long)
     lens = seq_lens.to(device=device, dtype=torch.long)
     max_len = int(lens.max())
@@ -124,8 +142,7 @@ def _decode_plan(
         done[members] = True
     all_full = bool((lens == max_len).all())
     plan = _DecodePlan(slots, valid, lens, groups, (~done).nonzero().flatten(), all_full)
-    _plan_memo.entry = (key, versions, plan)
-    return plan
+    return _plan_memo.put(key, plan)
 
 
 def _decode_rows(
@@ -307,7 +324,8 @@ def extend_attention(
     return out.to(q.dtype)
 
 
-_extend_memo = threading.local()
+_extend_memo = _ForwardMemo()
+_masked_memo = _ForwardMemo()
 
 
 def _extend_plan(
@@ -320,12 +338,9 @@ def _extend_plan(
     """(row start, row end, key slots, causal mask) per request with new tokens, built once
     per forward and memoized like the decode plan (every layer asks with the same tensors)."""
     key = (req_to_token, req_pool_indices, prefix_lens, extend_lens)
-    versions = _versions(key)
-    memo = getattr(_extend_memo, "entry", None)
-    if memo is not None and versions is not None and all(
-        a is b for a, b in zip(memo[0], key, strict=True)
-    ) and memo[1] == versions:
-        return memo[2]
+    memo = _extend_memo.get(key)
+    if memo is not None:
+        return memo
     plan = []
     start = 0
     for row, prefix_len, extend_len in zip(req_pool_indices.tolist(), prefix_lens.tolist(),
@@ -337,8 +352,7 @@ def _extend_plan(
             allowed = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
             plan.append((start, start + extend_len, slots, allowed))
         start += extend_len
-    _extend_memo.entry = (key, versions, plan)
-    return plan
+    return _extend_memo.put(key, plan)
 
 
 def tree_verify_attention(
@@ -391,20 +405,36 @@ def masked_attention(
     Returns [sum of rows, Hq, D] in q's dtype.
     """
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    device = k_pool.device
+    for start, end, slots, allowed in _masked_plan(req_to_token, req_pool_indices, prefix_lens,
+                                                   masks, k_pool.device):
+        out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale)
+    return out.to(q.dtype)
+
+
+def _masked_plan(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    masks: list[torch.Tensor],
+    device: torch.device,
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(row start, row end, key slots, allowed keys) per request, once per forward."""
+    key = (req_to_token, req_pool_indices, prefix_lens, *masks)
+    memo = _masked_memo.get(key)
+    if memo is not None:
+        return memo
+    plan = []
     start = 0
     for row, prefix_len, mask in zip(req_pool_indices.tolist(), prefix_lens.tolist(), masks,
                                      strict=True):
         rows, width = mask.shape
-        if rows == 0:
-            continue
-        slots = req_to_token[row, : prefix_len + width].to(device=device, dtype=torch.long)
-        allowed = torch.cat([torch.ones(rows, prefix_len, dtype=torch.bool, device=device),
-                             mask.to(device=device, dtype=torch.bool)], dim=1)
-        out[start : start + rows] = _attend_one(q[start : start + rows], k_pool, v_pool, slots,
-                                                allowed, sm_scale)
+        if rows:
+            slots = req_to_token[row, : prefix_len + width].to(device=device, dtype=torch.long)
+            allowed = torch.cat([torch.ones(rows, prefix_len, dtype=torch.bool, device=device),
+                                 mask.to(device=device, dtype=torch.bool)], dim=1)
+            plan.append((start, start + rows, slots, allowed))
         start += rows
-    return out.to(q.dtype)
+    return _masked_memo.put(key, plan)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
