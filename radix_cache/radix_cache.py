@@ -240,16 +240,20 @@ class RadixCache:
         self.allocator.free(freed)
         return len(freed)
 
-    def reset(self) -> None:
-        """Free every tree slot back to the allocator and empty the tree (no locks allowed)."""
-        assert self._protected_size == 0, "reset with locked nodes"
+    def held_slots(self) -> list[int]:
+        """Every slot the tree holds (a walk of the whole tree: for recovery and checks)."""
         slots: list[int] = []
         stack = [self.root]
         while stack:
             node = stack.pop()
             slots += node.value
             stack.extend(node.children.values())
-        self.allocator.free(slots)
+        return slots
+
+    def reset(self) -> None:
+        """Free every tree slot back to the allocator and empty the tree (no locks allowed)."""
+        assert self._protected_size == 0, "reset with locked nodes"
+        self.allocator.free(self.held_slots())
         self._init_tree()
 
     # ------------------------------------------------------------- internals

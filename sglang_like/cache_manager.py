@@ -104,6 +104,22 @@ class KVCacheManager:
         req.last_node = None
         req.kv_len = req.cache_protected_len = 0
 
+    # ---- recovery ------------------------------------------------------------------------
+    def reclaim_orphans(self, running: list[Req]) -> int:
+        """Free every slot that is neither free, nor in the tree, nor in a running request's
+        computed row: what a step that failed half-way had allocated. Returns how many."""
+        owned = set(self.tree.held_slots())
+        for req in running:
+            if req.req_pool_idx is not None:
+                owned.update(self.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_len))
+        is_free = self.allocator.is_free
+        orphans = [s for s in range(1, self.allocator.size + 1)
+                   if not is_free(s) and s not in owned]
+        self.allocator.free(orphans)
+        self.req_to_token_pool.reclaim({r.req_pool_idx for r in running
+                                        if r.req_pool_idx is not None})
+        return len(orphans)
+
     # ---- checks --------------------------------------------------------------------------
     def num_request_owned(self, running: list[Req]) -> int:
         return sum(r.kv_len - r.cache_protected_len for r in running if r.req_pool_idx is not None)

@@ -78,6 +78,8 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
     enable_jump_forward: bool = True
     random_seed: int = 0
+    # /health fails (503) while one scheduler step has run longer than this (SGLang's name)
+    watchdog_timeout: float = 300.0
     # Speculative decoding (SGLang's switches; None -> the algorithm's default, see
     # sglang_like.speculative.SpecConfig)
     speculative_algorithm: str | None = None  # "EAGLE" | "EAGLE3" | "NGRAM" | None (off)

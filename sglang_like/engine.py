@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -14,9 +13,10 @@ from typing import Any
 
 from sglang_like.config import ServerArgs
 from sglang_like.cpu_runtime import release_openmp_threads, trim_heap
-from sglang_like.engine_io import RequestHandle, build_output, prepare_inputs
+from sglang_like.engine_io import RequestHandle, prepare_inputs
+from sglang_like.engine_loop import EngineLoop
 from sglang_like.engine_setup import build_engine_parts
-from sglang_like.req import FinishReason, Req
+from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ class Engine:
         # then stops spinning between parallel regions (each matmul pays a wake-up; measured
         # 2x slower decode on 2 cores). The caller's own team, if it made one, is let go.
         release_openmp_threads()
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         ready: queue.Queue[BaseException | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._main, args=(server_args, ready),
                                         name="sglang-like-scheduler", daemon=True)
@@ -64,7 +63,7 @@ class Engine:
             return
         trim_heap()  # the loader's temporaries
         ready.put(None)
-        self._loop()
+        self._core.run()
 
     def _build(self, server_args: ServerArgs) -> None:
         parts = build_engine_parts(server_args)
@@ -74,8 +73,8 @@ class Engine:
         self.eos_token_ids = parts.eos_token_ids
         self._grammar_backend: Any = None
         self._grammar_lock = threading.Lock()
-        self._handles: dict[str, RequestHandle] = {}
-        self._rid_counter = itertools.count()
+        self._core = EngineLoop(self.tokenizer, self.server_args.watchdog_timeout)
+        self._core.scheduler = self.scheduler
         self._closed = False
 
     # ---- public API ------------------------------------------------------------------------
@@ -141,7 +140,18 @@ class Engine:
                                                   tools=tools)
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        """End a request now (queued or running), and the ones derived from its rid: the
+        samples of n > 1 (`rid-0`, `rid-1`, ...) and the items of a batch given one rid."""
+        self._core.put_command("abort", rid)
+
+    def abort_all(self) -> None:
+        """End every queued and running request (each caller gets an abort, "aborted")."""
+        self._core.put_command("abort_all")
+
+    def check_health(self) -> str | None:
+        """None while the engine serves; otherwise why not: its loop died or was stopped, or
+        one scheduler step has run past `watchdog_timeout` (a stuck forward)."""
+        return self._core.check_health()
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; False while requests are queued or running."""
@@ -166,14 +176,14 @@ class Engine:
 
     @property
     def num_queued_requests(self) -> int:
-        return len(self.scheduler.waiting) + self._inbox.qsize()
+        return len(self.scheduler.waiting) + self._core.num_pending_commands
 
     def shutdown(self) -> None:
         """Abort what is in flight and stop the loop thread."""
         if self._closed:
             return
         self._closed = True
-        self._inbox.put(("stop", None))
+        self._core.put_command("stop")
         self._thread.join(timeout=30)
         if self._grammar_backend is not None:
             self._grammar_backend.shutdown()
@@ -280,7 +290,7 @@ class Engine:
                 loop: asyncio.AbstractEventLoop | None) -> RequestHandle:
         handle = RequestHandle(req.rid, req.stream, loop)
         handle.text_in_logprobs = text_in_logprobs
-        self._inbox.put(("add", (req, handle)))
+        self._core.submit(req, handle)
         return handle
 
     def _stream_sync(self, handle: RequestHandle) -> Iterator[dict]:
@@ -307,70 +317,8 @@ class Engine:
 
     def _call_in_loop(self, fn: Any) -> Any:
         done: queue.Queue = queue.Queue(maxsize=1)
-        self._inbox.put(("call", (fn, done)))
+        self._core.put_command("call", (fn, done))
         ok, value = done.get()
         if not ok:
             raise value
         return value
-
-    def _loop(self) -> None:
-        sched = self.scheduler
-        while True:
-            try:
-                commands = [self._inbox.get(timeout=None if not sched.has_work else 0)]
-            except queue.Empty:
-                commands = []
-            while True:
-                try:
-                    commands.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            for name, arg in commands:
-                if name == "stop":
-                    for req in sched.abort_all("the engine is shutting down"):
-                        self._deliver(req)
-                    return
-                self._command(name, arg)
-            if not sched.has_work:
-                continue
-            try:
-                touched = sched.step()
-            except Exception as exc:  # a bug must end requests, never the loop
-                logger.exception("scheduler step failed; aborting in-flight requests")
-                touched = sched.abort_all(f"internal error: {type(exc).__name__}: {exc}")
-            for req in touched:
-                self._deliver(req)
-            if not sched.has_work:  # going idle: hand back what the batch's temporaries took
-                trim_heap()
-
-    def _command(self, name: str, arg: Any) -> None:
-        if name == "add":
-            req, handle = arg
-            if req.rid in self._handles:  # its outputs would go to the other request's caller
-                req.finish(FinishReason("abort", message=f"rid {req.rid!r} is already in use"))
-                handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
-                return
-            self._handles[req.rid] = handle
-            message = req.invalid_message
-            if message is not None:
-                req.finish(FinishReason("abort", message=message))
-                self.scheduler._finished_outside_step.append(req)
-            else:
-                self.scheduler.add_request(req)
-        elif name == "abort":
-            self.scheduler.abort(arg)
-        elif name == "call":
-            fn, done = arg
-            try:
-                done.put((True, fn()))
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                done.put((False, exc))
-
-    def _deliver(self, req: Req) -> None:
-        handle = self._handles.get(req.rid)
-        if handle is None:
-            return
-        if req.stream or req.is_finished:
-            handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
-        if req.is_finished:
-            self._handles.pop(req.rid, None)

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grammar-backend", default=d.grammar_backend,
                    choices=["xgrammar", "outlines"])
     p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+                   help="/health answers 503 while one scheduler step has run this many "
+                        "seconds (a stuck forward)")
     add_speculative_arguments(p, d)
     p.add_argument("--log-level", default=d.log_level, choices=_LOG_LEVELS)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

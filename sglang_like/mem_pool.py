@@ -59,6 +59,14 @@ class ReqToTokenPool:
         assert row not in self._free_rows, f"row {row} freed twice"
         self._free_rows.append(row)
 
+    def reclaim(self, used_rows: set[int]) -> int:
+        """Free every row that is neither free nor in `used_rows` (recovery after a fault)."""
+        free = set(self._free_rows)
+        lost = [r for r in range(self.req_to_token.shape[0]) if r not in free
+                and r not in used_rows]
+        self._free_rows.extend(lost)
+        return len(lost)
+
     def write(self, row: int, start: int, slots: list[int]) -> None:
         if slots:
             self.req_to_token[row, start : start + len(slots)] = torch.tensor(

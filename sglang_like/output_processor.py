@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sglang_like.detokenizer import IncrementalDetokenizer
-from sglang_like.req import FinishReason, Req
+from sglang_like.fault_injection import FaultInjector
+from sglang_like.req import FinishReason, Req, internal_error_message
 
 if TYPE_CHECKING:
     from sglang_like.cache_manager import KVCacheManager
     from sglang_like.scheduler import SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 # Jump-forward re-encodes at most this many trailing tokens together with the forced text.
 _JUMP_BACK_TOKENS = 2
@@ -21,11 +25,12 @@ class OutputProcessor:
     """Turns each sampled token into request state: only the scheduler thread calls it."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], cache: KVCacheManager,
-                 config: SchedulerConfig) -> None:
+                 config: SchedulerConfig, faults: FaultInjector | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.cache = cache
         self.config = config
+        self.faults = faults or FaultInjector()
 
     # ---- grammar masks -------------------------------------------------------------------
     def grammar_bitmask(self, reqs: list[Req]) -> torch.Tensor | None:
@@ -36,8 +41,15 @@ class OutputProcessor:
 
         bitmask = allocate_token_bitmask(len(reqs), self.config.vocab_size)
         for i, r in enumerate(reqs):
-            if r.grammar is not None:
+            if r.grammar is None:
+                continue
+            try:
+                self.faults.maybe_fail("grammar")
                 r.grammar.fill_next_token_bitmask(bitmask, i)
+            except Exception as exc:  # noqa: BLE001 - a grammar's bug ends its request only
+                logger.exception("grammar of %s failed", r.rid)
+                bitmask[i] = -1  # sample anything: the request is over, its token is dropped
+                r.finish(FinishReason("abort", message=internal_error_message(exc)))
         return bitmask
 
     # ---- one token -----------------------------------------------------------------------

@@ -29,6 +29,11 @@ class FinishReason:
         return {"type": "abort", "message": self.message}
 
 
+def internal_error_message(exc: BaseException) -> str:
+    """The abort message of a request ended by a fault inside the runtime."""
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
 @dataclass
 class Logprobs:
     """Logprob records of one request: entries are (logprob | None, token_id)."""

@@ -13,9 +13,10 @@ import torch
 
 from radix_cache import KVSlotAllocator, RadixCache
 from sglang_like.cache_manager import KVCacheManager
+from sglang_like.fault_injection import FaultInjector
 from sglang_like.mem_pool import ReqToTokenPool
 from sglang_like.output_processor import OutputProcessor
-from sglang_like.req import FinishReason, Req
+from sglang_like.req import FinishReason, Req, internal_error_message
 from sglang_like.sampler import Sampler
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.schedule_policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
@@ -82,7 +83,9 @@ class Scheduler:
         tree = RadixCache(allocator, config.eviction_policy, disable=config.disable_radix_cache)
         self.cache = KVCacheManager(allocator, tree, runner.req_to_token_pool)
         self.sampler = Sampler(eos_token_ids, config.vocab_size)
-        self.outputs = OutputProcessor(tokenizer, eos_token_ids, self.cache, config)
+        self.faults = FaultInjector.from_env()
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, self.cache, config,
+                                       self.faults)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self._rng = random.Random(config.random_seed)
@@ -144,30 +147,61 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one forward; return the requests with new output or that finished."""
+        """Run one forward; return the requests with new output or that finished.
+
+        Never raises for a fault inside the step (a forward that fails, a bug in sampling or
+        a grammar): the requests of the failed batch end with `internal error: ...`, every
+        slot they held comes back, and the others go on.
+        """
         touched = self._finished_outside_step
         self._finished_outside_step = []
-        batch = self._schedule(touched)
-        if batch.batch_size:
-            start = time.perf_counter()
-            logits = self.runner.forward(batch)
-            self.spec_controller.record_forward(batch.num_tokens, time.perf_counter() - start)
-            self.num_forward_steps += 1
-            walks: list[TreeWalk] = []
-            touched += self._process(batch, logits, walks)
-            after = getattr(self.drafter, "after_forward", None)
-            if after is not None:
-                after(batch, walks, self)
+        batch = ScheduleBatch()
+        try:
+            self._schedule_running(batch, touched)
+            self._schedule_waiting(batch, touched)
+            if batch.batch_size:
+                self._run(batch, touched)
+        except Exception as exc:  # noqa: BLE001 - ends the batch's requests, never the loop
+            logger.exception("scheduler step failed; ending the requests of its batch")
+            self._recover(batch, touched, exc)
         if self.config.check_accounting:
             self.cache.check_accounting(self.running)
         return touched
 
-    # ---- scheduling ----------------------------------------------------------------------
-    def _schedule(self, touched: list[Req]) -> ScheduleBatch:
-        batch = ScheduleBatch()
-        self._schedule_running(batch, touched)
-        self._schedule_waiting(batch, touched)
-        return batch
+    def _run(self, batch: ScheduleBatch, touched: list[Req]) -> None:
+        self.faults.maybe_fail("forward")
+        start = time.perf_counter()
+        logits = self.runner.forward(batch)
+        self.spec_controller.record_forward(batch.num_tokens, time.perf_counter() - start)
+        self.num_forward_steps += 1
+        walks: list[TreeWalk] = []
+        self._process(batch, logits, walks, touched)
+        after = getattr(self.drafter, "after_forward", None)
+        if after is not None:
+            after(batch, walks, self)
+
+    def _recover(self, batch: ScheduleBatch, touched: list[Req], exc: Exception) -> None:
+        """After a fault: end the batch's requests (all of them if the fault came before a
+        batch was formed, so a fault that repeats cannot spin), then take back every slot
+        that no one owns any more (allocated for the batch, not yet in a request's row)."""
+        message = internal_error_message(exc)
+        victims = list(dict.fromkeys(batch.reqs)) or self.waiting + self.running
+        seen = {id(r) for r in touched}
+        for req in victims:
+            req.finish(FinishReason("abort", message=message))
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            self.cache.release(req)
+            if id(req) not in seen:
+                touched.append(req)
+        for req in touched + self.waiting:  # only running requests may hold a row
+            if req.req_pool_idx is not None and req not in self.running:
+                self.cache.release(req)
+        num = self.cache.reclaim_orphans(self.running)
+        if num:
+            logger.warning("took back %d KV slots the failed step had allocated", num)
 
     def _schedule_running(self, batch: ScheduleBatch, touched: list[Req]) -> None:
         decoders = [r for r in self.running if r.num_uncomputed == 1]
@@ -291,9 +325,8 @@ class Scheduler:
         logger.info("retracted %s to free KV slots", victim.rid)
 
     # ---- after the forward ---------------------------------------------------------------
-    def _process(self, batch: ScheduleBatch, logits: torch.Tensor,
-                 walks: list[TreeWalk]) -> list[Req]:
-        touched: list[Req] = []
+    def _process(self, batch: ScheduleBatch, logits: torch.Tensor, walks: list[TreeWalk],
+                 touched: list[Req]) -> None:
         for i, req in enumerate(batch.reqs):
             tree = batch.trees[i]
             if tree is not None:  # a verify: its nodes are committed as the walk accepts them
@@ -315,12 +348,17 @@ class Scheduler:
                 self._end(req, FinishReason("length", length=0), touched)
                 continue
             to_sample.append(i)
+        if to_sample or walks:
+            self.faults.maybe_fail("sample")
         if to_sample:
             reqs = [batch.reqs[i] for i in to_sample]
             rows = logits[[batch.sample_index[i] for i in to_sample]]
             bitmask = self.outputs.grammar_bitmask(reqs)
             result = self.sampler.sample(rows, reqs, bitmask)
             for j, req in enumerate(reqs):
+                if req.is_finished:  # its grammar failed while the mask was built
+                    self._end(req, req.finished_reason, touched)
+                    continue
                 self.num_generated_tokens += 1
                 if self.drafter is not None and req.output_ids:
                     req.spec.verify_ct += 1  # a decode forward without a tree counts as one
@@ -333,7 +371,6 @@ class Scheduler:
                     touched.append(req)
         if walks:
             accept_trees(self, walks, logits, touched)
-        return touched
 
     def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         for req in batch.reqs:

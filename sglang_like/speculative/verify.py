@@ -57,6 +57,8 @@ def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
         still = []
         for j, w in enumerate(active):
             req, token = w.req, result.next_token_ids[j]
+            if req.is_finished:
+                continue  # its grammar failed while the mask was built: ended below
             num_out, kv_len = len(req.output_ids), req.kv_len
             sched.num_generated_tokens += 1
             sched.outputs.append_token(req, token, result.logprobs[j], result.top_logprobs[j])

@@ -1,0 +1,245 @@
+"""The engine's loop thread: its inbox, the live requests' handles, and one answer per request.
+
+Whatever happens, every request that was submitted gets exactly one final answer: its output,
+or an abort whose message says why (`aborted`, `internal error: ...`, `server shutting
+down`). A fault inside a scheduler step ends that step's batch (the scheduler's job); a fault
+in a command or while delivering ends only that request; if the loop itself ever dies, the
+requests it held and every later submission are answered with the reason, and
+`check_health` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from sglang_like.cpu_runtime import trim_heap
+from sglang_like.engine_io import RequestHandle, build_output
+from sglang_like.req import FinishReason, Req, internal_error_message
+
+if TYPE_CHECKING:
+    from sglang_like.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_MESSAGE = "server shutting down"
+_DERIVED_RID = re.compile(r"(?:-\d+)+")
+
+
+def is_derived_rid(rid: str, parent: str) -> bool:
+    """`parent-0`, `parent-1-2`, ...: the rids the engine gives the samples of n > 1 and the
+    items of a batch submitted under one rid (so aborting the parent reaches them all)."""
+    return rid.startswith(parent) and _DERIVED_RID.fullmatch(rid, len(parent)) is not None
+
+
+def _error_output(rid: str, message: str) -> dict:
+    """A final answer built without the request's state (when building the real one failed)."""
+    return {"text": "", "output_ids": [], "meta_info": {
+        "id": rid, "finish_reason": {"type": "abort", "message": message},
+        "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "spec_verify_ct": 0,
+        "e2e_latency": 0.0, "queue_time": 0.0}}
+
+
+class EngineLoop:
+    """Runs on the engine's loop thread; `submit`, `put_command` and `check_health` are the
+    only calls other threads make."""
+
+    def __init__(self, tokenizer: Any, watchdog_timeout: float) -> None:
+        self.tokenizer = tokenizer
+        self.watchdog_timeout = watchdog_timeout
+        self.scheduler: Scheduler | None = None  # set once the model is built
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._handles: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()  # guards _closed_message against submit
+        self._closed_message: str | None = None  # set when the loop stops taking requests
+        self.error: BaseException | None = None  # what killed the loop, if anything did
+        self._step_started: float | None = None
+
+    # ---- other threads ---------------------------------------------------------------------
+    def submit(self, req: Req, handle: RequestHandle) -> None:
+        """Queue a request; once the loop has stopped, answer it at once with the reason."""
+        with self._lock:
+            message = self._closed_message
+            if message is None:
+                self._inbox.put(("add", (req, handle)))
+                return
+        req.finish(FinishReason("abort", message=message))
+        handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
+
+    def put_command(self, name: str, arg: Any = None) -> None:
+        """Queue a command; once the loop has stopped, a `call` fails at once (others drop)."""
+        with self._lock:
+            message = self._closed_message
+            if message is None:
+                self._inbox.put((name, arg))
+                return
+        if name == "call":
+            arg[1].put((False, RuntimeError(message)))
+
+    @property
+    def num_pending_commands(self) -> int:
+        return self._inbox.qsize()
+
+    def check_health(self) -> str | None:
+        """None while the loop serves; else why not (dead, stopped, or a step stuck)."""
+        if self.error is not None:
+            return f"the engine loop died: {type(self.error).__name__}: {self.error}"
+        if self._closed_message is not None:
+            return f"the engine loop is not running ({self._closed_message})"
+        started = self._step_started
+        if started is not None:
+            elapsed = time.perf_counter() - started
+            if elapsed > self.watchdog_timeout:
+                return (f"a scheduler step has run for {elapsed:.0f} s (watchdog timeout "
+                        f"{self.watchdog_timeout:g} s)")
+        return None
+
+    # ---- the loop thread -------------------------------------------------------------------
+    def run(self) -> None:
+        message = SHUTDOWN_MESSAGE
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - every caller still gets an answer
+            logger.critical("the engine loop died", exc_info=True)
+            self.error = exc
+            message = internal_error_message(exc)
+        finally:
+            self._close(message)
+
+    def _serve(self) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        while True:
+            try:
+                commands = [self._inbox.get(timeout=None if not sched.has_work else 0)]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for name, arg in commands:
+                if name == "stop":
+                    return  # _close answers the rest
+                self._command(name, arg)
+            if not sched.has_work:
+                continue
+            self._step_started = time.perf_counter()
+            touched = sched.step()  # ends its own batch on a fault; never raises for one
+            self._step_started = None
+            for req in touched:
+                self._deliver(req)
+            if not sched.has_work:  # going idle: hand back what the batch's temporaries took
+                trim_heap()
+
+    def _command(self, name: str, arg: Any) -> None:
+        try:
+            if name == "add":
+                self._add(*arg)
+            elif name == "abort":
+                self._abort(arg)
+            elif name == "abort_all":
+                for req in self.scheduler.abort_all("aborted"):
+                    self._deliver(req)
+            elif name == "call":
+                fn, done = arg
+                try:
+                    done.put((True, fn()))
+                except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                    done.put((False, exc))
+        except Exception as exc:  # noqa: BLE001 - a bug here must not end the loop
+            logger.exception("engine command %r failed", name)
+            if name == "add":
+                self._fail(arg[0], internal_error_message(exc))
+
+    def _add(self, req: Req, handle: RequestHandle) -> None:
+        if req.rid in self._handles:  # its outputs would go to the other request's caller
+            req.finish(FinishReason("abort", message=f"rid {req.rid!r} is already in use"))
+            handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
+            return
+        self._handles[req.rid] = handle
+        if req.invalid_message is not None:
+            req.finish(FinishReason("abort", message=req.invalid_message))
+            self.scheduler._finished_outside_step.append(req)
+        else:
+            self.scheduler.add_request(req)
+
+    def _abort(self, rid: str) -> None:
+        """Abort `rid` and the requests derived from it (n > 1 samples, batch items)."""
+        targets = [r for r in self._handles if r == rid or is_derived_rid(r, rid)]
+        for target in targets:
+            self.scheduler.abort(target)
+
+    def _fail(self, req: Req, message: str) -> None:
+        """End one request whose handling raised: free what it holds, answer its caller."""
+        req.finish(FinishReason("abort", message=message))
+        try:
+            self.scheduler.abort(req.rid)  # still queued or running: take it out, free it
+        except Exception:  # noqa: BLE001
+            logger.exception("could not take %s out of the scheduler", req.rid)
+        self._answer(req.rid, _error_output(req.rid, message))
+
+    def _answer(self, rid: str, out: dict) -> None:
+        handle = self._handles.pop(rid, None)
+        if handle is not None and not handle.done:
+            handle.put(out)
+
+    def _deliver(self, req: Req) -> None:
+        handle = self._handles.get(req.rid)
+        if handle is None:
+            return
+        try:
+            if req.stream or req.is_finished:
+                handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs,
+                                        req.stream))
+        except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer bug: this request only
+            logger.exception("building the output of %s failed", req.rid)
+            self._fail(req, internal_error_message(exc))
+            return
+        if req.is_finished:
+            self._handles.pop(req.rid, None)
+
+    def _close(self, message: str) -> None:
+        """Stop taking requests and answer everyone: queued commands, requests in the
+        scheduler, requests that finished outside a step, and any handle still open."""
+        with self._lock:
+            self._closed_message = message
+        self._step_started = None
+        while True:
+            try:
+                name, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if name == "add":
+                req, handle = arg
+                req.finish(FinishReason("abort", message=message))
+                try:
+                    handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs,
+                                            req.stream))
+                except Exception:  # noqa: BLE001
+                    handle.put(_error_output(req.rid, message))
+            elif name == "call":
+                arg[1].put((False, RuntimeError(message)))
+        sched = self.scheduler
+        if sched is not None:
+            try:
+                ended = sched._finished_outside_step + sched.abort_all(message)
+                sched._finished_outside_step = []
+            except Exception:  # noqa: BLE001 - a broken scheduler: the handles still answer
+                logger.exception("aborting the scheduler's requests failed")
+                ended = []
+            for req in ended:
+                self._safe_deliver(req)
+        for rid in list(self._handles):
+            self._answer(rid, _error_output(rid, message))
+
+    def _safe_deliver(self, req: Req) -> None:
+        try:
+            self._deliver(req)
+        except Exception:  # noqa: BLE001 - answered by the last sweep of _close
+            logger.exception("delivering %s at shutdown failed", req.rid)
