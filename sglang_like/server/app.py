@@ -1,7 +1,9 @@
-"""The FastAPI app: routes, API-key middleware, error mapping (never a 500 for a bad request)."""
+"""The FastAPI app: routes, API-key middleware, error mapping (never a 500 for a bad request),
+and the OpenAPI document at /openapi.json (see server/openapi.py)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from typing import Any
 
@@ -10,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.config import ServerArgs
-from sglang_like.server import native_api, openai_api
+from sglang_like.server import native_api, openai_api, openapi
 from sglang_like.server.auth import ApiKeyMiddleware
 from sglang_like.server.errors import ApiError, error_response
 from sglang_like.server.metrics import CONTENT_TYPE
@@ -25,17 +27,32 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     The app does not own the engine: whoever built it shuts it down (see launch_server).
     """
     state = ServerState.build(engine, server_args)
-    app = FastAPI(title="sglang_like", docs_url=None, redoc_url=None, openapi_url=None)
+    # Routes return their own Response objects; the plain class keeps FastAPI from documenting
+    # a JSON body no route sends (each route states its responses, see server/openapi.py).
+    app = FastAPI(
+        title="sglang_like", version=_version(), docs_url=None, redoc_url=None,
+        openapi_url="/openapi.json", default_response_class=Response,
+    )
     app.state.server = state
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
-    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    metrics_doc = openapi.operation(ok={CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}})
+    app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics",
+                      openapi_extra=metrics_doc)
+    openapi.install(app)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(ValueError, _on_value_error)
     app.add_exception_handler(Exception, _on_unexpected)
     if state.server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.server_args.api_key)
     return app
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("sglang-like")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
 
 
 async def _metrics(request: Request) -> Response:

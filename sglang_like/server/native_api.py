@@ -12,7 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.server.errors import ApiError, json_response, read_json_body
-from sglang_like.server.protocol import GenerateRequest, parse_model
+from sglang_like.server.openapi import SSE_CONTENT, TEXT_CONTENT, json_content, operation
+from sglang_like.server.protocol import AbortRequest, GenerateRequest, parse_model
 from sglang_like.server.runner import ClientGone, EngineStream, merge_streams
 from sglang_like.server.sse import DONE, open_streams, sse, sse_response
 from sglang_like.server.state import get_state
@@ -21,7 +22,11 @@ router = APIRouter()
 _HEALTH_TIMEOUT_S = 30.0
 
 
-@router.post("/generate")
+@router.post("/generate", openapi_extra=operation(
+    body=GenerateRequest,
+    ok={**json_content({"$ref": "#/components/schemas/GenerateResponse"}), **SSE_CONTENT},
+    errors=(400, 401, 429),
+))
 async def generate(request: Request) -> Response:
     state = get_state(request)
     body = parse_model(GenerateRequest, await read_json_body(request))
@@ -85,7 +90,7 @@ def choice_params(params: dict[str, Any], choice: int) -> dict[str, Any]:
     return out
 
 
-@router.get("/get_model_info")
+@router.get("/get_model_info", openapi_extra=operation(ok=json_content({"type": "object"})))
 async def get_model_info(request: Request) -> Response:
     state = get_state(request)
     return json_response(
@@ -100,8 +105,11 @@ async def get_model_info(request: Request) -> Response:
     )
 
 
-@router.get("/get_server_info")
-@router.get("/server_info")
+_SERVER_INFO = operation(ok=json_content({"$ref": "#/components/schemas/ServerInfo"}))
+
+
+@router.get("/get_server_info", openapi_extra=_SERVER_INFO)
+@router.get("/server_info", openapi_extra=_SERVER_INFO)
 async def get_server_info(request: Request) -> Response:
     state = get_state(request)
     info: dict[str, Any] = dataclasses.asdict(state.server_args)
@@ -112,12 +120,28 @@ async def get_server_info(request: Request) -> Response:
     return json_response(info)
 
 
-@router.get("/health")
-async def health() -> Response:
+@router.get("/health", openapi_extra=operation(ok_description="Healthy", errors=(503,)))
+async def health(request: Request) -> Response:
+    """200 while the engine serves; 503 with the engine's reason (dead loop, stuck step)."""
+    reason = _unhealthy_reason(get_state(request).engine)
+    if reason is not None:
+        raise ApiError(503, reason)
     return Response(status_code=200)
 
 
-@router.get("/health_generate")
+def _unhealthy_reason(engine: Any) -> str | None:
+    check = getattr(engine, "check_health", None)
+    if check is None:
+        return None
+    try:
+        return check()
+    except Exception as e:  # noqa: BLE001 - a check that cannot run is not a healthy answer
+        return f"the engine's health check failed: {type(e).__name__}: {e}"
+
+
+@router.get("/health_generate", openapi_extra=operation(
+    ok_description="One token was generated", errors=(401, 503)
+))
 async def health_generate(request: Request) -> Response:
     """Healthy when one token can be generated within the timeout."""
     state = get_state(request)
@@ -131,7 +155,11 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+_FLUSH_CACHE = operation(ok=TEXT_CONTENT, errors=(400, 401))
+
+
+@router.get("/flush_cache", openapi_extra=_FLUSH_CACHE)
+@router.post("/flush_cache", openapi_extra=_FLUSH_CACHE)
 async def flush_cache(request: Request) -> Response:
     state = get_state(request)
     if not state.engine.flush_cache():
@@ -139,12 +167,23 @@ async def flush_cache(request: Request) -> Response:
     return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", openapi_extra=operation(
+    body=AbortRequest, ok_description="Aborted (or already finished)", errors=(400, 401)
+))
 async def abort_request(request: Request) -> Response:
+    """SGLang's body: {"rid": "<id>"} ends that request (and its n > 1 samples / batch items);
+    {"abort_all": true} ends every queued and running request."""
     state = get_state(request)
-    body = await read_json_body(request)
-    rid = body.get("rid") if isinstance(body, dict) else None
-    if not isinstance(rid, str) or not rid:
-        raise ApiError(400, "abort_request needs {\"rid\": \"<request id>\"}")
-    state.runner.abort(rid)
+    body = parse_model(AbortRequest, await read_json_body(request))
+    if body.abort_all:
+        abort_all = getattr(state.engine, "abort_all", None)
+        if abort_all is None:
+            raise ApiError(400, "this engine cannot abort all requests; give a rid")
+        abort_all()
+    elif body.rid:
+        state.runner.abort(body.rid)
+    else:
+        raise ApiError(
+            400, 'abort_request needs {"rid": "<request id>"} or {"abort_all": true}', "rid"
+        )
     return Response(status_code=200)

@@ -12,6 +12,7 @@ from starlette.responses import Response
 from sglang_like.server import openai_format as fmt
 from sglang_like.server.errors import ApiError, json_response, read_json_body
 from sglang_like.server.native_api import choice_params
+from sglang_like.server.openapi import SSE_CONTENT, json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, CompletionRequest, parse_model
 from sglang_like.server.runner import ClientGone, EngineStream, merge_streams
 from sglang_like.server.sse import DONE, open_streams, sse, sse_response
@@ -20,7 +21,13 @@ from sglang_like.server.state import ServerState, get_state
 router = APIRouter(prefix="/v1")
 
 
-@router.get("/models")
+def _ok(schema_name: str) -> dict[str, Any]:
+    return {**json_content({"$ref": f"#/components/schemas/{schema_name}"}), **SSE_CONTENT}
+
+
+@router.get("/models", openapi_extra=operation(
+    ok=json_content({"$ref": "#/components/schemas/ModelList"})
+))
 async def list_models(request: Request) -> Response:
     state = get_state(request)
     card = {
@@ -35,7 +42,9 @@ async def list_models(request: Request) -> Response:
 
 
 # ---- /v1/completions ----------------------------------------------------------------------
-@router.post("/completions")
+@router.post("/completions", openapi_extra=operation(
+    body=CompletionRequest, ok=_ok("CompletionResponse"), errors=(400, 401, 429)
+))
 async def completions(request: Request) -> Response:
     state = get_state(request)
     req = parse_model(CompletionRequest, await read_json_body(request))
@@ -121,7 +130,9 @@ async def _completion_events(
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------
-@router.post("/chat/completions")
+@router.post("/chat/completions", openapi_extra=operation(
+    body=ChatCompletionRequest, ok=_ok("ChatCompletionResponse"), errors=(400, 401, 429)
+))
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     req = parse_model(ChatCompletionRequest, await read_json_body(request))

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+)
 
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.server.errors import ApiError, pydantic_message
@@ -19,6 +28,33 @@ _OPENAI_MAX_TOP_LOGPROBS = 20
 
 
 # ---- native /generate ---------------------------------------------------------------------
+def _sampling_params_schema() -> dict[str, Any]:
+    """The JSON schema of `sampling_params` as `clean_sampling_params` checks it (for OpenAPI).
+
+    Every field may be null (the default then applies); unknown keys are errors.
+    """
+    schema = TypeAdapter(SamplingParams).json_schema()
+    props = schema["properties"]
+    for name, prop in props.items():
+        if {"type": "null"} not in prop.get("anyOf", []):
+            rest = {k: prop.pop(k) for k in list(prop) if k not in ("default", "title")}
+            props[name] = {**prop, "anyOf": [rest, {"type": "null"}]}
+    for key in _IGNORED_SAMPLING_KEYS:
+        props[key] = {"description": "accepted and ignored"}
+    for key in _UNSUPPORTED_SAMPLING_KEYS:
+        props[key] = {"description": "not supported: accepted only when unset",
+                      "enum": [None, "", [], {}]}
+    return {
+        "title": "SamplingParams", "type": "object", "properties": props,
+        "additionalProperties": False,
+        "description": "SGLang's sampling parameters; ranges are checked by the server (400)",
+    }
+
+
+# Validation stays a plain dict (clean_sampling_params checks it); the schema documents it.
+_SamplingDict = Annotated[dict[str, Any], WithJsonSchema(_sampling_params_schema())]
+
+
 class GenerateRequest(BaseModel):
     """POST /generate, the shape SGLang's `GenerateReqInput` accepts (fields we serve)."""
 
@@ -26,7 +62,7 @@ class GenerateRequest(BaseModel):
 
     text: str | list[str] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: _SamplingDict | list[_SamplingDict] | None = None
     stream: StrictBool = False
     return_logprob: StrictBool | list[StrictBool] | None = None
     logprob_start_len: StrictInt | list[StrictInt] | None = None
@@ -123,6 +159,15 @@ def _id_lists(input_ids: list | None) -> list[list[int]]:
     if not input_ids:
         return [[]]
     return input_ids if isinstance(input_ids[0], list) else [input_ids]
+
+
+class AbortRequest(BaseModel):
+    """POST /abort_request, SGLang's `AbortReq` body: one request id, or every request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str | None = None
+    abort_all: StrictBool = False
 
 
 # ---- OpenAI-compatible --------------------------------------------------------------------

@@ -46,6 +46,8 @@ class FakeEngine:
         self.cached_slots = 0
         self.seen_prompts: set[tuple[int, ...]] = set()
         self.aborted: set[str] = set()
+        self.num_abort_all = 0
+        self.health_reason: str | None = None  # what check_health() answers; None: healthy
         self.calls: list[dict[str, Any]] = []
         self._running = asyncio.Semaphore(self.server_args.max_running_requests)
         self._num_waiting = 0
@@ -78,6 +80,12 @@ class FakeEngine:
 
     def abort(self, rid: str) -> None:
         self.aborted.add(rid)
+
+    def abort_all(self) -> None:
+        self.num_abort_all += 1
+
+    def check_health(self) -> str | None:
+        return self.health_reason
 
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
                              input_ids: Any = None, return_logprob: bool = False,

@@ -1,0 +1,229 @@
+"""The OpenAPI 3 document served at /openapi.json: request bodies are the pydantic models'
+JSON schemas, responses are the shapes the routes really send (JSON, SSE, text, errors).
+
+Routes read and validate their bodies themselves (`parse_model`: 400 with a message, never
+FastAPI's 422), so FastAPI sees no body parameters; each route states its body and responses
+with `openapi_extra=operation(...)`, and `install` puts the models' schemas into
+`components.schemas`. Like every route but /health, the document needs the API key when the
+server runs with --api-key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from sglang_like.server.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
+
+_REF = "#/components/schemas/{model}"
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    GenerateRequest, CompletionRequest, ChatCompletionRequest, AbortRequest,
+)
+_ERROR_TEXT = {
+    400: "Bad request: the body or a parameter is invalid (the message says which)",
+    401: "Missing or wrong API key (only when the server runs with --api-key)",
+    429: "Too many requests waiting (--max-queued-requests); retry later",
+    503: "The server is not healthy (the message says why)",
+}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_STR, _INT = {"type": "string"}, {"type": "integer"}
+_OBJECT = {"type": "object"}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+        "prompt_tokens_details": _nullable(_OBJECT),
+    },
+}
+_FINISH_REASON = {"enum": ["stop", "length", "abort", None]}
+_GENERATE_RESULT = {
+    "type": "object",
+    "required": ["text", "meta_info"],
+    "properties": {
+        "text": _STR,
+        "output_ids": {"type": "array", "items": _INT},
+        "meta_info": {
+            "type": "object",
+            "required": ["id", "prompt_tokens", "completion_tokens", "finish_reason"],
+            "properties": {
+                "id": _STR, "prompt_tokens": _INT, "completion_tokens": _INT,
+                "cached_tokens": _INT, "finish_reason": _nullable(_OBJECT),
+            },
+        },
+    },
+}
+_COMPLETION_CHOICE = {
+    "type": "object",
+    "required": ["index", "text", "finish_reason"],
+    "properties": {
+        "index": _INT, "text": _STR, "logprobs": _nullable(_OBJECT),
+        "finish_reason": _FINISH_REASON,
+    },
+}
+_CHAT_CHOICE = {
+    "type": "object",
+    "required": ["index", "message", "finish_reason"],
+    "properties": {
+        "index": _INT,
+        "message": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {"role": {"const": "assistant"}, "content": _nullable(_STR)},
+        },
+        "logprobs": _nullable(_OBJECT),
+        "finish_reason": _FINISH_REASON,
+    },
+}
+
+
+def _completion_like(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": _STR, "object": {"const": kind}, "created": _INT, "model": _STR,
+            "choices": {"type": "array", "items": choice}, "usage": _ref("Usage"),
+        },
+    }
+
+
+# Response shapes; request shapes come from the pydantic models.
+RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ErrorResponse": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "code"],
+                "properties": {
+                    "message": _STR, "type": _STR, "param": _nullable(_STR), "code": _INT,
+                },
+            }
+        },
+    },
+    "Usage": _USAGE,
+    "GenerateResult": _GENERATE_RESULT,
+    "GenerateResponse": {
+        "description": "One result; a list per prompt of a batch; a list of n results when n > 1",
+        "anyOf": [
+            _ref("GenerateResult"),
+            {"type": "array", "items": _ref("GenerateResult")},
+            {"type": "array", "items": {"type": "array", "items": _ref("GenerateResult")}},
+        ],
+    },
+    "CompletionResponse": _completion_like("text_completion", _COMPLETION_CHOICE),
+    "ChatCompletionResponse": _completion_like("chat.completion", _CHAT_CHOICE),
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {"type": "object", "required": ["id", "object"],
+                          "properties": {"id": _STR, "object": {"const": "model"}}},
+            },
+        },
+    },
+    "ServerInfo": {
+        "type": "object",
+        "required": ["kv_pool"],
+        "properties": {
+            "kv_pool": {
+                "type": "object",
+                "required": ["total_slots", "free_slots", "cached_slots", "used_slots"],
+                "properties": {k: _INT for k in
+                               ("total_slots", "free_slots", "cached_slots", "used_slots")},
+            },
+            "num_running_reqs": _INT,
+            "num_queued_reqs": _INT,
+        },
+    },
+}
+
+
+def json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+SSE_CONTENT = {
+    "text/event-stream": {
+        "schema": {"type": "string", "description": "`data: <JSON chunk>` events, then "
+                   "`data: [DONE]`; a failure after the first event is one error event"}
+    }
+}
+TEXT_CONTENT = {"text/plain": {"schema": {"type": "string"}}}
+
+
+def operation(
+    *,
+    body: type[BaseModel] | None = None,
+    ok: dict[str, Any] | None = None,
+    ok_description: str = "OK",
+    errors: tuple[int, ...] = (401,),
+) -> dict[str, Any]:
+    """`openapi_extra` for one route: its request body (a model), its 200, its error codes.
+
+    `ok` is the 200's `content` map (None: no body); every error is the JSON `ErrorResponse`.
+    """
+    responses: dict[str, Any] = {"200": {"description": ok_description}}
+    if ok:
+        responses["200"]["content"] = ok
+    for code in errors:
+        responses[str(code)] = {
+            "description": _ERROR_TEXT[code], "content": json_content(_ref("ErrorResponse"))
+        }
+    extra: dict[str, Any] = {"responses": responses}
+    if body is not None:
+        extra["requestBody"] = {
+            "required": True, "content": json_content(_ref(body.__name__))
+        }
+    return extra
+
+
+def component_schemas() -> dict[str, dict[str, Any]]:
+    """The request models' schemas (their `$defs` lifted next to them) and the response shapes."""
+    schemas: dict[str, dict[str, Any]] = {}
+    for model in _REQUEST_MODELS:
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    schemas.update(RESPONSE_SCHEMAS)
+    return schemas
+
+
+def install(app: FastAPI) -> None:
+    """Make `app.openapi()` (served at app.openapi_url) return the full document, built once."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes,
+            )
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(
+                component_schemas()
+            )
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = build  # type: ignore[method-assign]
