@@ -63,6 +63,9 @@ class RadixCache:
         self._num_nodes = 0
         # Nodes (never the root) with no children and lock_ref == 0: eviction candidates.
         self._evictable_leaves: set[TreeNode] = set()
+        # (priority, leaf) for every evictable leaf, kept across evict calls; an entry is
+        # stale once its leaf left the set or was touched since (a newer entry exists).
+        self._heap: list[tuple[tuple, TreeNode]] = []
 
     # ----------------------------------------------------------------- sizes
 
@@ -112,6 +115,8 @@ class RadixCache:
                 child = self._split(child, matched_len)
             child.last_access_time = tick
             child.hit_count += 1
+            if child in self._evictable_leaves:
+                self._push(child)
             slots += child.value
             node = child
             pos += matched_len
@@ -151,10 +156,10 @@ class RadixCache:
             matched_len = common_prefix_len(key, pos, child.key)
             if matched_len < len(child.key):
                 if pos + matched_len == len(key):
-                    child.last_access_time = tick  # ends inside child: nothing to add
+                    self._touch(child, tick)  # ends inside child: nothing to add
                     return len(key)
                 child = self._split(child, matched_len)
-            child.last_access_time = tick
+            self._touch(child, tick)
             node = child
             pos += matched_len
         return len(key)
@@ -208,7 +213,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 num_moved += len(node.key)
                 if not node.children:
-                    self._evictable_leaves.add(node)
+                    self._add_evictable(node)
             node = node.parent
         self._evictable_size += num_moved
         self._protected_size -= num_moved
@@ -225,18 +230,14 @@ class RadixCache:
         """
         if self.disable or num_tokens <= 0 or not self._evictable_leaves:
             return 0
-        priority = self._priority
-        heap = [(priority(leaf), leaf) for leaf in self._evictable_leaves]
-        heapq.heapify(heap)
-        root = self.root
+        priority, heap, leaves = self._priority, self._heap, self._evictable_leaves
         freed: list[int] = []
         while len(freed) < num_tokens and heap:
-            _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
+            key, leaf = heapq.heappop(heap)
+            if leaf not in leaves or key != priority(leaf):
+                continue  # stale: evicted, locked, grown children, or touched since
             freed += leaf.value
-            self._remove_leaf(leaf)
-            if parent is not root and parent.lock_ref == 0 and not parent.children:
-                heapq.heappush(heap, (priority(parent), parent))
+            self._remove_leaf(leaf)  # a parent left an unlocked leaf is pushed
         self.allocator.free(freed)
         return len(freed)
 
@@ -257,6 +258,42 @@ class RadixCache:
         self._init_tree()
 
     # ------------------------------------------------------------- internals
+
+    def peek(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """(matched length, how many of those tokens are on unlocked nodes) for the longest
+        cached prefix of ``token_ids``, without splitting a node or marking any as accessed:
+        for ordering and admission checks, which must not count as hits."""
+        if self.disable or len(token_ids) == 0:
+            return 0, 0
+        key = token_ids if isinstance(token_ids, list) else list(token_ids)
+        node, pos, unlocked = self.root, 0, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            matched_len = common_prefix_len(key, pos, child.key)
+            if child.lock_ref == 0:
+                unlocked += matched_len
+            pos += matched_len
+            if matched_len < len(child.key):
+                break
+            node = child
+        return pos, unlocked
+
+    def _touch(self, node: TreeNode, tick: int) -> None:
+        node.last_access_time = tick
+        if node in self._evictable_leaves:
+            self._push(node)
+
+    def _push(self, leaf: TreeNode) -> None:
+        heapq.heappush(self._heap, (self._priority(leaf), leaf))
+        if len(self._heap) > 2 * len(self._evictable_leaves) + 64:  # drop stale entries
+            self._heap = [(self._priority(n), n) for n in self._evictable_leaves]
+            heapq.heapify(self._heap)
+
+    def _add_evictable(self, leaf: TreeNode) -> None:
+        self._evictable_leaves.add(leaf)
+        self._push(leaf)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -287,7 +324,7 @@ class RadixCache:
         leaf = TreeNode(key, value, parent, tick)
         parent.children[key[0]] = leaf
         self._evictable_leaves.discard(parent)
-        self._evictable_leaves.add(leaf)
+        self._add_evictable(leaf)
         self._evictable_size += len(key)
         self._num_nodes += 1
 
@@ -299,7 +336,7 @@ class RadixCache:
         self._num_nodes -= 1
         leaf.parent = None  # so a stale lock on it fails loudly
         if parent is not self.root and parent.lock_ref == 0 and not parent.children:
-            self._evictable_leaves.add(parent)
+            self._add_evictable(parent)
 
     # ------------------------------------------------------------ inspection
 
@@ -346,6 +383,9 @@ class RadixCache:
                f"protected_size {self._protected_size} != walked {protected}")
         _check(num_nodes == self._num_nodes, f"num_nodes {self._num_nodes} != walked {num_nodes}")
         _check(leaves == self._evictable_leaves, "evictable-leaf set out of date")
+        current = {(key, leaf) for key, leaf in self._heap if leaf in leaves}
+        _check(all((self._priority(leaf), leaf) in current for leaf in leaves),
+               "an evictable leaf has no heap entry at its current priority")
         _check(self.allocator.num_free_slots + num_slots <= self.allocator.size,
                "free slots + tree slots exceed the pool")
 

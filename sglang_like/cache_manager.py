@@ -53,7 +53,11 @@ class KVCacheManager:
         self.req_to_token_pool.write(row, 0, match.slots)
 
     def prefix_match_len(self, token_ids: list[int]) -> int:
-        return len(self.tree.match_prefix(token_ids).slots)
+        return self.tree.peek(token_ids)[0]
+
+    def peek(self, token_ids: list[int]) -> tuple[int, int]:
+        """(cached prefix length, how much of it is evictable now): no hit is counted."""
+        return self.tree.peek(token_ids)
 
     def alloc_slots(self, num_slots: int) -> list[int] | None:
         """Allocate, evicting unlocked tree leaves when the free list is short."""

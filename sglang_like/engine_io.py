@@ -140,6 +140,9 @@ def build_output(req: Req, tokenizer: Any, text_in_logprobs: bool, incremental: 
     start_ids = req.num_sent_ids if incremental else 0
     start_lp = req.num_sent_output_logprobs if incremental else 0
     text = req.text[start_chars:emit_upto] if emit_upto > start_chars else ""
+    ids_upto = len(req.output_ids)
+    if incremental and not finished:  # ids a jump-forward may still rewrite wait
+        ids_upto = max(ids_upto - req.num_unstable_ids, start_ids)
     meta: dict[str, Any] = {
         "id": req.rid,
         "prompt_tokens": req.prompt_len,
@@ -163,9 +166,9 @@ def build_output(req: Req, tokenizer: Any, text_in_logprobs: bool, incremental: 
             meta["input_token_logprobs"] = _lp_entries(lp.input_token, tokenizer,
                                                        text_in_logprobs)
             meta["input_top_logprobs"] = _top_entries(lp.input_top, tokenizer, text_in_logprobs)
-    out = {"text": text, "output_ids": req.output_ids[start_ids:], "meta_info": meta}
+    out = {"text": text, "output_ids": req.output_ids[start_ids:ids_upto], "meta_info": meta}
     if incremental:
         req.num_sent_chars = max(req.num_sent_chars, emit_upto)
-        req.num_sent_ids = len(req.output_ids)
+        req.num_sent_ids = ids_upto
         req.num_sent_output_logprobs = len(req.logprobs.output_token)
     return out

@@ -66,6 +66,10 @@ class OutputProcessor:
         self._detokenize(req, [token_id])
         if req.is_finished or req.grammar is None:
             return
+        if self.config.enable_jump_forward and not req.return_logprob:
+            # a later jump-forward may re-tokenize this many trailing ids: a stream sends
+            # them only once they are final
+            req.num_unstable_ids = _JUMP_BACK_TOKENS
         if req.grammar.is_terminated():
             req.finish(FinishReason("stop", matched=token_id))
         elif self.config.enable_jump_forward and not req.return_logprob:
@@ -89,14 +93,19 @@ class OutputProcessor:
     def _detokenize(self, req: Req, new_ids: list[int]) -> None:
         if req.detokenizer is None:
             req.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=req.sampling_params.skip_special_tokens
+                self.tokenizer, skip_special_tokens=req.sampling_params.skip_special_tokens,
+                prompt_ids=req.origin_input_ids,  # context: SentencePiece's leading space
             )
         old_len = len(req.text)
         req.text += req.detokenizer.add(new_ids)
         if req.is_finished:
             req.text += req.detokenizer.flush()
+        self._check_stop_strs(req, old_len)
+
+    def _check_stop_strs(self, req: Req, old_len: int) -> None:
+        """End the request at the first stop string that overlaps text past `old_len`."""
         stops = req.sampling_params.stop_strs
-        if not stops or len(req.text) == old_len:
+        if not stops or len(req.text) <= old_len:
             return
         if len(req.output_ids) <= req.sampling_params.min_new_tokens and not req.is_finished:
             return
@@ -119,10 +128,11 @@ class OutputProcessor:
 
         # The dropped tokens must be request-owned (not yet in the tree) and the last one
         # is never computed, so at most kv_len - cache_protected_len + 1 can go. A stream
-        # never drops ids it already sent: its chunks' output_ids must add up to the final.
-        max_back = min(_JUMP_BACK_TOKENS, req.kv_len - req.cache_protected_len + 1)
-        if req.stream:
-            max_back = min(max_back, len(req.output_ids) - req.num_sent_ids)
+        # holds back its last JUMP_BACK_TOKENS ids (see `unstable_ids`), so this window does
+        # not depend on what was streamed: streamed and whole outputs get the same ids (the
+        # second bound never binds then; it keeps sent ids safe whatever happens).
+        max_back = min(_JUMP_BACK_TOKENS, req.kv_len - req.cache_protected_len + 1,
+                       len(req.output_ids) - req.num_sent_ids)
         if max_back < 0:
             return
         jump = apply_jump_forward(req.grammar, req.output_ids, self.tokenizer.decode,
@@ -142,12 +152,15 @@ class OutputProcessor:
             req.finish(FinishReason("length", length=budget))
         elif req.grammar.is_terminated():
             req.finish(FinishReason("stop", matched=req.output_ids[-1]))
+        old_len = len(req.text)
         self._resync_text(req)  # after the finish checks, so a finished request is flushed
+        self._check_stop_strs(req, old_len)  # the forced text may hold a stop string
 
     def _resync_text(self, req: Req) -> None:
         """After a token edit the text only grew; rebuild the detokenizer at the new ids."""
         req.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=req.sampling_params.skip_special_tokens
+            self.tokenizer, skip_special_tokens=req.sampling_params.skip_special_tokens,
+            prompt_ids=req.origin_input_ids,  # context: SentencePiece's leading space
         )
         text = req.detokenizer.add(req.output_ids)
         if req.is_finished:

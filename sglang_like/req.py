@@ -94,6 +94,7 @@ class Req:
         self.detokenizer: Any = None
         self.text = ""  # detokenized output, stop strings not yet trimmed
         self.num_sent_ids = 0
+        self.num_unstable_ids = 0  # trailing output ids jump-forward may still rewrite
         self.num_sent_chars = 0
         self.num_sent_output_logprobs = 0
         # Timing

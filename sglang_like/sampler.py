@@ -47,9 +47,9 @@ class Sampler:
         want_lp = [r.return_logprob for r in reqs]
         lp = raw_logprobs(logits) if any(want_lp) else None
         self._apply_penalties(logits, reqs)
-        self._block_early_stop(logits, reqs)
         if bitmask is not None:
             kernels.apply_token_bitmask_(logits, bitmask.to(logits.device))
+        self._block_early_stop(logits, reqs, grammar_masked=bitmask is not None)
         next_ids = self._choose(logits, reqs)
         out_lp: list[float | None] = [None] * batch
         out_top: list[list[tuple[float, int]] | None] = [None] * batch
@@ -79,12 +79,22 @@ class Sampler:
                 counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
                 row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
 
-    def _block_early_stop(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+    def _block_early_stop(self, logits: torch.Tensor, reqs: list[Req],
+                          grammar_masked: bool) -> None:
+        """min_new_tokens: no EOS / stop token yet. A grammar that allows nothing else (its
+        output is complete) wins: its request may end early rather than break the grammar."""
         for i, r in enumerate(reqs):
             sp = r.sampling_params
             if len(r.output_ids) < sp.min_new_tokens:
                 blocked = list(self.eos_token_ids) + list(sp.stop_token_ids or [])
-                logits[i, blocked] = _NEG_INF
+                if grammar_masked and r.grammar is not None:
+                    row = logits[i].clone()
+                    row[blocked] = _NEG_INF
+                    if not bool(torch.isfinite(row).any()):
+                        continue
+                    logits[i] = row
+                else:
+                    logits[i, blocked] = _NEG_INF
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         greedy = [r.sampling_params.is_greedy for r in reqs]

@@ -206,12 +206,13 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduleBatch, touched: list[Req]) -> None:
         decoders = [r for r in self.running if r.num_uncomputed == 1]
         while len(decoders) > self.cache.num_available_slots:
-            if not self._retract_one(touched):
+            if not self._retract_one(batch, touched):
                 break
             decoders = [r for r in self.running if r.num_uncomputed == 1]
         trees = self._propose_trees(decoders)
         budget = self.config.prefill_budget
-        for req in list(self.running):
+        # decodes first: the next prefill chunks are sized by what they leave
+        for req in sorted(self.running, key=lambda r: r.num_uncomputed != 1):
             if req not in self.running:
                 continue  # retracted below to make room for an earlier one
             tree = trees.get(id(req))
@@ -221,30 +222,35 @@ class Scheduler:
                     self.cache.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
                     batch.add_tree(req, tree, slots)
                     continue
-            n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget)
-            if n > 1 and not self.config.is_chunking and n < req.num_uncomputed:
+            n = self._next_extend_len(req, budget)
+            if n is None:
                 continue
-            if n <= 0:
-                continue
-            slots = self.cache.alloc_slots(n)
-            while slots is None and len(self.running) > 1:
-                # Two part-prefilled requests could each hold what the other needs: retract
-                # the latest arrival not already in this batch (possibly req itself).
-                idle = [r for r in self.running if r not in batch.reqs]
-                victim = max(idle, key=lambda r: r.arrival_time)
-                self._retract(victim)
-                if victim is req:
+            slots = self.cache.alloc_slots(n) if n else None
+            while slots is None:
+                # Nothing left for even one token: part-prefilled requests may each hold
+                # what another needs. Retract the latest arrival not in this batch.
+                if not self._retract_one(batch, touched) or req not in self.running:
                     break
-                slots = self.cache.alloc_slots(n)
+                n = self._next_extend_len(req, budget)
+                slots = self.cache.alloc_slots(n) if n else None
             if slots is None:
-                if self.running == [req]:
-                    self._end(req, FinishReason("abort", message=(
-                        f"the KV pool ({self.config.pool_size} slots) is too small for this "
-                        f"request's {req.seq_len} tokens")), touched)
                 continue
             if n > 1:
                 budget -= n
             self._add_to_batch(batch, req, n, slots)
+
+    def _next_extend_len(self, req: Req, budget: int) -> int | None:
+        """Tokens to run for a running request this step: 1 for a decode; for the rest of a
+        prefill the next chunk, within the token budget and the slots to be had (0: none
+        left, retract to go on). None: it waits for a later step (budget spent)."""
+        if req.num_uncomputed == 1:
+            return 1
+        n = min(req.num_uncomputed, budget)
+        if n <= 0:
+            return None
+        if not self.config.is_chunking:
+            return n if n == req.num_uncomputed else None
+        return min(n, self.cache.num_available_slots)
 
     def _propose_trees(self, decoders: list[Req]) -> dict[int, DraftTree]:
         return propose_trees(self, decoders) if self.drafter is not None else {}
@@ -257,15 +263,24 @@ class Scheduler:
             return  # nothing can be admitted: skip ordering (a tree walk per waiting request)
         reserve = _DECODE_RESERVE_PER_REQ * len(self.running)
         picked: list[Req] = []
-        ordered = order_waiting(self.waiting, self.config.schedule_policy,
-                                lambda r: self.cache.prefix_match_len(r.fill_ids))
+        # One side-effect-free peek per waiting request per step: it orders the queue and
+        # sizes the admission; only an admitted request's match counts as a hit.
+        peeks: dict[int, tuple[int, int]] = {}
+
+        def peek(r: Req) -> tuple[int, int]:
+            if id(r) not in peeks:
+                peeks[id(r)] = self.cache.peek(r.fill_ids[: self._max_prefix_len(r)])
+            return peeks[id(r)]
+
+        lpm = self.config.schedule_policy == "lpm" and len(self.waiting) > 1
+        ordered = order_waiting(self.waiting, "lpm" if lpm else "fcfs", lambda r: peek(r)[0])
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if self.cache.req_to_token_pool.num_free_rows == 0:
                 break
             cap = self._max_prefix_len(req)
-            match_len = self.cache.prefix_match_len(req.fill_ids[:cap])
+            match_len, match_unlocked = peek(req)
             if any(common_prefix_len(req.fill_ids, p.fill_ids) - match_len
                    >= IN_BATCH_SHARE_THRESHOLD for p in picked):
                 continue  # the picked request's prefix is in the tree by next step
@@ -273,7 +288,9 @@ class Scheduler:
             n = min(extend, budget) if self.config.is_chunking else extend
             if n > budget and batch.batch_size:
                 break
-            if n + reserve > self.cache.num_available_slots:
+            # the whole rest of the prompt must fit (not just its first chunk), besides
+            # the matched prefix, which locking takes out of the evictable slots
+            if extend + reserve > self.cache.num_available_slots - match_unlocked:
                 break
             self.cache.match_and_lock(req, cap)
             n = min(req.seq_len - req.kv_len, n)
@@ -303,18 +320,21 @@ class Scheduler:
             cap = min(cap, max(req.input_logprob_next_pos - 1, 0))
         return cap
 
-    def _retract_one(self, touched: list[Req]) -> bool:
-        """Send the most recently arrived running request back to the queue (its output so far
-        is kept and recomputed later). False when there is only one left to retract."""
-        if len(self.running) <= 1:
-            if self.running and self.cache.num_available_slots == 0:
-                req = self.running[0]
-                self._end(req, FinishReason("abort", message=(
-                    f"the KV pool ({self.config.pool_size} slots) is too small for this "
-                    f"request's {req.seq_len} tokens")), touched)
-                return True
+    def _retract_one(self, batch: ScheduleBatch, touched: list[Req]) -> bool:
+        """Make room: send the most recently arrived running request that is not in this
+        batch back to the queue (its output so far is kept and recomputed later). When it
+        is the only one running, nothing else holds what it lacks: the pool cannot hold it,
+        it ends. False when neither is possible (all running requests are in the batch)."""
+        idle = [r for r in self.running if r not in batch.reqs]
+        if not idle:
             return False
-        self._retract(max(self.running, key=lambda r: r.arrival_time))
+        if len(self.running) == 1:
+            req = self.running[0]
+            self._end(req, FinishReason("abort", message=(
+                f"the KV pool ({self.config.pool_size} slots) is too small for this "
+                f"request's {req.seq_len} tokens")), touched)
+            return True
+        self._retract(max(idle, key=lambda r: r.arrival_time))
         return True
 
     def _retract(self, victim: Req) -> None:
