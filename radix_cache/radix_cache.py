@@ -91,12 +91,14 @@ class RadixCache:
 
     # ---------------------------------------------------------- match/insert
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], count_hit: bool = True) -> MatchResult:
         """Find the longest cached prefix of ``token_ids``.
 
         Splits the last node when the match ends inside it, so ``last_node``
         always ends exactly at the matched length. Marks every node on the path
-        as accessed (recency and hit count). Disabled: always empty at the root.
+        as accessed (recency, and a hit unless ``count_hit=False``: a request
+        re-locking what it just inserted is not a new use). Disabled: always
+        empty at the root.
         """
         if self.disable or len(token_ids) == 0:
             return MatchResult([], self.root)
@@ -114,7 +116,7 @@ class RadixCache:
             if ends_inside:
                 child = self._split(child, matched_len)
             child.last_access_time = tick
-            child.hit_count += 1
+            child.hit_count += count_hit
             if child in self._evictable_leaves:
                 self._push(child)
             slots += child.value

@@ -80,7 +80,7 @@ class KVCacheManager:
         slots = self.req_to_token_pool.read(row, 0, req.kv_len)
         cached_len = self.tree.insert(token_ids, slots)
         self.allocator.free(slots[req.cache_protected_len : cached_len])
-        match = self.tree.match_prefix(token_ids)
+        match = self.tree.match_prefix(token_ids, count_hit=False)
         assert len(match.slots) == req.kv_len, "prefix just inserted must match in full"
         self.tree.inc_lock_ref(match.last_node)
         self.tree.dec_lock_ref(req.last_node)
