@@ -27,8 +27,8 @@ from .test_scheduler import tokenizer as tokenizer  # noqa: F401 - the module fi
 class _FailOnce:
     """Wraps a callable; raises on the calls whose numbers are in `fail_on` (1-based)."""
 
-    def __init__(self, fn, fail_on, exc=RuntimeError("boom")):
-        self.fn, self.fail_on, self.exc, self.calls = fn, set(fail_on), exc, 0
+    def __init__(self, fn, fail_on):
+        self.fn, self.fail_on, self.exc, self.calls = fn, set(fail_on), RuntimeError("boom"), 0
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
