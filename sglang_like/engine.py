@@ -171,6 +171,8 @@ class Engine:
             "num_generated_tokens": s.num_generated_tokens,
             # speculative decoding: how many verify passes committed k tokens
             "spec_accept_lengths": dict(sorted(s.spec_accept_lengths.items())),
+            # faults injected so far (SGLANG_LIKE_FAULT_INJECT), by site; {} when off
+            "injected_faults": s.faults.stats() if s.faults.enabled else {},
             "context_length": self.server_args.context_length,
         }
 
