@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.server.errors import ApiError, json_response, read_json_body
-from sglang_like.server.openapi import SSE_CONTENT, TEXT_CONTENT, json_content, operation
+from sglang_like.server.openapi import TEXT_CONTENT, json_content, operation, sse_content
 from sglang_like.server.protocol import AbortRequest, GenerateRequest, parse_model
 from sglang_like.server.runner import ClientGone, EngineStream, merge_streams
 from sglang_like.server.sse import DONE, open_streams, sse, sse_response
@@ -24,7 +24,8 @@ _HEALTH_TIMEOUT_S = 30.0
 
 @router.post("/generate", openapi_extra=operation(
     body=GenerateRequest,
-    ok={**json_content({"$ref": "#/components/schemas/GenerateResponse"}), **SSE_CONTENT},
+    ok={**json_content({"$ref": "#/components/schemas/GenerateResponse"}),
+        **sse_content("GenerateResult")},
     errors=(400, 401, 429),
 ))
 async def generate(request: Request) -> Response:

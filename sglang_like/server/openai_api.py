@@ -12,7 +12,7 @@ from starlette.responses import Response
 from sglang_like.server import openai_format as fmt
 from sglang_like.server.errors import ApiError, json_response, read_json_body
 from sglang_like.server.native_api import choice_params
-from sglang_like.server.openapi import SSE_CONTENT, json_content, operation
+from sglang_like.server.openapi import json_content, operation, sse_content
 from sglang_like.server.protocol import ChatCompletionRequest, CompletionRequest, parse_model
 from sglang_like.server.runner import ClientGone, EngineStream, merge_streams
 from sglang_like.server.sse import DONE, open_streams, sse, sse_response
@@ -22,7 +22,8 @@ router = APIRouter(prefix="/v1")
 
 
 def _ok(schema_name: str) -> dict[str, Any]:
-    return {**json_content({"$ref": f"#/components/schemas/{schema_name}"}), **SSE_CONTENT}
+    return {**json_content({"$ref": f"#/components/schemas/{schema_name}"}),
+            **sse_content(schema_name.replace("Response", "Chunk"))}
 
 
 @router.get("/models", openapi_extra=operation(

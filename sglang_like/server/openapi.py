@@ -94,10 +94,27 @@ _CHAT_CHOICE = {
 }
 
 
-def _completion_like(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+_CHAT_DELTA_CHOICE = {
+    "type": "object",
+    "required": ["index", "delta", "finish_reason"],
+    "properties": {
+        "index": _INT,
+        "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                   "content": _nullable(_STR)}},
+        "logprobs": _nullable(_OBJECT),
+        "finish_reason": _FINISH_REASON,
+    },
+}
+
+
+def _completion_like(
+    kind: str, choice: dict[str, Any], *, is_chunk: bool = False
+) -> dict[str, Any]:
+    """A (chat) completion object; a stream chunk has usage only in its last, choice-less one."""
     return {
         "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "required": ["id", "object", "created", "model", "choices",
+                     *([] if is_chunk else ["usage"])],
         "properties": {
             "id": _STR, "object": {"const": kind}, "created": _INT, "model": _STR,
             "choices": {"type": "array", "items": choice}, "usage": _ref("Usage"),
@@ -132,6 +149,10 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "CompletionResponse": _completion_like("text_completion", _COMPLETION_CHOICE),
     "ChatCompletionResponse": _completion_like("chat.completion", _CHAT_CHOICE),
+    "CompletionChunk": _completion_like("text_completion", _COMPLETION_CHOICE, is_chunk=True),
+    "ChatCompletionChunk": _completion_like(
+        "chat.completion.chunk", _CHAT_DELTA_CHOICE, is_chunk=True
+    ),
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
@@ -165,12 +186,21 @@ def json_content(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-SSE_CONTENT = {
-    "text/event-stream": {
-        "schema": {"type": "string", "description": "`data: <JSON chunk>` events, then "
-                   "`data: [DONE]`; a failure after the first event is one error event"}
+def sse_content(chunk_schema: str) -> dict[str, Any]:
+    """A `text/event-stream` of `data: <chunk JSON>` events ending with `data: [DONE]`; a
+    failure after the first event is one error event. The schema describes one event."""
+    data = {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "else": {
+            "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref(chunk_schema), _ref("ErrorResponse")]},
+        },
     }
-}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {"text/event-stream": {"schema": event}}
+
+
 TEXT_CONTENT = {"text/plain": {"schema": {"type": "string"}}}
 
 

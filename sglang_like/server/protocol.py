@@ -9,14 +9,25 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
-    TypeAdapter,
     ValidationError,
     WithJsonSchema,
 )
 
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.server.errors import ApiError, pydantic_message
+from sglang_like.server.json_schemas import (
+    SAMPLING_RANGES,
+    NonEmptyStr,
+    OpenAIStop,
+    TextParts,
+    TokenId,
+    TokenIds,
+    documented,
+    exactly_one_of,
+    sampling_params_schema,
+)
 
 # Keys SGLang's own client sends in sampling_params that this runtime has no use for.
 _IGNORED_SAMPLING_KEYS = ("spaces_between_special_tokens",)
@@ -28,45 +39,24 @@ _OPENAI_MAX_TOP_LOGPROBS = 20
 
 
 # ---- native /generate ---------------------------------------------------------------------
-def _sampling_params_schema() -> dict[str, Any]:
-    """The JSON schema of `sampling_params` as `clean_sampling_params` checks it (for OpenAPI).
-
-    Every field may be null (the default then applies); unknown keys are errors.
-    """
-    schema = TypeAdapter(SamplingParams).json_schema()
-    props = schema["properties"]
-    for name, prop in props.items():
-        if {"type": "null"} not in prop.get("anyOf", []):
-            rest = {k: prop.pop(k) for k in list(prop) if k not in ("default", "title")}
-            props[name] = {**prop, "anyOf": [rest, {"type": "null"}]}
-    for key in _IGNORED_SAMPLING_KEYS:
-        props[key] = {"description": "accepted and ignored"}
-    for key in _UNSUPPORTED_SAMPLING_KEYS:
-        props[key] = {"description": "not supported: accepted only when unset",
-                      "enum": [None, "", [], {}]}
-    return {
-        "title": "SamplingParams", "type": "object", "properties": props,
-        "additionalProperties": False,
-        "description": "SGLang's sampling parameters; ranges are checked by the server (400)",
-    }
-
-
 # Validation stays a plain dict (clean_sampling_params checks it); the schema documents it.
-_SamplingDict = Annotated[dict[str, Any], WithJsonSchema(_sampling_params_schema())]
+_SamplingDict = Annotated[dict[str, Any], WithJsonSchema(
+    sampling_params_schema(_IGNORED_SAMPLING_KEYS, _UNSUPPORTED_SAMPLING_KEYS)
+)]
 
 
 class GenerateRequest(BaseModel):
     """POST /generate, the shape SGLang's `GenerateReqInput` accepts (fields we serve)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=exactly_one_of("text", "input_ids"))
 
-    text: str | list[str] | None = None
-    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    text: NonEmptyStr | list[NonEmptyStr] | None = documented(None, minItems=1)
+    input_ids: TokenIds | list[TokenIds] | None = documented(None, minItems=1)
     sampling_params: _SamplingDict | list[_SamplingDict] | None = None
     stream: StrictBool = False
     return_logprob: StrictBool | list[StrictBool] | None = None
-    logprob_start_len: StrictInt | list[StrictInt] | None = None
-    top_logprobs_num: StrictInt | list[StrictInt] | None = None
+    logprob_start_len: StrictInt | list[StrictInt] | None = documented(None, minimum=-1)
+    top_logprobs_num: StrictInt | list[StrictInt] | None = documented(None, minimum=0, maximum=100)
     return_text_in_logprobs: StrictBool = False
     rid: str | list[str] | None = None
 
@@ -176,30 +166,39 @@ class StreamOptions(BaseModel):
 
 
 class _OpenAISampling(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions, plus SGLang-style extras."""
+    """Fields shared by /v1/completions and /v1/chat/completions, plus SGLang-style extras.
+
+    Numbers and flags are strict (an int is a number, but `true` or "0.5" is no temperature),
+    as the native path's SamplingParams checks are and the OpenAPI document says.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: StrictInt = 1
+    n: StrictInt = documented(1, minimum=1, maximum=_OPENAI_MAX_N)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: StrictInt | None = None
+    stop: OpenAIStop | None = documented(None, maxItems=16)
+    temperature: StrictFloat | None = documented(None, **SAMPLING_RANGES["temperature"])
+    top_p: StrictFloat | None = documented(None, **SAMPLING_RANGES["top_p"])
+    presence_penalty: StrictFloat | None = documented(None, **SAMPLING_RANGES["presence_penalty"])
+    frequency_penalty: StrictFloat | None = documented(
+        None, **SAMPLING_RANGES["frequency_penalty"]
+    )
+    seed: StrictInt | None = documented(None, **SAMPLING_RANGES["seed"])
     user: str | None = None
     # extras (SGLang / vLLM spelling)
-    top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: StrictInt | None = None
+    top_k: StrictInt | None = documented(None, anyOf=[
+        *SAMPLING_RANGES["top_k"]["anyOf"], {"type": "null"}])
+    min_p: StrictFloat | None = documented(None, **SAMPLING_RANGES["min_p"])
+    repetition_penalty: StrictFloat | None = documented(
+        None, **SAMPLING_RANGES["repetition_penalty"]
+    )
+    min_tokens: StrictInt | None = documented(None, **SAMPLING_RANGES["min_new_tokens"])
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     no_stop_trim: StrictBool | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
     ebnf: str | None = None
@@ -263,11 +262,13 @@ def check_max_tokens(value: int | None, name: str, context_length: int) -> None:
 class CompletionRequest(_OpenAISampling):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
+    prompt: NonEmptyStr | list[NonEmptyStr] | TokenIds | list[TokenIds] = documented(
+        ..., minItems=1
+    )
+    max_tokens: StrictInt | None = documented(16, minimum=1)
+    logprobs: StrictInt | None = documented(None, minimum=0, maximum=_OPENAI_MAX_TOP_LOGPROBS)
     echo: StrictBool = False
-    suffix: str | None = None
+    suffix: str | None = documented(None, maxLength=0, description="not supported")
     best_of: StrictInt | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -302,7 +303,7 @@ class JsonSchemaFormat(BaseModel):
 
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -324,7 +325,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | TextParts | None = None
     name: str | None = None
 
     def template_dict(self) -> dict[str, Any]:
@@ -347,11 +348,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_OpenAISampling):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    messages: list[ChatMessage] = documented(..., minItems=1)
+    max_tokens: StrictInt | None = documented(None, minimum=1)
+    max_completion_tokens: StrictInt | None = documented(None, minimum=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = documented(
+        None, minimum=0, maximum=_OPENAI_MAX_TOP_LOGPROBS, description="needs logprobs: true"
+    )
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     continue_final_message: StrictBool = False

@@ -18,6 +18,7 @@ from sglang_like.sampling_params import SamplingParams
 class FakeTokenizer:
     chat_template = "{% for m in messages %}<{{m.role}}>{{m.content}}{% endfor %}<assistant>"
     eos_token_ids = (0,)
+    vocab_size = 0x110000  # every code point is a token
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -109,6 +110,8 @@ class FakeEngine:
                 raise ValueError("empty prompt")
             if len(ids) >= self.server_args.context_length:
                 raise ValueError(f"prompt of {len(ids)} tokens is longer than the context")
+            if any(not 0 <= t < FakeTokenizer.vocab_size for t in ids):
+                raise ValueError(f"input_ids must be integers in [0, {FakeTokenizer.vocab_size})")
         opts = (return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
         if stream:
             assert not is_batch and params[0].n == 1
@@ -162,20 +165,22 @@ class FakeEngine:
                     meta["input_token_logprobs"] = [
                         [None if i == 0 else -2.0, t, chr(t) if with_text else None]
                         for i, t in enumerate(ids[first:], start=first)]
-                for i in range(sp.max_new_tokens):
+                # like the engine, a sequence ends at the context length
+                num_new = min(sp.max_new_tokens, self.server_args.context_length - len(ids))
+                for i in range(num_new):
                     await asyncio.sleep(self.step_s)
                     tok = 97 + (len(ids) + i) % 26
                     self.used_slots += 1
                     held += 1
                     meta = {**meta, "completion_tokens": i + 1}
-                    if i + 1 == sp.max_new_tokens:
-                        meta["finish_reason"] = {"type": "length", "length": sp.max_new_tokens}
+                    if i + 1 == num_new:
+                        meta["finish_reason"] = {"type": "length", "length": num_new}
                     chunk_meta = dict(meta)
                     if want_lp:
                         chunk_meta["output_token_logprobs"] = [[-1.0, tok, chr(tok) if with_text
                                                                  else None]]
                     yield {"text": chr(tok), "output_ids": [tok], "meta_info": chunk_meta}
-                if sp.max_new_tokens == 0:
+                if num_new == 0:
                     meta["finish_reason"] = {"type": "length", "length": 0}
                     yield {"text": "", "output_ids": [], "meta_info": meta}
                 self.seen_prompts.add(key)

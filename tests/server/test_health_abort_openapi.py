@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
+from sglang_like.server.json_schemas import SAMPLING_RANGES
 from sglang_like.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -128,6 +130,53 @@ def test_openapi_sampling_params_schema_matches_validation() -> None:
         clean_sampling_params({name: None})
 
 
+NOT_NUMBERS = [("temperature", True), ("min_p", False), ("top_p", "0.5"),
+               ("presence_penalty", "1"), ("frequency_penalty", [0]), ("repetition_penalty", {})]
+
+
+@pytest.mark.parametrize(("field", "value"), NOT_NUMBERS)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_numbers_are_strict(fake_server: Any, path: str, field: str, value: Any) -> None:
+    """Found by the schemathesis fuzz: pydantic's lax float took `false` as min_p 0.0."""
+    body = {"prompt": "a"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "a"}]}
+    r = httpx.post(fake_server.url + path, json={**body, field: value, "max_tokens": 1})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    r = httpx.post(fake_server.url + path, json={**body, "temperature": 0, "max_tokens": 1})
+    assert r.status_code == 200, r.text  # an int is still a number
+
+
+def _candidates(bounds: dict[str, Any]) -> list[Any]:
+    values: list[Any] = [0, 1, -1, 0.5, 2.5, True, "1", None]
+    for key, bound in bounds.items():
+        if key in ("minimum", "maximum", "exclusiveMinimum"):
+            values += [bound, bound - 1, bound + 1, bound - 1e-3, bound + 1e-3]
+        elif key == "anyOf":
+            values += [v for sub in bound for v in _candidates(sub)]
+        elif key == "const":
+            values += [bound, bound - 1, bound + 1]
+    # JSON Schema counts 3.0 as an integer; the checks want an integer literal (3)
+    return [v for v in values if not (isinstance(v, float) and v.is_integer())]
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING_RANGES))
+def test_documented_sampling_ranges_are_the_checks(name: str) -> None:
+    """At and around each documented bound, the schema and SamplingParams agree."""
+    from sglang_like.sampling_params import SamplingParams
+
+    schema = GenerateRequest.model_json_schema()["properties"]["sampling_params"]["anyOf"][0]
+    validator = jsonschema.Draft202012Validator(schema)
+    base = {"max_new_tokens": 1 << 20} if name == "min_new_tokens" else {}
+    for value in _candidates(SAMPLING_RANGES[name]):
+        params = {**base, name: value}
+        try:
+            SamplingParams.from_dict(params)
+            accepted = True
+        except ValueError:
+            accepted = False
+        assert validator.is_valid(params) == accepted, (params, accepted)
+
+
 def _assert_refs_resolve(node: Any, doc: dict) -> None:
     if isinstance(node, dict):
         ref = node.get("$ref")
@@ -140,3 +189,4 @@ def _assert_refs_resolve(node: Any, doc: dict) -> None:
     elif isinstance(node, list):
         for value in node:
             _assert_refs_resolve(value, doc)
+
