@@ -16,6 +16,7 @@ from sglang_like.server import native_api, openai_api, openapi
 from sglang_like.server.auth import ApiKeyMiddleware
 from sglang_like.server.errors import ApiError, error_response
 from sglang_like.server.metrics import CONTENT_TYPE
+from sglang_like.server.runner import ClientGone
 from sglang_like.server.state import ServerState, get_state
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
                       openapi_extra=metrics_doc)
     openapi.install(app)
     app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(ClientGone, _on_client_gone)
     app.add_exception_handler(ValueError, _on_value_error)
     app.add_exception_handler(Exception, _on_unexpected)
     if state.server_args.api_key:
@@ -66,6 +68,11 @@ async def _on_api_error(request: Request, exc: Exception) -> Response:
     if exc.status_code >= 500:
         logger.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc)
     return error_response(exc.status_code, exc.message, exc.param)
+
+
+async def _on_client_gone(request: Request, exc: Exception) -> Response:
+    """Nobody reads this answer; 499 (nginx's "client closed request") is for the logs."""
+    return Response(status_code=499)
 
 
 async def _on_value_error(request: Request, exc: Exception) -> Response:

@@ -33,7 +33,9 @@ async def generate(request: Request) -> Response:
     body = parse_model(GenerateRequest, await read_json_body(request))
     kwargs = body.engine_kwargs()
     if body.stream:
-        streams = await open_streams(state.runner, _split_for_streaming(kwargs, body.is_batch))
+        streams = await open_streams(
+            state.runner, _split_for_streaming(kwargs, body.is_batch), request
+        )
         return sse_response(_native_events(streams), streams)
     try:
         (result,) = await state.runner.generate(request, [kwargs])

@@ -68,7 +68,7 @@ async def completions(request: Request) -> Response:
             for call in calls
             for j in range(req.n)
         ]
-        streams = await open_streams(state.runner, stream_calls)
+        streams = await open_streams(state.runner, stream_calls, request)
         events = _completion_events(state, req, streams, echoes, want_logprobs)
         return sse_response(events, streams)
     try:
@@ -149,7 +149,7 @@ async def chat_completions(request: Request) -> Response:
         calls = [
             {**base, "sampling_params": choice_params(sampling, j)} for j in range(req.n)
         ]
-        streams = await open_streams(state.runner, calls)
+        streams = await open_streams(state.runner, calls, request)
         return sse_response(_chat_events(state, req, streams), streams)
     try:
         (result,) = await state.runner.generate(

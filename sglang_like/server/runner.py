@@ -154,7 +154,7 @@ class EngineRunner:
         work = asyncio.gather(
             *(self.engine.async_generate(stream=False, **call) for call in calls)
         )
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -254,7 +254,7 @@ def _rids_for(kwargs: dict[str, Any]) -> str | list[str]:
     return new_rid()
 
 
-async def _wait_disconnect(request: Request | None) -> None:
+async def wait_disconnect(request: Request | None) -> None:
     """Return when the client has gone; never returns for an in-process caller."""
     if request is None:
         await asyncio.Event().wait()

@@ -7,10 +7,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from sglang_like.server.errors import ApiError, dumps, error_body
-from sglang_like.server.runner import EngineRunner, EngineStream
+from sglang_like.server.runner import ClientGone, EngineRunner, EngineStream, wait_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -21,11 +23,29 @@ def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
-async def open_streams(runner: EngineRunner, calls: list[dict[str, Any]]) -> list[EngineStream]:
-    """Open one engine stream per call, all at once; if any fails, close the others and raise."""
-    outcomes = await asyncio.gather(
-        *(runner.open_stream(**call) for call in calls), return_exceptions=True
-    )
+async def open_streams(
+    runner: EngineRunner, calls: list[dict[str, Any]], request: Request | None = None
+) -> list[EngineStream]:
+    """Open one engine stream per call, all at once; if any fails, close the others and raise.
+
+    Opening waits for each stream's first chunk (its prefill, or its turn in the queue); a
+    client that leaves meanwhile gets its requests aborted at once (ClientGone), not after
+    they have been prefilled for nobody.
+    """
+    tasks = [asyncio.ensure_future(runner.open_stream(**call)) for call in calls]
+    opening = asyncio.gather(*tasks, return_exceptions=True)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({opening, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _close_all(tasks)
+        raise
+    finally:
+        watcher.cancel()
+    if not opening.done():
+        await _close_all(tasks)
+        raise ClientGone()
+    outcomes = opening.result()
     streams = [o for o in outcomes if isinstance(o, EngineStream)]
     errors = [o for o in outcomes if not isinstance(o, EngineStream)]
     if errors:
@@ -33,6 +53,18 @@ async def open_streams(runner: EngineRunner, calls: list[dict[str, Any]]) -> lis
             await stream.aclose()
         raise errors[0]
     return streams
+
+
+async def _close_all(tasks: list[asyncio.Future]) -> None:
+    """Cancel the openings still waiting (each aborts its request) and close the opened ones."""
+    for task in tasks:
+        task.cancel()
+    with anyio.CancelScope(shield=True):
+        await asyncio.wait(tasks)
+        for task in tasks:
+            if task.cancelled() or task.exception() is not None:
+                continue
+            await task.result().aclose()
 
 
 def sse_response(

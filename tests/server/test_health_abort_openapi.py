@@ -3,6 +3,8 @@ body (rid or abort_all), and /openapi.json documents the routes with the models'
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -190,3 +192,41 @@ def _assert_refs_resolve(node: Any, doc: dict) -> None:
         for value in node:
             _assert_refs_resolve(value, doc)
 
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+def test_stream_whose_client_leaves_before_its_first_token_is_aborted_at_once(
+    fake_server_factory: Any, path: str
+) -> None:
+    """A queued stream (its first chunk not yet made) is aborted when its client goes, not
+    when a batch slot frees and it has been prefilled for nobody."""
+    server = fake_server_factory(step_s=0.05, max_running_requests=1)
+    engine = server.engine
+    body: dict[str, Any] = (
+        {"text": "b", "rid": "queued", "sampling_params": {"max_new_tokens": 5}}
+        if path == "/generate" else
+        {"messages": [{"role": "user", "content": "b"}], "max_tokens": 5})
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            busy = asyncio.ensure_future(client.post(server.url + "/generate", json={
+                "text": "a", "sampling_params": {"max_new_tokens": 100}}))  # holds the slot 5 s
+            await asyncio.sleep(0.2)
+
+            async def read() -> None:
+                async with client.stream("POST", server.url + path,
+                                         json={**body, "stream": True}) as r:
+                    await r.aread()
+
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(read(), 0.3)
+            assert engine.num_queued_requests == 1 or engine.aborted
+            deadline = time.monotonic() + 1.0
+            while engine.num_queued_requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert engine.num_queued_requests == 0, "the queued stream was not aborted"
+            assert not busy.done()
+            if path == "/generate":
+                assert "queued" in engine.aborted
+            busy.cancel()
+
+    asyncio.run(main())
