@@ -147,11 +147,14 @@ def _summarize(args: argparse.Namespace, records: list[Record], burst: list[Reco
         "served_ok": sum(1 for r in records if r.status == 200 and r.finish != "abort"),
         "status_counts": {str(k): v for k, v in sorted(status.items())},
         "num_4xx": sum(v for k, v in status.items() if 400 <= k < 500 and k != 429),
-        "num_429": status.get(429, 0), "num_5xx": sum(v for k, v in status.items() if k >= 500),
+        "num_429": status.get(429, 0),
+        # 5xx that are not an injected fault's answer (those are counted with the aborts)
+        "num_5xx": sum(1 for r in records if r.status >= 500 and not r.is_injected_fault),
         "num_no_answer": status.get(0, 0),
         "no_answer_examples": [r.message for r in records if r.status == 0][:5],
-        "num_5xx_examples": [f"{r.action}: {r.message}" for r in records if r.status >= 500][:5],
-        "num_aborted": sum(1 for r in records if r.finish == "abort"),
+        "num_5xx_examples": [f"{r.action}: {r.message}" for r in records
+                             if r.status >= 500 and not r.is_injected_fault][:5],
+        "num_aborted": sum(1 for r in records if r.finish == "abort" or r.is_internal_abort),
         "num_internal_error_aborts": sum(1 for r in records if r.is_internal_abort),
         "num_dropped_streams": sum(1 for r in records if r.finish == "dropped"),
         "burst": {"size": len(burst), "num_429": sum(1 for r in burst if r.status == 429),

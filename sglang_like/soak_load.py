@@ -47,7 +47,14 @@ class Record:
 
     @property
     def is_internal_abort(self) -> bool:
-        return self.finish == "abort" and (self.message or "").startswith("internal error")
+        """Ended by a fault inside the runtime: an abort in the body (native API), or a 500
+        with the message (OpenAI API, whose finish reasons cannot say why)."""
+        internal = (self.message or "").startswith("internal error")
+        return internal and (self.finish == "abort" or self.status == 500)
+
+    @property
+    def is_injected_fault(self) -> bool:
+        return self.is_internal_abort and "InjectedFault" in (self.message or "")
 
 
 def hostile_bodies(context_length: int) -> list[tuple[str, str, Any]]:

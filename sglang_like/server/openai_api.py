@@ -44,7 +44,7 @@ async def list_models(request: Request) -> Response:
 
 # ---- /v1/completions ----------------------------------------------------------------------
 @router.post("/completions", openapi_extra=operation(
-    body=CompletionRequest, ok=_ok("CompletionResponse"), errors=(400, 401, 429)
+    body=CompletionRequest, ok=_ok("CompletionResponse"), errors=(400, 401, 429, 500)
 ))
 async def completions(request: Request) -> Response:
     state = get_state(request)
@@ -75,6 +75,8 @@ async def completions(request: Request) -> Response:
         results = await state.runner.generate(request, calls)
     except ClientGone:
         return Response(status_code=499)
+    if (message := fmt.internal_error(results)) is not None:
+        raise ApiError(500, message)
     choices, usages = [], []
     for i, result in enumerate(results):
         items = result if isinstance(result, list) else [result]
@@ -132,7 +134,7 @@ async def _completion_events(
 
 # ---- /v1/chat/completions -----------------------------------------------------------------
 @router.post("/chat/completions", openapi_extra=operation(
-    body=ChatCompletionRequest, ok=_ok("ChatCompletionResponse"), errors=(400, 401, 429)
+    body=ChatCompletionRequest, ok=_ok("ChatCompletionResponse"), errors=(400, 401, 429, 500)
 ))
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
@@ -157,6 +159,8 @@ async def chat_completions(request: Request) -> Response:
         )
     except ClientGone:
         return Response(status_code=499)
+    if (message := fmt.internal_error([result])) is not None:
+        raise ApiError(500, message)
     items = result if isinstance(result, list) else [result]
     return json_response(
         {

@@ -26,6 +26,19 @@ def finish_reason(meta_info: dict[str, Any]) -> str | None:
     return kind if kind in ("stop", "length") else "abort"
 
 
+def internal_error(results: list[Any]) -> str | None:
+    """The message of the first result that ended with an internal error (a fault in the
+    runtime, not the request), else None. OpenAI's finish reasons cannot say why: such an
+    answer is a 500 with the message, which the official client raises (and retries)."""
+    for result in results:
+        for item in result if isinstance(result, list) else [result]:
+            reason = (item.get("meta_info") or {}).get("finish_reason") or {}
+            message = reason.get("message") or ""
+            if reason.get("type") == "abort" and message.startswith("internal error"):
+                return message
+    return None
+
+
 def matched_stop(meta_info: dict[str, Any]) -> str | int | None:
     reason = meta_info.get("finish_reason")
     return reason.get("matched") if isinstance(reason, dict) else None

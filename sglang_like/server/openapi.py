@@ -31,6 +31,7 @@ _ERROR_TEXT = {
     400: "Bad request: the body or a parameter is invalid (the message says which)",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
     429: "Too many requests waiting (--max-queued-requests); retry later",
+    500: "A fault inside the runtime ended the request (`internal error: ...`); retry",
     503: "The server is not healthy (the message says why)",
 }
 
