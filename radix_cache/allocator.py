@@ -57,7 +57,17 @@ class KVSlotAllocator:
         is_free = self._is_free
         for slot in slots:
             is_free[slot] = 0
+        top = max(slots)
+        if top > self._high_water:
+            self._high_water = top
         return slots
+
+    @property
+    def high_water(self) -> int:
+        """The highest slot id ever handed out. Fresh slots go out in increasing order and
+        freed ones are reused first, so slots 1..high_water are all that were ever used
+        (a lazily committed KV pool has touched only their pages)."""
+        return self._high_water
 
     def free(self, slots: Iterable[int]) -> None:
         """Return ``slots`` to the free list (all of them, or none on error)."""
@@ -79,6 +89,7 @@ class KVSlotAllocator:
         self._free_slots = list(range(self._size, 0, -1))
         self._is_free = bytearray(b"\x01") * (self._size + 1)
         self._is_free[0] = 0
+        self._high_water = 0
 
     def __repr__(self) -> str:
         return f"KVSlotAllocator(size={self._size}, num_free_slots={self.num_free_slots})"

@@ -162,7 +162,8 @@ class Engine:
         return {
             **{k: v for k, v in vars(self.server_args).items() if k != "api_key"},
             "model_path": self.model_config.model_path,
-            "kv_pool": s.kv_pool_info(),
+            "kv_pool": {**s.kv_pool_info(),
+                        "bytes_per_slot": self.runner.kv_pool.bytes_per_slot},
             "cache_hit_rate": s.cache_hit_rate,
             "num_running_reqs": len(s.running),
             "num_queued_reqs": len(s.waiting),

@@ -28,6 +28,7 @@ class KVPool:
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for buf in (*self.k_buffers, *self.v_buffers):
             buf[0].zero_()
+        self.bytes_per_slot = self.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
     @staticmethod
     def bytes_per_token(

@@ -435,6 +435,9 @@ class Scheduler:
             "free_slots": free,
             "cached_slots": tree.evictable_size + tree.protected_size,
             "used_slots": self.config.pool_size - free - tree.evictable_size,
+            # slots 1..touched_slots have ever held K/V (the pool's pages are committed
+            # lazily, so its RSS grows with this until the cache fills the pool)
+            "touched_slots": self.cache.allocator.high_water,
         }
 
     @property

@@ -87,6 +87,14 @@ def hostile_bodies(context_length: int) -> list[tuple[str, str, Any]]:
     ]
 
 
+def _openai_message(e: Any) -> str:
+    """The server's own error message (the client's str adds "Error code: N - ...")."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return body["message"]
+    return str(getattr(e, "message", e))
+
+
 class LoadMix:
     """Drives one server at `url` with the action mix; `records` collects every outcome."""
 
@@ -218,7 +226,7 @@ class LoadMix:
                 model=self._model, messages=[{"role": "user", "content": self._prompt(rng)}],
                 max_tokens=rng.randint(1, 8), temperature=0)
         except openai.APIStatusError as e:
-            return e.status_code, None, e.message
+            return e.status_code, None, _openai_message(e)
         except openai.APIConnectionError as e:
             raise httpx.TransportError(str(e)) from e
         return 200, resp.choices[0].finish_reason, None
@@ -231,7 +239,7 @@ class LoadMix:
                 model=self._model, prompt=self._prompt(rng), max_tokens=rng.randint(1, 8),
                 temperature=0)
         except openai.APIStatusError as e:
-            return e.status_code, None, e.message
+            return e.status_code, None, _openai_message(e)
         except openai.APIConnectionError as e:
             raise httpx.TransportError(str(e)) from e
         return 200, resp.choices[0].finish_reason, None

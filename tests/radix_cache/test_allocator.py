@@ -83,3 +83,19 @@ def test_non_positive_size_is_value_error(size: int) -> None:
 def test_negative_alloc_is_value_error() -> None:
     with pytest.raises(ValueError):
         KVSlotAllocator(4).alloc(-1)
+
+
+def test_high_water_is_the_highest_slot_ever_handed_out():
+    from radix_cache import KVSlotAllocator
+
+    a = KVSlotAllocator(10)
+    assert a.high_water == 0
+    first = a.alloc(3)
+    assert first == [1, 2, 3] and a.high_water == 3
+    a.free(first)
+    a.alloc(2)  # freed slots are reused first: nothing new touched
+    assert a.high_water == 3
+    a.alloc(4)
+    assert a.high_water == 6
+    a.reset()
+    assert a.high_water == 0
