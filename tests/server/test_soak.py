@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_two_minute_soak(tmp_path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "sglang_like.bench_soak", "--duration-s", "120",
-         "--warmup-s", "15", "--bucket-s", "30", "--no-progress", "--out-dir", str(tmp_path)],
+         "--warmup-s", "30", "--bucket-s", "30", "--no-progress", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     print(out.stdout[-4000:], out.stderr[-2000:])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
