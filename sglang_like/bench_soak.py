@@ -253,7 +253,9 @@ def plot(s: dict[str, Any], path: str) -> None:
         rss_ax.set_ylabel("server RSS (MB)")
         rss_ax.legend(loc="upper right")
     ax.set_title(f"soak: {s['num_requests']} requests, {s['num_429']} x 429, "
-                 f"{s['num_5xx']} x 5xx, RSS {s['rss_growth'] or 0:+.1%}")
+                 f"{s['num_5xx']} x 5xx, RSS {s['rss_growth'] or 0:+.1%} "
+                 f"({s['rss_growth_net_of_kv_cache'] or 0:+.1%} net of new KV cache pages)",
+                 fontsize=10)
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
