@@ -162,6 +162,7 @@ def _summarize(args: argparse.Namespace, records: list[Record], burst: list[Reco
         # 5xx that are not an injected fault's answer (those are counted with the aborts)
         "num_5xx": sum(1 for r in records if r.status >= 500 and not r.is_injected_fault),
         "num_no_answer": status.get(0, 0),
+        "num_connection_retries": sum(r.retries for r in records),
         "no_answer_examples": [r.message for r in records if r.status == 0][:5],
         "num_5xx_examples": [f"{r.action}: {r.message}" for r in records
                              if r.status >= 500 and not r.is_injected_fault][:5],
@@ -207,7 +208,8 @@ def format_table(s: dict[str, Any]) -> str:
         f"== soak: {s['num_requests']} requests in {s['duration_s']:.0f} s, "
         f"{s['served_ok']} served ==",
         f"statuses {s['status_counts']}  (4xx {s['num_4xx']}, 429 {s['num_429']}, "
-        f"5xx {s['num_5xx']}, no answer {s['num_no_answer']})",
+        f"5xx {s['num_5xx']}, no answer {s['num_no_answer']}; connection resets retried "
+        f"{s['num_connection_retries']})",
         f"aborted {s['num_aborted']} (internal error {s['num_internal_error_aborts']}), "
         f"dropped streams {s['num_dropped_streams']}",
         f"burst of {s['burst']['size']}: {s['burst']['num_429']} x 429, "

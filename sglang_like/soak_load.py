@@ -44,6 +44,7 @@ class Record:
     # the request's finish reason type ("stop", "length", "abort") when one came back
     finish: str | None = None
     message: str | None = None  # an abort's or an error's message
+    retries: int = 0  # reconnects after a connection reset before any answer
 
     @property
     def is_internal_abort(self) -> bool:
@@ -93,6 +94,10 @@ def _openai_message(e: Any) -> str:
     if isinstance(body, dict) and isinstance(body.get("message"), str):
         return body["message"]
     return str(getattr(e, "message", e))
+
+
+# Transport errors that happen before any answer when a pooled connection was reset.
+_RESETS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class LoadMix:
@@ -159,16 +164,28 @@ class LoadMix:
         """Run one action with its deadline and record the outcome."""
         start = time.monotonic()
         self._seq += 1
-        rng = random.Random(self._rng.getrandbits(32))
-        try:
-            status, finish, message = await asyncio.wait_for(
-                getattr(self, f"_{action}")(rng, self._seq), self.deadline_s + 5)
-        except asyncio.TimeoutError:
-            status, finish, message = 0, None, f"no answer within {self.deadline_s:.0f} s"
-        except (httpx.HTTPError, OSError) as e:
-            status, finish, message = 0, None, f"transport: {type(e).__name__}: {e}"
+        seed = self._rng.getrandbits(32)
+        retries = 0
+        while True:
+            attempt = time.monotonic()
+            try:
+                status, finish, message = await asyncio.wait_for(
+                    getattr(self, f"_{action}")(random.Random(seed), self._seq),
+                    self.deadline_s + 5)
+            except asyncio.TimeoutError:
+                status, finish, message = 0, None, f"no answer within {self.deadline_s:.0f} s"
+            except (httpx.HTTPError, OSError) as e:
+                # A kept-alive connection the server closed just as it was reused fails at
+                # once, before any answer; clients retry that (the official one does), and
+                # so do we, twice. Anything else is the server's answer to the request.
+                lost = isinstance(e, _RESETS) and time.monotonic() - attempt < 5
+                if lost and retries < 2:
+                    retries += 1
+                    continue
+                status, finish, message = 0, None, f"transport: {type(e).__name__}: {e}"
+            break
         record = Record(action, start - self._t0, time.monotonic() - start, status, finish,
-                        message)
+                        message, retries)
         self.records.append(record)
         return record
 
@@ -228,7 +245,7 @@ class LoadMix:
         except openai.APIStatusError as e:
             return e.status_code, None, _openai_message(e)
         except openai.APIConnectionError as e:
-            raise httpx.TransportError(str(e)) from e
+            raise httpx.RemoteProtocolError(f"openai client: {e}") from e
         return 200, resp.choices[0].finish_reason, None
 
     async def _completion(self, rng: random.Random, seq: int) -> Outcome:
@@ -241,7 +258,7 @@ class LoadMix:
         except openai.APIStatusError as e:
             return e.status_code, None, _openai_message(e)
         except openai.APIConnectionError as e:
-            raise httpx.TransportError(str(e)) from e
+            raise httpx.RemoteProtocolError(f"openai client: {e}") from e
         return 200, resp.choices[0].finish_reason, None
 
     async def _stream_drop(self, rng: random.Random, seq: int) -> Outcome:
