@@ -235,31 +235,26 @@ class LoadMix:
             "temperature": 0.8, "max_new_tokens": 6, "n": 2, "seed": seq}}
         return self._native_outcome(*await self._post("/generate", body))
 
-    async def _chat(self, rng: random.Random, seq: int) -> Outcome:
+    async def _openai_call(self, create: Any, **kwargs: Any) -> Outcome:
+        """One call of the official client (retries off): its status, finish, message."""
         import openai
 
         try:
-            resp = await self._openai.chat.completions.create(
-                model=self._model, messages=[{"role": "user", "content": self._prompt(rng)}],
-                max_tokens=rng.randint(1, 8), temperature=0)
+            resp = await create(model=self._model, temperature=0, **kwargs)
         except openai.APIStatusError as e:
             return e.status_code, None, _openai_message(e)
         except openai.APIConnectionError as e:
             raise httpx.RemoteProtocolError(f"openai client: {e}") from e
         return 200, resp.choices[0].finish_reason, None
+
+    async def _chat(self, rng: random.Random, seq: int) -> Outcome:
+        return await self._openai_call(
+            self._openai.chat.completions.create, max_tokens=rng.randint(1, 8),
+            messages=[{"role": "user", "content": self._prompt(rng)}])
 
     async def _completion(self, rng: random.Random, seq: int) -> Outcome:
-        import openai
-
-        try:
-            resp = await self._openai.completions.create(
-                model=self._model, prompt=self._prompt(rng), max_tokens=rng.randint(1, 8),
-                temperature=0)
-        except openai.APIStatusError as e:
-            return e.status_code, None, _openai_message(e)
-        except openai.APIConnectionError as e:
-            raise httpx.RemoteProtocolError(f"openai client: {e}") from e
-        return 200, resp.choices[0].finish_reason, None
+        return await self._openai_call(self._openai.completions.create,
+                                       prompt=self._prompt(rng), max_tokens=rng.randint(1, 8))
 
     async def _stream_drop(self, rng: random.Random, seq: int) -> Outcome:
         """A long stream whose client gives up after a random number of events."""

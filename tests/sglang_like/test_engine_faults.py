@@ -17,6 +17,8 @@ from sglang_like.fault_injection import ENV_VAR
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 
+from .test_engine_api import _wait_idle
+
 pytestmark = pytest.mark.slow
 
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -26,16 +28,6 @@ LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def engine(make_engine: Any) -> Any:
     return make_engine(max_total_tokens=8192)
-
-
-def _wait_idle(engine: Any, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = engine.get_server_info()
-        idle = info["kv_pool"]["used_slots"] == 0 and info["num_running_reqs"] == 0
-        if idle or time.monotonic() > deadline:
-            return info
-        time.sleep(0.05)
 
 
 def _assert_clean(engine: Any) -> None:
