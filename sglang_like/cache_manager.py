@@ -52,9 +52,6 @@ class KVCacheManager:
         req.cache_protected_len = req.kv_len = len(match.slots)
         self.req_to_token_pool.write(row, 0, match.slots)
 
-    def prefix_match_len(self, token_ids: list[int]) -> int:
-        return self.tree.peek(token_ids)[0]
-
     def peek(self, token_ids: list[int]) -> tuple[int, int]:
         """(cached prefix length, how much of it is evictable now): no hit is counted."""
         return self.tree.peek(token_ids)
