@@ -177,6 +177,14 @@ class Engine:
             "context_length": self.server_args.context_length,
         }
 
+    def get_load(self) -> dict[str, int]:
+        """What SGLang's /get_load reports for one data-parallel rank: running and waiting
+        requests, and the KV slots the running requests hold (`num_tokens`)."""
+        s = self.scheduler
+        return {"dp_rank": 0, "num_reqs": len(s.running) + len(s.waiting),
+                "num_waiting_reqs": len(s.waiting),
+                "num_tokens": s.kv_pool_info()["used_slots"]}
+
     @property
     def num_queued_requests(self) -> int:
         return len(self.scheduler.waiting) + self._core.num_pending_commands
