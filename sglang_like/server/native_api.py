@@ -93,7 +93,12 @@ def choice_params(params: dict[str, Any], choice: int) -> dict[str, Any]:
     return out
 
 
-@router.get("/get_model_info", openapi_extra=operation(ok=json_content({"type": "object"})))
+_MODEL_INFO = operation(ok=json_content({"type": "object"}))
+
+
+# sglang-router asks /model_info first and falls back to SGLang's older /get_model_info
+@router.get("/get_model_info", openapi_extra=_MODEL_INFO)
+@router.get("/model_info", openapi_extra=_MODEL_INFO)
 async def get_model_info(request: Request) -> Response:
     state = get_state(request)
     return json_response(
@@ -121,6 +126,15 @@ async def get_server_info(request: Request) -> Response:
     info.update(state.engine.get_server_info())
     info.pop("api_key", None)
     return json_response(info)
+
+
+@router.get("/get_load", openapi_extra=operation(
+    ok=json_content({"type": "array", "items": {"$ref": "#/components/schemas/Load"}})
+))
+async def get_load(request: Request) -> Response:
+    """SGLang's shape: one entry per data-parallel rank (this server has one); sglang-router's
+    power_of_two policy and its own /get_loads read it."""
+    return json_response([get_state(request).engine.get_load()])
 
 
 @router.get("/health", openapi_extra=operation(ok_description="Healthy", errors=(503,)))

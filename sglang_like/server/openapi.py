@@ -180,6 +180,16 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "num_queued_reqs": _INT,
         },
     },
+    "Load": {
+        "type": "object",
+        "required": ["dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"],
+        "properties": {
+            "dp_rank": _INT,
+            "num_reqs": {**_INT, "description": "running plus waiting requests"},
+            "num_waiting_reqs": _INT,
+            "num_tokens": {**_INT, "description": "KV slots the running requests hold"},
+        },
+    },
 }
 
 

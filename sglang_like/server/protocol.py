@@ -59,6 +59,15 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: StrictInt | list[StrictInt] | None = documented(None, minimum=0, maximum=100)
     return_text_in_logprobs: StrictBool = False
     rid: str | list[str] | None = None
+    # What sglang-router adds when it re-serializes a body: accepted and ignored (this server
+    # has no hidden-state, byte or entropy outputs, and logs nothing per request).
+    model: str | None = Field(None, description="ignored (sglang-router sends null)")
+    log_metrics: StrictBool = Field(True, description="ignored")
+    no_logs: StrictBool = Field(False, description="ignored")
+    background: StrictBool = Field(False, description="ignored")
+    return_hidden_states: StrictBool = Field(False, description="ignored: not supported")
+    return_bytes: StrictBool = Field(False, description="ignored: not supported")
+    return_entropy: StrictBool = Field(False, description="ignored: not supported")
 
     @property
     def is_batch(self) -> bool:
@@ -203,6 +212,8 @@ class _OpenAISampling(BaseModel):
     json_schema: dict[str, Any] | str | None = None
     ebnf: str | None = None
     response_format: ResponseFormat | None = None
+    # sglang-router sends it (false) on every OpenAI body
+    return_hidden_states: StrictBool = Field(False, description="ignored: not supported")
 
     def check_common(self) -> None:
         if not 1 <= self.n <= _OPENAI_MAX_N:
@@ -358,6 +369,9 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     continue_final_message: StrictBool = False
+    # sglang-router sends these on every chat body; this server has no reasoning parser
+    separate_reasoning: StrictBool = Field(True, description="ignored")
+    stream_reasoning: StrictBool = Field(True, description="ignored")
 
     @property
     def requested_max_tokens(self) -> int | None:

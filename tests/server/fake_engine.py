@@ -72,6 +72,10 @@ class FakeEngine:
             "context_length": self.server_args.context_length,
         }
 
+    def get_load(self) -> dict[str, int]:
+        return {"dp_rank": 0, "num_reqs": self._num_running + self._num_waiting,
+                "num_waiting_reqs": self._num_waiting, "num_tokens": self.used_slots}
+
     def flush_cache(self) -> bool:
         if self.used_slots:
             return False
