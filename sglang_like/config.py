@@ -91,6 +91,9 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_max_bfs_breadth: int = 1  # continuations a tree may branch into
     speculative_auto_disable: bool = True  # turn off per request/batch where it does not pay
+    # The engine core (scheduler, model runner) runs in a process of its own; True: on a thread
+    # of the caller's process instead (tests that look inside the scheduler; debugging)
+    engine_in_process: bool = False
     # Server
     host: str = "127.0.0.1"
     port: int = 30000

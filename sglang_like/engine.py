@@ -1,81 +1,87 @@
-"""Engine: the runtime in this process — tokenize, queue, run the scheduler loop, stream results."""
+"""Engine: the user's handle on the runtime — tokenize, validate, submit, stream results.
+
+The scheduler and the model run in an engine-core process of their own (SGLang's shape; see
+sglang_like.engine_core), so a program's own threads, tokenizing and an HTTP server never take
+the GIL from the decode loop. `engine_in_process=True` runs the same core on a thread instead.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
-import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from sglang_like.config import ServerArgs
-from sglang_like.cpu_runtime import release_openmp_threads, trim_heap
+from sglang_like.engine_core.messages import GenerateReqInput
 from sglang_like.engine_io import RequestHandle, prepare_inputs
-from sglang_like.engine_loop import EngineLoop
-from sglang_like.engine_setup import build_engine_parts
-from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_GRAMMAR_WAIT_S = 60.0
-
 
 class Engine:
-    """An LLM engine in this process. `generate` / `async_generate` / `chat` are thread-safe;
-    one background thread runs the scheduler loop and owns every request's state."""
+    """An LLM engine. `generate` / `async_generate` / `chat` are thread-safe; the engine core
+    (scheduler, model runner) runs in its own process, or on one thread of this process with
+    `engine_in_process=True`, and owns every request's state."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         server_args = kwargs.pop("server_args", None) or ServerArgs(model_path=model_path, **kwargs)
         t0 = time.perf_counter()
-        # Every torch op of the engine (load, forward, sampling) runs on the loop thread: a
-        # second thread with its own OpenMP team oversubscribes the cores, and GNU OpenMP
-        # then stops spinning between parallel regions (each matmul pays a wake-up; measured
-        # 2x slower decode on 2 cores). The caller's own team, if it made one, is let go.
-        release_openmp_threads()
-        ready: queue.Queue[BaseException | None] = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._main, args=(server_args, ready),
-                                        name="sglang-like-scheduler", daemon=True)
-        self._thread.start()
-        error = ready.get()
-        if error is not None:
-            self._thread.join()
-            raise error
+        self._closed = False
+        if server_args.engine_in_process:
+            from sglang_like.engine_core.local import ThreadCoreClient
+
+            self._client: Any = ThreadCoreClient(server_args)
+        else:
+            from sglang_like.engine_core.client import ProcessCoreClient
+
+            self._client = ProcessCoreClient(server_args)
+        info = self._client.info
+        self.server_args, self.model_config = info.server_args, info.model_config
+        self.device, self.dtype = info.device, info.dtype
+        self.eos_token_ids = info.eos_token_ids
+        self.tokenizer = self._client.tokenizer
+        self._lock = threading.Lock()
+        _live_engines.add(self)
         logger.info(
             "loaded %s (%s, %d layers) on %s/%s, weights %s (%.0f MB) in %.1fs; KV pool %d "
-            "slots (%s), context %d",
+            "slots (%s), context %d; engine core %s",
             self.model_config.model_path or "model", self.model_config.architecture,
-            self.model_config.num_hidden_layers, self.device, self.server_args.dtype,
-            self.server_args.quantization, self.runner.model.weight_bytes() / 1e6,
+            self.model_config.num_hidden_layers, self.device, self.dtype,
+            self.server_args.quantization, info.weight_bytes / 1e6,
             time.perf_counter() - t0, self.server_args.max_total_tokens,
             self.server_args.kv_cache_dtype, self.server_args.context_length,
+            "in this process" if server_args.engine_in_process
+            else f"in process {self._client.proc.pid}",
         )
 
-    def _main(self, server_args: ServerArgs, ready: queue.Queue) -> None:
-        """The loop thread: build the model and scheduler here, then serve."""
-        try:
-            self._build(server_args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by __init__ in the caller
-            ready.put(exc)
-            return
-        trim_heap()  # the loader's temporaries
-        ready.put(None)
-        self._core.run()
+    # ---- the core, for tests and tools that look inside (engine_in_process=True only) ------
+    @property
+    def scheduler(self) -> Any:
+        return self._local_core().scheduler
 
-    def _build(self, server_args: ServerArgs) -> None:
-        parts = build_engine_parts(server_args)
-        self.server_args, self.device, self.dtype = parts.server_args, parts.device, parts.dtype
-        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
-        self.runner, self.scheduler = parts.runner, parts.scheduler
-        self.eos_token_ids = parts.eos_token_ids
-        self._grammar_backend: Any = None
-        self._grammar_lock = threading.Lock()
-        self._core = EngineLoop(self.tokenizer, self.server_args.watchdog_timeout)
-        self._core.scheduler = self.scheduler
-        self._closed = False
+    @property
+    def runner(self) -> Any:
+        return self._local_core().runner
+
+    def _local_core(self) -> Any:
+        core = getattr(self._client, "core", None)
+        if core is None:
+            raise AttributeError("the scheduler and model runner live in the engine process; "
+                                 "build the Engine with engine_in_process=True to reach them")
+        return core
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine-core process's pid (None when the core runs in this process)."""
+        proc = getattr(self._client, "proc", None)
+        return None if proc is None else proc.pid
 
     # ---- public API ------------------------------------------------------------------------
     def generate(
@@ -93,11 +99,10 @@ class Engine:
         """Generate for one prompt (a dict), a list (a list of dicts), or stream increments."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
                                          logprob_start_len, top_logprobs_num, stream, rid)
-        self._attach_grammars_sync(reqs, is_batch)
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
-            return self._stream_sync(handles[0])
-        results = [h.wait_final() for h in handles]
+            return self._stream_sync(handles[0], is_batch)
+        results = [_raise_bad_input(h.wait_final(), is_batch) for h in handles]
         return results if is_batch else results[0]
 
     async def async_generate(
@@ -115,13 +120,12 @@ class Engine:
         """The asyncio form of `generate`; with stream=True, an async iterator of increments."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
                                          logprob_start_len, top_logprobs_num, stream, rid)
-        await self._attach_grammars_async(reqs, is_batch)
         loop = asyncio.get_running_loop()
         handles = [self._submit(r, return_text_in_logprobs, loop) for r in reqs]
         if stream:
-            return self._stream_async(handles[0])
+            return self._stream_async(handles[0], is_batch)
         try:
-            results = [await h.async_final() for h in handles]
+            results = [_raise_bad_input(await h.async_final(), is_batch) for h in handles]
         except asyncio.CancelledError:
             for h in handles:
                 self.abort(h.rid)
@@ -142,62 +146,43 @@ class Engine:
     def abort(self, rid: str) -> None:
         """End a request now (queued or running), and the ones derived from its rid: the
         samples of n > 1 (`rid-0`, `rid-1`, ...) and the items of a batch given one rid."""
-        self._core.put_command("abort", rid)
+        self._client.abort(rid)
 
     def abort_all(self) -> None:
         """End every queued and running request (each caller gets an abort, "aborted")."""
-        self._core.put_command("abort_all")
+        self._client.abort(None)
 
     def check_health(self) -> str | None:
-        """None while the engine serves; otherwise why not: its loop died or was stopped, or
-        one scheduler step has run past `watchdog_timeout` (a stuck forward)."""
-        return self._core.check_health()
+        """None while the engine serves; otherwise why not: its process or loop died or was
+        stopped, or one scheduler step has run past `watchdog_timeout` (a stuck forward)."""
+        return self._client.check_health()
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; False while requests are queued or running."""
-        return self._call_in_loop(self.scheduler.flush_cache)
+        return self._client.call("flush_cache")
 
     def get_server_info(self) -> dict[str, Any]:
-        s = self.scheduler
-        return {
-            **{k: v for k, v in vars(self.server_args).items() if k != "api_key"},
-            "model_path": self.model_config.model_path,
-            "kv_pool": {**s.kv_pool_info(),
-                        "bytes_per_slot": self.runner.kv_pool.bytes_per_slot},
-            "cache_hit_rate": s.cache_hit_rate,
-            "num_running_reqs": len(s.running),
-            "num_queued_reqs": len(s.waiting),
-            "num_prompt_tokens": s.num_prompt_tokens,
-            "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
-            "num_generated_tokens": s.num_generated_tokens,
-            # speculative decoding: how many verify passes committed k tokens
-            "spec_accept_lengths": dict(sorted(s.spec_accept_lengths.items())),
-            # faults injected so far (SGLANG_LIKE_FAULT_INJECT), by site; {} when off
-            "injected_faults": s.faults.stats() if s.faults.enabled else {},
-            "context_length": self.server_args.context_length,
-        }
+        """The resolved server args and the scheduler's live counters (asked of the core)."""
+        return self._client.call("get_server_info")
 
     def get_load(self) -> dict[str, int]:
-        """What SGLang's /get_load reports for one data-parallel rank: running and waiting
-        requests, and the KV slots the running requests hold (`num_tokens`)."""
-        s = self.scheduler
-        return {"dp_rank": 0, "num_reqs": len(s.running) + len(s.waiting),
-                "num_waiting_reqs": len(s.waiting),
-                "num_tokens": s.kv_pool_info()["used_slots"]}
+        """What SGLang's /get_load reports for one data-parallel rank: `num_reqs` (running and
+        waiting), `num_waiting_reqs`, and `num_tokens` (KV slots the running requests hold)."""
+        return self._client.call("get_load")
 
     @property
     def num_queued_requests(self) -> int:
-        return len(self.scheduler.waiting) + self._core.num_pending_commands
+        return self._client.num_queued
 
     def shutdown(self) -> None:
-        """Abort what is in flight and stop the loop thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self._core.put_command("stop")
-        self._thread.join(timeout=30)
-        if self._grammar_backend is not None:
-            self._grammar_backend.shutdown()
+        """Abort what is in flight (each caller gets "server shutting down") and stop the
+        engine core."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _live_engines.discard(self)
+        self._client.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -208,11 +193,11 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     def _make_reqs(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
                    logprob_start_len: int, top_logprobs_num: int, stream: bool,
-                   rid: Any) -> tuple[list[Req], bool]:
+                   rid: Any) -> tuple[list[GenerateReqInput], bool]:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         items, is_batch = prepare_inputs(self.tokenizer, prompt, input_ids, sampling_params, rid)
-        reqs: list[Req] = []
+        reqs: list[GenerateReqInput] = []
         for ids, sp_dict, item_rid in items:
             sp = SamplingParams.from_dict(sp_dict)
             sp.validate(self.model_config.vocab_size)
@@ -220,10 +205,11 @@ class Engine:
             base = item_rid or uuid.uuid4().hex
             for i in range(sp.n):
                 sp_i = sp if sp.n == 1 else sp.replace_for_sample(i)
-                r = Req(base if sp.n == 1 else f"{base}-{i}", list(ids), sp_i,
-                        return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                        top_logprobs_num=top_logprobs_num, stream=stream)
-                reqs.append(r)
+                reqs.append(GenerateReqInput(
+                    base if sp.n == 1 else f"{base}-{i}", list(ids), sp_i.to_dict(),
+                    return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num, stream=bool(stream),
+                    arrival_time=time.perf_counter()))
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
             dup = next(r for r in rids if rids.count(r) > 1)
@@ -253,61 +239,24 @@ class Engine:
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:
             raise ValueError(f"top_logprobs_num must be in [0, 100], got {top_logprobs_num!r}")
 
-    # ---- grammars --------------------------------------------------------------------------
     @property
     def grammar_backend(self) -> Any:
-        with self._grammar_lock:
-            if self._grammar_backend is None:
-                from constrained import GrammarBackend, TokenizerInfo
-
-                info = TokenizerInfo(
-                    vocab=self.tokenizer.token_bytes_list(),
-                    vocab_size=self.model_config.vocab_size,
-                    eos_token_ids=self.eos_token_ids,
-                    special_token_ids=self.tokenizer.special_token_ids,
-                )
-                self._grammar_backend = GrammarBackend(info, self.server_args.grammar_backend)
-            return self._grammar_backend
-
-    def _grammar_future(self, req: Req) -> Any:
-        kind, spec = req.sampling_params.constraint
-        return self.grammar_backend.get_future(kind, spec)
-
-    def _attach_grammars_sync(self, reqs: list[Req], is_batch: bool) -> None:
-        # Ask for every compile first so that the distinct specs of a batch compile in parallel.
-        pending = [(r, self._grammar_future(r)) for r in reqs
-                   if r.sampling_params.constraint is not None]
-        for req, future in pending:
-            self._attach(req, future.result(_GRAMMAR_WAIT_S), is_batch)
-
-    async def _attach_grammars_async(self, reqs: list[Req], is_batch: bool) -> None:
-        pending = [(r, asyncio.wrap_future(self._grammar_future(r))) for r in reqs
-                   if r.sampling_params.constraint is not None]
-        for req, future in pending:
-            self._attach(req, await asyncio.wait_for(future, _GRAMMAR_WAIT_S), is_batch)
-
-    def _attach(self, req: Req, grammar: Any, is_batch: bool) -> None:
-        from constrained import InvalidGrammar
-
-        if isinstance(grammar, InvalidGrammar):
-            if not is_batch:
-                raise ValueError(grammar.message)
-            req.invalid_message = grammar.message  # ends alone inside its batch
-        else:
-            req.grammar = grammar
+        """The constraint backend (xgrammar or outlines) over this model's vocabulary."""
+        return self._client.grammar_backend
 
     # ---- the loop --------------------------------------------------------------------------
-    def _submit(self, req: Req, text_in_logprobs: bool,
+    def _submit(self, req: GenerateReqInput, text_in_logprobs: bool,
                 loop: asyncio.AbstractEventLoop | None) -> RequestHandle:
         handle = RequestHandle(req.rid, req.stream, loop)
-        handle.text_in_logprobs = text_in_logprobs
-        self._core.submit(req, handle)
+        if text_in_logprobs:
+            handle.logprob_tokenizer = self.tokenizer
+        self._client.submit(req, handle)
         return handle
 
-    def _stream_sync(self, handle: RequestHandle) -> Iterator[dict]:
+    def _stream_sync(self, handle: RequestHandle, is_batch: bool) -> Iterator[dict]:
         try:
             while True:
-                chunk = handle.next_sync()
+                chunk = _raise_bad_input(handle.next_sync(), is_batch)
                 yield chunk
                 if chunk["meta_info"]["finish_reason"] is not None:
                     return
@@ -315,10 +264,10 @@ class Engine:
             if not handle.done:
                 self.abort(handle.rid)
 
-    async def _stream_async(self, handle: RequestHandle) -> AsyncIterator[dict]:
+    async def _stream_async(self, handle: RequestHandle, is_batch: bool) -> AsyncIterator[dict]:
         try:
             while True:
-                chunk = await handle.next_async()
+                chunk = _raise_bad_input(await handle.next_async(), is_batch)
                 yield chunk
                 if chunk["meta_info"]["finish_reason"] is not None:
                     return
@@ -326,10 +275,24 @@ class Engine:
             if not handle.done:
                 self.abort(handle.rid)
 
-    def _call_in_loop(self, fn: Any) -> Any:
-        done: queue.Queue = queue.Queue(maxsize=1)
-        self._core.put_command("call", (fn, done))
-        ok, value = done.get()
-        if not ok:
-            raise value
-        return value
+
+def _raise_bad_input(out: dict, is_batch: bool) -> dict:
+    """A single request that the core refused as bad input (an invalid grammar) is a
+    ValueError, as every other bad input is; inside a batch it ends alone, as an abort."""
+    reason = out["meta_info"]["finish_reason"]
+    if not is_batch and reason is not None and reason.get("status_code") == 400:
+        raise ValueError(reason.get("message") or "bad request")
+    return out
+
+
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    """A program that ends without `shutdown()` still stops its engine processes cleanly."""
+    for engine in list(_live_engines):
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            logger.debug("engine shutdown at exit failed", exc_info=True)

@@ -11,21 +11,25 @@ from sglang_like.req import Req
 
 
 class RequestHandle:
-    """Where the loop thread puts a request's outputs; read by a sync or an asyncio caller."""
+    """Where a request's outputs arrive (from the loop thread, or from the thread that receives
+    the engine process's messages); read by a sync or an asyncio caller."""
 
     def __init__(self, rid: str, stream: bool, loop: asyncio.AbstractEventLoop | None) -> None:
         self.rid = rid
         self.stream = stream
         self.loop = loop
-        self.text_in_logprobs = False
+        self.text_in_logprobs = False  # the loop leaves logprob texts to this side, see below
+        self.logprob_tokenizer: Any = None  # set: logprob entries get their token's text here
         self.done = False
         self._sync_q: queue.Queue[dict] | None = None if loop else queue.Queue()
         self._async_q: asyncio.Queue[dict] | None = asyncio.Queue() if loop else None
 
     def put(self, out: dict) -> None:
-        """Called by the loop thread only."""
+        """Called by one thread only (the loop, or the engine client's receiver)."""
         if out["meta_info"]["finish_reason"] is not None:
             self.done = True
+        if self.logprob_tokenizer is not None:
+            add_logprob_text(out["meta_info"], self.logprob_tokenizer)
         if self._sync_q is not None:
             self._sync_q.put(out)
             return
@@ -128,6 +132,21 @@ def _lp_entries(entries: list[tuple[float | None, int]], tokenizer: Any,
 
 def _top_entries(rows: list, tokenizer: Any, with_text: bool) -> list:
     return [None if row is None else _lp_entries(row, tokenizer, with_text) for row in rows]
+
+
+_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
+_TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
+
+
+def add_logprob_text(meta: dict[str, Any], tokenizer: Any) -> None:
+    """Fill the text of each [logprob, token_id, text] entry (built without it)."""
+    for key in _LOGPROB_KEYS:
+        for entry in meta.get(key) or ():
+            entry[2] = tokenizer.decode([entry[1]])
+    for key in _TOP_KEYS:
+        for row in meta.get(key) or ():
+            for entry in row or ():
+                entry[2] = tokenizer.decode([entry[1]])
 
 
 def build_output(req: Req, tokenizer: Any, text_in_logprobs: bool, incremental: bool) -> dict:

@@ -15,6 +15,7 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sglang_like.cpu_runtime import trim_heap
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "server shutting down"
+GRAMMAR_WAIT_S = 60.0  # a constraint that has not compiled by then ends its request
 _DERIVED_RID = re.compile(r"(?:-\d+)+")
 
 
@@ -44,14 +46,37 @@ def _error_output(rid: str, message: str) -> dict:
         "e2e_latency": 0.0, "queue_time": 0.0}}
 
 
+class LoopHooks:
+    """What the loop tells its host besides answering handles (the engine-core process sends
+    the outputs of an iteration as one message and publishes its load; see process.py)."""
+
+    def step_started(self, t: float | None) -> None:
+        """A scheduler step begins (perf_counter time) or ends (None)."""
+
+    def iteration_done(self, loop: EngineLoop) -> None:
+        """One pass of the loop (commands, then maybe a step) is over."""
+
+
 class EngineLoop:
     """Runs on the engine's loop thread; `submit`, `put_command` and `check_health` are the
-    only calls other threads make."""
+    only calls other threads make.
 
-    def __init__(self, tokenizer: Any, watchdog_timeout: float) -> None:
+    A constrained request is compiled here, off the caller's path: it waits (aborts reach it)
+    until its grammar is ready, then joins the scheduler; an invalid grammar ends it with an
+    abort whose finish reason carries `status_code: 400` (the Engine raises that as a
+    ValueError for a single request).
+    """
+
+    def __init__(self, tokenizer: Any, watchdog_timeout: float,
+                 grammar_backend: Callable[[], Any] | None = None,
+                 hooks: LoopHooks | None = None) -> None:
         self.tokenizer = tokenizer
         self.watchdog_timeout = watchdog_timeout
         self.scheduler: Scheduler | None = None  # set once the model is built
+        self._grammar_backend = grammar_backend
+        self.hooks = hooks or LoopHooks()
+        # requests waiting for their grammar: rid -> (req, future, deadline)
+        self._compiling: dict[str, tuple[Req, Any, float]] = {}
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()  # guards _closed_message against submit
@@ -82,7 +107,7 @@ class EngineLoop:
 
     @property
     def num_pending_commands(self) -> int:
-        return self._inbox.qsize()
+        return self._inbox.qsize() + len(self._compiling)
 
     def check_health(self) -> str | None:
         """None while the loop serves; else why not (dead, stopped, or a step stuck)."""
@@ -113,9 +138,10 @@ class EngineLoop:
     def _serve(self) -> None:
         sched = self.scheduler
         assert sched is not None
+        hooks = self.hooks
         while True:
             try:
-                commands = [self._inbox.get(timeout=None if not sched.has_work else 0)]
+                commands = [self._inbox.get(timeout=self._wait_timeout())]
             except queue.Empty:
                 commands = []
             while True:
@@ -127,15 +153,29 @@ class EngineLoop:
                 if name == "stop":
                     return  # _close answers the rest
                 self._command(name, arg)
-            if not sched.has_work:
-                continue
-            self._step_started = time.perf_counter()
-            touched = sched.step()  # ends its own batch on a fault; never raises for one
-            self._step_started = None
-            for req in touched:
-                self._deliver(req)
-            if not sched.has_work:  # going idle: hand back what the batch's temporaries took
-                trim_heap()
+            if self._compiling:
+                self._poll_grammars()
+            if sched.has_work:
+                self._step_started = time.perf_counter()
+                hooks.step_started(self._step_started)
+                touched = sched.step()  # ends its own batch on a fault; never raises for one
+                self._step_started = None
+                hooks.step_started(None)
+                for req in touched:
+                    self._deliver(req)
+                if not sched.has_work:  # going idle: hand back the batch's temporaries
+                    trim_heap()
+            hooks.iteration_done(self)
+
+    def _wait_timeout(self) -> float | None:
+        """How long the inbox may block: not at all with work to do; until the first grammar
+        deadline while constraints compile (a finished compile wakes the loop itself)."""
+        if self.scheduler.has_work:
+            return 0
+        if self._compiling:
+            first = min(deadline for _, _, deadline in self._compiling.values())
+            return max(first - time.perf_counter(), 0.0)
+        return None
 
     def _command(self, name: str, arg: Any) -> None:
         try:
@@ -144,8 +184,10 @@ class EngineLoop:
             elif name == "abort":
                 self._abort(arg)
             elif name == "abort_all":
-                for req in self.scheduler.abort_all("aborted"):
+                for req in self._end_compiling("aborted") + self.scheduler.abort_all("aborted"):
                     self._deliver(req)
+            elif name == "grammar_ready":
+                pass  # a wake-up: _serve polls the compiles after the commands
             elif name == "call":
                 fn, done = arg
                 try:
@@ -166,14 +208,61 @@ class EngineLoop:
         if req.invalid_message is not None:
             req.finish(FinishReason("abort", message=req.invalid_message))
             self.scheduler._finished_outside_step.append(req)
+        elif (req.grammar is None and req.sampling_params.constraint is not None
+              and self._grammar_backend is not None):
+            kind, spec = req.sampling_params.constraint
+            future = self._grammar_backend().get_future(kind, spec)
+            self._compiling[req.rid] = (req, future, time.perf_counter() + GRAMMAR_WAIT_S)
+            future.add_done_callback(lambda _: self._inbox.put(("grammar_ready", None)))
         else:
             self.scheduler.add_request(req)
+
+    def _poll_grammars(self) -> None:
+        """Hand the requests whose grammar is ready (or late, or invalid) on."""
+        from constrained import InvalidGrammar
+
+        now = time.perf_counter()
+        for rid, (req, future, deadline) in list(self._compiling.items()):
+            if not future.done() and now < deadline:
+                continue
+            del self._compiling[rid]
+            try:
+                grammar = future.result(timeout=0)
+            except Exception as exc:  # noqa: BLE001 - a late or crashed compile: this request
+                message = ("the constraint did not compile within "
+                           f"{GRAMMAR_WAIT_S:g} s") if not future.done() else (
+                    internal_error_message(exc))
+                req.finish(FinishReason("abort", message=message))
+                self.scheduler._finished_outside_step.append(req)
+                continue
+            if isinstance(grammar, InvalidGrammar):
+                req.finish(FinishReason("abort", message=grammar.message, status_code=400))
+                self.scheduler._finished_outside_step.append(req)
+            else:
+                req.grammar = grammar
+                self.scheduler.add_request(req)
+
+    def _end_compiling(self, message: str) -> list[Req]:
+        ended = []
+        for req, future, _ in self._compiling.values():
+            future.cancel()
+            req.finish(FinishReason("abort", message=message))
+            ended.append(req)
+        self._compiling.clear()
+        return ended
 
     def _abort(self, rid: str) -> None:
         """Abort `rid` and the requests derived from it (n > 1 samples, batch items)."""
         targets = [r for r in self._handles if r == rid or is_derived_rid(r, rid)]
         for target in targets:
-            self.scheduler.abort(target)
+            compiling = self._compiling.pop(target, None)
+            if compiling is not None:
+                req = compiling[0]
+                compiling[1].cancel()
+                req.finish(FinishReason("abort", message="aborted"))
+                self.scheduler._finished_outside_step.append(req)
+            else:
+                self.scheduler.abort(target)
 
     def _fail(self, req: Req, message: str) -> None:
         """End one request whose handling raised: free what it holds, answer its caller."""
@@ -210,6 +299,7 @@ class EngineLoop:
         with self._lock:
             self._closed_message = message
         self._step_started = None
+        ended_early = self._end_compiling(message)
         while True:
             try:
                 name, arg = self._inbox.get_nowait()
@@ -233,10 +323,15 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - a broken scheduler: the handles still answer
                 logger.exception("aborting the scheduler's requests failed")
                 ended = []
-            for req in ended:
+            for req in ended_early + ended:
                 self._safe_deliver(req)
         for rid in list(self._handles):
             self._answer(rid, _error_output(rid, message))
+        if sched is not None:
+            try:
+                self.hooks.iteration_done(self)  # the last answers go out
+            except Exception:  # noqa: BLE001
+                logger.exception("sending the last answers failed")
 
     def _safe_deliver(self, req: Req) -> None:
         try:

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/health answers 503 while one scheduler step has run this many "
                         "seconds (a stuck forward)")
     add_speculative_arguments(p, d)
+    p.add_argument("--engine-in-process", action="store_true", default=d.engine_in_process,
+                   help="run the scheduler and model on a thread of the HTTP process instead "
+                        "of an engine process of their own (the shape before; for debugging)")
     p.add_argument("--log-level", default=d.log_level, choices=_LOG_LEVELS)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before being aborted")

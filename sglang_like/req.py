@@ -20,12 +20,15 @@ class FinishReason:
     matched: str | int | None = None
     length: int | None = None
     message: str | None = None
+    status_code: int | None = None  # an abort for bad input: 400 (SGLang's field)
 
     def to_dict(self) -> dict[str, Any]:
         if self.type == "stop":
             return {"type": "stop", "matched": self.matched}
         if self.type == "length":
             return {"type": "length", "length": self.length}
+        if self.status_code is not None:
+            return {"type": "abort", "message": self.message, "status_code": self.status_code}
         return {"type": "abort", "message": self.message}
 
 

@@ -25,6 +25,9 @@ def make_engine():
 
     def factory(**kwargs):
         kwargs.setdefault("max_total_tokens", 16384)
+        # the core on a thread of this process: the tests look inside the scheduler and share
+        # the weights loaded once (test_engine_process.py covers the engine process)
+        kwargs.setdefault("engine_in_process", True)
         e = engine_mod.Engine(**kwargs)
         engines.append(e)
         return e

@@ -132,7 +132,8 @@ def built(request, tmp_path_factory, tokenizer_json: tuple[str, int]):
     # throwaway folders go around it.
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(setup_mod, "load_model", load_model)
-        engine = Engine(model_path=str(folder), max_total_tokens=4096, quantization="none")
+        engine = Engine(model_path=str(folder), max_total_tokens=4096, quantization="none",
+                        engine_in_process=True)
     yield Built(case, str(folder), hf_model, hf_tokenizer, engine)
     engine.shutdown()
 
@@ -316,7 +317,7 @@ def test_quantized_folder_tracks_transformers(built: Built, quantization: str) -
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(setup_mod, "load_model", load_model)
         engine = Engine(model_path=built.path, max_total_tokens=4096,
-                        quantization=quantization)
+                        quantization=quantization, engine_in_process=True)
     try:
         method = engine.runner.model.model.layers[0].mlp.down_proj.method
         assert type(method).__name__ == {"int8": "Int8Method", "int4": "Int4Method"}[quantization]

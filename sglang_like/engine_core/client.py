@@ -1,0 +1,297 @@
+"""ProcessCoreClient: the Engine's side of an engine core running in its own process.
+
+It spawns `python -m sglang_like.engine_core`, sends it requests, and routes the outputs that
+come back to each request's handle on a receiver thread. That thread also watches the process
+(a pidfd): if the core dies, every request in flight ends at once with an internal-error abort,
+`check_health` says why, and later requests are answered with the same error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from sglang_like.config import ServerArgs
+from sglang_like.engine_core import messages as m
+from sglang_like.engine_core.core import CoreInfo
+from sglang_like.engine_core.process import STATS_SIZE
+from sglang_like.engine_io import RequestHandle
+from sglang_like.engine_loop import SHUTDOWN_MESSAGE, _error_output
+
+logger = logging.getLogger(__name__)
+
+_READY_TIMEOUT_S = 900.0  # loading a big checkpoint from a slow disk
+_STOP_TIMEOUT_S = 30.0
+_RPC_TIMEOUT_S = 120.0
+_BUILTIN_ERRORS = {e.__name__: e for e in (ValueError, FileNotFoundError, TypeError,
+                                           NotImplementedError, MemoryError, OSError)}
+
+
+class EngineProcessError(RuntimeError):
+    """The engine-core process could not start, or died."""
+
+
+class ProcessCoreClient:
+    def __init__(self, server_args: ServerArgs) -> None:
+        self._dir = tempfile.mkdtemp(prefix="sglang_like-core-")
+        self._ctx = zmq.Context()
+        self._send_sock = self._ctx.socket(zmq.PUSH)
+        self._send_sock.setsockopt(zmq.LINGER, 0)
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._send_sock.bind(in_addr)
+        self._recv_sock = self._ctx.socket(zmq.PULL)
+        self._recv_sock.setsockopt(zmq.LINGER, 0)
+        self._recv_sock.bind(out_addr)
+        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
+        self._lock = threading.Lock()  # guards _handles, _calls and _dead against each other
+        self._handles: dict[str, RequestHandle] = {}
+        self._calls: dict[int, list] = {}  # call_id -> [event, reply]
+        self._call_ids = itertools.count()
+        self._dead: str | None = None  # once set: the abort message of every later request
+        self._stopping = False
+        stats_path = os.path.join(self._dir, "stats")
+        with open(stats_path, "wb") as f:
+            f.write(b"\0" * STATS_SIZE)
+        with open(stats_path, "r+b") as f:
+            self._stats = mmap.mmap(f.fileno(), STATS_SIZE)
+        args_path = os.path.join(self._dir, "args.pkl")
+        with open(args_path, "wb") as f:
+            pickle.dump({"server_args": server_args, "in_addr": in_addr, "out_addr": out_addr,
+                         "stats_path": stats_path, "parent_pid": os.getpid()}, f)
+        self.watchdog_timeout = server_args.watchdog_timeout
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_like.engine_core", args_path],
+            stdin=subprocess.DEVNULL, env=_child_env(),
+        )
+        try:
+            # the tokenizer loads here while the core loads the model
+            self.tokenizer = _load_tokenizer(server_args)
+            self.info: CoreInfo = self._wait_ready()
+        except BaseException:
+            self._kill()
+            self._cleanup()
+            raise
+        self._grammar_backend: Any = None
+        self._receiver = threading.Thread(target=self._receive, name="sglang-like-core-client",
+                                          daemon=True)
+        self._receiver.start()
+
+    # ---- start-up --------------------------------------------------------------------------
+    def _wait_ready(self) -> CoreInfo:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while True:
+            if self._recv_sock.poll(200):
+                (msg,) = m.decode_out(self._recv_sock.recv())
+                assert isinstance(msg, m.Ready), msg
+                if msg.error_type:
+                    self.proc.wait(timeout=30)
+                    raise _BUILTIN_ERRORS.get(msg.error_type, EngineProcessError)(msg.error)
+                return pickle.loads(msg.info)
+            code = self.proc.poll()
+            if code is not None:
+                raise EngineProcessError(
+                    f"the engine process exited with code {code} while loading the model")
+            if time.monotonic() > deadline:
+                raise EngineProcessError(f"the engine process was not ready after "
+                                         f"{_READY_TIMEOUT_S:g} s")
+
+    # ---- calls from any thread --------------------------------------------------------------
+    def submit(self, msg: m.GenerateReqInput, handle: RequestHandle) -> None:
+        with self._lock:
+            message = self._dead
+            if message is None and msg.rid in self._handles:
+                message = f"rid {msg.rid!r} is already in use"
+            if message is None:
+                self._handles[msg.rid] = handle
+        if message is not None:
+            handle.put(_error_output(msg.rid, message))
+            return
+        self._send(msg)
+
+    def abort(self, rid: str | None) -> None:
+        if self._dead is None:
+            self._send(m.AbortReq(rid))
+
+    def call(self, method: str) -> Any:
+        """Run an EngineCore RPC method on the loop; raises if the core is gone or fails."""
+        call_id = next(self._call_ids)
+        slot = [threading.Event(), None]
+        with self._lock:
+            if self._dead is not None:
+                raise EngineProcessError(self._dead)
+            self._calls[call_id] = slot
+        self._send(m.RpcReq(call_id, method))
+        if not slot[0].wait(_RPC_TIMEOUT_S):
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise TimeoutError(f"the engine did not answer {method} in {_RPC_TIMEOUT_S:g} s")
+        reply = slot[1]
+        if isinstance(reply, str):
+            raise EngineProcessError(reply)
+        if not reply.ok:
+            raise EngineProcessError(f"{method} failed in the engine: {reply.error}")
+        return reply.value
+
+    def check_health(self) -> str | None:
+        if self._dead is not None:
+            return self._dead.removeprefix("internal error: ")
+        started = struct.unpack_from("<d", self._stats, 0)[0]
+        if started:
+            elapsed = time.perf_counter() - started
+            if elapsed > self.watchdog_timeout:
+                return (f"a scheduler step has run for {elapsed:.0f} s (watchdog timeout "
+                        f"{self.watchdog_timeout:g} s)")
+        return None
+
+    @property
+    def num_queued(self) -> int:
+        return struct.unpack_from("<q", self._stats, 16)[0]
+
+    @property
+    def grammar_backend(self) -> Any:
+        """A backend of this process's own, for callers that inspect constraints (`supports`,
+        `compile`); the requests' grammars are compiled in the engine process."""
+        with self._lock:
+            if self._grammar_backend is None:
+                from sglang_like.engine_core.core import build_grammar_backend
+
+                self._grammar_backend = build_grammar_backend(
+                    self.tokenizer, self.info.model_config.vocab_size, self.info.eos_token_ids,
+                    self.info.server_args.grammar_backend)
+            return self._grammar_backend
+
+    def shutdown(self) -> None:
+        """Stop the core (it answers what is in flight), wait for it, clean up."""
+        self._stopping = True
+        if self.proc.poll() is None:
+            try:
+                self._send(m.StopReq())
+                self.proc.wait(timeout=_STOP_TIMEOUT_S)
+            except (subprocess.TimeoutExpired, zmq.ZMQError):
+                logger.warning("the engine process did not stop in %g s; killing it",
+                               _STOP_TIMEOUT_S)
+                self._kill()
+        self._receiver.join(timeout=10)
+        self._mark_dead(SHUTDOWN_MESSAGE)
+        if self._grammar_backend is not None:
+            self._grammar_backend.shutdown()
+        self._cleanup()
+
+    # ---- the receiver thread ----------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        data = m.encode(msg)
+        with self._send_lock:
+            self._send_sock.send(data, copy=False)
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._recv_sock, zmq.POLLIN)
+        pidfd = _pidfd(self.proc.pid)
+        if pidfd is not None:
+            poller.register(pidfd, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(None if pidfd is not None else 500))
+                if self._recv_sock in events:
+                    self._dispatch(self._recv_sock.recv())
+                    continue
+                if pidfd is None and self.proc.poll() is None:
+                    continue
+                if pidfd is not None and pidfd not in events:
+                    continue
+                # the process ended: take what it sent before, then answer the rest
+                while self._recv_sock.poll(0):
+                    self._dispatch(self._recv_sock.recv())
+                code = self.proc.wait()
+                if self._stopping and code == 0:
+                    self._mark_dead(SHUTDOWN_MESSAGE)
+                else:
+                    logger.error("the engine process exited with code %s", code)
+                    self._mark_dead(f"internal error: the engine process exited with code {code}")
+                return
+        except Exception as exc:  # noqa: BLE001 - nobody would route outputs any more
+            logger.exception("the engine client's receiver failed")
+            self._mark_dead(f"internal error: the engine client failed: {exc}")
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def _dispatch(self, data: bytes) -> None:
+        for msg in m.decode_out(data):
+            if isinstance(msg, m.ReqOutput):
+                final = msg.out["meta_info"]["finish_reason"] is not None
+                with self._lock:
+                    handle = (self._handles.pop(msg.rid, None) if final
+                              else self._handles.get(msg.rid))
+                if handle is not None:
+                    handle.put(msg.out)
+            elif isinstance(msg, m.RpcReply):
+                with self._lock:
+                    slot = self._calls.pop(msg.call_id, None)
+                if slot is not None:
+                    slot[1] = msg
+                    slot[0].set()
+
+    def _mark_dead(self, message: str) -> None:
+        """From now on every request gets `message`; those in flight get it now."""
+        with self._lock:
+            if self._dead is None:
+                self._dead = message
+            message = self._dead
+            handles, self._handles = self._handles, {}
+            calls, self._calls = self._calls, {}
+        for rid, handle in handles.items():
+            if not handle.done:
+                handle.put(_error_output(rid, message))
+        for slot in calls.values():
+            slot[1] = message
+            slot[0].set()
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _cleanup(self) -> None:
+        for sock in (self._send_sock, self._recv_sock):
+            sock.close(linger=0)
+        self._ctx.term()
+        self._stats.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _load_tokenizer(server_args: ServerArgs) -> Any:
+    from sglang_like.model_loader import load_tokenizer
+
+    return load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: poll the process instead
+        return None
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports this very package, wherever it was imported from here."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env

@@ -1,0 +1,83 @@
+"""The messages between an Engine and its engine-core process, as msgspec structs.
+
+Requests go in one PUSH/PULL pipe, one message per frame; outputs come back the other way,
+several per frame (everything one loop iteration produced). Output dicts are the engine's own
+result dicts (`engine_io.build_output`): plain lists, numbers and strings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):
+    """One request, tokenized and validated by the Engine (n > 1 arrives as n of these)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    # the caller's time.perf_counter() at submission (CLOCK_MONOTONIC: shared by processes)
+    arrival_time: float = 0.0
+
+
+class AbortReq(msgspec.Struct, tag="abort", frozen=True):
+    """Abort `rid` and the rids derived from it; `rid=None` aborts everything."""
+
+    rid: str | None
+
+
+class RpcReq(msgspec.Struct, tag="rpc", frozen=True):
+    """Call one of EngineCore.RPC_METHODS on the loop thread; answered by an RpcReply."""
+
+    call_id: int
+    method: str
+
+
+class StopReq(msgspec.Struct, tag="stop", frozen=True):
+    """Abort what is in flight (answering everyone) and exit."""
+
+
+class ReqOutput(msgspec.Struct, tag="output", frozen=True):
+    rid: str
+    out: dict[str, Any]
+
+
+class RpcReply(msgspec.Struct, tag="rpc_reply", frozen=True):
+    call_id: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    """The core's first message: what it loaded (pickled CoreInfo), or why it could not."""
+
+    info: bytes = b""
+    error_type: str = ""
+    error: str = ""
+
+
+InMessage = GenerateReqInput | AbortReq | RpcReq | StopReq
+OutMessage = ReqOutput | RpcReply | Ready
+
+_encoder = msgspec.msgpack.Encoder()
+_in_decoder = msgspec.msgpack.Decoder(InMessage)
+_out_decoder = msgspec.msgpack.Decoder(list[OutMessage])
+
+
+def encode(msg: InMessage | list[OutMessage]) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_in(data: bytes) -> InMessage:
+    return _in_decoder.decode(data)
+
+
+def decode_out(data: bytes) -> list[OutMessage]:
+    return _out_decoder.decode(data)

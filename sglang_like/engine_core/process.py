@@ -1,0 +1,187 @@
+"""The engine-core process: `python -m sglang_like.engine_core ARGS_FILE` (started by
+ProcessCoreClient, never by hand).
+
+Its main thread builds the model and runs the loop (every torch op on one thread, see
+ThreadCoreClient); a receiver thread turns incoming messages into the loop's commands. Each
+loop iteration sends everything it produced as one frame, and publishes the load and the
+running step's start time in a small shared file the client reads without asking (admission,
+/health's watchdog). If the parent goes away the core stops by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import pickle
+import signal
+import struct
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from sglang_like.engine_core import messages as m
+from sglang_like.engine_core.core import EngineCore, make_req
+from sglang_like.engine_loop import LoopHooks
+
+logger = logging.getLogger("sglang_like.engine_core")
+
+# the shared stats file: step start (perf_counter, 0 = no step), running, waiting, KV slots used
+STATS_FORMAT = "<dqqq"
+STATS_SIZE = struct.calcsize(STATS_FORMAT)
+_PARENT_POLL_MS = 500
+
+
+class RemoteHandle:
+    """The loop's handle of a request whose caller is in the other process."""
+
+    def __init__(self, rid: str, outbox: Outbox, stream: bool) -> None:
+        self.rid = rid
+        self.stream = stream
+        self.text_in_logprobs = False  # the Engine adds the text on its side
+        self.done = False
+        self._outbox = outbox
+
+    def put(self, out: dict) -> None:
+        if out["meta_info"]["finish_reason"] is not None:
+            self.done = True
+        self._outbox.add(m.ReqOutput(self.rid, out))
+
+
+class RpcAnswer:
+    """Stands for the reply queue of a `call` command (`put((ok, value))`)."""
+
+    def __init__(self, call_id: int, outbox: Outbox) -> None:
+        self.call_id = call_id
+        self._outbox = outbox
+
+    def put(self, result: tuple[bool, Any]) -> None:
+        ok, value = result
+        if ok:
+            self._outbox.add(m.RpcReply(self.call_id, True, value))
+        else:
+            self._outbox.add(m.RpcReply(self.call_id, False,
+                                        error=f"{type(value).__name__}: {value}"))
+
+
+class Outbox(LoopHooks):
+    """Collects the loop's messages and sends them once per iteration; keeps the stats file."""
+
+    def __init__(self, sock: zmq.Socket, stats: mmap.mmap) -> None:
+        self._sock = sock
+        self._stats = stats
+        self._lock = threading.Lock()  # the receiver thread answers too, once the loop closed
+        self._pending: list[Any] = []
+        self._running = self._waiting = self._tokens = 0
+
+    def add(self, msg: Any) -> None:
+        with self._lock:
+            self._pending.append(msg)
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            if pending:
+                self._sock.send(m.encode(pending), copy=False)
+
+    def step_started(self, t: float | None) -> None:
+        struct.pack_into("<d", self._stats, 0, t or 0.0)
+
+    def iteration_done(self, loop: Any) -> None:
+        self.flush()
+        scheduler = loop.scheduler
+        running = len(scheduler.running)
+        waiting = len(scheduler.waiting) + loop.num_pending_commands
+        tokens = scheduler.kv_pool_info()["used_slots"] if running else 0
+        if (running, waiting, tokens) != (self._running, self._waiting, self._tokens):
+            self._running, self._waiting, self._tokens = running, waiting, tokens
+            struct.pack_into("<qqq", self._stats, 8, running, waiting, tokens)
+
+
+def _receive(core: EngineCore, sock: zmq.Socket, outbox: Outbox, parent_pid: int) -> None:
+    """The receiver thread: messages in -> loop commands; stops the loop if the parent died."""
+    loop = core.loop
+    while True:
+        if not sock.poll(_PARENT_POLL_MS):
+            if os.getppid() != parent_pid:
+                logger.warning("the engine's parent process is gone; stopping")
+                loop.put_command("stop")
+                return
+            continue
+        msg = m.decode_in(sock.recv())
+        if isinstance(msg, m.GenerateReqInput):
+            try:
+                req = make_req(msg)
+            except Exception as exc:  # noqa: BLE001 - a message the Engine should not send
+                logger.exception("bad request message %s", msg.rid)
+                outbox.add(m.ReqOutput(msg.rid, _bad_message(msg.rid, exc)))
+                outbox.flush()
+                continue
+            loop.submit(req, RemoteHandle(msg.rid, outbox, msg.stream))
+        elif isinstance(msg, m.AbortReq):
+            if msg.rid is None:
+                loop.put_command("abort_all")
+            else:
+                loop.put_command("abort", msg.rid)
+        elif isinstance(msg, m.RpcReq):
+            if msg.method in EngineCore.RPC_METHODS:
+                loop.put_command("call", (getattr(core, msg.method), RpcAnswer(msg.call_id,
+                                                                               outbox)))
+            else:
+                outbox.add(m.RpcReply(msg.call_id, False, error=f"no method {msg.method!r}"))
+                outbox.flush()
+        elif isinstance(msg, m.StopReq):
+            loop.put_command("stop")
+            return
+
+
+def _bad_message(rid: str, exc: Exception) -> dict:
+    from sglang_like.engine_loop import _error_output
+
+    return _error_output(rid, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def main(args_path: str) -> int:
+    with open(args_path, "rb") as f:
+        spec = pickle.load(f)
+    server_args = spec["server_args"]
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    # Ctrl-C reaches the whole process group: the parent decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(spec["in_addr"])
+    out = ctx.socket(zmq.PUSH)
+    out.connect(spec["out_addr"])
+    with open(spec["stats_path"], "r+b") as f:
+        stats = mmap.mmap(f.fileno(), STATS_SIZE)
+    outbox = Outbox(out, stats)
+    t0 = time.perf_counter()
+    try:
+        core = EngineCore(server_args, hooks=outbox)
+    except BaseException as exc:  # noqa: BLE001 - told to the Engine, which raises it
+        logger.debug("engine build failed", exc_info=True)
+        out.send(m.encode([m.Ready(error_type=type(exc).__name__,
+                                   error=str(exc) or traceback.format_exc())]))
+        inbox.close(linger=0)
+        out.close(linger=5000)  # delivers the message first
+        return 1
+    from sglang_like.cpu_runtime import trim_heap
+
+    trim_heap()  # the loader's temporaries
+    out.send(m.encode([m.Ready(info=pickle.dumps(core.info))]))
+    logger.debug("engine core ready in %.1fs (pid %d)", time.perf_counter() - t0, os.getpid())
+    receiver = threading.Thread(target=_receive, args=(core, inbox, outbox, spec["parent_pid"]),
+                                name="sglang-like-core-receiver", daemon=True)
+    receiver.start()
+    core.loop.run()  # returns on "stop", or when the loop died (everyone answered either way)
+    outbox.flush()
+    core.shutdown_grammars()
+    out.close(linger=5000)
+    return 1 if core.loop.error is not None else 0
+

@@ -1,0 +1,191 @@
+"""The engine core in its own process (the default): the same answers as in-process, and every
+caller answered when that process dies, stops, or loses its parent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from sglang_like.engine import Engine
+
+from .test_engine_api import _wait_idle
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colors: red,"]
+
+
+@pytest.fixture(scope="module")
+def proc_engine() -> Any:
+    engine = Engine(max_total_tokens=16384)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def thread_engine(make_engine: Any) -> Any:
+    return make_engine(max_total_tokens=16384)
+
+
+def _message(out: dict) -> str | None:
+    return out["meta_info"]["finish_reason"].get("message")
+
+
+def test_the_core_runs_in_a_child_process(proc_engine: Any) -> None:
+    pid = proc_engine.engine_pid
+    assert pid is not None and pid != os.getpid()
+    assert psutil.Process(pid).ppid() == os.getpid()
+    assert proc_engine.get_server_info()["engine_pid"] == pid
+    with pytest.raises(AttributeError, match="engine_in_process=True"):
+        proc_engine.scheduler  # noqa: B018 - the scheduler is in the other process
+
+
+def test_same_answers_as_in_process(proc_engine: Any, thread_engine: Any) -> None:
+    kw = dict(return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True)
+    a = proc_engine.generate(PROMPTS, GREEDY, **kw)
+    b = thread_engine.generate(PROMPTS, GREEDY, **kw)
+    for x, y in zip(a, b, strict=True):
+        assert x["text"] == y["text"] and x["output_ids"] == y["output_ids"]
+        mx, my = x["meta_info"], y["meta_info"]
+        assert [e[1:] for e in mx["output_token_logprobs"]] == [
+            e[1:] for e in my["output_token_logprobs"]]
+        assert all(isinstance(e[2], str) for e in mx["output_token_logprobs"])
+        assert mx["output_token_logprobs"][0][0] == pytest.approx(
+            my["output_token_logprobs"][0][0], abs=1e-4)
+        assert [e[1] for e in mx["input_token_logprobs"]] == [
+            e[1] for e in my["input_token_logprobs"]]
+    # streamed: the deltas add up to the same text and ids
+    chunks = list(proc_engine.generate(PROMPTS[0], GREEDY, stream=True))
+    assert chunks[-1]["meta_info"]["finish_reason"] is not None
+    assert "".join(c["text"] for c in chunks) == b[0]["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == b[0]["output_ids"]
+    # n > 1 with a seed, constrained decoding
+    sampled = {"temperature": 0.8, "max_new_tokens": 6, "n": 2, "seed": 7, "regex": "[a-z ]+"}
+    assert ([o["output_ids"] for o in proc_engine.generate(PROMPTS[1], sampled)]
+            == [o["output_ids"] for o in thread_engine.generate(PROMPTS[1], sampled)])
+
+
+def test_async_generate_and_streams(proc_engine: Any) -> None:
+    async def run() -> tuple[dict, str]:
+        out = await proc_engine.async_generate(PROMPTS[2], GREEDY)
+        it = await proc_engine.async_generate(PROMPTS[2], GREEDY, stream=True)
+        return out, "".join([c["text"] async for c in it])
+
+    out, text = asyncio.run(run())
+    assert text == out["text"] and out["meta_info"]["completion_tokens"] == 12
+
+
+def test_bad_grammar_is_a_value_error_alone_and_an_abort_in_a_batch(proc_engine: Any) -> None:
+    with pytest.raises(ValueError, match="regex"):
+        proc_engine.generate("x", {"regex": "[0-9", "max_new_tokens": 4})
+    with pytest.raises(ValueError, match="regex"):
+        list(proc_engine.generate("x", {"regex": "[0-9", "max_new_tokens": 4}, stream=True))
+    outs = proc_engine.generate(["x", "y"], [{"regex": "[0-9", "max_new_tokens": 4},
+                                             {"regex": "[0-9]+", "max_new_tokens": 4}])
+    assert outs[0]["meta_info"]["finish_reason"]["status_code"] == 400
+    assert outs[1]["text"].isdigit()
+    assert _wait_idle(proc_engine)["kv_pool"]["used_slots"] == 0
+
+
+def test_abort_load_and_health_across_the_boundary(proc_engine: Any) -> None:
+    result: dict[str, Any] = {}
+    long = {"max_new_tokens": 2000, "ignore_eos": True}
+    t = threading.Thread(target=lambda: result.update(
+        out=proc_engine.generate(PROMPTS[0], long, rid="long-one")))
+    t.start()
+    deadline = time.monotonic() + 30
+    while proc_engine.get_load()["num_reqs"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    load = proc_engine.get_load()
+    assert load["num_reqs"] == 1 and load["num_tokens"] > 0 and load["dp_rank"] == 0
+    assert proc_engine.check_health() is None
+    assert not proc_engine.flush_cache()  # refused while a request runs
+    proc_engine.abort("long-one")
+    t.join(30)
+    assert _message(result["out"]) == "aborted"
+    info = _wait_idle(proc_engine)
+    assert info["kv_pool"]["used_slots"] == 0 and proc_engine.num_queued_requests == 0
+    assert proc_engine.flush_cache()
+    assert proc_engine.get_server_info()["kv_pool"]["cached_slots"] == 0
+
+
+def test_a_killed_core_answers_everyone_and_health_says_why() -> None:
+    engine = Engine(max_total_tokens=8192)
+    outs: list[dict] = []
+    long = {"max_new_tokens": 4000, "ignore_eos": True}
+    threads = [threading.Thread(target=lambda: outs.append(engine.generate("Hi", long)))
+               for _ in range(3)]
+    stream = engine.generate("Hello", long, stream=True)
+    first = next(stream)
+    assert first["meta_info"]["finish_reason"] is None
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    os.kill(engine.engine_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), "a caller was left waiting for a dead engine"
+    last = list(stream)[-1]
+    assert time.monotonic() - t0 < 5
+    for out in [*outs, last]:
+        assert _message(out) == "internal error: the engine process exited with code -9"
+    assert engine.check_health() == "the engine process exited with code -9"
+    late = engine.generate("Hi", {"max_new_tokens": 2})  # answered at once, not hung
+    assert _message(late).startswith("internal error: the engine process exited")
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        engine.get_server_info()
+    engine.shutdown()
+
+
+def test_shutdown_answers_in_flight_requests_and_the_process_exits() -> None:
+    engine = Engine(max_total_tokens=8192)
+    pid = engine.engine_pid
+    outs: list[dict] = []
+    t = threading.Thread(target=lambda: outs.append(
+        engine.generate("Hi", {"max_new_tokens": 4000, "ignore_eos": True})))
+    t.start()
+    while engine.get_load()["num_reqs"] == 0:
+        time.sleep(0.02)
+    engine.shutdown()
+    t.join(10)
+    assert _message(outs[0]) == "server shutting down"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate("Hi")
+
+
+def test_the_core_stops_when_its_parent_dies_without_shutdown(tmp_path: Any) -> None:
+    script = textwrap.dedent("""
+        import os, sys
+        from sglang_like.engine import Engine
+        e = Engine(max_total_tokens=4096)
+        print(e.engine_pid, flush=True)
+        os._exit(0)  # no shutdown, no atexit
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=180, check=True)
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the orphaned engine process kept running"
+        time.sleep(0.1)
+
+
+def test_a_load_error_is_raised_with_its_type_and_leaves_no_process(tmp_path: Any) -> None:
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(ValueError, match="neither a .gguf file"):
+        Engine(model_path=str(tmp_path / "missing"))
+    assert {p.pid for p in psutil.Process().children() if p.status() != "zombie"} <= before
