@@ -71,9 +71,11 @@ def exactly_one_of(a: str, b: str) -> dict[str, Any]:
     return {"oneOf": [only(a, b), only(b, a)]}
 
 
-def sampling_params_schema(ignored: tuple[str, ...], unsupported: tuple[str, ...]) -> dict:
+def sampling_params_schema(ignored: tuple[str, ...], unsupported: tuple[str, ...],
+                           aliases: dict[str, str] | None = None) -> dict:
     """`sampling_params` as the server checks it: SamplingParams' fields with their ranges,
-    each nullable (null: the default), `ignored` keys taken, `unsupported` ones only unset."""
+    each nullable (null: the default), `ignored` keys taken, `unsupported` ones only unset,
+    each `aliases` key another name for the field it maps to."""
     props = TypeAdapter(SamplingParams).json_schema()["properties"]
     for name, prop in props.items():
         kinds = [k for k in prop.pop("anyOf", [prop]) if k != {"type": "null"}]
@@ -87,6 +89,8 @@ def sampling_params_schema(ignored: tuple[str, ...], unsupported: tuple[str, ...
             kinds[0] = {**kinds[0], **SAMPLING_RANGES.get(name, {})}
         props[name] = {"title": prop.get("title", name), "default": prop.get("default"),
                        "anyOf": [*kinds, {"type": "null"}]}
+    for alias, name in (aliases or {}).items():
+        props[alias] = {**props[name], "title": alias, "description": f"another name for {name}"}
     for key in ignored:
         props[key] = {"description": "accepted and ignored"}
     for key in unsupported:

@@ -32,7 +32,9 @@ from sglang_like.server.json_schemas import (
 # Keys SGLang's own client sends in sampling_params that this runtime has no use for.
 _IGNORED_SAMPLING_KEYS = ("spaces_between_special_tokens",)
 # Keys it sends that we accept only when unset.
-_UNSUPPORTED_SAMPLING_KEYS = ("stop_regex", "logit_bias", "custom_params", "sampling_seed")
+_UNSUPPORTED_SAMPLING_KEYS = ("stop_regex", "logit_bias", "custom_params")
+# SGLang's names for our fields; sglang-router passes `sampling_seed` on and drops `seed`.
+_SAMPLING_ALIASES = {"sampling_seed": "seed"}
 _OPENAI_MAX_N = 16
 _M = TypeVar("_M", bound=BaseModel)
 _OPENAI_MAX_TOP_LOGPROBS = 20
@@ -41,7 +43,7 @@ _OPENAI_MAX_TOP_LOGPROBS = 20
 # ---- native /generate ---------------------------------------------------------------------
 # Validation stays a plain dict (clean_sampling_params checks it); the schema documents it.
 _SamplingDict = Annotated[dict[str, Any], WithJsonSchema(
-    sampling_params_schema(_IGNORED_SAMPLING_KEYS, _UNSUPPORTED_SAMPLING_KEYS)
+    sampling_params_schema(_IGNORED_SAMPLING_KEYS, _UNSUPPORTED_SAMPLING_KEYS, _SAMPLING_ALIASES)
 )]
 
 
@@ -130,6 +132,13 @@ def clean_sampling_params(params: dict[str, Any] | None) -> dict[str, Any]:
     for key in _UNSUPPORTED_SAMPLING_KEYS:
         if params.pop(key, None) not in (None, [], {}, ""):
             raise ApiError(400, f"sampling parameter {key!r} is not supported by this server")
+    for alias, name in _SAMPLING_ALIASES.items():
+        value = params.pop(alias, None)
+        if value is None:
+            continue
+        if params.get(name) is not None and params[name] != value:
+            raise ApiError(400, f"{alias} ({value!r}) and {name} ({params[name]!r}) differ")
+        params[name] = value
     if isinstance(params.get("stop"), list) and not params["stop"]:
         params["stop"] = None
     if isinstance(params.get("stop_token_ids"), list) and not params["stop_token_ids"]:

@@ -53,6 +53,20 @@ def test_router_generate_body_same_answer(fake_server: Any) -> None:
     assert {**first, "rid": None} == {**second, "rid": None}
 
 
+def test_sampling_seed_is_seed(fake_server: Any) -> None:
+    """The router drops `seed` from sampling_params but passes SGLang's `sampling_seed`."""
+    url = fake_server.url + "/generate"
+    for params in ({"sampling_seed": 7}, {"sampling_seed": 7, "seed": 7}):
+        r = _post(url, {"text": "a", "sampling_params": {"max_new_tokens": 1, **params}})
+        assert r.status_code == 200, r.text
+        assert fake_server.engine.calls[-1]["sampling_params"] == {"max_new_tokens": 1,
+                                                                   "seed": 7}
+    r = _post(url, {"text": "a", "sampling_params": {"sampling_seed": 7, "seed": 8}})
+    assert r.status_code == 400 and "sampling_seed" in r.json()["error"]["message"]
+    r = _post(url, {"text": "a", "sampling_params": {"sampling_seed": "x"}})
+    assert r.status_code == 400, r.text
+
+
 def test_router_generate_stream_and_input_ids_batch(fake_server: Any) -> None:
     url = fake_server.url + "/generate"
     stream = {"text": "hello", "sampling_params": {"max_new_tokens": 2},
