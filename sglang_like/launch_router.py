@@ -30,6 +30,13 @@ _POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 # replicas are checked often, so a dead one is routed around within seconds.
 _ROUTER_HEALTH_ARGS = ("--health-check-interval-secs", "3", "--health-failure-threshold", "2",
                        "--worker-startup-check-interval", "1")
+# `python -m sglang_router.launch_router`, less 8 s: that module imports its Python mini load
+# balancer, which imports the whole `sglang` package (when installed, as SGLang's frontend is
+# in our test extra) for optional tracing. The Rust router needs none of it; an entry of None
+# in sys.modules makes that import fail at once, and the router falls back as without sglang.
+_ROUTER_MAIN = ("import runpy, sys; sys.modules['sglang'] = None; "
+                "runpy.run_module('sglang_router.launch_router', run_name='__main__', "
+                "alter_sys=True)")
 _POLL_S = 0.25
 _KILL_GRACE_S = 30.0  # beyond --shutdown-timeout, before stragglers are SIGKILLed
 _TAIL_LINES = 8  # of a dead child's output, repeated in the report of its exit
@@ -91,7 +98,7 @@ def router_command(ns: argparse.Namespace, worker_urls: list[str], prometheus_po
                    api_key: str | None) -> list[str]:
     """The real router on ns.host:ns.port; its metrics listener on loopback (its default is
     0.0.0.0:29000, which a second router on the host would collide with)."""
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", ns.host,
+    cmd = [sys.executable, "-c", _ROUTER_MAIN, "--host", ns.host,
            "--port", str(ns.port), "--worker-urls", *worker_urls, "--policy", ns.policy,
            *_ROUTER_HEALTH_ARGS, "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(prometheus_port), "--log-level", ns.router_log_level,
