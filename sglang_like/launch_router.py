@@ -109,10 +109,22 @@ def router_command(ns: argparse.Namespace, worker_urls: list[str], prometheus_po
     return cmd + shlex.split(ns.router_args)
 
 
-def start_child(name: str, url: str, cmd: list[str]) -> Child:
+def replica_env(dp_size: int) -> dict[str, str]:
+    """The replicas share the host's cores: each gets its share as torch threads, unless
+    OMP_NUM_THREADS is set (two replicas of 2 threads each on 2 cores spin against each other)."""
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env:
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, num_cores // dp_size))
+    return env
+
+
+def start_child(name: str, url: str, cmd: list[str],
+                env: dict[str, str] | None = None) -> Child:
     """Start `cmd`; a thread relays its output prefixed with its name and keeps the tail."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
+                            errors="replace", start_new_session=True, env=env)
     child = Child(name, url, proc)
     threading.Thread(target=_relay, args=(child,), daemon=True, name=f"relay-{name}").start()
     return child
@@ -237,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         ports = [free_port() for _ in range(ns.dp_size)]
         replicas = [
             start_child(f"replica {i}", f"http://127.0.0.1:{port}",
-                        replica_command(port, server_argv, ns.shutdown_timeout))
+                        replica_command(port, server_argv, ns.shutdown_timeout),
+                        replica_env(ns.dp_size))
             for i, port in enumerate(ports)
         ]
         children += replicas
