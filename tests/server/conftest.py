@@ -82,14 +82,19 @@ class RealServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def start_real_server(*extra_args: str, api_key: str | None = None) -> RealServer:
-    """`python -m sglang_like.launch_server` on a free loopback port; waits for /health."""
+def start_real_server(*extra_args: str, api_key: str | None = None,
+                      new_session: bool = False) -> RealServer:
+    """`python -m sglang_like.launch_server` on a free loopback port; waits for /health.
+
+    `new_session`: the server leads its own process group, so a test can kill it together
+    with its children (the engine process) by `os.killpg`."""
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
            "--log-level", "warning", *extra_args]
     if api_key:
         cmd += ["--api-key", api_key]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     while True:
