@@ -59,7 +59,10 @@ def _version() -> str:
 
 async def _metrics(request: Request) -> Response:
     state = get_state(request)
-    state.metrics.refresh_gauges(state.engine.get_server_info())
+    try:
+        state.metrics.refresh_gauges(state.engine.get_server_info())
+    except Exception:  # noqa: BLE001 - a dead engine: the counters still tell what happened
+        logger.warning("/metrics without the engine's gauges", exc_info=True)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 

@@ -104,7 +104,9 @@ def runs(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     log = _EditLog()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(constrained, "apply_jump_forward", log)
-        on_engine = Engine(grammar_backend=request.param, max_total_tokens=16384)
+        # in this process: the edit log records the jump-forwards the scheduler applies
+        on_engine = Engine(grammar_backend=request.param, max_total_tokens=16384,
+                           engine_in_process=True)
         on = _run(on_engine, {"greedy": 0.0})
         edits = list(log.edits)
     off_engine = Engine(
