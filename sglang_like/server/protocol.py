@@ -38,6 +38,9 @@ _SAMPLING_ALIASES = {"sampling_seed": "seed"}
 _OPENAI_MAX_N = 16
 _M = TypeVar("_M", bound=BaseModel)
 _OPENAI_MAX_TOP_LOGPROBS = 20
+# any start past the prompt means "no input logprobs"; the bound keeps it a 64-bit int, which
+# is what crosses to the engine process (msgspec refuses wider ints)
+_MAX_LOGPROB_START_LEN = (1 << 63) - 1
 
 
 # ---- native /generate ---------------------------------------------------------------------
@@ -57,7 +60,8 @@ class GenerateRequest(BaseModel):
     sampling_params: _SamplingDict | list[_SamplingDict] | None = None
     stream: StrictBool = False
     return_logprob: StrictBool | list[StrictBool] | None = None
-    logprob_start_len: StrictInt | list[StrictInt] | None = documented(None, minimum=-1)
+    logprob_start_len: StrictInt | list[StrictInt] | None = documented(
+        None, minimum=-1, maximum=_MAX_LOGPROB_START_LEN)
     top_logprobs_num: StrictInt | list[StrictInt] | None = documented(None, minimum=0, maximum=100)
     return_text_in_logprobs: StrictBool = False
     rid: str | list[str] | None = None
@@ -108,8 +112,9 @@ class GenerateRequest(BaseModel):
             sampling = clean_sampling_params(sampling)
         logprob_start_len = _collapse("logprob_start_len", self.logprob_start_len, -1)
         top_logprobs_num = _collapse("top_logprobs_num", self.top_logprobs_num, 0)
-        if logprob_start_len < -1:
-            raise ApiError(400, f"logprob_start_len must be >= -1, got {logprob_start_len}")
+        if not -1 <= logprob_start_len <= _MAX_LOGPROB_START_LEN:
+            raise ApiError(400, f"logprob_start_len must be in [-1, {_MAX_LOGPROB_START_LEN}], "
+                                f"got {logprob_start_len}")
         if not 0 <= top_logprobs_num <= 100:
             raise ApiError(400, f"top_logprobs_num must be in [0, 100], got {top_logprobs_num}")
         return {

@@ -38,6 +38,7 @@ BAD_NATIVE = [
     ("too long", {"text": LONG}, "longer"),
     ("too long stream", {"text": LONG, "stream": True}, "longer"),
     ("bad logprob start", {"text": "a", "logprob_start_len": -5}, "logprob_start_len"),
+    ("huge logprob start", {"text": "a", "logprob_start_len": 1 << 70}, "logprob_start_len"),
 ]
 
 
