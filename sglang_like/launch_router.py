@@ -4,8 +4,9 @@ the real sglang-router (PyPI `sglang-router`) in front of them.
 Options this launcher does not know are each replica's server options (`--model-path`,
 `--max-total-tokens`, ...); `--host` / `--port` are the router's, and every replica gets a free
 port on 127.0.0.1. Replicas start together; once each answers /health the router starts, and
-the launcher prints where it listens. SIGTERM / SIGINT go to every child; the launcher exits
-when they are gone. A child that dies during startup is named and the launcher exits 1.
+the launcher prints where it listens. SIGTERM / SIGINT: every child gets SIGTERM, and the
+launcher exits when they are gone. A child that dies during startup is named, and the
+launcher exits 1.
 """
 
 from __future__ import annotations
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         received[0] = signum
         stop.set()
 
+    # Either signal reaches every child as SIGTERM: the servers treat both alike, and SIGINT
+    # stops the router with a KeyboardInterrupt traceback out of its Python wrapper.
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     children: list[Child] = []
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if children:
             print(f"sglang_like: stopping {len(children)} process(es) "
                   f"({signal.Signals(received[0]).name})", flush=True)
-        stop_all(children, received[0], ns.shutdown_timeout + _KILL_GRACE_S)
+        stop_all(children, signal.SIGTERM, ns.shutdown_timeout + _KILL_GRACE_S)
 
 
 if __name__ == "__main__":
