@@ -147,7 +147,10 @@ def _is_ready(url: str, path: str, headers: dict[str, str], min_workers: int) ->
     if r.status_code != 200:
         return False
     if path == "/workers":  # the router's list; its /readiness logs each early 503 as an error
-        workers = r.json().get("workers") or []
+        try:
+            workers = r.json().get("workers") or []
+        except (ValueError, AttributeError):
+            return False
         return sum(bool(w.get("is_healthy")) for w in workers) >= min_workers
     return True
 
