@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from sglang_like.config import ServerArgs
-from sglang_like.engine_core.messages import GenerateReqInput
+from sglang_like.engine_core.messages import GenerateReqInput, encode
 from sglang_like.engine_io import RequestHandle, prepare_inputs
 from sglang_like.sampling_params import SamplingParams
 
@@ -210,6 +210,11 @@ class Engine:
                     return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, stream=bool(stream),
                     arrival_time=time.perf_counter()))
+        for msg in reqs:  # all or none: a field the wire cannot carry fails before any submit
+            try:
+                encode(msg)
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(f"a request field is out of range: {exc}") from exc
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
             dup = next(r for r in rids if rids.count(r) > 1)

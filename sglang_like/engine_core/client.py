@@ -110,6 +110,10 @@ class ProcessCoreClient:
 
     # ---- calls from any thread --------------------------------------------------------------
     def submit(self, msg: m.GenerateReqInput, handle: RequestHandle) -> None:
+        try:
+            data = m.encode(msg)
+        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits
+            raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
         with self._lock:
             message = self._dead
             if message is None and msg.rid in self._handles:
@@ -119,7 +123,8 @@ class ProcessCoreClient:
         if message is not None:
             handle.put(_error_output(msg.rid, message))
             return
-        self._send(msg)
+        with self._send_lock:
+            self._send_sock.send(data, copy=False)
 
     def abort(self, rid: str | None) -> None:
         if self._dead is None:
