@@ -169,6 +169,11 @@ def test_generate_stream_chat_and_openai_client(cluster: Cluster) -> None:
                                            temperature=0)
     assert completion.choices[0].text and completion.usage.completion_tokens == 4
 
+    # the router's /get_loads reads each worker's /get_load (-1 where it cannot)
+    loads = httpx.get(url + "/get_loads", timeout=10).json()["workers"]
+    assert sorted(load["worker"] for load in loads) == sorted(w.url for w in cluster.workers)
+    assert all(load["load"] >= 0 for load in loads), loads
+
 
 # ---- b. enriched bodies answer as direct ones -------------------------------------------------
 def test_enriched_request_same_answer_as_direct(cluster: Cluster) -> None:
