@@ -229,8 +229,9 @@ def bench_backend(
     row: dict[str, Any] = {}
     for enabled in (False, True):
         _progress(f"{backend}: jump-forward {'on' if enabled else 'off'}")
-        engine = Engine(
-            grammar_backend=backend, max_total_tokens=16384, enable_jump_forward=enabled
+        engine = Engine(  # in this process: the benchmark reads the scheduler's counters
+            grammar_backend=backend, max_total_tokens=16384, enable_jump_forward=enabled,
+            engine_in_process=True,
         )
         try:
             if not step_s:

@@ -70,7 +70,9 @@ def worker(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
     from sglang_like.engine import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(model_path=args.model_path, max_total_tokens=16384, **FORMATS[fmt])
+    # the engine itself, on a thread of this process (it reads the model's byte counts too)
+    engine = Engine(model_path=args.model_path, max_total_tokens=16384, engine_in_process=True,
+                    **FORMATS[fmt])
     load_s = time.perf_counter() - t0
     engine.generate("Warm up.", {"max_new_tokens": 8})
     model = engine.runner.model

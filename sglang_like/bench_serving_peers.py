@@ -102,7 +102,7 @@ def _offline_tpot_ms(quantization: str, args: argparse.Namespace) -> float:
     from sglang_like.bench_offline import _decode_tok_s
     from sglang_like.engine import Engine
 
-    engine = Engine(model_path=args.model_path, quantization=quantization)
+    engine = Engine(model_path=args.model_path, quantization=quantization, engine_in_process=True)
     try:
         engine.generate("Warm up.", {"max_new_tokens": 8})
         return 1e3 / _decode_tok_s(engine, 1, args.output_len)
