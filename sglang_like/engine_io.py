@@ -26,17 +26,28 @@ class RequestHandle:
 
     def put(self, out: dict) -> None:
         """Called by one thread only (the loop, or the engine client's receiver)."""
+        if self.prepare(out):
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._async_q.put_nowait, out)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+    def prepare(self, out: dict) -> bool:
+        """The part of `put` done on the delivering thread; True if `out` was delivered (a
+        sync caller), else the caller's event loop must still run `deliver_in_loop(out)`."""
         if out["meta_info"]["finish_reason"] is not None:
             self.done = True
         if self.logprob_tokenizer is not None:
             add_logprob_text(out["meta_info"], self.logprob_tokenizer)
         if self._sync_q is not None:
             self._sync_q.put(out)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self._async_q.put_nowait, out)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
+            return True
+        return False
+
+    def deliver_in_loop(self, out: dict) -> None:
+        """Runs on the caller's event loop (see `prepare`)."""
+        self._async_q.put_nowait(out)
 
     def next_sync(self) -> dict:
         return self._sync_q.get()

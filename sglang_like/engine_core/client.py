@@ -235,20 +235,28 @@ class ProcessCoreClient:
                 os.close(pidfd)
 
     def _dispatch(self, data: bytes) -> None:
+        # One wake-up per event loop per frame, not one per output: at batch 32 a frame holds
+        # 32 stream chunks, and each call_soon_threadsafe writes the loop's self-pipe.
+        by_loop: dict[Any, list[tuple[RequestHandle, dict]]] = {}
         for msg in m.decode_out(data):
             if isinstance(msg, m.ReqOutput):
                 final = msg.out["meta_info"]["finish_reason"] is not None
                 with self._lock:
                     handle = (self._handles.pop(msg.rid, None) if final
                               else self._handles.get(msg.rid))
-                if handle is not None:
-                    handle.put(msg.out)
+                if handle is not None and not handle.prepare(msg.out):
+                    by_loop.setdefault(handle.loop, []).append((handle, msg.out))
             elif isinstance(msg, m.RpcReply):
                 with self._lock:
                     slot = self._calls.pop(msg.call_id, None)
                 if slot is not None:
                     slot[1] = msg
                     slot[0].set()
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
 
     def _mark_dead(self, message: str) -> None:
         """From now on every request gets `message`; those in flight get it now."""
@@ -279,6 +287,11 @@ class ProcessCoreClient:
         self._ctx.term()
         self._stats.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _deliver_all(items: list[tuple[RequestHandle, dict]]) -> None:
+    for handle, out in items:
+        handle.deliver_in_loop(out)
 
 
 def _load_tokenizer(server_args: ServerArgs) -> Any:
