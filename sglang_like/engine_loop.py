@@ -226,12 +226,14 @@ class EngineLoop:
             if not future.done() and now < deadline:
                 continue
             del self._compiling[rid]
-            try:
-                grammar = future.result(timeout=0)
-            except Exception as exc:  # noqa: BLE001 - a late or crashed compile: this request
-                message = ("the constraint did not compile within "
-                           f"{GRAMMAR_WAIT_S:g} s") if not future.done() else (
-                    internal_error_message(exc))
+            if not future.done():  # left to finish (its result is a fresh grammar: dropped)
+                message = f"the constraint did not compile within {GRAMMAR_WAIT_S:g} s"
+            else:
+                try:
+                    grammar, message = future.result(), None
+                except Exception as exc:  # noqa: BLE001 - a crashed compile: this request only
+                    message = internal_error_message(exc)
+            if message is not None:
                 req.finish(FinishReason("abort", message=message))
                 self.scheduler._finished_outside_step.append(req)
                 continue
@@ -244,8 +246,7 @@ class EngineLoop:
 
     def _end_compiling(self, message: str) -> list[Req]:
         ended = []
-        for req, future, _ in self._compiling.values():
-            future.cancel()
+        for req, _, _ in self._compiling.values():
             req.finish(FinishReason("abort", message=message))
             ended.append(req)
         self._compiling.clear()
@@ -258,7 +259,6 @@ class EngineLoop:
             compiling = self._compiling.pop(target, None)
             if compiling is not None:
                 req = compiling[0]
-                compiling[1].cancel()
                 req.finish(FinishReason("abort", message="aborted"))
                 self.scheduler._finished_outside_step.append(req)
             else:

@@ -325,3 +325,34 @@ def test_jump_forward_window_does_not_depend_on_streaming(engine: Any) -> None:
         cache.req_to_token_pool.free(req.req_pool_idx)
     assert tok.decode(results[False]) == 'jkvn4q"'
     assert results[True] == results[False]
+
+
+# ---- constraints compile on the loop's side ---------------------------------------------------
+class _NeverCompiles:
+    """A grammar backend whose compiles never finish."""
+
+    def get_future(self, kind: str, spec: str) -> Any:
+        from concurrent.futures import Future
+
+        return Future()
+
+
+def test_a_compiling_request_can_be_aborted_and_times_out(
+        engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = engine._client.core.loop
+    monkeypatch.setattr(loop, "_grammar_backend", lambda: _NeverCompiles())
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(a=engine.generate(
+        "x", {"regex": "[0-9]+", "max_new_tokens": 4}, rid="compiling")))
+    t.start()
+    deadline = time.monotonic() + 10
+    while engine.get_load()["num_waiting_reqs"] != 1:  # waiting for its grammar, not running
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.abort("compiling")
+    t.join(10)
+    assert _message(out["a"]) == "aborted"
+    monkeypatch.setattr(engine_loop, "GRAMMAR_WAIT_S", 0.3)
+    late = engine.generate("x", {"regex": "[0-9]+", "max_new_tokens": 4})
+    assert _message(late) == "the constraint did not compile within 0.3 s"
+    _assert_clean(engine)
