@@ -12,14 +12,18 @@ that interleave the setups and the offline engine (this machine's speed drifts b
 differences measured), then concurrency 32 on each. Also printed:
 the offline engine's batch-1 TPOT (the target for one stream through a server) and the router's
 per-request overhead (median latency of one-token requests through the router minus straight
-to one of its replicas, measured back to back).
+to one of its replicas, measured back to back), and one stream read by curl in each round: on
+2 cores the Python client's own CPU per token slows the engine it shares them with, curl's
+does not, so the two figures bracket what a user sees.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,6 +111,21 @@ def _offline_tpot_ms(engine: Any, args: argparse.Namespace) -> float:
     return 1e3 / _decode_tok_s(engine, 1, args.output_len)
 
 
+def _curl_tpot_ms(url: str, num_tokens: int) -> float:
+    """One greedy stream of `num_tokens` read by curl, a client that takes almost no CPU (on 2
+    cores a Python client's own work per token slows the engine it shares them with): the
+    time after the first byte over the tokens after the first."""
+    body = json.dumps({"model": "default", "prompt": "Tell me a long story about dragons.",
+                       "max_tokens": num_tokens, "temperature": 0, "stream": True,
+                       "ignore_eos": True})
+    out = subprocess.run(
+        ["curl", "-s", "-N", "-o", "/dev/null", "-w", "%{time_starttransfer} %{time_total}",
+         "-H", "Content-Type: application/json", "-d", body, url + "/v1/completions"],
+        capture_output=True, text=True, check=True).stdout.split()
+    first, total = map(float, out)
+    return (total - first) / (num_tokens - 1) * 1e3
+
+
 def _drive_one(url: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     one = argparse.Namespace(**{**vars(args), "concurrency": [concurrency]})
     return _drive(url, one)[0]
@@ -158,11 +177,15 @@ def main(argv: list[str] | None = None) -> None:
             s.wait()
         offline_engine.generate("Warm up.", {"max_new_tokens": 8})
         c1: dict[str, list[dict[str, Any]]] = {s.name: [] for s in setups}
+        curl: dict[str, list[float]] = {s.name: [] for s in setups}
+        use_curl = shutil.which("curl") is not None
         offline: list[float] = []
         for _ in tqdm(range(args.rounds), desc="concurrency-1 rounds"):
             offline.append(_offline_tpot_ms(offline_engine, args))
             for s in setups:
                 c1[s.name].append(_drive_one(s.url, 1, args))
+                if use_curl:
+                    curl[s.name].append(_curl_tpot_ms(s.url, 2 * args.output_len))
         offline_engine.shutdown()
         high = {s.name: _drive_one(s.url, args.high_concurrency, args)
                 for s in tqdm(setups, desc=f"concurrency {args.high_concurrency}")}
@@ -175,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         for s in setups:
             if s.proc is not None:
                 _stop(s.proc)
-    _report(args, setups, c1, high, offline, overhead)
+    _report(args, setups, c1, high, offline, overhead, curl)
 
 
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -188,7 +211,8 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _report(args: argparse.Namespace, setups: list[Setup], c1: dict[str, list],
-            high: dict[str, dict], offline: list[float], overhead: dict | None) -> None:
+            high: dict[str, dict], offline: list[float], overhead: dict | None,
+            curl: dict[str, list[float]]) -> None:
     print(f"\nshared-prefix workload (~{args.prefix_words} words shared), {args.output_len} "
           "tokens each, OpenAI /v1/completions streaming, same client for every setup; "
           f"concurrency 1: medians of {args.rounds} interleaved rounds")
@@ -208,6 +232,11 @@ def _report(args: argparse.Namespace, setups: list[Setup], c1: dict[str, list],
         tpots = [r["tpot_p50_ms"] for r in c1[s.name]]
         print(f"  {s.name}: one stream TPOT {statistics.median(tpots) / base - 1:+.0%} vs "
               f"offline (rounds: {', '.join(f'{x:.1f}' for x in tpots)})")
+    for s in setups:
+        if curl[s.name]:
+            print(f"  {s.name}: one stream read by curl, TPOT "
+                  f"{statistics.median(curl[s.name]) / base - 1:+.0%} vs offline (rounds: "
+                  f"{', '.join(f'{x:.1f}' for x in curl[s.name])})")
     first = high[setups[0].name]["output_token_throughput"]
     for s in setups[1:]:
         print(f"  {s.name}: concurrency-{args.high_concurrency} throughput "
