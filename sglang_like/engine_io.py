@@ -18,8 +18,8 @@ class RequestHandle:
         self.rid = rid
         self.stream = stream
         self.loop = loop
-        self.text_in_logprobs = False  # the loop leaves logprob texts to this side, see below
-        self.logprob_tokenizer: Any = None  # set: logprob entries get their token's text here
+        # set: logprob entries get their token's text here (the loop sends them without it)
+        self.logprob_tokenizer: Any = None
         self.done = False
         self._sync_q: queue.Queue[dict] | None = None if loop else queue.Queue()
         self._async_q: asyncio.Queue[dict] | None = asyncio.Queue() if loop else None

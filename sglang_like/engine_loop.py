@@ -38,7 +38,7 @@ def is_derived_rid(rid: str, parent: str) -> bool:
     return rid.startswith(parent) and _DERIVED_RID.fullmatch(rid, len(parent)) is not None
 
 
-def _error_output(rid: str, message: str) -> dict:
+def error_output(rid: str, message: str) -> dict:
     """A final answer built without the request's state (when building the real one failed)."""
     return {"text": "", "output_ids": [], "meta_info": {
         "id": rid, "finish_reason": {"type": "abort", "message": message},
@@ -93,7 +93,7 @@ class EngineLoop:
                 self._inbox.put(("add", (req, handle)))
                 return
         req.finish(FinishReason("abort", message=message))
-        handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
+        handle.put(self._output(req))
 
     def put_command(self, name: str, arg: Any = None) -> None:
         """Queue a command; once the loop has stopped, a `call` fails at once (others drop)."""
@@ -104,6 +104,11 @@ class EngineLoop:
                 return
         if name == "call":
             arg[1].put((False, RuntimeError(message)))
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar before they join the scheduler."""
+        return len(self._compiling)
 
     @property
     def num_pending_commands(self) -> int:
@@ -202,7 +207,7 @@ class EngineLoop:
     def _add(self, req: Req, handle: RequestHandle) -> None:
         if req.rid in self._handles:  # its outputs would go to the other request's caller
             req.finish(FinishReason("abort", message=f"rid {req.rid!r} is already in use"))
-            handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs, req.stream))
+            handle.put(self._output(req))
             return
         self._handles[req.rid] = handle
         if req.invalid_message is not None:
@@ -271,7 +276,12 @@ class EngineLoop:
             self.scheduler.abort(req.rid)  # still queued or running: take it out, free it
         except Exception:  # noqa: BLE001
             logger.exception("could not take %s out of the scheduler", req.rid)
-        self._answer(req.rid, _error_output(req.rid, message))
+        self._answer(req.rid, error_output(req.rid, message))
+
+    def _output(self, req: Req) -> dict:
+        """A request's output as the loop sends it: the whole result, or (streams) what is new;
+        logprob entries without their text, which the caller's handle adds."""
+        return build_output(req, self.tokenizer, False, req.stream)
 
     def _answer(self, rid: str, out: dict) -> None:
         handle = self._handles.pop(rid, None)
@@ -284,8 +294,7 @@ class EngineLoop:
             return
         try:
             if req.stream or req.is_finished:
-                handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs,
-                                        req.stream))
+                handle.put(self._output(req))
         except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer bug: this request only
             logger.exception("building the output of %s failed", req.rid)
             self._fail(req, internal_error_message(exc))
@@ -309,10 +318,9 @@ class EngineLoop:
                 req, handle = arg
                 req.finish(FinishReason("abort", message=message))
                 try:
-                    handle.put(build_output(req, self.tokenizer, handle.text_in_logprobs,
-                                            req.stream))
+                    handle.put(self._output(req))
                 except Exception:  # noqa: BLE001
-                    handle.put(_error_output(req.rid, message))
+                    handle.put(error_output(req.rid, message))
             elif name == "call":
                 arg[1].put((False, RuntimeError(message)))
         sched = self.scheduler
@@ -326,7 +334,7 @@ class EngineLoop:
             for req in ended_early + ended:
                 self._safe_deliver(req)
         for rid in list(self._handles):
-            self._answer(rid, _error_output(rid, message))
+            self._answer(rid, error_output(rid, message))
         if sched is not None:
             try:
                 self.hooks.iteration_done(self)  # the last answers go out

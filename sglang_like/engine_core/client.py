@@ -29,7 +29,7 @@ from sglang_like.engine_core import messages as m
 from sglang_like.engine_core.core import CoreInfo
 from sglang_like.engine_core.process import STATS_SIZE
 from sglang_like.engine_io import RequestHandle
-from sglang_like.engine_loop import SHUTDOWN_MESSAGE, _error_output
+from sglang_like.engine_loop import SHUTDOWN_MESSAGE, error_output
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class ProcessCoreClient:
             if message is None:
                 self._handles[msg.rid] = handle
         if message is not None:
-            handle.put(_error_output(msg.rid, message))
+            handle.put(error_output(msg.rid, message))
             return
         with self._send_lock:
             self._send_sock.send(data, copy=False)
@@ -268,7 +268,7 @@ class ProcessCoreClient:
             calls, self._calls = self._calls, {}
         for rid, handle in handles.items():
             if not handle.done:
-                handle.put(_error_output(rid, message))
+                handle.put(error_output(rid, message))
         for slot in calls.values():
             slot[1] = message
             slot[0].set()

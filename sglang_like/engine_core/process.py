@@ -25,7 +25,8 @@ import zmq
 
 from sglang_like.engine_core import messages as m
 from sglang_like.engine_core.core import EngineCore, make_req
-from sglang_like.engine_loop import LoopHooks
+from sglang_like.engine_loop import LoopHooks, error_output
+from sglang_like.req import internal_error_message
 
 logger = logging.getLogger("sglang_like.engine_core")
 
@@ -41,7 +42,6 @@ class RemoteHandle:
     def __init__(self, rid: str, outbox: Outbox, stream: bool) -> None:
         self.rid = rid
         self.stream = stream
-        self.text_in_logprobs = False  # the Engine adds the text on its side
         self.done = False
         self._outbox = outbox
 
@@ -94,7 +94,9 @@ class Outbox(LoopHooks):
         self.flush()
         scheduler = loop.scheduler
         running = len(scheduler.running)
-        waiting = len(scheduler.waiting) + loop.num_pending_commands
+        # requests only: commands still in the inbox (an RPC, an abort) would be counted after
+        # the loop has gone idle, with no later iteration to correct the figure
+        waiting = len(scheduler.waiting) + loop.num_compiling
         tokens = scheduler.kv_pool_info()["used_slots"] if running else 0
         if (running, waiting, tokens) != (self._running, self._waiting, self._tokens):
             self._running, self._waiting, self._tokens = running, waiting, tokens
@@ -117,7 +119,8 @@ def _receive(core: EngineCore, sock: zmq.Socket, outbox: Outbox, parent_pid: int
                 req = make_req(msg)
             except Exception as exc:  # noqa: BLE001 - a message the Engine should not send
                 logger.exception("bad request message %s", msg.rid)
-                outbox.add(m.ReqOutput(msg.rid, _bad_message(msg.rid, exc)))
+                outbox.add(m.ReqOutput(msg.rid, error_output(msg.rid,
+                                                             internal_error_message(exc))))
                 outbox.flush()
                 continue
             loop.submit(req, RemoteHandle(msg.rid, outbox, msg.stream))
@@ -136,12 +139,6 @@ def _receive(core: EngineCore, sock: zmq.Socket, outbox: Outbox, parent_pid: int
         elif isinstance(msg, m.StopReq):
             loop.put_command("stop")
             return
-
-
-def _bad_message(rid: str, exc: Exception) -> dict:
-    from sglang_like.engine_loop import _error_output
-
-    return _error_output(rid, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def main(args_path: str) -> int:
