@@ -76,7 +76,7 @@ def test_storm_through_the_server(server_launcher: Any, monkeypatch: pytest.Monk
 
 
 def test_openai_answers_an_internal_error_with_a_500() -> None:
-    from sglang_like.server.openai_format import internal_error
+    from sglang_like.server.openai.format import internal_error
 
     def item(reason: dict) -> dict:
         return {"text": "", "meta_info": {"finish_reason": reason}}
