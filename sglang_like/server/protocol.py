@@ -290,9 +290,14 @@ class CompletionRequest(_OpenAISampling):
     prompt: NonEmptyStr | list[NonEmptyStr] | TokenIds | list[TokenIds] = documented(
         ..., minItems=1
     )
-    max_tokens: StrictInt | None = documented(16, minimum=1)
+    max_tokens: StrictInt | None = documented(
+        16, minimum=0, description="0 (with echo): score the prompt only, generate nothing"
+    )
     logprobs: StrictInt | None = documented(None, minimum=0, maximum=_OPENAI_MAX_TOP_LOGPROBS)
-    echo: StrictBool = False
+    echo: StrictBool = documented(
+        False, description="prepend the prompt to the text; with logprobs, the prompt tokens' "
+        "logprobs come first (the first one null)"
+    )
     suffix: str | None = documented(None, maxLength=0, description="not supported")
     best_of: StrictInt | None = None
 
@@ -312,9 +317,17 @@ class CompletionRequest(_OpenAISampling):
                 raise ApiError(400, "prompt must not be empty", "prompt")
         return items
 
+    @property
+    def max_new_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens
+
     def check(self, context_length: int) -> None:
         self.check_common()
-        check_max_tokens(self.max_tokens, "max_tokens", context_length)
+        if self.max_tokens == 0:  # vLLM's scoring request: prefill only, echo the prompt
+            if not self.echo:
+                raise ApiError(400, "max_tokens 0 is only allowed with echo", "max_tokens")
+        else:
+            check_max_tokens(self.max_tokens, "max_tokens", context_length)
         if self.logprobs is not None and not 0 <= self.logprobs <= _OPENAI_MAX_TOP_LOGPROBS:
             raise ApiError(400, f"logprobs must be in [0, {_OPENAI_MAX_TOP_LOGPROBS}]", "logprobs")
         if self.suffix:

@@ -38,9 +38,11 @@ async def completions(request: Request) -> Response:
     for prompt in prompts:
         if isinstance(prompt, list):
             check_prompt_len(state, len(prompt))
-    sampling = req.sampling_dict(req.max_tokens or 16)
+    sampling = req.sampling_dict(req.max_new_tokens)
     want_logprobs = req.logprobs is not None
     base = logprob_kwargs(want_logprobs, req.logprobs or 0)
+    if want_logprobs and req.echo:
+        base["logprob_start_len"] = 0  # the echoed prompt's tokens get logprobs too
     calls = [
         {**_prompt_kwargs(p), **base, "sampling_params": {**sampling, "n": req.n}}
         for p in prompts
@@ -87,14 +89,15 @@ async def _completion_events(
             "model": state.served_model_name}
     last_meta: dict[int, dict[str, Any]] = {}
     offsets = [0] * len(streams)
-    for index in range(len(streams)):
-        echo = echoes[index // req.n]
-        if echo:
-            offsets[index] = len(echo)
-            choice = {"index": index, "text": echo, "logprobs": None, "finish_reason": None}
-            yield sse({**head, "choices": [choice]})
     async for index, chunk in merge_streams(streams):
         meta = chunk.get("meta_info") or {}
+        echo = echoes[index // req.n]
+        if echo and index not in last_meta:
+            # the prompt goes out first, with its logprobs (they come with the first chunk)
+            offsets[index] = len(echo)
+            logprobs = fmt.prompt_logprobs(meta) if want_logprobs else None
+            choice = {"index": index, "text": echo, "logprobs": logprobs, "finish_reason": None}
+            yield sse({**head, "choices": [choice]})
         last_meta[index] = meta
         text = chunk.get("text", "")
         reason = fmt.finish_reason(meta)
@@ -116,10 +119,8 @@ async def _completion_events(
     yield DONE
 
 
-
 def _prompt_kwargs(prompt: str | list[int]) -> dict[str, Any]:
     return {"input_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
-
 
 
 def _echo_text(state: ServerState, prompt: str | list[int]) -> str:

@@ -84,14 +84,22 @@ def _tops(top_list: list[Any] | None, i: int) -> list[Entry]:
 def completion_logprobs(
     entries: list[Entry], tops: list[Any] | None, text_offset: int = 0
 ) -> dict[str, Any]:
-    """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, offsets."""
+    """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, offsets.
+
+    As OpenAI and vLLM do, each top_logprobs dict holds the k most likely tokens and the chosen
+    one (so `logprobs=0` still names it); an entry with no logprob (the first prompt token,
+    which nothing predicts) has None there."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset
     for i, entry in enumerate(entries):
         text = _token_text(entry)
         tokens.append(text)
         token_logprobs.append(entry[0])
-        top_logprobs.append({_token_text(t): t[0] for t in _tops(tops, i)} if tops else None)
+        top: dict[str, float] | None = None
+        if entry[0] is not None:
+            top = {_token_text(t): t[0] for t in _tops(tops, i)}
+            top.setdefault(text, entry[0])
+        top_logprobs.append(top)
         offsets.append(offset)
         offset += len(text)
     return {
@@ -100,6 +108,18 @@ def completion_logprobs(
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(meta_info: dict[str, Any]) -> dict[str, Any]:
+    """The echoed prompt's part of a completion `logprobs` object (offsets from 0)."""
+    return completion_logprobs(
+        meta_info.get("input_token_logprobs") or [], meta_info.get("input_top_logprobs")
+    )
+
+
+def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two completion `logprobs` objects one after the other (the prompt's, then the output's)."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(entries: list[Entry], tops: list[Any] | None) -> dict[str, Any]:
@@ -128,6 +148,8 @@ def chat_logprobs(entries: list[Entry], tops: list[Any] | None) -> dict[str, Any
 def completion_choice(
     index: int, result: dict[str, Any], want_logprobs: bool, echo_text: str = ""
 ) -> dict[str, Any]:
+    """One /v1/completions choice; with `echo_text` (echo=true) its logprobs cover the prompt
+    tokens first (the engine was asked for them from position 0), then the generated ones."""
     meta = result.get("meta_info") or {}
     logprobs = None
     if want_logprobs:
@@ -135,6 +157,8 @@ def completion_choice(
             meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs"),
             len(echo_text),
         )
+        if echo_text:
+            logprobs = join_logprobs(prompt_logprobs(meta), logprobs)
     return {
         "index": index,
         "text": echo_text + result.get("text", ""),
@@ -166,8 +190,10 @@ __all__ = [
     "completion_choice",
     "completion_logprobs",
     "finish_reason",
+    "join_logprobs",
     "merge_usage",
     "new_id",
     "now",
+    "prompt_logprobs",
     "usage",
 ]
