@@ -12,6 +12,9 @@ Public names:
     Runtime             backend on the engine in this process
     OpenAI              backend on any /v1/chat/completions server
     set_default_backend, flush_cache, get_server_info
+    global_config       process-wide settings (its default_backend is set_default_backend's)
+    token_length_normalized, greedy_token_selection, unconditional_likelihood_normalized
+                        select()'s choices_method names, spelled as SGLang exports them
     ProgramState, ProgramStateGroup, SglFunction, TracedProgram, GenParams, ChatTemplate
 """
 
@@ -36,7 +39,14 @@ from frontend_dsl.api import (
     user_end,
 )
 from frontend_dsl.backends import Backend, OpenAI, Runtime, RuntimeEndpoint
+from frontend_dsl.backends.base import TokenUsage
 from frontend_dsl.chat_template import ChatTemplate, template_from_jinja
+from frontend_dsl.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
+from frontend_dsl.global_config import GlobalConfig, global_config
 from frontend_dsl.ir import GenParams
 from frontend_dsl.program import SglFunction
 from frontend_dsl.state import ProgramState, ProgramStateGroup
@@ -46,12 +56,14 @@ __all__ = [
     "Backend",
     "ChatTemplate",
     "GenParams",
+    "GlobalConfig",
     "OpenAI",
     "ProgramState",
     "ProgramStateGroup",
     "Runtime",
     "RuntimeEndpoint",
     "SglFunction",
+    "TokenUsage",
     "TracedProgram",
     "assistant",
     "assistant_begin",
@@ -63,12 +75,16 @@ __all__ = [
     "gen_string",
     "get_default_backend",
     "get_server_info",
+    "global_config",
+    "greedy_token_selection",
     "select",
     "set_default_backend",
     "system",
     "system_begin",
     "system_end",
     "template_from_jinja",
+    "token_length_normalized",
+    "unconditional_likelihood_normalized",
     "user",
     "user_begin",
     "user_end",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from frontend_dsl.global_config import global_config
 from frontend_dsl.ir import (
     CHOICES_METHODS,
     Concat,
@@ -17,23 +18,21 @@ from frontend_dsl.ir import (
     _schema_str,
     to_expr,
 )
-
-_default_backend: Any = None
+from frontend_dsl.speculative import ApiSpeculation
 
 
 def set_default_backend(backend: Any) -> None:
-    """Make `backend` the one programs use when run() gets no backend=."""
-    global _default_backend
-    _default_backend = backend
+    """Make `backend` the one programs use when run() gets no backend= (global_config's)."""
+    global_config.default_backend = backend
 
 
 def get_default_backend() -> Any:
     """The backend set by set_default_backend, or None."""
-    return _default_backend
+    return global_config.default_backend
 
 
 def _backend_or_default(backend: Any) -> Any:
-    backend = backend if backend is not None else _default_backend
+    backend = backend if backend is not None else global_config.default_backend
     if backend is None:
         raise ValueError("no backend: pass backend= or call set_default_backend(...) first")
     return backend
@@ -50,12 +49,19 @@ def get_server_info(backend: Any = None) -> dict:
 
 
 def function(func: Callable | None = None, *, num_api_spec_tokens: int | None = None) -> Any:
-    """Decorate a generation program `def prog(s, ...)`; usable as @function or @function()."""
+    """Decorate a generation program `def prog(s, ...)`; usable as @function or @function().
+
+    `num_api_spec_tokens=N` turns on API speculative execution (see frontend_dsl.speculative):
+    consecutive gens with stop strings are served from one N-token call where the model's
+    text matches the program's.
+    """
     from frontend_dsl.program import SglFunction
 
+    if num_api_spec_tokens is not None:
+        ApiSpeculation(num_api_spec_tokens)  # a bad N is a ValueError at decoration time
     if func is None:
-        return lambda f: SglFunction(f)
-    return SglFunction(func)
+        return lambda f: SglFunction(f, num_api_spec_tokens=num_api_spec_tokens)
+    return SglFunction(func, num_api_spec_tokens=num_api_spec_tokens)
 
 
 def gen(

@@ -87,3 +87,10 @@ def choice_token_logprobs(
         i -= 1
         covered += len(entries[i][2])
     return entries[i:] if i < len(entries) else entries[-1:]
+
+
+# SGLang spells select's choices_method as module-level objects (`sgl.token_length_normalized`);
+# here they are the method names select() accepts.
+token_length_normalized = "token_length_normalized"
+greedy_token_selection = "greedy_token_selection"
+unconditional_likelihood_normalized = "unconditional_likelihood_normalized"

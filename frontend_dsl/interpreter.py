@@ -25,6 +25,7 @@ from frontend_dsl.ir import (
     VarScopeBegin,
     VarScopeEnd,
 )
+from frontend_dsl.speculative import ApiSpeculation, is_speculable
 
 
 class _Join(Expr):
@@ -39,7 +40,7 @@ class StreamExecutor:
 
     def __init__(
         self, backend: Any, default_params: GenParams, chat_template: ChatTemplate,
-        stream: bool = False,
+        stream: bool = False, num_api_spec_tokens: int | None = None,
     ) -> None:
         self.backend = backend
         self.default_params = default_params
@@ -55,9 +56,13 @@ class StreamExecutor:
         self.cur_role_start = 0
         self.var_scope_starts: dict[str, int] = {}
         self.streaming_vars: dict[str, str] = {}  # partial values of gens being streamed
+        self.stream_chunks: dict[str, list[tuple[str, dict]]] = {}  # (delta, meta) per chunk
         self.error_: BaseException | None = None
         self.is_finished = False
         self.children: list[StreamExecutor] = []
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self.spec = None if num_api_spec_tokens is None or getattr(
+            backend, "is_chat_model", False) else ApiSpeculation(num_api_spec_tokens)
         self._cond = threading.Condition()
         self._queue: queue.Queue[Expr | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, daemon=True)
@@ -111,29 +116,42 @@ class StreamExecutor:
 
     def _exec_text(self, expr: Text) -> None:
         self.nodes.append(("text", expr.value))
-        self._append(expr.value)
+        self._fill(expr.value)
 
     def _exec_gen(self, expr: Gen) -> None:
         params = expr.params.merged_with(self.default_params)
         self.nodes.append(("gen", expr.name, params))
-        if self.stream:
+        if self.spec is not None and not self.stream and is_speculable(params):
+            value, meta = self.spec.gen(self.backend, self.text_, params)
+            self._append(value)
+        elif self.stream:
+            if self.spec is not None:
+                self.spec.drop()
             value, meta = "", {}
             if expr.name is not None:
                 self.streaming_vars[expr.name] = ""
+                self.stream_chunks[expr.name] = []
             for delta, chunk_meta in self.backend.generate_stream(self.text_, params):
                 value, meta = value + delta, chunk_meta
                 if expr.name is not None:
                     self.streaming_vars[expr.name] = value
+                    self.stream_chunks[expr.name].append((delta, chunk_meta))
                 self._append(delta)
         else:
+            if self.spec is not None:
+                self.spec.drop()
             value, meta = self.backend.generate(self.text_, params)
             self._append(value)
         if expr.name is not None:
             self._set_var(expr.name, value, meta)
-            self.streaming_vars.pop(expr.name, None)
+            with self._cond:  # readers of the stream see it end now, not at their next poll
+                self.streaming_vars.pop(expr.name, None)
+                self._cond.notify_all()
 
     def _exec_select(self, expr: Select) -> None:
         self.nodes.append(("select", expr.name, list(expr.choices)))
+        if self.spec is not None:
+            self.spec.drop()
         choice, meta = self.backend.select(
             self.text_, expr.choices, expr.temperature, expr.choices_method)
         self._append(choice)
@@ -145,8 +163,8 @@ class StreamExecutor:
             raise ValueError(f"cannot open role {expr.role!r} inside role {self.cur_role!r}")
         self.nodes.append(("role_begin", expr.role))
         if expr.role != "system" and not self.messages_ and self.chat_template.default_system:
-            self._append(self.chat_template.default_system)
-        self._append(self.chat_template.prefix(expr.role))
+            self._fill(self.chat_template.default_system)
+        self._fill(self.chat_template.prefix(expr.role))
         self.cur_role, self.cur_role_start = expr.role, len(self.text_)
 
     def _exec_role_end(self, expr: RoleEnd) -> None:
@@ -154,7 +172,7 @@ class StreamExecutor:
             raise ValueError(f"role_end({expr.role!r}) without a matching role_begin")
         self.nodes.append(("role_end", expr.role))
         content = self.text_[self.cur_role_start:]
-        self._append(self.chat_template.suffix(expr.role))
+        self._fill(self.chat_template.suffix(expr.role))
         self.messages_.append({"role": expr.role, "content": content})
         self.cur_role = None
 
@@ -175,7 +193,7 @@ class StreamExecutor:
         self.nodes.append(("join", expr.mode))
         if expr.mode == "concate_and_append":
             for branch in expr.branches:
-                self._append(branch.text_[branch.fork_start:])
+                self._fill(branch.text_[branch.fork_start:])
             return
         names: list[str] = []
         for branch in expr.branches:
@@ -186,6 +204,12 @@ class StreamExecutor:
             self._set_var(name, values, metas)
 
     # ---- state changes ------------------------------------------------------------------------
+    def _fill(self, text: str) -> None:
+        """Append text the program wrote (not the model): speculation checks it first."""
+        if self.spec is not None:
+            self.spec.fill(text)
+        self._append(text)
+
     def _append(self, text: str) -> None:
         with self._cond:
             self.text_ += text
@@ -219,7 +243,8 @@ class StreamExecutor:
             self.backend.cache_prefix(self.text_)  # the branches then share its KV
         branches = []
         for _ in range(size):
-            b = StreamExecutor(self.backend, self.default_params, self.chat_template, self.stream)
+            b = StreamExecutor(self.backend, self.default_params, self.chat_template, self.stream,
+                               self.num_api_spec_tokens)
             b.text_, b.messages_ = self.text_, list(self.messages_)
             b.variables, b.meta_info = dict(self.variables), dict(self.meta_info)
             b.cur_role, b.cur_role_start = self.cur_role, self.cur_role_start
@@ -253,6 +278,33 @@ class StreamExecutor:
                 self.raise_error()
                 return
 
+    def iter_chunks(self, var_name: str) -> Iterator[tuple[str, dict]]:
+        """Yield (new text, meta_info) of a streamed gen; a chunk with no text (a token still
+        being decoded) is merged into the next one, so every piece yielded has text."""
+        pos, pending = 0, None
+        while True:
+            with self._cond:
+                chunks, done = self._chunk_snapshot(var_name)
+                while len(chunks) == pos and not done:
+                    self._cond.wait(timeout=0.5)
+                    chunks, done = self._chunk_snapshot(var_name)
+                new, pos = chunks[pos:], len(chunks)
+            for delta, meta in new:
+                pending = merge_stream_meta(pending, delta, meta)
+                if pending[0]:
+                    yield pending
+                    pending = None
+            if done:
+                self.raise_error()
+                return
+
+    def _chunk_snapshot(self, var_name: str) -> tuple[list[tuple[str, dict]], bool]:
+        idle = self._queue.unfinished_tasks == 0
+        stopped = self.error_ is not None or (self.is_finished and idle)
+        chunks = self.stream_chunks.get(var_name, [])
+        ended = var_name in self.stream_chunks and var_name not in self.streaming_vars
+        return chunks, stopped or ended
+
     def _snapshot(self, var_name: str | None) -> tuple[str, bool]:
         idle = self._queue.unfinished_tasks == 0
         stopped = self.error_ is not None or (self.is_finished and idle)
@@ -263,6 +315,23 @@ class StreamExecutor:
         if var_name in self.variables:
             return str(self.variables[var_name]), True
         return "", stopped
+
+
+# meta_info keys a stream chunk carries for its own new tokens only (the rest are cumulative)
+INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+
+def merge_stream_meta(pending: tuple[str, dict] | None, delta: str,
+                      meta: dict) -> tuple[str, dict]:
+    """Fold chunk (delta, meta) onto a pending one: texts and incremental lists concatenate,
+    cumulative fields (completion_tokens, ...) come from the later chunk."""
+    if pending is None:
+        return delta, meta
+    merged = dict(meta)
+    for key in INCREMENTAL_META_KEYS:
+        if key in meta or key in pending[1]:
+            merged[key] = list(pending[1].get(key) or []) + list(meta.get(key) or [])
+    return pending[0] + delta, merged
 
 
 StreamExecutor.fork_start = 0

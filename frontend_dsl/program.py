@@ -25,8 +25,10 @@ _RUN_DEFAULT_NAMES = (
 class SglFunction:
     """A generation program `def prog(s, *args)`; call it or `.run()` it to execute."""
 
-    def __init__(self, func: Callable, bind_arguments: dict[str, Any] | None = None) -> None:
+    def __init__(self, func: Callable, bind_arguments: dict[str, Any] | None = None,
+                 num_api_spec_tokens: int | None = None) -> None:
         self.func = func
+        self.num_api_spec_tokens = num_api_spec_tokens
         self.bind_arguments = dict(bind_arguments or {})
         params = list(inspect.signature(func).parameters.values())
         if not params:
@@ -40,7 +42,8 @@ class SglFunction:
         unknown = [k for k in kwargs if k not in self.arg_names]
         if unknown:
             raise ValueError(f"bind: {self.__name__} has no argument(s) {unknown}")
-        return SglFunction(self.func, {**self.bind_arguments, **kwargs})
+        return SglFunction(self.func, {**self.bind_arguments, **kwargs},
+                           self.num_api_spec_tokens)
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)
@@ -144,7 +147,8 @@ def run_program(
 ) -> ProgramState:
     """Execute `program` on a fresh executor; waits for completion unless stream=True."""
     bound = _bind_args(program, args, kwargs)
-    executor = StreamExecutor(backend, defaults, backend.chat_template, stream)
+    executor = StreamExecutor(backend, defaults, backend.chat_template, stream,
+                              program.num_api_spec_tokens)
     state = ProgramState(executor)
     try:
         state.ret_value = program.func(state, **bound)

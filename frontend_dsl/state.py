@@ -81,6 +81,10 @@ class ProgramState:
         self.sync()
         self.stream_executor._set_var(name, value, None)
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        """`s["x"] = value` sets variable `x` (after everything appended so far has run)."""
+        self.set_var(name, value)
+
     def __contains__(self, name: str) -> bool:
         self.sync()
         return name in self.stream_executor.variables
@@ -107,13 +111,26 @@ class ProgramState:
         self.sync()
         return self.stream_executor.error_
 
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """New text as it is generated (of the whole state, or of one variable)."""
-        return self.stream_executor.iter_text(var_name)
+    def text_iter(self, var_name: str | None = None,
+                  return_meta_data: bool = False) -> Iterator[Any]:
+        """New text as it is generated (of the whole state, or of one variable).
 
-    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+        With `return_meta_data=True` (needs `var_name`) it yields `(text, meta_info)` pairs:
+        meta_info is the backend's for that piece, with `output_token_logprobs` of its tokens
+        only. Without streaming, the one pair is the whole value and its meta_info.
+        """
+        if not return_meta_data:
+            return self.stream_executor.iter_text(var_name)
+        if var_name is None:
+            raise ValueError("text_iter: return_meta_data=True needs a var_name")
+        if not self.stream_executor.stream:
+            return iter([(self[var_name], self.get_meta_info(var_name))])
+        return self.stream_executor.iter_chunks(var_name)
+
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_meta_data: bool = False) -> AsyncIterator[Any]:
         """Async form of text_iter; the blocking waits run in a worker thread."""
-        it = self.text_iter(var_name)
+        it = self.text_iter(var_name, return_meta_data)
         while True:
             chunk = await asyncio.to_thread(next, it, _END)
             if chunk is _END:
@@ -125,7 +142,11 @@ class ProgramState:
 
 
 class ProgramStateGroup:
-    """The branches of a fork: index them, `forks += expr` appends to all, `join()` merges."""
+    """The branches of a fork: index them, `forks += expr` appends to all, `join()` merges.
+
+    `forks += [e0, e1, ...]` appends one expression per branch; `forks += lambda i: ...`
+    appends what the function returns for each branch index.
+    """
 
     def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
         self.states = states
@@ -145,6 +166,8 @@ class ProgramStateGroup:
         return iter(self.states)
 
     def __iadd__(self, other: Any) -> ProgramStateGroup:
+        if callable(other):  # forks += lambda i: ...: one expression per branch, by index
+            other = [other(i) for i in range(len(self.states))]
         if isinstance(other, (list, tuple)):
             if len(other) != len(self.states):
                 raise ValueError(f"got {len(other)} expressions for {len(self.states)} branches")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
@@ -11,11 +12,45 @@ from frontend_dsl.choices import choice_token_logprobs, decide
 from frontend_dsl.ir import GenParams
 
 
+class TokenUsage:
+    """Prompt and completion tokens of the gen calls a backend has served (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, meta_info: dict[str, Any]) -> None:
+        with self._lock:
+            self.prompt_tokens += int(meta_info.get("prompt_tokens") or 0)
+            self.completion_tokens += int(meta_info.get("completion_tokens") or 0)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.prompt_tokens = self.completion_tokens = 0
+
+    def __repr__(self) -> str:
+        return f"TokenUsage(prompt_tokens={self.prompt_tokens}, " \
+               f"completion_tokens={self.completion_tokens})"
+
+
 class Backend(ABC):
     """What the interpreter needs from a model. Implementations must be thread-safe:
     fork branches and run_batch items call them concurrently."""
 
     chat_template: ChatTemplate
+    is_chat_model = False  # True: only a chat API (prompts must be whole messages)
+
+    @property
+    def token_usage(self) -> TokenUsage:
+        """Token counts of the gen calls served so far (SGLang's `backend.token_usage`)."""
+        return self.__dict__.setdefault("_token_usage", TokenUsage())
+
+    @property
+    def endpoint(self) -> Backend:
+        """SGLang compatibility: `sgl.Runtime(...).endpoint` is the backend programs run on;
+        every backend here is its own endpoint."""
+        return self
 
     @abstractmethod
     def generate(self, prompt: str, params: GenParams) -> tuple[str, dict[str, Any]]:
@@ -63,12 +98,18 @@ class NativeBackend(Backend):
     def generate(self, prompt: str, params: GenParams) -> tuple[str, dict[str, Any]]:
         out = self._request(self._gen_body(prompt, params))
         if isinstance(out, list):  # n > 1
+            for o in out:
+                self.token_usage.add(o["meta_info"])
             return out[0]["text"], {"choices": [o["text"] for o in out], **out[0]["meta_info"]}
+        self.token_usage.add(out["meta_info"])
         return out["text"], out["meta_info"]
 
     def generate_stream(self, prompt: str, params: GenParams) -> Iterator[tuple[str, dict]]:
+        meta: dict[str, Any] = {}
         for chunk in self._request_stream({**self._gen_body(prompt, params), "stream": True}):
-            yield chunk["text"], chunk["meta_info"]
+            meta = chunk["meta_info"]
+            yield chunk["text"], meta
+        self.token_usage.add(meta)  # the last chunk's counts are the totals
 
     def cache_prefix(self, prefix: str) -> None:
         self._request({"text": prefix, "sampling_params": {"max_new_tokens": 0}})

@@ -26,6 +26,8 @@ class OpenAI(Backend):
     top logprobs when the server returns them, otherwise picks the choice the reply starts with.
     """
 
+    is_chat_model = True
+
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
                  timeout: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
         self.model = model
@@ -82,6 +84,7 @@ class OpenAI(Backend):
         out = self._post(self._body(prompt, params))
         choice = out["choices"][0]
         meta = {"finish_reason": choice.get("finish_reason"), "usage": out.get("usage")}
+        self.token_usage.add(out.get("usage") or {})
         return choice["message"]["content"] or "", meta
 
     def generate_stream(self, prompt: str, params: GenParams) -> Iterator[tuple[str, dict]]:

@@ -44,6 +44,10 @@ class Runtime(NativeBackend):
     def _request_stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from self._call(body, stream=True)  # the engine's chunks are already incremental
 
+    def get_model_name(self) -> str:
+        """The engine's model path (the default model's file when none was given)."""
+        return str(getattr(self.engine.model_config, "model_path", "") or "")
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
