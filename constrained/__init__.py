@@ -29,7 +29,8 @@ __all__ = [
 
 # Public names, one line each:
 # GRAMMAR_BACKENDS  - the backend names GrammarBackend accepts ("xgrammar", "outlines").
-# GRAMMAR_KINDS     - the spec kinds: "regex", "json" (a JSON-schema string), "ebnf".
+# GRAMMAR_KINDS     - the spec kinds: "regex", "json" (a JSON-schema string), "ebnf",
+#                     "structural_tag" (xgrammar's structural-tag JSON; xgrammar only).
 # Grammar           - per-request constraint state: accept_token, rollback, masks, jump-forward.
 # GrammarBackend    - compiles (kind, spec) in a thread pool with cache + timeout.
 # InvalidGrammar    - the value a failed/unsupported/timed-out compile resolves to.

@@ -8,8 +8,10 @@ from typing import Literal, NamedTuple
 
 import torch
 
-GrammarKind = Literal["regex", "json", "ebnf"]
-GRAMMAR_KINDS: tuple[str, ...] = ("regex", "json", "ebnf")
+# structural_tag: xgrammar's structural tag (a JSON string): free text with tagged, schema-
+# constrained regions, e.g. tool calls; only the xgrammar backend compiles it.
+GrammarKind = Literal["regex", "json", "ebnf", "structural_tag"]
+GRAMMAR_KINDS: tuple[str, ...] = ("regex", "json", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)

@@ -184,8 +184,8 @@ class OutlinesCompiler:
         self.normal_words = token_ids_to_words(torch.tensor(allowed), tokenizer_info.vocab_size)
 
     def supports(self, kind: str, spec: str) -> bool | str:
-        if kind == "ebnf":
-            return "outlines-core compiles regular languages only (no EBNF grammars)"
+        if kind in ("ebnf", "structural_tag"):
+            return f"outlines-core compiles regular languages only (no {kind} grammars)"
         if kind != "json":
             return True
         try:

@@ -110,6 +110,8 @@ class XGrammarCompiler:
             if kind == "json":
                 json.loads(spec)
                 return self._compiler.compile_json_schema(spec, **_JSON_KWARGS)
+            if kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             return InvalidGrammar(f"invalid {kind} for xgrammar: {_first_line(exc)}")
         return InvalidGrammar(f"unknown grammar kind {kind!r}")

@@ -100,6 +100,9 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     served_model_name: str | None = None
+    # How /v1/chat/completions reads tool calls out of the model's text (see
+    # sglang_like.function_call): "auto" picks by the chat template, Hermes tags when it has none
+    tool_call_parser: str = "auto"  # "auto" | "hermes" | "llama3" | "mistral"
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

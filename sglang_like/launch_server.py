@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from sglang_like.config import QUANTIZATION_CHOICES, SPECULATIVE_ALGORITHMS, ServerArgs
+from sglang_like.function_call.parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("sglang_like.launch_server")
 
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grammar-backend", default=d.grammar_backend,
                    choices=["xgrammar", "outlines"])
     p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--tool-call-parser", default=d.tool_call_parser,
+                   choices=list(TOOL_CALL_PARSERS),
+                   help="the model's tool-call format; auto: by its chat template (Hermes "
+                        "<tool_call> tags when the template has no tool syntax)")
     p.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
                    help="/health answers 503 while one scheduler step has run this many "
                         "seconds (a stuck forward)")

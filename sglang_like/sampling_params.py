@@ -15,7 +15,8 @@ class SamplingParams:
     """What a request asks of decoding. Field names follow SGLang's `sampling_params`.
 
     `validate()` raises ValueError naming the bad field; the HTTP edge turns that into a 400.
-    Constraint fields (`regex`, `json_schema`, `json_object`, `ebnf`) are mutually exclusive.
+    Constraint fields (`regex`, `json_schema`, `json_object`, `ebnf`, `structural_tag`) are
+    mutually exclusive.
     """
 
     max_new_tokens: int = 128
@@ -38,6 +39,8 @@ class SamplingParams:
     json_schema: str | dict | None = None
     json_object: bool = False
     ebnf: str | None = None
+    # xgrammar's structural tag (SGLang's `structural_tag`): a JSON string or object
+    structural_tag: str | dict | None = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -97,6 +100,9 @@ class SamplingParams:
             return ("json", _ANY_JSON_OBJECT)
         if self.ebnf is not None:
             return ("ebnf", self.ebnf)
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            return ("structural_tag", tag if isinstance(tag, str) else json.dumps(tag))
         return None
 
     # ---- checks -------------------------------------------------------------------------
@@ -143,19 +149,23 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 _check_int("stop_token_ids[]", t, 0, (vocab_size or (1 << 31)) - 1)
         n_constraints = sum(
-            x is not None for x in (self.regex, self.json_schema, self.ebnf)
+            x is not None for x in (self.regex, self.json_schema, self.ebnf, self.structural_tag)
         ) + int(bool(self.json_object))
         if n_constraints > 1:
-            raise ValueError("only one of regex, json_schema, json_object, ebnf may be set")
+            raise ValueError(
+                "only one of regex, json_schema, json_object, ebnf, structural_tag may be set"
+            )
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError("regex must be a string")
         if self.json_schema is not None and not isinstance(self.json_schema, (str, dict)):
             raise ValueError("json_schema must be a JSON Schema object or a string holding one")
         if self.ebnf is not None and not isinstance(self.ebnf, str):
             raise ValueError("ebnf must be a string")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError("structural_tag must be an object or a string holding one")
 
 
-_NULLABLE = {"stop", "stop_token_ids", "seed", "regex", "json_schema", "ebnf"}
+_NULLABLE = {"stop", "stop_token_ids", "seed", "regex", "json_schema", "ebnf", "structural_tag"}
 _ANY_JSON_OBJECT = '{"type": "object"}'
 
 

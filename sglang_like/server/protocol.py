@@ -365,6 +365,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | TextParts | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def template_dict(self) -> dict[str, Any]:
         """The message for the chat template: content parts joined into one string."""
@@ -393,8 +395,14 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: StrictInt | None = documented(
         None, minimum=0, maximum=_OPENAI_MAX_TOP_LOGPROBS, description="needs logprobs: true"
     )
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = Field(
+        None, description='function tools: {"type": "function", "function": {name, '
+                          'description, parameters}}')
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+        None, description='"none", "auto" (default with tools), "required", or '
+                          '{"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description="false: at most one tool call (default true)")
     continue_final_message: StrictBool = False
     # sglang-router sends these on every chat body; this server has no reasoning parser
     separate_reasoning: StrictBool = Field(True, description="ignored")

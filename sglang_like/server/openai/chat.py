@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sglang_like.function_call import ToolPlan
 from sglang_like.server.errors import ApiError, json_response, read_json_body
 from sglang_like.server.native_api import choice_params
 from sglang_like.server.openai import format as fmt
@@ -34,19 +35,25 @@ async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     req = parse_model(ChatCompletionRequest, await read_json_body(request))
     req.check(state.context_length)
-    input_ids = _chat_input_ids(state, req)
+    plan = _tool_plan(state, req)
+    input_ids = _chat_input_ids(state, req, plan)
     check_prompt_len(state, len(input_ids))
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = max(1, state.context_length - len(input_ids))
     sampling = req.sampling_dict(max_tokens)
+    if plan is not None:
+        try:
+            sampling = plan.sampling_params(sampling)
+        except ValueError as e:
+            raise ApiError(400, str(e), "tool_choice") from None
     base = {"input_ids": input_ids, **logprob_kwargs(req.logprobs, req.top_logprobs or 0)}
     if req.stream:
         calls = [
             {**base, "sampling_params": choice_params(sampling, j)} for j in range(req.n)
         ]
         streams = await open_streams(state.runner, calls, request)
-        return sse_response(_chat_events(state, req, streams), streams)
+        return sse_response(_chat_events(state, req, plan, streams), streams)
     try:
         (result,) = await state.runner.generate(
             request, [{**base, "sampling_params": {**sampling, "n": req.n}}]
@@ -56,23 +63,51 @@ async def chat_completions(request: Request) -> Response:
     if (message := fmt.internal_error([result])) is not None:
         raise ApiError(500, message)
     items = result if isinstance(result, list) else [result]
+    choices = [fmt.chat_choice(j, item, req.logprobs) for j, item in enumerate(items)]
+    if plan is not None:
+        for choice in choices:
+            _read_tool_calls(plan, choice)
     return json_response(
         {
             "id": fmt.new_id("chatcmpl"),
             "object": "chat.completion",
             "created": fmt.now(),
             "model": state.served_model_name,
-            "choices": [fmt.chat_choice(j, item, req.logprobs) for j, item in enumerate(items)],
+            "choices": choices,
             "usage": fmt.usage(items),
         }
     )
 
 
+def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:
+    args = state.server_args
+    try:
+        return ToolPlan.build(
+            req.tools, req.tool_choice, req.parallel_tool_calls, args.tool_call_parser,
+            getattr(state.tokenizer, "chat_template", None), args.grammar_backend,
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e), "tools") from None
+
+
+def _read_tool_calls(plan: ToolPlan, choice: dict[str, Any]) -> None:
+    """Turn a choice's text into content + tool_calls; finish_reason "tool_calls" when the
+    model ended its turn with calls."""
+    message = choice["message"]
+    content, calls = plan.read(message["content"] or "")
+    message["content"] = content
+    message["tool_calls"] = [c.to_openai() for c in calls] or None
+    if calls and choice["finish_reason"] == "stop":
+        choice["finish_reason"] = "tool_calls"
+
+
 async def _chat_events(
-    state: ServerState, req: ChatCompletionRequest, streams: list[EngineStream]
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None,
+    streams: list[EngineStream],
 ) -> AsyncIterator[str]:
     head = {"id": fmt.new_id("chatcmpl"), "object": "chat.completion.chunk",
             "created": fmt.now(), "model": state.served_model_name}
+    readers = [plan.stream() for _ in streams] if plan is not None else None
     for index in range(len(streams)):
         delta = {"role": "assistant", "content": ""}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -90,37 +125,57 @@ async def _chat_events(
             logprobs = fmt.chat_logprobs(
                 meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs")
             )
-        delta = {"content": text} if text else {}
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        if reason is not None:
-            choice["matched_stop"] = fmt.matched_stop(meta)
+        if readers is None:
+            deltas = [{"content": text}] if text else []
+        else:
+            deltas = readers[index].feed(text)
+            if reason is not None:
+                deltas += readers[index].finish()
+                if readers[index].num_calls and reason == "stop":
+                    reason = "tool_calls"
+        # the logprobs ride on the first delta of this chunk (or on the finishing one)
+        for delta in deltas[:-1] if reason is not None else deltas:
+            yield sse({**head, "choices": [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            ]})
+            logprobs = None
+        if reason is None:
+            continue
+        delta = deltas[-1] if deltas else {}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                  "matched_stop": fmt.matched_stop(meta)}
         yield sse({**head, "choices": [choice]})
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse({**head, "choices": [], "usage": stream_usage(last_meta, req.n)})
     yield DONE
 
 
-
-def _chat_input_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+def _chat_input_ids(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None
+) -> list[int]:
     tokenizer = state.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     messages = [m.template_dict() for m in req.messages]
-    try:
-        prompt = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=not req.continue_final_message, tools=req.tools
-        )
-    except Exception as e:  # noqa: BLE001 - a template's own error is about this request
-        raise ApiError(400, f"chat template failed on these messages: {e}") from None
+    prompt = None
+    # a template with no tool syntax may still refuse a `tool` turn: then results go in user turns
+    for tool_role in (True, False) if plan is not None else (False,):
+        turns, tools = plan.template_inputs(messages, tool_role) if plan else (messages, None)
+        try:
+            prompt = tokenizer.apply_chat_template(
+                turns, add_generation_prompt=not req.continue_final_message, tools=tools
+            )
+            break
+        except Exception as e:  # noqa: BLE001 - a template's own error is about this request
+            error = e
+    if prompt is None:
+        raise ApiError(400, f"chat template failed on these messages: {error}") from None
     if req.continue_final_message:
         prompt = _strip_end_of_turn(prompt, messages[-1]["content"])
     return list(tokenizer.encode(prompt))
-
 
 
 def _strip_end_of_turn(prompt: str, last_content: str) -> str:
     """Cut the template's end-of-turn text after the final message, so the model continues it."""
     cut = prompt.rfind(last_content)
     return prompt[: cut + len(last_content)] if cut >= 0 and last_content else prompt
-
-
