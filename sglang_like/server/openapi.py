@@ -180,6 +180,38 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "num_queued_reqs": _INT,
         },
     },
+    "TokenizerInfo": {
+        "type": "object",
+        "required": ["tokenizer_class", "eos_token", "model_max_length"],
+        "properties": {
+            "tokenizer_class": _STR, "model": _STR, "model_max_length": _INT, "vocab_size": _INT,
+            **{k: _nullable(_STR) for k in ("bos_token", "eos_token", "pad_token", "unk_token",
+                                            "chat_template")},
+            "bos_token_id": _nullable(_INT),
+            "eos_token_ids": {"type": "array", "items": _INT},
+        },
+    },
+    "TokenizeResponse": {
+        "type": "object",
+        "description": "lists of lists (and of counts) when the prompt was a list",
+        "required": ["tokens", "count", "max_model_len"],
+        "properties": {
+            "tokens": {"anyOf": [{"type": "array", "items": _INT},
+                                 {"type": "array", "items": {"type": "array", "items": _INT}}]},
+            "count": {"anyOf": [_INT, {"type": "array", "items": _INT}]},
+            "max_model_len": _INT,
+            "token_strs": {"type": "array"},
+        },
+    },
+    "DetokenizeResponse": {
+        "type": "object",
+        "description": "the text twice: `prompt` (vLLM's name) and `text` (SGLang's)",
+        "required": ["prompt", "text"],
+        "properties": {
+            "prompt": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+            "text": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+        },
+    },
     "Load": {
         "type": "object",
         "required": ["dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"],
@@ -243,8 +275,11 @@ def operation(
 
 def component_schemas() -> dict[str, dict[str, Any]]:
     """The request models' schemas (their `$defs` lifted next to them) and the response shapes."""
+    # the tokenizer routes' models live beside them (that module imports this one)
+    from sglang_like.server.tokenize_api import DetokenizeRequest, TokenizeRequest
+
     schemas: dict[str, dict[str, Any]] = {}
-    for model in _REQUEST_MODELS:
+    for model in (*_REQUEST_MODELS, TokenizeRequest, DetokenizeRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
