@@ -12,6 +12,8 @@ Public names:
     Runtime             backend on the engine in this process
     OpenAI              backend on any /v1/chat/completions server
     set_default_backend, flush_cache, get_server_info
+    Tool, ToolCall, call_tool, describe_tools
+                        tool calling: gen(name, tools=[...]), s.tool_call(name), call_tool(s, name)
     global_config       process-wide settings (its default_backend is set_default_backend's)
     token_length_normalized, greedy_token_selection, unconditional_likelihood_normalized
                         select()'s choices_method names, spelled as SGLang exports them
@@ -50,6 +52,7 @@ from frontend_dsl.global_config import GlobalConfig, global_config
 from frontend_dsl.ir import GenParams
 from frontend_dsl.program import SglFunction
 from frontend_dsl.state import ProgramState, ProgramStateGroup
+from frontend_dsl.tools import Tool, ToolCall, call_tool, describe_tools
 from frontend_dsl.tracer import TracedProgram
 
 __all__ = [
@@ -64,10 +67,14 @@ __all__ = [
     "RuntimeEndpoint",
     "SglFunction",
     "TokenUsage",
+    "Tool",
+    "ToolCall",
     "TracedProgram",
     "assistant",
     "assistant_begin",
     "assistant_end",
+    "call_tool",
+    "describe_tools",
     "flush_cache",
     "function",
     "gen",

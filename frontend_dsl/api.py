@@ -19,6 +19,7 @@ from frontend_dsl.ir import (
     to_expr,
 )
 from frontend_dsl.speculative import ApiSpeculation
+from frontend_dsl.tools import as_tools, tool_call_schema
 
 
 def set_default_backend(backend: Any) -> None:
@@ -77,6 +78,7 @@ def gen(
     min_p: float | None = None,
     frequency_penalty: float | None = None,
     presence_penalty: float | None = None,
+    seed: int | None = None,
     ignore_eos: bool | None = None,
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
@@ -87,11 +89,26 @@ def gen(
     choices_method: str | None = None,
     regex: str | None = None,
     json_schema: Any = None,
+    tools: list[Any] | None = None,
 ) -> Expr:
-    """Generate into variable `name`; with `choices=` this is select()."""
+    """Generate into variable `name`; with `choices=` this is select().
+
+    `seed` fixes the sampling of this gen (same seed, same prompt: same text).
+    `tools=[f, g, ...]` (functions or OpenAI tool dicts) makes this one tool call, JSON
+    constrained; read it with `s.tool_call(name)`, run it with `call_tool(s, name)`
+    (see frontend_dsl.tools).
+    """
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0,
                       choices_method=choices_method or "token_length_normalized")
+    tool_list = None
+    if tools is not None:
+        if name is None:
+            raise ValueError("gen: tools= needs a variable name to store the call in")
+        if regex is not None or json_schema is not None or dtype is not None:
+            raise ValueError("gen: tools= sets the constraint; drop regex/json_schema/dtype")
+        tool_list = as_tools(tools)
+        json_schema = tool_call_schema(tool_list)
     if regex is not None and json_schema is not None:
         raise ValueError("gen: set at most one of regex and json_schema")
     if max_tokens is not None and max_tokens < 0:
@@ -101,14 +118,14 @@ def gen(
         stop=list(stop) if isinstance(stop, tuple) else stop,
         stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        ignore_eos=ignore_eos, return_logprob=return_logprob,
+        seed=seed, ignore_eos=ignore_eos, return_logprob=return_logprob,
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex,
         json_schema=_schema_str(json_schema),
     )
     if dtype is not None:
         params.to_sampling_params()  # raises ValueError on an unknown dtype now, not later
-    return Gen(name, params)
+    return Gen(name, params, tool_list)
 
 
 def gen_int(name: str | None = None, **kwargs: Any) -> Expr:

@@ -50,6 +50,7 @@ class StreamExecutor:
         self.messages_: list[dict[str, str]] = []
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
+        self.tools_by_var: dict[str, list[Any]] = {}  # tools of the tools= gen that set a var
         self.new_var_names: list[str] = []  # assigned here (not inherited), for join
         self.nodes: list[tuple] = []  # the structure actually executed (trace)
         self.cur_role: str | None = None
@@ -143,6 +144,8 @@ class StreamExecutor:
             value, meta = self.backend.generate(self.text_, params)
             self._append(value)
         if expr.name is not None:
+            if expr.tools is not None:
+                self.tools_by_var[expr.name] = expr.tools
             self._set_var(expr.name, value, meta)
             with self._cond:  # readers of the stream see it end now, not at their next poll
                 self.streaming_vars.pop(expr.name, None)
@@ -247,6 +250,7 @@ class StreamExecutor:
                                self.num_api_spec_tokens)
             b.text_, b.messages_ = self.text_, list(self.messages_)
             b.variables, b.meta_info = dict(self.variables), dict(self.meta_info)
+            b.tools_by_var = dict(self.tools_by_var)
             b.cur_role, b.cur_role_start = self.cur_role, self.cur_role_start
             b.var_scope_starts = dict(self.var_scope_starts)
             b.fork_start = len(self.text_)

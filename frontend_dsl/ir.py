@@ -8,10 +8,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # dtype -> regex. Integers and floats also stop at whitespace so the model cannot run on.
+# A string holds no control characters (only the space), so it is a valid JSON / Python literal.
 REGEX_INT = r"-?(0|[1-9][0-9]{0,17})"
 REGEX_FLOAT = r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,10})?"
 REGEX_BOOL = r"(True|False)"
-REGEX_STR = r"\"[\w\d\s,.!?'-]{0,200}\""
+MAX_STR_LEN = 200
+
+
+def string_regex(max_len: int = MAX_STR_LEN) -> str:
+    """A double-quoted string of at most `max_len` ASCII word characters and punctuation."""
+    return rf"\"[0-9A-Za-z_ ,.!?'-]{{0,{max_len}}}\""
+
+
+REGEX_STR = string_regex()
 
 _DTYPE_REGEX: dict[Any, str] = {
     int: REGEX_INT, "int": REGEX_INT,
@@ -48,6 +57,7 @@ class GenParams:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    seed: int | None = None
     ignore_eos: bool | None = None
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
@@ -77,6 +87,10 @@ class GenParams:
             if self.dtype not in _DTYPE_REGEX:
                 raise ValueError(f"unsupported dtype {self.dtype!r}; use int, float, str or bool")
             out["regex"] = _DTYPE_REGEX[self.dtype]
+            if self.dtype in (str, "str") and self.max_new_tokens is not None:
+                # an ASCII character never takes more than one token, so a string this long
+                # and its two quotes always close within the token budget
+                out["regex"] = string_regex(max(0, min(MAX_STR_LEN, self.max_new_tokens - 2)))
             out.pop("json_schema", None)
             if self.dtype in _NUMERIC:
                 stops = [] if self.stop is None else [self.stop] if isinstance(
@@ -93,7 +107,7 @@ class GenParams:
 
 _SAMPLING_KEYS = (
     "max_new_tokens", "min_new_tokens", "n", "stop", "stop_token_ids", "temperature", "top_p",
-    "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "seed",
     "ignore_eos", "regex", "json_schema",
 )
 
@@ -120,10 +134,11 @@ class Text(Expr):
 
 @dataclass
 class Gen(Expr):
-    """Generate text into variable `name` (None: anonymous)."""
+    """Generate text into variable `name` (None: anonymous); `tools` when it is a tool call."""
 
     name: str | None
     params: GenParams
+    tools: list[Any] | None = None  # frontend_dsl.tools.Tool, kept for tool_call / call_tool
 
 
 @dataclass

@@ -16,7 +16,7 @@ from frontend_dsl.state import ProgramState
 
 _RUN_DEFAULT_NAMES = (
     "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
-    "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "seed",
     "ignore_eos", "return_logprob", "logprob_start_len", "top_logprobs_num",
     "return_text_in_logprobs",
 )

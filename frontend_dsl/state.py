@@ -9,6 +9,7 @@ from typing import Any
 
 from frontend_dsl.interpreter import StreamExecutor
 from frontend_dsl.ir import RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, to_expr
+from frontend_dsl.tools import ToolCall, parse_tool_call
 
 _END = object()
 
@@ -93,6 +94,10 @@ class ProgramState:
         """The backend's meta_info of the gen/select that set `name` (a list after a join)."""
         self.stream_executor.get_var(name)
         return self.stream_executor.meta_info.get(name)
+
+    def tool_call(self, name: str) -> ToolCall:
+        """The call a `gen(name, tools=...)` wrote, parsed: ToolCall(name, arguments)."""
+        return parse_tool_call(self[name], self.stream_executor.tools_by_var.get(name))
 
     def text(self) -> str:
         self.sync()

@@ -16,7 +16,7 @@ from frontend_dsl.ir import GenParams
 
 _CHAT_KEYS = {"max_new_tokens": "max_tokens", "stop": "stop", "temperature": "temperature",
               "top_p": "top_p", "frequency_penalty": "frequency_penalty",
-              "presence_penalty": "presence_penalty"}
+              "presence_penalty": "presence_penalty", "seed": "seed"}
 
 
 class OpenAI(Backend):

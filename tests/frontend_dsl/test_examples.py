@@ -51,3 +51,14 @@ def test_example_runs_over_http(server_url: str, script: str) -> None:
 @pytest.mark.slow
 def test_example_runs_in_process() -> None:
     _run("multi_turn_chat.py", "--backend", "local")
+
+
+@pytest.mark.slow
+def test_tool_call_example_runs_in_process() -> None:
+    """examples/dsl_tool_call.py as documented: no arguments, the in-process default model."""
+    script = EXAMPLES.parent / "dsl_tool_call.py"
+    out = subprocess.run([sys.executable, str(script), "--max-tokens", "8"], capture_output=True,
+                         text=True, timeout=240, cwd=script.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for needle in ("tool call: ", "tool result: ", "answer: "):
+        assert needle in out.stdout, out.stdout

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import frontend_dsl as sgl
-from frontend_dsl.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from frontend_dsl.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, string_regex
 
 SYS = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -97,7 +97,9 @@ def test_gen_params_merge_run_defaults(fake) -> None:
         (lambda: sgl.gen_int("v"), REGEX_INT, [" ", "\n"]),
         (lambda: sgl.gen("v", dtype=float), REGEX_FLOAT, [" ", "\n"]),
         (lambda: sgl.gen("v", dtype=bool), REGEX_BOOL, None),
-        (lambda: sgl.gen_string("v"), REGEX_STR, None),
+        (lambda: sgl.gen_string("v"), string_regex(126), None),  # fits the 128-token default
+        (lambda: sgl.gen_string("v", max_tokens=500), REGEX_STR, None),
+        (lambda: sgl.gen_string("v", max_tokens=1), string_regex(0), None),
         (lambda: sgl.gen("v", regex=r"[ab]+"), r"[ab]+", None),
     ],
 )

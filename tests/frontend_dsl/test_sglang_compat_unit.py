@@ -199,3 +199,13 @@ def test_api_speculation_leaves_constrained_gens_alone(fake) -> None:
     bodies = backend.generate_bodies
     assert "regex" in bodies[0]["sampling_params"] and "stop" in bodies[0]["sampling_params"]
     assert len(bodies) == 2
+
+
+def test_seed_travels_from_gen_and_run_to_the_body(fake) -> None:
+    @sgl.function
+    def prog(s):
+        s += sgl.gen("a", max_tokens=2, seed=7) + sgl.gen("b", max_tokens=2)
+
+    backend = fake(reply=lambda p, sp: "x")
+    prog.run(backend=backend, seed=3)
+    assert [b["sampling_params"]["seed"] for b in backend.generate_bodies] == [7, 3]
