@@ -1,11 +1,15 @@
-"""Prometheus metrics of one server app, in its own CollectorRegistry (several apps may coexist)."""
+"""Prometheus metrics of one server app, in its own CollectorRegistry (several apps may coexist):
+ours (`sglang_like_*`) and the same measurements under SGLang's names (`sglang:*`)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 
 _PREFIX = "sglang_like_"
 _LATENCY_BUCKETS = (
@@ -16,9 +20,12 @@ _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
 class ServerMetrics:
-    """Counters and histograms fed per request, gauges refreshed from the engine at scrape time."""
+    """Counters and histograms fed per request, gauges refreshed from the engine at scrape time.
 
-    def __init__(self) -> None:
+    `model_name` is SGLang's `model_name` label; None: the served name the engine reports."""
+
+    def __init__(self, model_name: str | None = None) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -75,6 +82,16 @@ class ServerMetrics:
             _PREFIX + "cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
             registry=r,
         )
+        self.kv_pool_total_slots = Gauge(
+            _PREFIX + "kv_pool_total_slots", "KV slots in the pool.", registry=r
+        )
+        self.gen_throughput = Gauge(
+            _PREFIX + "gen_throughput", "Tokens generated per second between the last two "
+            "scrapes of /metrics.", registry=r,
+        )
+        self._last_generated: tuple[float, float] | None = None  # (time, tokens) last scrape
+        self._reported_name = ""  # the engine's served name, when model_name is None
+        r.register(_SGLangNames(self))
 
     # ---- per request --------------------------------------------------------------------
     def observe_finished(self, meta_info: dict[str, Any]) -> None:
@@ -108,10 +125,107 @@ class ServerMetrics:
         free = _nonneg(pool.get("free_slots"))
         self.kv_pool_usage.set((total - free) / total if total else 0.0)
         self.kv_pool_used_slots.set(_nonneg(pool.get("used_slots")))
+        self.kv_pool_total_slots.set(total)
         self.cache_hit_rate.set(_nonneg(server_info.get("cache_hit_rate")))
+        self._refresh_throughput(_nonneg(server_info.get("num_generated_tokens")))
+        if self.model_name is None:
+            self._reported_name = _served_name(server_info)
+
+    def _refresh_throughput(self, num_generated: float) -> None:
+        now = time.monotonic()
+        if self._last_generated is not None:
+            then, before = self._last_generated
+            if now > then and num_generated >= before:
+                self.gen_throughput.set((num_generated - before) / (now - then))
+        self._last_generated = (now, num_generated)
+
+    @property
+    def label_model_name(self) -> str:
+        return self.model_name or self._reported_name or "default"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# SGLang's name (its Grafana dashboards and alerts read these) for each of our metrics that
+# measures the same thing, by ServerMetrics attribute; each carries SGLang's `model_name` label.
+# Counters get `_total` on the sample as prometheus_client writes ours. Buckets are ours.
+_SGLANG_NAMES = {
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+    "cached_tokens": "cached_tokens",
+    "time_to_first_token": "time_to_first_token_seconds",
+    "inter_token_latency": "inter_token_latency_seconds",
+    "e2e_latency": "e2e_request_latency_seconds",
+    "queue_time": "queue_time_seconds",
+    "num_running_reqs": "num_running_reqs",
+    "num_queued_reqs": "num_queue_reqs",
+    "cache_hit_rate": "cache_hit_rate",
+    "kv_pool_used_slots": "num_used_tokens",
+    "kv_pool_total_slots": "max_total_num_tokens",
+    "gen_throughput": "gen_throughput",
+}
+
+
+class _SGLangNames:
+    """A collector that yields, at each scrape, our metrics under SGLang's names: the same
+    samples (so the two can never disagree), plus what SGLang derives from them."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration; the names are fixed above
+
+    def collect(self) -> Iterator[Metric]:
+        m, model = self._metrics, {"model_name": self._metrics.label_model_name}
+        for attr, theirs in _SGLANG_NAMES.items():
+            for family in getattr(m, attr).collect():
+                yield _renamed(family, "sglang:" + theirs, model)
+        yield _gauge("sglang:token_usage", "Fraction of KV slots held by live requests "
+                     "(cached, evictable ones not counted).", model,
+                     _ratio(m.kv_pool_used_slots, m.kv_pool_total_slots))
+        by_reason = {s.labels.get("finish_reason"): s.value
+                     for f in m.requests.collect() for s in f.samples
+                     if s.name.endswith("_total")}
+        yield _counter("sglang:num_requests_total", "Finished requests.", model,
+                       sum(by_reason.values()))
+        yield _counter("sglang:num_aborted_requests_total", "Requests that ended in an abort.",
+                       model, by_reason.get("abort", 0.0))
+
+
+def _renamed(family: Metric, name: str, labels: dict[str, str]) -> Metric:
+    out = Metric(name, family.documentation, family.type)
+    for sample in family.samples:
+        suffix = sample.name[len(family.name):]
+        if suffix != "_created":
+            out.add_sample(name + suffix, {**sample.labels, **labels}, sample.value)
+    return out
+
+
+def _gauge(name: str, doc: str, labels: dict[str, str], value: float) -> Metric:
+    out = Metric(name, doc, "gauge")
+    out.add_sample(name, labels, value)
+    return out
+
+
+def _counter(name: str, doc: str, labels: dict[str, str], value: float) -> Metric:
+    out = Metric(name.removesuffix("_total"), doc, "counter")
+    out.add_sample(name, labels, value)
+    return out
+
+
+def _ratio(num: Gauge, den: Gauge) -> float:
+    total = den._value.get()  # noqa: SLF001 - a gauge's value; prometheus_client has no getter
+    return num._value.get() / total if total else 0.0  # noqa: SLF001
+
+
+def _served_name(server_info: dict[str, Any]) -> str:
+    """The served model name from the engine's info, as ServerState derives it."""
+    from sglang_like.server.state import _model_name  # state imports this module
+
+    path = server_info.get("model_path") or ""
+    return str(server_info.get("served_model_name") or (_model_name(path) if path else ""))
 
 
 def _nonneg(value: Any) -> float:
