@@ -85,6 +85,8 @@ def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
 
 def parse_tool_call(text: str, tools: list[Tool] | None = None) -> ToolCall:
     """Parse the text a tools= gen wrote; with `tools`, the name must be one of them."""
+    if not isinstance(text, str):  # e.g. the list a fork's join gathered
+        raise ValueError(f"a tool call is the text of one gen, got {type(text).__name__}")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:

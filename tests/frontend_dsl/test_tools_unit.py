@@ -116,6 +116,7 @@ def test_gen_with_tools_sends_the_schema_and_the_call_runs(fake) -> None:
     ('{"name": "get_weather", "argum', "not complete JSON"),
     ('{"name": "nope", "arguments": {}}', "not one of the tools"),
     ('["get_weather"]', "a tool call is"),
+    (['{"name": "get_weather", "arguments": {}}'], "text of one gen"),
 ])
 def test_bad_calls_are_value_errors(text, message) -> None:
     with pytest.raises(ValueError, match=message):
