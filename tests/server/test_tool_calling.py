@@ -179,3 +179,23 @@ def test_bad_tool_requests_are_400(client: openai.OpenAI, kwargs: dict, needle: 
         del body["tools"]
     with pytest.raises(openai.BadRequestError, match=needle):
         client.chat.completions.create(**body)
+
+
+def test_react_agent_example(real_server: Any) -> None:
+    """examples/openai_tool_agent.py: the model calls a tool, gets the result, answers."""
+    import pathlib
+    import subprocess
+    import sys
+
+    examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+    out = subprocess.run(
+        [sys.executable, str(examples / "openai_tool_agent.py"), "--url", real_server.url],
+        capture_output=True, text=True, timeout=240, cwd=examples,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    calls = [line for line in lines if line.startswith("tool call: ")]
+    assert calls and calls[0].startswith('tool call: capital_of({"country": "Japan"}) -> '), lines
+    assert "'Tokyo'" in calls[0]
+    answers = [line for line in lines if line.startswith("final answer: ")]
+    assert len(answers) == 1 and len(answers[0]) > len("final answer: "), lines
