@@ -4,6 +4,7 @@ its auto-detection) counts tokens with them, so its context lengths are the serv
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from fastapi import APIRouter
@@ -73,8 +74,16 @@ async def tokenizer_info(request: Request) -> Response:
     })
 
 
+def _options(fn: Any, **options: Any) -> dict[str, Any]:
+    """The options `fn` takes: a minimal tokenizer (encode(text) / decode(ids), as the HTTP
+    layer's test double has) takes none, and adds or skips no special tokens anyway."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in options.items() if k in params}
+
+
 def _tokenize_one(state: ServerState, text: str, body: TokenizeRequest) -> list[int]:
-    ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    encode = state.tokenizer.encode
+    ids = encode(text, **_options(encode, add_special_tokens=body.add_special_tokens))
     bos = getattr(state.tokenizer, "bos_token_id", None)
     if body.add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
         ids = ids[1:]  # a text that starts with the BOS gets it once, as the engine does
@@ -98,9 +107,14 @@ async def tokenize(request: Request) -> Response:
     else:
         out.update(tokens=rows, count=[len(r) for r in rows])
     if body.return_token_strs:
-        strs = [state.tokenizer.convert_ids_to_tokens(r) for r in rows]
+        strs = [_token_strs(state.tokenizer, r) for r in rows]
         out["token_strs"] = strs[0] if isinstance(body.prompt, str) else strs
     return json_response(out)
+
+
+def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    return list(convert(ids)) if convert else [tokenizer.decode([i]) for i in ids]
 
 
 @router.post("/detokenize", openapi_extra=operation(
@@ -116,8 +130,9 @@ async def detokenize(request: Request) -> Response:
     for row in rows:
         if any(not 0 <= t < vocab for t in row):
             raise ApiError(400, f"tokens must be integers in [0, {vocab})", "tokens")
-    texts = [state.tokenizer.decode(r, skip_special_tokens=body.skip_special_tokens)
-             for r in rows]
+    decode = state.tokenizer.decode
+    options = _options(decode, skip_special_tokens=body.skip_special_tokens)
+    texts = [decode(r, **options) for r in rows]
     text: str | list[str] = texts if is_batch else texts[0]
     # vLLM answers {"prompt"}, SGLang {"text"}: both, so clients of either read it
     return json_response({"prompt": text, "text": text})
