@@ -64,11 +64,12 @@ class ToolCallParser:
         return (content or None), calls
 
 
-def _call_from(obj: Any, tools: list[Tool], args_key: str = "arguments") -> ToolCall | None:
+def _call_from(obj: Any, tools: list[Tool]) -> ToolCall | None:
+    """A call from {"name", "arguments" | "parameters"} (either key: formats differ)."""
     if not isinstance(obj, dict):
         return None
     name = obj.get("name")
-    arguments = obj.get(args_key, obj.get("arguments", obj.get("parameters")))
+    arguments = obj.get("arguments", obj.get("parameters"))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -81,11 +82,9 @@ def _call_from(obj: Any, tools: list[Tool], args_key: str = "arguments") -> Tool
     return ToolCall(name, dump_arguments(arguments))
 
 
-def _calls_from(
-    value: Any, tools: list[Tool], args_key: str = "arguments"
-) -> list[ToolCall] | None:
+def _calls_from(value: Any, tools: list[Tool]) -> list[ToolCall] | None:
     items = value if isinstance(value, list) else [value]
-    calls = [_call_from(item, tools, args_key) for item in items]
+    calls = [_call_from(item, tools) for item in items]
     if not calls or any(c is None for c in calls):
         return None
     return calls  # type: ignore[return-value]
@@ -173,7 +172,7 @@ class Llama3JsonParser(ToolCallParser):
                 value, pos = _DECODER.raw_decode(text, pos)
             except ValueError:
                 return None  # the object is still being written
-            found = _calls_from(value, tools, "parameters")
+            found = _calls_from(value, tools)
             if found is None:
                 return None, pos
             calls.extend(found)
