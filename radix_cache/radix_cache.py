@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Sequence
 
 from radix_cache.allocator import KVSlotAllocator
@@ -53,11 +54,14 @@ class RadixCache:
         self.eviction_policy = eviction_policy
         self.disable = disable
         self._priority = EVICTION_POLICIES[eviction_policy]
+        # Tokens evicted over the cache's life (resets do not count): eviction pressure.
+        self.evicted_tokens = 0
         self._init_tree()
 
     def _init_tree(self) -> None:
         self.root = TreeNode([], [], None)
         self._clock = 0
+        self._wall = 0.0  # time.monotonic() of the last tick
         self._evictable_size = 0
         self._protected_size = 0
         self._num_nodes = 0
@@ -116,6 +120,7 @@ class RadixCache:
             if ends_inside:
                 child = self._split(child, matched_len)
             child.last_access_time = tick
+            child.access_wall = self._wall
             child.hit_count += count_hit
             if child in self._evictable_leaves:
                 self._push(child)
@@ -241,7 +246,15 @@ class RadixCache:
             freed += leaf.value
             self._remove_leaf(leaf)  # a parent left an unlocked leaf is pushed
         self.allocator.free(freed)
+        self.evicted_tokens += len(freed)
         return len(freed)
+
+    def eviction_order(self, k: int) -> list[TreeNode]:
+        """The first ``k`` leaves ``evict`` would take now, in order (a read-only look: the
+        parents that would become leaves on the way are not predicted)."""
+        if self.disable or k <= 0:
+            return []
+        return heapq.nsmallest(k, self._evictable_leaves, key=lambda n: (self._priority(n), n))
 
     def held_slots(self) -> list[int]:
         """Every slot the tree holds (a walk of the whole tree: for recovery and checks)."""
@@ -284,6 +297,7 @@ class RadixCache:
 
     def _touch(self, node: TreeNode, tick: int) -> None:
         node.last_access_time = tick
+        node.access_wall = self._wall
         if node in self._evictable_leaves:
             self._push(node)
 
@@ -299,6 +313,7 @@ class RadixCache:
 
     def _tick(self) -> int:
         self._clock += 1
+        self._wall = time.monotonic()
         return self._clock
 
     def _path_len(self, node: TreeNode) -> int:
@@ -313,7 +328,8 @@ class RadixCache:
         # The upper half lies on every locked path through child, so it inherits
         # the lock count; sizes and the evictable-leaf set are unchanged.
         upper = TreeNode(child.key[:split_len], child.value[:split_len], child.parent,
-                         child.last_access_time, child.hit_count, child.lock_ref)
+                         child.last_access_time, child.hit_count, child.lock_ref,
+                         child.access_wall)
         upper.children[child.key[split_len]] = child
         child.parent.children[child.key[0]] = upper
         child.key = child.key[split_len:]
@@ -323,7 +339,7 @@ class RadixCache:
         return upper
 
     def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int], tick: int) -> None:
-        leaf = TreeNode(key, value, parent, tick)
+        leaf = TreeNode(key, value, parent, tick, access_wall=self._wall)
         parent.children[key[0]] = leaf
         self._evictable_leaves.discard(parent)
         self._add_evictable(leaf)

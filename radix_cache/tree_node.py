@@ -22,11 +22,13 @@ class TreeNode:
     have the same non-zero length (only the root is empty). ``children`` is keyed
     by the first token of each child's run. ``lock_ref`` counts the requests whose
     locked path passes through this node; a node with ``lock_ref > 0`` is never
-    evicted. ``last_access_time`` / ``hit_count`` drive LRU / LFU eviction.
+    evicted. ``last_access_time`` / ``hit_count`` drive LRU / LFU eviction (the time is a
+    logical tick, unique per tree operation); ``access_wall`` is the same moment in
+    ``time.monotonic()`` seconds, for people reading the tree (a dashboard's "last access").
     """
 
-    __slots__ = ("children", "hit_count", "id", "key", "last_access_time", "lock_ref",
-                 "parent", "value")
+    __slots__ = ("access_wall", "children", "hit_count", "id", "key", "last_access_time",
+                 "lock_ref", "parent", "value")
 
     def __init__(
         self,
@@ -36,6 +38,7 @@ class TreeNode:
         last_access_time: int = 0,
         hit_count: int = 0,
         lock_ref: int = 0,
+        access_wall: float = 0.0,
     ) -> None:
         self.id = next(_node_ids)
         self.key = key
@@ -45,6 +48,7 @@ class TreeNode:
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
         self.hit_count = hit_count
+        self.access_wall = access_wall
 
     @property
     def is_leaf(self) -> bool:

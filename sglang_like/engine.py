@@ -170,6 +170,29 @@ class Engine:
         waiting), `num_waiting_reqs`, and `num_tokens` (KV slots the running requests hold)."""
         return self._client.call("get_load")
 
+    # ---- looking inside the cache (the dashboard's data; nothing here changes the tree) ----
+    def get_stats(self) -> dict[str, Any]:
+        """This moment's counters and gauges: KV pool (free / evictable / locked / used),
+        requests, prompt / cached / generated tokens, evictions, and request latency
+        percentiles over the last minute. Cheap enough to ask every second."""
+        return self._client.call("get_stats")
+
+    def cache_tree(self, max_nodes: int = 500, edge_tokens: int = 32,
+                   next_evict: int = 16) -> dict[str, Any]:
+        """The radix tree, bounded: the `max_nodes` nodes with the most tokens beneath them
+        (see `radix_cache.snapshot.snapshot`), token ids only (`edge_tokens` per edge)."""
+        return self._client.call("cache_tree", max_nodes=max_nodes, edge_tokens=edge_tokens,
+                                 next_evict=next_evict)
+
+    def cache_node(self, node_id: int) -> dict[str, Any] | None:
+        """One tree node in full (its prefix from the root, holders), or None if gone."""
+        return self._client.call("cache_node", node_id=node_id)
+
+    def cache_match(self, input_ids: list[int]) -> dict[str, Any]:
+        """How much of `input_ids` the cache holds and where the match ends, without running
+        it or counting a hit."""
+        return self._client.call("cache_match", input_ids=list(input_ids))
+
     @property
     def num_queued_requests(self) -> int:
         return self._client.num_queued

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sglang_like.cpu_runtime import trim_heap
 from sglang_like.engine_io import RequestHandle, build_output
 from sglang_like.req import FinishReason, Req, internal_error_message
+from sglang_like.stats_window import RequestLatency
 
 if TYPE_CHECKING:
     from sglang_like.scheduler import Scheduler
@@ -83,6 +84,8 @@ class EngineLoop:
         self._closed_message: str | None = None  # set when the loop stops taking requests
         self.error: BaseException | None = None  # what killed the loop, if anything did
         self._step_started: float | None = None
+        # TTFT / TPOT / e2e / queue time of the requests finished in the last minute
+        self.request_latency = RequestLatency()
 
     # ---- other threads ---------------------------------------------------------------------
     def submit(self, req: Req, handle: RequestHandle) -> None:
@@ -301,6 +304,7 @@ class EngineLoop:
             return
         if req.is_finished:
             self._handles.pop(req.rid, None)
+            self.request_latency.observe(req)
 
     def _close(self, message: str) -> None:
         """Stop taking requests and answer everyone: queued commands, requests in the

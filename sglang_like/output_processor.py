@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +56,8 @@ class OutputProcessor:
     # ---- one token -----------------------------------------------------------------------
     def append_token(self, req: Req, token_id: int, logprob: float | None,
                      top: list[tuple[float, int]] | None) -> None:
+        if not req.output_ids:
+            req.first_token_time = time.perf_counter()
         req.output_ids.append(token_id)
         if req.return_logprob:
             req.logprobs.output_token.append((logprob, token_id))

@@ -103,6 +103,7 @@ class Req:
         # Timing
         self.arrival_time = time.perf_counter()
         self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
     # ---- derived --------------------------------------------------------------------------

@@ -130,7 +130,7 @@ class ProcessCoreClient:
         if self._dead is None:
             self._send(m.AbortReq(rid))
 
-    def call(self, method: str) -> Any:
+    def call(self, method: str, **kwargs: Any) -> Any:
         """Run an EngineCore RPC method on the loop; raises if the core is gone or fails."""
         call_id = next(self._call_ids)
         slot = [threading.Event(), None]
@@ -138,7 +138,7 @@ class ProcessCoreClient:
             if self._dead is not None:
                 raise EngineProcessError(self._dead)
             self._calls[call_id] = slot
-        self._send(m.RpcReq(call_id, method))
+        self._send(m.RpcReq(call_id, method, kwargs))
         if not slot[0].wait(_RPC_TIMEOUT_S):
             with self._lock:
                 self._calls.pop(call_id, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,9 @@ from sglang_like.engine_core.messages import GenerateReqInput
 from sglang_like.engine_loop import EngineLoop, LoopHooks
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
+
+# The share of the loop's time that radix-tree snapshots may take (see EngineCore.cache_tree).
+SNAPSHOT_DUTY = 0.01
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,8 @@ def make_req(msg: GenerateReqInput) -> Req:
 class EngineCore:
     """The model, its scheduler and the loop that drives them; built on the loop's thread."""
 
-    RPC_METHODS = ("get_server_info", "get_load", "flush_cache")
+    RPC_METHODS = ("get_server_info", "get_load", "flush_cache", "get_stats", "cache_tree",
+                   "cache_node", "cache_match")
 
     def __init__(self, server_args: ServerArgs, hooks: LoopHooks | None = None) -> None:
         from sglang_like.engine_setup import build_engine_parts
@@ -53,6 +58,7 @@ class EngineCore:
             str(parts.dtype).removeprefix("torch."), self.eos_token_ids,
             int(self.runner.model.weight_bytes()),
         )
+        self._last_snapshot: tuple | None = None  # (params, time, cost, snapshot)
         self._grammar_backend: Any = None
         self._grammar_lock = threading.Lock()
         self.loop = EngineLoop(self.tokenizer, self.server_args.watchdog_timeout,
@@ -106,6 +112,67 @@ class EngineCore:
     def flush_cache(self) -> bool:
         """Empty the radix cache; False while requests are queued or running."""
         return self.scheduler.flush_cache()
+
+    # ---- what the dashboard reads (server/dashboard): small answers, no tree mutation ------
+    def get_stats(self) -> dict[str, Any]:
+        """Counters and gauges of this moment, for a 1 Hz sampler: no server args, no tree walk."""
+        s = self.scheduler
+        tree = s.cache.tree
+        return {
+            "t": time.monotonic(),
+            "kv_pool": {**s.kv_pool_info(), "evictable_slots": tree.evictable_size,
+                        "locked_slots": tree.protected_size},
+            "num_running_reqs": len(s.running),
+            "num_queued_reqs": len(s.waiting) + self.loop.num_pending_commands,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_forward_steps": s.num_forward_steps,
+            "num_tree_nodes": tree.num_nodes,
+            "evicted_tokens": tree.evicted_tokens,
+            "spec_accept_lengths": {str(k): v for k, v in s.spec_accept_lengths.items()},
+            "latency": self.loop.request_latency.summary(),
+        }
+
+    def cache_tree(self, max_nodes: int = 500, edge_tokens: int = 32,
+                   next_evict: int = 16) -> dict[str, Any]:
+        """A snapshot of the radix tree (radix_cache.snapshot). It walks the whole tree on the
+        loop thread (about 16 ms at 10,000 nodes here), so a fresh one is taken at most once
+        per `cost / SNAPSHOT_DUTY` seconds and callers in between get the last one, with its
+        age: however often the tree is asked for, the loop spends at most 1% of its time on
+        it."""
+        from radix_cache.snapshot import snapshot
+
+        key = (max_nodes, edge_tokens, next_evict)
+        now = time.monotonic()
+        last = self._last_snapshot
+        if last is not None and last[0] == key and now - last[1] < last[2] / SNAPSHOT_DUTY:
+            return {**last[3], "age_s": round(now - last[1], 3)}
+        t0 = time.perf_counter()
+        tree = snapshot(self.scheduler.cache.tree, max_nodes=max_nodes,
+                        edge_tokens=edge_tokens, next_evict=next_evict,
+                        holders=self._holders())
+        cost = time.perf_counter() - t0
+        tree["snapshot_ms"] = round(cost * 1000, 3)
+        self._last_snapshot = (key, now, cost, tree)
+        return {**tree, "age_s": 0.0}
+
+    def cache_node(self, node_id: int) -> dict[str, Any] | None:
+        from radix_cache.snapshot import node_detail
+
+        return node_detail(self.scheduler.cache.tree, node_id, self._holders())
+
+    def cache_match(self, input_ids: list[int]) -> dict[str, Any]:
+        """What the tree holds of `input_ids` (no hit counted), and the prefix the scheduler
+        would reuse for it as a new request (at least one token must still run)."""
+        from radix_cache.snapshot import match_view
+
+        view = match_view(self.scheduler.cache.tree, input_ids)
+        view["reusable_tokens"] = min(view["matched_tokens"], max(len(input_ids) - 1, 0))
+        return view
+
+    def _holders(self) -> list[tuple[str, Any]]:
+        return [(r.rid, r.last_node) for r in self.scheduler.running if r.last_node is not None]
 
 
 def build_grammar_backend(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],

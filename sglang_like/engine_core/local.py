@@ -6,6 +6,7 @@ and for debugging: no second process, but tokenizing and HTTP share the GIL with
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from typing import Any
@@ -60,10 +61,11 @@ class ThreadCoreClient:
         else:
             self.core.loop.put_command("abort", rid)
 
-    def call(self, method: str) -> Any:
+    def call(self, method: str, **kwargs: Any) -> Any:
         assert method in EngineCore.RPC_METHODS, method
         done: queue.Queue = queue.Queue(maxsize=1)
-        self.core.loop.put_command("call", (getattr(self.core, method), done))
+        fn = functools.partial(getattr(self.core, method), **kwargs)
+        self.core.loop.put_command("call", (fn, done))
         ok, value = done.get()
         if not ok:
             raise value

@@ -37,6 +37,7 @@ class RpcReq(msgspec.Struct, tag="rpc", frozen=True):
 
     call_id: int
     method: str
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class StopReq(msgspec.Struct, tag="stop", frozen=True):

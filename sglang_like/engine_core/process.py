@@ -10,6 +10,7 @@ running step's start time in a small shared file the client reads without asking
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -131,8 +132,8 @@ def _receive(core: EngineCore, sock: zmq.Socket, outbox: Outbox, parent_pid: int
                 loop.put_command("abort", msg.rid)
         elif isinstance(msg, m.RpcReq):
             if msg.method in EngineCore.RPC_METHODS:
-                loop.put_command("call", (getattr(core, msg.method), RpcAnswer(msg.call_id,
-                                                                               outbox)))
+                fn = functools.partial(getattr(core, msg.method), **msg.kwargs)
+                loop.put_command("call", (fn, RpcAnswer(msg.call_id, outbox)))
             else:
                 outbox.add(m.RpcReply(msg.call_id, False, error=f"no method {msg.method!r}"))
                 outbox.flush()

@@ -3,8 +3,10 @@ and the OpenAPI document at /openapi.json (see server/openapi.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -12,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.config import ServerArgs
-from sglang_like.server import native_api, openapi, tokenize_api
+from sglang_like.server import dashboard, native_api, openapi, tokenize_api
 from sglang_like.server.auth import ApiKeyMiddleware
 from sglang_like.server.errors import ApiError, error_response
 from sglang_like.server.metrics import CONTENT_TYPE
@@ -29,16 +31,28 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     The app does not own the engine: whoever built it shuts it down (see launch_server).
     """
     state = ServerState.build(engine, server_args)
+    history = dashboard.StatsHistory(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        history.start()  # the dashboard's charts have the server's past when first opened
+        try:
+            yield
+        finally:
+            history.stop()
+
     # Routes return their own Response objects; the plain class keeps FastAPI from documenting
     # a JSON body no route sends (each route states its responses, see server/openapi.py).
     app = FastAPI(
         title="sglang_like", version=_version(), docs_url=None, redoc_url=None,
-        openapi_url="/openapi.json", default_response_class=Response,
+        openapi_url="/openapi.json", default_response_class=Response, lifespan=lifespan,
     )
     app.state.server = state
+    app.state.dashboard_history = history
     app.include_router(native_api.router)
     app.include_router(openai_router)
     app.include_router(tokenize_api.router)
+    app.include_router(dashboard.router)
     metrics_doc = openapi.operation(ok={CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}})
     app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics",
                       openapi_extra=metrics_doc)

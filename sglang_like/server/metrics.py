@@ -11,6 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 
+from sglang_like.stats_window import SlidingWindow
+
 _PREFIX = "sglang_like_"
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0,
@@ -92,6 +94,13 @@ class ServerMetrics:
         self._last_generated: tuple[float, float] | None = None  # (time, tokens) last scrape
         self._reported_name = ""  # the engine's served name, when model_name is None
         r.register(_SGLangNames(self))
+        # inter-token latency of the last minute's streams, for the dashboard's percentiles
+        self.itl_window = SlidingWindow(60.0)
+
+    def observe_itl(self, per_token: float, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self.inter_token_latency.observe(per_token)
+        self.itl_window.add_many(per_token, num_tokens)
 
     # ---- per request --------------------------------------------------------------------
     def observe_finished(self, meta_info: dict[str, Any]) -> None:

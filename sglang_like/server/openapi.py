@@ -30,6 +30,7 @@ _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
 _ERROR_TEXT = {
     400: "Bad request: the body or a parameter is invalid (the message says which)",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
+    404: "Not found (the message says what)",
     429: "Too many requests waiting (--max-queued-requests); retry later",
     500: "A fault inside the runtime ended the request (`internal error: ...`); retry",
     503: "The server is not healthy (the message says why)",
@@ -275,11 +276,12 @@ def operation(
 
 def component_schemas() -> dict[str, dict[str, Any]]:
     """The request models' schemas (their `$defs` lifted next to them) and the response shapes."""
-    # the tokenizer routes' models live beside them (that module imports this one)
+    # the tokenizer and dashboard routes' models live beside them (they import this module)
+    from sglang_like.server.dashboard.routes import CacheMatchRequest
     from sglang_like.server.tokenize_api import DetokenizeRequest, TokenizeRequest
 
     schemas: dict[str, dict[str, Any]] = {}
-    for model in (*_REQUEST_MODELS, TokenizeRequest, DetokenizeRequest):
+    for model in (*_REQUEST_MODELS, TokenizeRequest, DetokenizeRequest, CacheMatchRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

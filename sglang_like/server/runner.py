@@ -76,9 +76,7 @@ class EngineStream:
             if self._num_tokens == 0:
                 metrics.time_to_first_token.observe(now - self._t_start)
             else:
-                per_token = (now - self._t_last) / new_tokens
-                for _ in range(new_tokens):
-                    metrics.inter_token_latency.observe(per_token)
+                metrics.observe_itl((now - self._t_last) / new_tokens, new_tokens)
             self._num_tokens = num_tokens
             self._t_last = now
         if meta.get("finish_reason") is not None:
