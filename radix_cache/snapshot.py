@@ -17,10 +17,16 @@ from typing import Any
 from radix_cache.radix_cache import RadixCache
 from radix_cache.tree_node import TreeNode, common_prefix_len
 
-__all__ = ["find_node", "match_view", "node_detail", "snapshot"]
+__all__ = ["NODE_FIELDS", "expand", "find_node", "match_view", "node_detail", "snapshot"]
 
 # A node lists at most this many of the requests that hold it (and how many there are).
 _MAX_HOLDERS = 8
+
+
+# The columns of `snapshot(..., rows=True)`; `expand` turns its rows into node dicts.
+NODE_FIELDS = ("id", "parent", "start", "tokens", "subtree_tokens", "token_ids", "lock_ref",
+               "hit_count", "last_access", "access_wall", "evict_rank", "num_children",
+               "hidden_children", "hidden_tokens", "holders", "num_holders")
 
 
 def snapshot(
@@ -30,24 +36,26 @@ def snapshot(
     edge_tokens: int = 32,
     next_evict: int = 16,
     holders: Iterable[tuple[str, TreeNode]] = (),
+    rows: bool = False,
 ) -> dict[str, Any]:
     """The tree as plain data: totals, then nodes in pre-order (the root first).
 
     ``edge_tokens``: how many leading token ids of each edge to include (the full edge is
     ``node_detail``'s). ``next_evict``: how many leaves to rank in the order ``evict`` would
     take them. ``holders``: (request id, locked last node) of the running requests; each node
-    on a request's locked path lists it.
+    on a request's locked path lists it. ``rows=True``: the nodes as tuples of
+    ``NODE_FIELDS`` (cheaper to build and to send; ``expand`` makes the dicts elsewhere).
     """
     if max_nodes < 0 or edge_tokens < 0 or next_evict < 0:
         raise ValueError("max_nodes, edge_tokens and next_evict must be >= 0")
     root = tree.root
-    order: list[TreeNode] = []  # pre-order, children in insertion order
+    order: list[TreeNode] = []  # every node, parents before children
     stack = [root]
     while stack:
         node = stack.pop()
         order.append(node)
         if node.children:
-            stack.extend(reversed(node.children.values()))
+            stack.extend(node.children.values())
     subtree: dict[TreeNode, int] = {}
     for node in reversed(order):
         size = len(node.key)
@@ -55,58 +63,72 @@ def snapshot(
             size += subtree[child]
         subtree[node] = size
 
-    kept = {root}
-    frontier = [(-subtree[c], c.id, c) for c in root.children.values()]
-    heapq.heapify(frontier)
-    while frontier and len(kept) <= max_nodes:
-        _, _, node = heapq.heappop(frontier)
-        kept.add(node)
-        for child in node.children.values():
-            heapq.heappush(frontier, (-subtree[child], child.id, child))
+    kept: set[TreeNode] | None = None  # None: every node
+    if max_nodes < tree.num_nodes:
+        kept = {root}
+        frontier = [(-subtree[c], c.id, c) for c in root.children.values()]
+        heapq.heapify(frontier)
+        while frontier and len(kept) <= max_nodes:
+            _, _, node = heapq.heappop(frontier)
+            kept.add(node)
+            for child in node.children.values():
+                heapq.heappush(frontier, (-subtree[child], child.id, child))
 
     held_by = _holders_by_node(tree, holders)
     ranks = {leaf: i + 1 for i, leaf in enumerate(tree.eviction_order(next_evict))}
-    now = time.monotonic()
-    nodes = []
-    walk = [(root, 0)]  # pre-order over the kept nodes only
+    table = []
+    walk = [(root, 0)]  # pre-order over the kept nodes, children in insertion order
     while walk:
         node, start = walk.pop()
-        end = start + len(node.key)
-        shown = [c for c in node.children.values() if c in kept]
-        walk.extend((c, end) for c in reversed(shown))
-        rids = held_by.get(node, [])
-        nodes.append({
-            "id": node.id,
-            "parent": None if node is root else node.parent.id,
-            "start": start,
-            "tokens": len(node.key),
-            "subtree_tokens": subtree[node],
-            "token_ids": node.key[:edge_tokens],
-            "state": "locked" if node.lock_ref else "evictable",
-            "lock_ref": node.lock_ref,
-            "hit_count": node.hit_count,
-            "last_access": node.last_access_time,
-            "idle_s": round(now - node.access_wall, 3) if node.access_wall else None,
-            "evict_rank": ranks.get(node),
-            "num_children": len(node.children),
-            "hidden_children": len(node.children) - len(shown),
-            "hidden_tokens": subtree[node] - len(node.key) - sum(subtree[c] for c in shown),
-            "holders": rids[:_MAX_HOLDERS],
-            "num_holders": len(rids),
-        })
-    nodes[0]["state"] = "root"
-    return {
+        key = node.key
+        end = start + len(key)
+        children = node.children
+        shown = list(children.values()) if kept is None else [
+            c for c in children.values() if c in kept]
+        hidden_tokens = subtree[node] - len(key)
+        for child in shown:
+            hidden_tokens -= subtree[child]
+        for child in reversed(shown):
+            walk.append((child, end))
+        rids = held_by.get(node, ())
+        parent = node.parent
+        table.append((node.id, None if parent is None else parent.id, start, len(key),
+                      subtree[node], key[:edge_tokens], node.lock_ref, node.hit_count,
+                      node.last_access_time, node.access_wall, ranks.get(node),
+                      len(children), len(children) - len(shown), hidden_tokens,
+                      list(rids[:_MAX_HOLDERS]), len(rids)))
+    out = {
         "num_nodes": tree.num_nodes,
-        "shown_nodes": len(nodes) - 1,
-        "truncated": len(nodes) - 1 < tree.num_nodes,
+        "shown_nodes": len(table) - 1,
+        "truncated": len(table) - 1 < tree.num_nodes,
         "total_tokens": tree.total_size,
         "evictable_tokens": tree.evictable_size,
         "locked_tokens": tree.protected_size,
         "evicted_tokens": tree.evicted_tokens,
         "eviction_policy": tree.eviction_policy,
         "disabled": tree.disable,
-        "nodes": nodes,
+        "monotonic_time": time.monotonic(),  # when it was taken (idle times count to this)
+        "fields": NODE_FIELDS,
+        "rows": table,
     }
+    return out if rows else expand(out)
+
+
+def expand(snap: dict[str, Any]) -> dict[str, Any]:
+    """A ``rows=True`` snapshot with its rows as node dicts, each with its ``state`` (root /
+    locked / evictable) and ``idle_s`` (seconds since last access when it was taken)."""
+    out = {k: v for k, v in snap.items() if k not in ("fields", "rows", "monotonic_time")}
+    fields, now = snap["fields"], snap["monotonic_time"]
+    nodes = []
+    for row in snap["rows"]:
+        node = dict(zip(fields, row, strict=True))
+        wall = node.pop("access_wall")
+        node["idle_s"] = round(now - wall, 3) if wall else None
+        node["state"] = ("root" if node["parent"] is None
+                         else "locked" if node["lock_ref"] else "evictable")
+        nodes.append(node)
+    out["nodes"] = nodes
+    return out
 
 
 def find_node(tree: RadixCache, node_id: int) -> TreeNode | None:

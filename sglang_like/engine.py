@@ -177,12 +177,19 @@ class Engine:
         percentiles over the last minute. Cheap enough to ask every second."""
         return self._client.call("get_stats")
 
-    def cache_tree(self, max_nodes: int = 500, edge_tokens: int = 32,
-                   next_evict: int = 16) -> dict[str, Any]:
+    def cache_tree(self, max_nodes: int = 500, edge_tokens: int = 32, next_evict: int = 16,
+                   rows: bool = False, known_id: int | None = None) -> dict[str, Any]:
         """The radix tree, bounded: the `max_nodes` nodes with the most tokens beneath them
-        (see `radix_cache.snapshot.snapshot`), token ids only (`edge_tokens` per edge)."""
-        return self._client.call("cache_tree", max_nodes=max_nodes, edge_tokens=edge_tokens,
-                                 next_evict=next_evict)
+        (see `radix_cache.snapshot.snapshot`), token ids only (`edge_tokens` per edge).
+
+        A fresh snapshot is taken at most once per 100x its cost (`EngineCore.cache_tree`);
+        `snapshot_id` names it. `rows=True` leaves the nodes as rows of `fields`; with
+        `known_id` (and rows) an unchanged snapshot answers `{"unchanged": True}` only."""
+        from radix_cache.snapshot import expand
+
+        tree = self._client.call("cache_tree", max_nodes=max_nodes, edge_tokens=edge_tokens,
+                                 next_evict=next_evict, known_id=known_id if rows else None)
+        return tree if rows else expand(tree)
 
     def cache_node(self, node_id: int) -> dict[str, Any] | None:
         """One tree node in full (its prefix from the root, holders), or None if gone."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,20 @@ from sglang_like.sampling_params import SamplingParams
 
 # The share of the loop's time that radix-tree snapshots may take (see EngineCore.cache_tree).
 SNAPSHOT_DUTY = 0.01
+
+
+def _dashboard_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Count the loop time a dashboard RPC takes (`dashboard_busy_s` in get_stats)."""
+
+    @functools.wraps(fn)
+    def timed(self: EngineCore, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.dashboard_busy_s += time.perf_counter() - t0
+
+    return timed
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,8 @@ class EngineCore:
             int(self.runner.model.weight_bytes()),
         )
         self._last_snapshot: tuple | None = None  # (params, time, cost, snapshot)
+        self._snapshot_ids = 0
+        self.dashboard_busy_s = 0.0  # loop time spent answering the dashboard's RPCs
         self._grammar_backend: Any = None
         self._grammar_lock = threading.Lock()
         self.loop = EngineLoop(self.tokenizer, self.server_args.watchdog_timeout,
@@ -94,6 +112,9 @@ class EngineCore:
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
             "num_generated_tokens": s.num_generated_tokens,
+            "num_forward_steps": s.num_forward_steps,
+            # loop time spent answering the dashboard (get_stats, cache_tree, ...)
+            "dashboard_busy_s": self.dashboard_busy_s,
             # speculative decoding: how many verify passes committed k tokens
             "spec_accept_lengths": dict(sorted(s.spec_accept_lengths.items())),
             # faults injected so far (SGLANG_LIKE_FAULT_INJECT), by site; {} when off
@@ -114,6 +135,7 @@ class EngineCore:
         return self.scheduler.flush_cache()
 
     # ---- what the dashboard reads (server/dashboard): small answers, no tree mutation ------
+    @_dashboard_call
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges of this moment, for a 1 Hz sampler: no server args, no tree walk."""
         s = self.scheduler
@@ -132,36 +154,48 @@ class EngineCore:
             "evicted_tokens": tree.evicted_tokens,
             "spec_accept_lengths": {str(k): v for k, v in s.spec_accept_lengths.items()},
             "latency": self.loop.request_latency.summary(),
+            "dashboard_busy_s": self.dashboard_busy_s,
         }
 
-    def cache_tree(self, max_nodes: int = 500, edge_tokens: int = 32,
-                   next_evict: int = 16) -> dict[str, Any]:
-        """A snapshot of the radix tree (radix_cache.snapshot). It walks the whole tree on the
-        loop thread (about 16 ms at 10,000 nodes here), so a fresh one is taken at most once
-        per `cost / SNAPSHOT_DUTY` seconds and callers in between get the last one, with its
-        age: however often the tree is asked for, the loop spends at most 1% of its time on
-        it."""
+    @_dashboard_call
+    def cache_tree(self, max_nodes: int = 500, edge_tokens: int = 32, next_evict: int = 16,
+                   known_id: int | None = None) -> dict[str, Any]:
+        """A snapshot of the radix tree, as rows (radix_cache.snapshot; `expand` for dicts).
+
+        It walks the whole tree on the loop thread (about 10 ms at 10,000 nodes, 40 ms if
+        all of them are wanted), so a fresh one is taken at most once per `cost /
+        SNAPSHOT_DUTY` seconds and callers in between get the last one: however often the tree
+        is asked for, the loop spends at most 1% of its time on it. A caller that already holds
+        snapshot `known_id` gets `{"snapshot_id": known_id, "unchanged": True}` instead.
+        """
         from radix_cache.snapshot import snapshot
 
         key = (max_nodes, edge_tokens, next_evict)
         now = time.monotonic()
         last = self._last_snapshot
         if last is not None and last[0] == key and now - last[1] < last[2] / SNAPSHOT_DUTY:
-            return {**last[3], "age_s": round(now - last[1], 3)}
+            tree = last[3]
+            if known_id == tree["snapshot_id"]:
+                return {"snapshot_id": known_id, "unchanged": True}
+            return tree
         t0 = time.perf_counter()
         tree = snapshot(self.scheduler.cache.tree, max_nodes=max_nodes,
                         edge_tokens=edge_tokens, next_evict=next_evict,
-                        holders=self._holders())
+                        holders=self._holders(), rows=True)
         cost = time.perf_counter() - t0
-        tree["snapshot_ms"] = round(cost * 1000, 3)
+        self._snapshot_ids += 1
+        tree.update(snapshot_id=self._snapshot_ids, snapshot_ms=round(cost * 1000, 3),
+                    taken_at=time.time())
         self._last_snapshot = (key, now, cost, tree)
-        return {**tree, "age_s": 0.0}
+        return tree
 
+    @_dashboard_call
     def cache_node(self, node_id: int) -> dict[str, Any] | None:
         from radix_cache.snapshot import node_detail
 
         return node_detail(self.scheduler.cache.tree, node_id, self._holders())
 
+    @_dashboard_call
     def cache_match(self, input_ids: list[int]) -> dict[str, Any]:
         """What the tree holds of `input_ids` (no hit counted), and the prefix the scheduler
         would reuse for it as a new request (at least one token must still run)."""

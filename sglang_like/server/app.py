@@ -49,6 +49,7 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     )
     app.state.server = state
     app.state.dashboard_history = history
+    app.state.dashboard_trees = {}  # /cache_tree's last answers (server/dashboard/routes.py)
     app.include_router(native_api.router)
     app.include_router(openai_router)
     app.include_router(tokenize_api.router)

@@ -124,16 +124,20 @@ def test_page_shows_the_shared_prefix_and_the_hit_rate_moves(server, tokenizer):
         # the tree shows one node of exactly the shared length, hit by the three later requests
         selector = f"#tree .node[data-tokens='{shared}']"
         _wait_for(page, f"document.querySelector(\"{selector}\") !== null")
-        node = page.query_selector(selector)
-        assert int(node.get_attribute("data-hits")) >= len(QUESTIONS) - 1
-        assert node.get_attribute("data-state") in ("evictable", "locked")
+        hits, node_state = page.evaluate(
+            f"(() => {{ const g = document.querySelector(\"{selector}\"); "
+            "return [Number(g.dataset.hits), g.dataset.state]; })()")
+        assert hits >= len(QUESTIONS) - 1
+        assert node_state in ("evictable", "locked")
         branches = page.evaluate(
             f"[...document.querySelectorAll('#tree .node')].filter(g => g.dataset.tokens !== "
             f"'{shared}' && g.dataset.state !== 'root').length")
         assert branches >= len(QUESTIONS)  # one branch per question at least
 
-        # clicking it shows its full text and token count
-        node.click()
+        # clicking it shows its full text and token count (paused: no re-render under the click)
+        page.check("#tree-pause")
+        time.sleep(0.1)
+        page.click(selector)
         _wait_for(page, "document.getElementById('node-text') !== null")
         assert SYSTEM in page.inner_text("#node-text")
         assert page.inner_text("#node-detail dd[data-fact='tokens']") == str(shared)
@@ -272,3 +276,19 @@ def test_page_files_are_self_contained(server):
         "http://www.w3.org/2000/svg", "")
     r = httpx.get(server.url + "/dashboard/static/..%2Fhistory.py", headers=headers)
     assert r.status_code == 404
+
+
+def test_cache_report_example(server):
+    """examples/dashboard/cache_report.py reads the same endpoints and reports the prefix."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "dashboard" / "cache_report.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--url", server.url, "--api-key", API_KEY,
+         "--system", SYSTEM, "--prompt", "nothing like it"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "largest cached prefixes" in out.stdout and "hit rate" in out.stdout
+    chat = next(line for line in out.stdout.splitlines() if line.startswith("chat:"))
+    assert int(chat.split()[1]) > 30  # the system turn is cached
+    assert "prompt: 0 of" in out.stdout

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.server.dashboard.history import StatsHistory
-from sglang_like.server.errors import ApiError, json_response, read_json_body
+from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import parse_model
 from sglang_like.server.state import get_state
@@ -123,7 +123,7 @@ async def stats(request: Request) -> Response:
         "kv_pool": latest["kv_pool"],
         "counters": {k: latest[k] for k in (
             "num_prompt_tokens", "num_cached_prompt_tokens", "num_generated_tokens",
-            "num_forward_steps", "evicted_tokens", "num_tree_nodes")},
+            "num_forward_steps", "evicted_tokens", "num_tree_nodes", "dashboard_busy_s")},
         "spec_accept_lengths": latest["spec_accept_lengths"],
         "latency": latency,
         "history": samples,
@@ -141,16 +141,32 @@ async def cache_tree(request: Request) -> Response:
     text = request.query_params.get("text", "true").lower() not in ("0", "false", "no")
     method = _engine_method(request, "cache_tree")
     decode = get_state(request).tokenizer.decode
+    # the last answer per query, as bytes: an unchanged snapshot is not expanded, detokenized
+    # and serialized again (a script polling the whole tree costs the engine one tiny RPC)
+    built: dict[tuple, tuple[int, bytes]] = request.app.state.dashboard_trees
+    query = (max_nodes, edge_tokens, text)
 
-    def build() -> dict[str, Any]:
-        tree = method(max_nodes=max_nodes, edge_tokens=edge_tokens)
+    def build() -> bytes:
+        from radix_cache.snapshot import expand
+
+        known = built.get(query)
+        tree = method(max_nodes=max_nodes, edge_tokens=edge_tokens, rows=True,
+                      known_id=known[0] if known else None)
+        if tree.get("unchanged") and known is not None:
+            return known[1]
+        tree = expand(tree)
         if text:
             for node in tree["nodes"]:
                 node["text"] = decode(node["token_ids"]) if node["token_ids"] else ""
                 node["text_truncated"] = node["tokens"] > len(node["token_ids"])
-        return tree
+        body = dumps(tree).encode()
+        if len(built) > 16:
+            built.clear()
+        built[query] = (tree["snapshot_id"], body)
+        return body
 
-    return json_response(await run_in_threadpool(build))
+    body = await run_in_threadpool(build)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/cache_tree/node/{node_id}", openapi_extra=operation(

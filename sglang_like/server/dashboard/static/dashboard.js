@@ -379,6 +379,8 @@ function renderTree(tree) {
     + `(${fmtInt(tree.locked_tokens)} locked, ${fmtInt(tree.evictable_tokens)} evictable), `
     + `${fmtInt(tree.evicted_tokens)} evicted so far · ${tree.eviction_policy}`
     + (tree.truncated ? ` · showing the ${fmtInt(tree.shown_nodes)} largest` : "")
+    + (tree.taken_at ? ` · snapshot ${fmtIdle(Math.max(Date.now() / 1000 - tree.taken_at, 0))}`
+       + ` old, took ${fmtNum(tree.snapshot_ms)} ms` : "")
     + (tree.disabled ? " · radix cache disabled" : "");
   if (state.selected != null && !byId.has(state.selected)) showDetailGone(state.selected);
 }
