@@ -73,8 +73,13 @@ class RequestLatency:
 
     NAMES = ("ttft", "tpot", "e2e", "queue")
 
+    # A summary sorts every sample of the window (about 10 ms for 10,000 requests a minute):
+    # it is computed at most this often and answered from the last one in between.
+    SUMMARY_EVERY_S = 5.0
+
     def __init__(self, seconds: float = 60.0) -> None:
         self.windows = {name: SlidingWindow(seconds) for name in self.NAMES}
+        self._summary: tuple[float, dict[str, dict | None]] | None = None
 
     def observe(self, req: Any) -> None:
         """Record one finished request (a `Req`: its timestamps are time.perf_counter())."""
@@ -94,4 +99,8 @@ class RequestLatency:
 
     def summary(self) -> dict[str, dict | None]:
         now = time.monotonic()
-        return {name: window.summary(now) for name, window in self.windows.items()}
+        if self._summary is not None and now - self._summary[0] < self.SUMMARY_EVERY_S:
+            return self._summary[1]
+        summary = {name: window.summary(now) for name, window in self.windows.items()}
+        self._summary = (now, summary)
+        return summary
