@@ -97,8 +97,18 @@ def _static_file(name: str) -> Response:
 
 
 # ---- /stats -------------------------------------------------------------------------------
-@router.get("/stats", openapi_extra=operation(ok=json_content({"type": "object"}),
-                                              errors=(400, 401, 404, 503)))
+def _with_query(extra: dict[str, Any], *params: tuple[str, dict, str]) -> dict[str, Any]:
+    """`operation(...)` plus its query parameters (read by `_query_number`, not by FastAPI,
+    so a bad value is our 400, never a 422)."""
+    return {**extra, "parameters": [
+        {"name": name, "in": "query", "required": False, "schema": schema,
+         "description": text} for name, schema, text in params]}
+
+
+@router.get("/stats", openapi_extra=_with_query(
+    operation(ok=json_content({"type": "object"}), errors=(400, 401, 404, 503)),
+    ("since", {"type": "number", "minimum": 0, "default": 0},
+     "only history samples newer than this wall-clock time (seconds since the epoch)")))
 async def stats(request: Request) -> Response:
     """`since`: only samples newer than this wall-clock time (a page polls for what is new)."""
     since = _query_number(request, "since", 0.0, float, 0.0, float("inf"))
@@ -131,8 +141,13 @@ async def stats(request: Request) -> Response:
 
 
 # ---- /cache_tree --------------------------------------------------------------------------
-@router.get("/cache_tree", openapi_extra=operation(ok=json_content({"type": "object"}),
-                                                   errors=(400, 401, 404)))
+@router.get("/cache_tree", openapi_extra=_with_query(
+    operation(ok=json_content({"type": "object"}), errors=(400, 401, 404)),
+    ("max_nodes", {"type": "integer", "minimum": 0, "maximum": MAX_NODES_LIMIT, "default": 500},
+     "nodes to show: those with the most tokens beneath them"),
+    ("edge_tokens", {"type": "integer", "minimum": 0, "maximum": MAX_EDGE_TOKENS,
+                     "default": 24}, "leading token ids (and text) of each edge"),
+    ("text", {"type": "boolean", "default": True}, "detokenize each edge's tokens")))
 async def cache_tree(request: Request) -> Response:
     """The tree: `max_nodes` nodes with the most tokens beneath them (each says what it hides),
     each edge's first `edge_tokens` token ids and, unless `text=false`, their text."""

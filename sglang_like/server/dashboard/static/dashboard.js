@@ -184,7 +184,7 @@ function forRuns(points, fn) {  // call fn on each run of non-null points (nulls
 const charts = [
   // free slots are the rest of the pool (in the legend): stacked, they would flatten the rest
   new Chart("chart-pool", [
-    {key: "in_use", label: "in use", color: "#f08a24"},
+    {key: "in_use", label: "in use (locked by requests)", color: "#f08a24"},
     {key: "evictable", label: "cached (evictable)", color: "#4c78a8"},
   ], {stacked: true, format: fmtInt, extra: (s) => `free ${fmtInt(s.free)} of ${fmtInt(s.total)}`}),
   new Chart("chart-hit", [
