@@ -8,8 +8,6 @@ import glob
 import logging
 import os
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 _OMP_PAUSE_HARD = 2  # OpenMP 5.0 omp_pause_resource_t
@@ -18,6 +16,8 @@ _OMP_PAUSE_HARD = 2  # OpenMP 5.0 omp_pause_resource_t
 @functools.lru_cache(maxsize=1)
 def _libgomp() -> ctypes.CDLL | None:
     """The GNU OpenMP runtime torch's wheel ships, if that is the one it uses."""
+    import torch  # here: the HTTP process imports this module (trim_heap) without torch
+
     if "OpenMP" not in torch.__config__.parallel_info():
         return None
     for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib",

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.speculative.controller import SpecState
+
+if TYPE_CHECKING:  # the HTTP process builds Reqs' messages without torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,29 @@ only when the embeddings are not tied.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from sglang_like.model_loader.gguf_loader import load_gguf, load_gguf_tokenizer
-from sglang_like.model_loader.hf_loader import load_hf_folder
-from sglang_like.model_loader.loaded import LoadedModel, check_weights, expected_weight_shapes
+from sglang_like.model_loader.gguf_tokenizer import load_gguf_tokenizer
 from sglang_like.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from sglang_like.model_loader.loaded import LoadedModel
+
+# Weights need torch, a tokenizer does not: the HTTP process loads only the tokenizer, so the
+# weight loaders are imported on first use.
+_LAZY = {"LoadedModel": "loaded", "check_weights": "loaded", "expected_weight_shapes": "loaded"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(f"sglang_like.model_loader.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
@@ -62,16 +76,24 @@ def _resolve(model_path: str | None) -> tuple[str, str]:
 
 
 def load_model(
-    model_path: str | None = None, dtype: torch.dtype = torch.float32, keep_packed: bool = False
+    model_path: str | None = None, dtype: torch.dtype | None = None, keep_packed: bool = False
 ) -> LoadedModel:
-    """Load a model (None: the default SmolLM2 GGUF) with weights cast to `dtype` on the CPU.
+    """Load a model (None: the default SmolLM2 GGUF) with weights cast to `dtype` (default
+    float32) on the CPU.
 
     `keep_packed`: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks
     (`GGUFBlockWeight`) for a quantized model to repack; other sources are unaffected.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     kind, path = _resolve(model_path)
     if kind == "gguf":
+        from sglang_like.model_loader.gguf_loader import load_gguf
+
         return load_gguf(path, dtype, keep_packed)
+    from sglang_like.model_loader.hf_loader import load_hf_folder
+
     return load_hf_folder(path, dtype)
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gguf
 import numpy as np
-import torch
 
-from sglang_like.quant.gguf_blocks import PACKED_QTYPES, GGUFBlockWeight
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading metadata needs none
+    import torch
+
+    from sglang_like.quant.gguf_blocks import GGUFBlockWeight
 
 # llama.cpp per-block tensor names -> Hugging Face names (suffix .weight / .bias kept).
 _BLOCK_NAMES = {
@@ -180,6 +182,10 @@ def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
 
 
 def _packed(tensor: GGUFTensor, heads: int | None) -> GGUFBlockWeight:
+    import torch
+
+    from sglang_like.quant.gguf_blocks import GGUFBlockWeight
+
     weight = GGUFBlockWeight(tensor.qtype.name, tensor.shape, tensor.data)
     if heads is None:
         return weight
@@ -196,6 +202,10 @@ def iter_hf_tensors(
     With `keep_packed`, Q4_0 / Q4_1 / Q8_0 matrices come as `GGUFBlockWeight` (their blocks,
     rows un-permuted) for a quantized model to repack; nothing of them is dequantized here.
     """
+    import torch
+
+    from sglang_like.quant.gguf_blocks import PACKED_QTYPES
+
     permuted = arch in ("llama", "mistral")
     for tensor in tensors:
         name = hf_tensor_name(tensor.name)

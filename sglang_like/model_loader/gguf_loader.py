@@ -8,7 +8,7 @@ import torch
 
 from sglang_like.config import ModelConfig
 from sglang_like.model_loader.gguf_file import iter_hf_tensors, read_gguf
-from sglang_like.model_loader.gguf_tokenizer import tokenizer_from_gguf
+from sglang_like.model_loader.gguf_tokenizer import load_gguf_tokenizer, tokenizer_from_gguf
 from sglang_like.model_loader.loaded import LoadedModel, check_weights
 from sglang_like.tokenizer import Tokenizer
 
@@ -91,6 +91,4 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32,
     return LoadedModel(config, weights, tokenizer)
 
 
-def load_gguf_tokenizer(path: str) -> Tokenizer:
-    """Only the tokenizer of a GGUF file (reads metadata, skips the tensors)."""
-    return tokenizer_from_gguf(read_gguf(path).metadata)
+__all__ = ["gguf_model_config", "load_gguf", "load_gguf_tokenizer"]

@@ -135,3 +135,10 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
         chat_template=template,
         special_tokens_map={k: tokens[v] for k, v in names.items() if v is not None},
     )
+
+
+def load_gguf_tokenizer(path: str) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (reads metadata, skips the tensors; no torch)."""
+    from sglang_like.model_loader.gguf_file import read_gguf
+
+    return tokenizer_from_gguf(read_gguf(path).metadata)

@@ -12,13 +12,28 @@ from the target's distribution (SGLang's target-only verify).
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from sglang_like.config import SPECULATIVE_ALGORITHMS, ServerArgs
 from sglang_like.speculative.controller import SpecController, SpecState
-from sglang_like.speculative.ngram import NgramDrafter
-from sglang_like.speculative.tree import DraftTree
+
+if TYPE_CHECKING:
+    from sglang_like.speculative.ngram import NgramDrafter
+    from sglang_like.speculative.tree import DraftTree
+
+# The torch-using parts load on first use: the HTTP process imports this package (a request's
+# SpecState) and must not pay for torch.
+_LAZY = {"NgramDrafter": "sglang_like.speculative.ngram",
+         "DraftTree": "sglang_like.speculative.tree"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["DEFAULT_HEAD", "DraftTree", "NgramDrafter", "SpecConfig", "SpecController",
            "SpecState", "resolve_spec_config"]
