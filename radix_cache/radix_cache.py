@@ -251,10 +251,25 @@ class RadixCache:
 
     def eviction_order(self, k: int) -> list[TreeNode]:
         """The first ``k`` leaves ``evict`` would take now, in order (a read-only look: the
-        parents that would become leaves on the way are not predicted)."""
-        if self.disable or k <= 0:
+        parents that would become leaves on the way are not predicted).
+
+        Reads the eviction heap in sorted order without popping it (a second heap over its
+        indices): O(k log k) plus the stale entries met on the way, not O(leaves)."""
+        heap, leaves, priority = self._heap, self._evictable_leaves, self._priority
+        if self.disable or k <= 0 or not heap:
             return []
-        return heapq.nsmallest(k, self._evictable_leaves, key=lambda n: (self._priority(n), n))
+        out: list[TreeNode] = []
+        seen: set[TreeNode] = set()
+        candidates = [(heap[0], 0)]
+        while candidates and len(out) < k:
+            (key, leaf), i = heapq.heappop(candidates)
+            if leaf in leaves and leaf not in seen and key == priority(leaf):
+                out.append(leaf)
+                seen.add(leaf)
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < len(heap):
+                    heapq.heappush(candidates, (heap[j], j))
+        return out
 
     def held_slots(self) -> list[int]:
         """Every slot the tree holds (a walk of the whole tree: for recovery and checks)."""
@@ -330,6 +345,8 @@ class RadixCache:
         upper = TreeNode(child.key[:split_len], child.value[:split_len], child.parent,
                          child.last_access_time, child.hit_count, child.lock_ref,
                          child.access_wall)
+        upper.subtree_tokens = child.subtree_tokens  # the same tokens, one node more
+        child.subtree_tokens -= split_len
         upper.children[child.key[split_len]] = child
         child.parent.children[child.key[0]] = upper
         child.key = child.key[split_len:]
@@ -341,6 +358,10 @@ class RadixCache:
     def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int], tick: int) -> None:
         leaf = TreeNode(key, value, parent, tick, access_wall=self._wall)
         parent.children[key[0]] = leaf
+        up: TreeNode | None = parent
+        while up is not None:
+            up.subtree_tokens += len(key)
+            up = up.parent
         self._evictable_leaves.discard(parent)
         self._add_evictable(leaf)
         self._evictable_size += len(key)
@@ -349,6 +370,10 @@ class RadixCache:
     def _remove_leaf(self, leaf: TreeNode) -> None:
         parent = leaf.parent
         del parent.children[leaf.key[0]]
+        up: TreeNode | None = parent
+        while up is not None:
+            up.subtree_tokens -= len(leaf.key)
+            up = up.parent
         self._evictable_leaves.discard(leaf)
         self._evictable_size -= len(leaf.key)
         self._num_nodes -= 1
@@ -370,6 +395,10 @@ class RadixCache:
         while stack:
             node = stack.pop()
             children_lock_sum = 0
+            below = sum(child.subtree_tokens for child in node.children.values())
+            _check(node.subtree_tokens == len(node.key) + below,
+                   f"{node!r}: subtree_tokens {node.subtree_tokens} != "
+                   f"{len(node.key)} + children's {below}")
             for first, child in node.children.items():
                 _check(child.parent is node, f"{child!r} has a wrong parent")
                 _check(len(child.key) > 0, f"{child!r} has an empty key")
@@ -400,6 +429,8 @@ class RadixCache:
         _check(protected == self._protected_size,
                f"protected_size {self._protected_size} != walked {protected}")
         _check(num_nodes == self._num_nodes, f"num_nodes {self._num_nodes} != walked {num_nodes}")
+        _check(root.subtree_tokens == evictable + protected,
+               f"root subtree_tokens {root.subtree_tokens} != tree tokens {evictable + protected}")
         _check(leaves == self._evictable_leaves, "evictable-leaf set out of date")
         current = {(key, leaf) for key, leaf in self._heap if leaf in leaves}
         _check(all((self._priority(leaf), leaf) in current for leaf in leaves),

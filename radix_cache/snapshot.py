@@ -4,7 +4,8 @@ as an access, so looking never changes what the scheduler sees.
 
 The snapshot keeps the ``max_nodes`` nodes with the most tokens below them (best-first from
 the root, so every kept node's parent is kept too); each kept node says how many children and
-tokens were left out beneath it. One walk of the whole tree computes the subtree sizes.
+tokens were left out beneath it. The tree keeps every node's subtree size, so the cost grows
+with the nodes shown (and their children), not with the tree.
 """
 
 from __future__ import annotations
@@ -49,30 +50,16 @@ def snapshot(
     if max_nodes < 0 or edge_tokens < 0 or next_evict < 0:
         raise ValueError("max_nodes, edge_tokens and next_evict must be >= 0")
     root = tree.root
-    order: list[TreeNode] = []  # every node, parents before children
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        if node.children:
-            stack.extend(node.children.values())
-    subtree: dict[TreeNode, int] = {}
-    for node in reversed(order):
-        size = len(node.key)
-        for child in node.children.values():
-            size += subtree[child]
-        subtree[node] = size
-
     kept: set[TreeNode] | None = None  # None: every node
-    if max_nodes < tree.num_nodes:
+    if max_nodes < tree.num_nodes:  # best-first by the tokens beneath: O(kept log), no walk
         kept = {root}
-        frontier = [(-subtree[c], c.id, c) for c in root.children.values()]
+        frontier = [(-c.subtree_tokens, c.id, c) for c in root.children.values()]
         heapq.heapify(frontier)
         while frontier and len(kept) <= max_nodes:
             _, _, node = heapq.heappop(frontier)
             kept.add(node)
             for child in node.children.values():
-                heapq.heappush(frontier, (-subtree[child], child.id, child))
+                heapq.heappush(frontier, (-child.subtree_tokens, child.id, child))
 
     held_by = _holders_by_node(tree, holders)
     ranks = {leaf: i + 1 for i, leaf in enumerate(tree.eviction_order(next_evict))}
@@ -85,15 +72,15 @@ def snapshot(
         children = node.children
         shown = list(children.values()) if kept is None else [
             c for c in children.values() if c in kept]
-        hidden_tokens = subtree[node] - len(key)
+        hidden_tokens = node.subtree_tokens - len(key)
         for child in shown:
-            hidden_tokens -= subtree[child]
+            hidden_tokens -= child.subtree_tokens
         for child in reversed(shown):
             walk.append((child, end))
         rids = held_by.get(node, ())
         parent = node.parent
         table.append((node.id, None if parent is None else parent.id, start, len(key),
-                      subtree[node], key[:edge_tokens], node.lock_ref, node.hit_count,
+                      node.subtree_tokens, key[:edge_tokens], node.lock_ref, node.hit_count,
                       node.last_access_time, node.access_wall, ranks.get(node),
                       len(children), len(children) - len(shown), hidden_tokens,
                       list(rids[:_MAX_HOLDERS]), len(rids)))

@@ -25,10 +25,12 @@ class TreeNode:
     evicted. ``last_access_time`` / ``hit_count`` drive LRU / LFU eviction (the time is a
     logical tick, unique per tree operation); ``access_wall`` is the same moment in
     ``time.monotonic()`` seconds, for people reading the tree (a dashboard's "last access").
+    ``subtree_tokens`` counts the tokens of this node and all below it (kept by the tree on
+    every insert, split and removal, so a bounded view needs no walk of the whole tree).
     """
 
     __slots__ = ("access_wall", "children", "hit_count", "id", "key", "last_access_time",
-                 "lock_ref", "parent", "value")
+                 "lock_ref", "parent", "subtree_tokens", "value")
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class TreeNode:
         self.last_access_time = last_access_time
         self.hit_count = hit_count
         self.access_wall = access_wall
+        self.subtree_tokens = len(key)
 
     @property
     def is_leaf(self) -> bool:

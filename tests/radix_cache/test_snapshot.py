@@ -156,3 +156,29 @@ def test_ten_thousand_nodes_are_bounded():
     assert hidden > 0
     full = snapshot(cache, max_nodes=20_000)
     assert full["shown_nodes"] == cache.num_nodes and not full["truncated"]
+
+
+def test_eviction_order_is_what_evict_takes():
+    """eviction_order(k) reads the heap without popping it: the same leaves, in the same
+    order, as evict() then removes one by one (LRU and LFU, with stale heap entries)."""
+    import random
+
+    for policy in ("lru", "lfu"):
+        rng = random.Random(5)
+        cache = RadixCache(KVSlotAllocator(4096), eviction_policy=policy)
+        seqs = [[rng.randrange(6), rng.randrange(50), *range(100, 100 + rng.randrange(1, 4))]
+                for _ in range(120)]
+        for seq in seqs:
+            _store(cache, seq)
+        for seq in rng.sample(seqs, 60):  # touches: hits and newer access times (stale entries)
+            cache.match_prefix(seq)
+        order = cache.eviction_order(10)
+        assert len(order) == 10 and len(set(order)) == 10
+        taken = []
+        for _ in range(10):
+            leaf = min(cache._evictable_leaves, key=lambda n: (cache._priority(n), n))
+            taken.append(leaf)
+            assert cache.evict(1) == len(leaf.key)
+        assert order == taken, policy
+        cache.check_integrity()
+    assert RadixCache(KVSlotAllocator(8)).eviction_order(3) == []
