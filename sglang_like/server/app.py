@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -77,7 +78,9 @@ def _version() -> str:
 async def _metrics(request: Request) -> Response:
     state = get_state(request)
     try:
-        state.metrics.refresh_gauges(state.engine.get_server_info())
+        # on a worker thread: the engine answers between steps, and a long prefill step must
+        # not stall the event loop that streams everyone's tokens
+        state.metrics.refresh_gauges(await run_in_threadpool(state.engine.get_server_info))
     except Exception:  # noqa: BLE001 - a dead engine: the counters still tell what happened
         logger.warning("/metrics without the engine's gauges", exc_info=True)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,4 +1,8 @@
-"""SGLang-native routes: /generate, model and server info, health, cache flush, abort."""
+"""SGLang-native routes: /generate, model and server info, health, cache flush, abort.
+
+A route that asks the engine something (`get_server_info`, `get_load`, `flush_cache`) waits for
+it on a worker thread: the engine answers between scheduler steps, and the event loop must keep
+streaming other requests' tokens meanwhile."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -123,7 +128,7 @@ async def get_server_info(request: Request) -> Response:
     info: dict[str, Any] = dataclasses.asdict(state.server_args)
     info.pop("api_key", None)
     info["served_model_name"] = state.served_model_name
-    info.update(state.engine.get_server_info())
+    info.update(await run_in_threadpool(state.engine.get_server_info))
     info.pop("api_key", None)
     return json_response(info)
 
@@ -134,7 +139,7 @@ async def get_server_info(request: Request) -> Response:
 async def get_load(request: Request) -> Response:
     """SGLang's shape: one entry per data-parallel rank (this server has one); sglang-router's
     power_of_two policy and its own /get_loads read it."""
-    return json_response([get_state(request).engine.get_load()])
+    return json_response([await run_in_threadpool(get_state(request).engine.get_load)])
 
 
 @router.get("/health", openapi_extra=operation(ok_description="Healthy", errors=(503,)))
@@ -179,7 +184,7 @@ _FLUSH_CACHE = operation(ok=TEXT_CONTENT, errors=(400, 401))
 @router.post("/flush_cache", openapi_extra=_FLUSH_CACHE)
 async def flush_cache(request: Request) -> Response:
     state = get_state(request)
-    if not state.engine.flush_cache():
+    if not await run_in_threadpool(state.engine.flush_cache):
         raise ApiError(400, "cache not flushed: requests are still running; retry when idle")
     return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
 

@@ -276,3 +276,45 @@ def _sse(url: str, body: dict) -> list[str]:
             if line.startswith("data: "):
                 events.append(line[len("data: "):])
     return events
+
+
+@pytest.mark.parametrize(("path", "method", "engine_call"), [
+    ("/metrics", "GET", "get_server_info"), ("/get_server_info", "GET", "get_server_info"),
+    ("/get_load", "GET", "get_load"), ("/flush_cache", "POST", "flush_cache"),
+    ("/stats", "GET", "get_stats"),
+])
+def test_routes_that_ask_the_engine_do_not_block_the_event_loop(
+        fake_server: Any, path: str, method: str, engine_call: str) -> None:
+    """The engine answers between steps (a long prefill can take seconds): while it has not,
+    the server still answers everyone else."""
+    import threading
+
+    engine = fake_server.engine
+    real = getattr(engine, engine_call, None)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        release.wait(10)
+        if real is None:  # the fake engine has no stats: what a real one answers
+            return {"t": 0.0, "kv_pool": {"total_slots": 1, "free_slots": 1, "used_slots": 0,
+                                          "evictable_slots": 0},
+                    "num_running_reqs": 0, "num_queued_reqs": 0, "num_prompt_tokens": 0,
+                    "num_cached_prompt_tokens": 0, "num_generated_tokens": 0,
+                    "num_forward_steps": 0, "evicted_tokens": 0, "num_tree_nodes": 0,
+                    "dashboard_busy_s": 0.0, "spec_accept_lengths": {}, "latency": {}}
+        return real(*args, **kwargs)
+
+    setattr(engine, engine_call, slow)
+    answers: list[int] = []
+    caller = threading.Thread(target=lambda: answers.append(
+        httpx.request(method, fake_server.url + path, timeout=30).status_code))
+    caller.start()
+    try:
+        assert entered.wait(10), f"{path} never asked the engine"
+        r = httpx.get(fake_server.url + "/health", timeout=5)  # blocked loop: a timeout here
+        assert r.status_code == 200 and not release.is_set()
+    finally:
+        release.set()
+        caller.join(timeout=30)
+    assert answers == [200], (path, answers)
