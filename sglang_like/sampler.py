@@ -47,6 +47,7 @@ class Sampler:
         want_lp = [r.return_logprob for r in reqs]
         lp = raw_logprobs(logits) if any(want_lp) else None
         self._apply_penalties(logits, reqs)
+        self._apply_logit_bias(logits, reqs)
         if bitmask is not None:
             kernels.apply_token_bitmask_(logits, bitmask.to(logits.device))
         self._block_early_stop(logits, reqs, grammar_masked=bitmask is not None)
@@ -78,6 +79,17 @@ class Sampler:
                 ids = torch.tensor(r.output_ids, dtype=torch.long)
                 counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
                 row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        """OpenAI's logit_bias: added to the logits after penalties, before masks and the
+        choice (so it moves greedy too); the logprobs reported stay the model's own."""
+        for i, r in enumerate(reqs):
+            bias = r.sampling_params.token_bias
+            if bias:
+                ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+                vals = torch.tensor(list(bias.values()), dtype=logits.dtype,
+                                    device=logits.device)
+                logits[i].index_add_(0, ids, vals)
 
     def _block_early_stop(self, logits: torch.Tensor, reqs: list[Req],
                           grammar_masked: bool) -> None:

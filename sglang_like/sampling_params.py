@@ -41,6 +41,9 @@ class SamplingParams:
     ebnf: str | None = None
     # xgrammar's structural tag (SGLang's `structural_tag`): a JSON string or object
     structural_tag: str | dict | None = None
+    # OpenAI's logit_bias: token id (a string in JSON) -> a number in [-100, 100] added to that
+    # token's logit before sampling (greedy included); -100 bans it. Logprobs stay the model's.
+    logit_bias: dict[str, float] | None = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -163,10 +166,40 @@ class SamplingParams:
             raise ValueError("ebnf must be a string")
         if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
             raise ValueError("structural_tag must be an object or a string holding one")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias by integer token id ({} when unset); valid once `validate()` ran."""
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
 
-_NULLABLE = {"stop", "stop_token_ids", "seed", "regex", "json_schema", "ebnf", "structural_tag"}
+_NULLABLE = {"stop", "stop_token_ids", "seed", "regex", "json_schema", "ebnf", "structural_tag",
+             "logit_bias"}
+_MAX_LOGIT_BIAS_ENTRIES = 1024
+_MAX_LOGIT_BIAS = 100.0
 _ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def _checked_logit_bias(bias: Any, vocab_size: int | None) -> dict[str, float]:
+    """{token id as a decimal string: bias}: keys ints or strings of one, values numbers in
+    [-100, 100], at most 1024 entries."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to numbers")
+    if len(bias) > _MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias takes at most {_MAX_LOGIT_BIAS_ENTRIES} tokens")
+    hi = (vocab_size or (1 << 31)) - 1
+    out: dict[str, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= hi:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {hi}], got {key!r}")
+        _check_float(f"logit_bias[{key}]", value, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
+        out[str(token)] = float(value)
+    return out
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:

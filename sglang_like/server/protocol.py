@@ -32,7 +32,7 @@ from sglang_like.server.json_schemas import (
 # Keys SGLang's own client sends in sampling_params that this runtime has no use for.
 _IGNORED_SAMPLING_KEYS = ("spaces_between_special_tokens",)
 # Keys it sends that we accept only when unset.
-_UNSUPPORTED_SAMPLING_KEYS = ("stop_regex", "logit_bias", "custom_params")
+_UNSUPPORTED_SAMPLING_KEYS = ("stop_regex", "custom_params")
 # SGLang's names for our fields; sglang-router passes `sampling_seed` on and drops `seed`.
 _SAMPLING_ALIASES = {"sampling_seed": "seed"}
 _OPENAI_MAX_N = 16
@@ -226,6 +226,8 @@ class _OpenAISampling(BaseModel):
     json_schema: dict[str, Any] | str | None = None
     ebnf: str | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = Field(
+        None, description="token id -> bias in [-100, 100] added to its logit (-100 bans it)")
     # sglang-router sends it (false) on every OpenAI body
     return_hidden_states: StrictBool = Field(False, description="ignored: not supported")
 
@@ -258,6 +260,7 @@ class _OpenAISampling(BaseModel):
             "regex": self.regex,
             "json_schema": self.json_schema,
             "ebnf": self.ebnf,
+            "logit_bias": self.logit_bias or None,
         }
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.response_format is not None:
