@@ -51,7 +51,7 @@ def snapshot(
         raise ValueError("max_nodes, edge_tokens and next_evict must be >= 0")
     root = tree.root
     kept: set[TreeNode] | None = None  # None: every node
-    if max_nodes < tree.num_nodes:  # best-first by the tokens beneath: O(kept log), no walk
+    if max_nodes < tree.num_nodes:  # best-first by tokens beneath: visits kept nodes' children
         kept = {root}
         frontier = [(-c.subtree_tokens, c.id, c) for c in root.children.values()]
         heapq.heapify(frontier)

@@ -39,7 +39,8 @@ class StatsHistory:
         self._samples: deque[dict[str, Any]] = deque(maxlen=int(history_s / interval_s) + 1)
         self._prev: dict[str, Any] | None = None
         self._latest: dict[str, Any] | None = None  # the engine's last raw answer
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the buffer for readers
+        self._sampling = threading.Lock()  # one sample at a time (`_prev` is per sample)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # why the last sample failed, if it did
@@ -76,19 +77,21 @@ class StatsHistory:
             self._stop.wait(delay)
 
     def sample(self) -> dict[str, Any] | None:
-        """Ask the engine once and append a sample; None (and `error` set) if it failed."""
-        try:
-            raw = self._engine.get_stats()
-        except Exception as exc:  # noqa: BLE001 - a dead or busy engine: say so, keep going
-            self.error = f"{type(exc).__name__}: {exc}"
-            logger.debug("dashboard sample failed", exc_info=True)
-            return None
-        self.error = None
-        row = self._row(raw, time.time())
-        with self._lock:
-            self._latest = raw
-            self._samples.append(row)
-        return row
+        """Ask the engine once and append a sample; None (and `error` set) if it failed.
+        Samples are taken one at a time (the thread's, or a route's before the first)."""
+        with self._sampling:
+            try:
+                raw = self._engine.get_stats()
+            except Exception as exc:  # noqa: BLE001 - a dead or busy engine: say so, go on
+                self.error = f"{type(exc).__name__}: {exc}"
+                logger.debug("dashboard sample failed", exc_info=True)
+                return None
+            self.error = None
+            row = self._row(raw, time.time())
+            with self._lock:
+                self._latest = raw
+                self._samples.append(row)
+            return row
 
     def _row(self, raw: dict[str, Any], now: float) -> dict[str, Any]:
         pool = raw["kv_pool"]
