@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -38,6 +37,9 @@ from typing import Any
 
 import httpx
 from tqdm import tqdm
+
+from sglang_like.bench_serving_peers import _stop as stop_server
+from sglang_like.bench_serving_peers import _wait_healthy
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
@@ -96,26 +98,12 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
            "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server not healthy in 300 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
+        _wait_healthy(url, proc, 300)
+    except RuntimeError:
         proc.kill()
+        raise
+    return proc, url
 
 
 def build_tree(url: str, num_nodes: int, batch: int = 64) -> int:

@@ -107,14 +107,7 @@ class EngineCore:
             "kv_pool": {**s.kv_pool_info(),
                         "bytes_per_slot": self.runner.kv_pool.bytes_per_slot},
             "cache_hit_rate": s.cache_hit_rate,
-            "num_running_reqs": len(s.running),
-            "num_queued_reqs": len(s.waiting) + self.loop.num_pending_commands,
-            "num_prompt_tokens": s.num_prompt_tokens,
-            "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
-            "num_generated_tokens": s.num_generated_tokens,
-            "num_forward_steps": s.num_forward_steps,
-            # loop time spent answering the dashboard (get_stats, cache_tree, ...)
-            "dashboard_busy_s": self.dashboard_busy_s,
+            **self._counters(),
             # speculative decoding: how many verify passes committed k tokens
             "spec_accept_lengths": dict(sorted(s.spec_accept_lengths.items())),
             # faults injected so far (SGLANG_LIKE_FAULT_INJECT), by site; {} when off
@@ -144,16 +137,24 @@ class EngineCore:
             "t": time.monotonic(),
             "kv_pool": {**s.kv_pool_info(), "evictable_slots": tree.evictable_size,
                         "locked_slots": tree.protected_size},
+            **self._counters(),
+            "num_tree_nodes": tree.num_nodes,
+            "evicted_tokens": tree.evicted_tokens,
+            "spec_accept_lengths": {str(k): v for k, v in s.spec_accept_lengths.items()},
+            "latency": self.loop.request_latency.summary(),
+        }
+
+    def _counters(self) -> dict[str, Any]:
+        """Requests now, and tokens and steps since start (get_server_info and get_stats)."""
+        s = self.scheduler
+        return {
             "num_running_reqs": len(s.running),
             "num_queued_reqs": len(s.waiting) + self.loop.num_pending_commands,
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
             "num_generated_tokens": s.num_generated_tokens,
             "num_forward_steps": s.num_forward_steps,
-            "num_tree_nodes": tree.num_nodes,
-            "evicted_tokens": tree.evicted_tokens,
-            "spec_accept_lengths": {str(k): v for k, v in s.spec_accept_lengths.items()},
-            "latency": self.loop.request_latency.summary(),
+            # loop time spent answering the dashboard (get_stats, cache_tree, ...)
             "dashboard_busy_s": self.dashboard_busy_s,
         }
 

@@ -148,6 +148,21 @@ def server_launcher() -> Iterator[Any]:
         stop_real_server(server, timeout=10)
 
 
+@pytest.fixture(scope="module")
+def module_server_launcher() -> Iterator[Any]:
+    """`server_launcher` for a module's own fixtures: servers live until the module ends."""
+    started: list[RealServer] = []
+
+    def start(*args: str, api_key: str | None = None) -> RealServer:
+        server = start_real_server(*args, api_key=api_key)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        stop_real_server(server)
+
+
 @pytest.fixture(scope="session")
 def real_server() -> Iterator[RealServer]:
     """One server with the default model, shared by the real-model tests of this folder."""

@@ -14,7 +14,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +22,6 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-
-def _this_folders_conftest() -> Any:
-    """tests/server/conftest.py as pytest loaded it (start_real_server, stop_real_server)."""
-    path = str(Path(__file__).with_name("conftest.py"))
-    for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) == path:
-            return module
-    raise RuntimeError(f"{path} is not loaded")
-
-
-_conftest = _this_folders_conftest()
 
 CHROMIUM = "/usr/bin/chromium"
 API_KEY = "dash-test-key"
@@ -51,11 +39,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Any]:
-    server = _conftest.start_real_server("--max-running-requests", "8",
-                                         "--max-total-tokens", "8192", api_key=API_KEY)
-    yield server
-    _conftest.stop_real_server(server)
+def server(module_server_launcher: Any) -> Any:
+    return module_server_launcher("--max-running-requests", "8", "--max-total-tokens", "8192",
+                                  api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
