@@ -132,9 +132,8 @@ def _drain(proc: subprocess.Popen) -> None:
         pass
 
 
-@pytest.fixture
-def server_launcher() -> Iterator[Any]:
-    """`start(*cli_args, api_key=...)` real servers; any still running are stopped at teardown."""
+def _launcher(stop_timeout: float) -> Iterator[Any]:
+    """`start(*cli_args, api_key=...)` real servers; any still running are stopped after."""
     started: list[RealServer] = []
 
     def start(*args: str, api_key: str | None = None) -> RealServer:
@@ -145,22 +144,19 @@ def server_launcher() -> Iterator[Any]:
     start.stop = stop_real_server  # type: ignore[attr-defined]
     yield start
     for server in started:
-        stop_real_server(server, timeout=10)
+        stop_real_server(server, timeout=stop_timeout)
+
+
+@pytest.fixture
+def server_launcher() -> Iterator[Any]:
+    """Real servers for one test, stopped at its teardown."""
+    yield from _launcher(stop_timeout=10)
 
 
 @pytest.fixture(scope="module")
 def module_server_launcher() -> Iterator[Any]:
     """`server_launcher` for a module's own fixtures: servers live until the module ends."""
-    started: list[RealServer] = []
-
-    def start(*args: str, api_key: str | None = None) -> RealServer:
-        server = start_real_server(*args, api_key=api_key)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        stop_real_server(server)
+    yield from _launcher(stop_timeout=60)
 
 
 @pytest.fixture(scope="session")
