@@ -48,6 +48,9 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
 """Values of `--speculative-algorithm` (see sglang_like.speculative)."""
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+"""Values of `--disaggregation-mode` (see sglang_like.disaggregation)."""
+
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -94,6 +97,16 @@ class ServerArgs:
     # The engine core (scheduler, model runner) runs in a process of its own; True: on a thread
     # of the caller's process instead (tests that look inside the scheduler; debugging)
     engine_in_process: bool = False
+    # Scale-out (sglang_like.tp, sglang_like.disaggregation): tensor parallelism over
+    # tp_size engine-core ranks (torch.distributed: gloo on CPU, NCCL on CUDA); and SGLang's
+    # prefill/decode disaggregation roles ("null": a regular worker), the prefill side's
+    # bootstrap port (decode workers find it there) and the KV transfer engine
+    tp_size: int = 1
+    disaggregation_mode: str = "null"  # "null" | "prefill" | "decode"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    # a decode-side request whose KV has not arrived after this many seconds ends with an error
+    disaggregation_transfer_timeout: float = 120.0
     # Server
     host: str = "127.0.0.1"
     port: int = 30000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,9 @@ class ForwardBatch:
     # kernels.masked_attention). Positions are then given, not derived.
     custom_masks: list[torch.Tensor] | None = None
     is_decode: bool = False  # every extend_len == 1 and no tree mask
+    # called with i once layer i has stored this batch's K/V (prefill/decode disaggregation
+    # streams each layer's KV out while the next layers compute); None: no hook
+    on_layer: Callable[[int], None] | None = None
     seq_lens: torch.Tensor = field(init=False)  # [B] prefix + extend, built once per forward
 
     def __post_init__(self) -> None:

@@ -14,7 +14,12 @@ import threading
 import time
 from typing import Any
 
-from sglang_like.config import QUANTIZATION_CHOICES, SPECULATIVE_ALGORITHMS, ServerArgs
+from sglang_like.config import (
+    DISAGGREGATION_MODES,
+    QUANTIZATION_CHOICES,
+    SPECULATIVE_ALGORITHMS,
+    ServerArgs,
+)
 from sglang_like.function_call.parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("sglang_like.launch_server")
@@ -66,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/health answers 503 while one scheduler step has run this many "
                         "seconds (a stuck forward)")
     add_speculative_arguments(p, d)
+    add_scale_out_arguments(p, d)
     p.add_argument("--engine-in-process", action="store_true", default=d.engine_in_process,
                    help="run the scheduler and model on a thread of the HTTP process instead "
                         "of an engine process of their own (the shape before; for debugging)")
@@ -95,6 +101,25 @@ def add_speculative_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None
     p.add_argument("--disable-speculative-auto-disable", dest="speculative_auto_disable",
                    action="store_false", default=d.speculative_auto_disable,
                    help="speculate on every step, even where it measured as not paying")
+
+
+def add_scale_out_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
+    """Tensor parallelism and SGLang's prefill/decode disaggregation switches."""
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int,
+                   default=d.tp_size,
+                   help="engine-core ranks the model is split across (one process each)")
+    p.add_argument("--disaggregation-mode", default=d.disaggregation_mode,
+                   choices=list(DISAGGREGATION_MODES),
+                   help="prefill or decode: a worker of a PD pair behind sglang-router "
+                        "--pd-disaggregation; null: a regular worker")
+    p.add_argument("--disaggregation-bootstrap-port", type=int,
+                   default=d.disaggregation_bootstrap_port,
+                   help="where a prefill worker waits for its decode workers")
+    p.add_argument("--disaggregation-transfer-backend", default=d.disaggregation_transfer_backend,
+                   choices=["mooncake"])
+    p.add_argument("--disaggregation-transfer-timeout", type=float,
+                   default=d.disaggregation_transfer_timeout,
+                   help="seconds a decode worker waits for a request's KV before failing it")
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:

@@ -185,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
             if i in aux_layers:
                 aux[i] = x.float()
             x = layer(x, fb, rope, pool)
+            if fb.on_layer is not None:
+                fb.on_layer(i)
         x = self.model.norm(x[fb.logits_indices])
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.lm_head(x).float(), features
