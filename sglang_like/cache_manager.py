@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from radix_cache import KVSlotAllocator, RadixCache
 from sglang_like.mem_pool import ReqToTokenPool
 from sglang_like.req import Req
@@ -106,10 +108,15 @@ class KVCacheManager:
         req.kv_len = req.cache_protected_len = 0
 
     # ---- recovery ------------------------------------------------------------------------
-    def reclaim_orphans(self, running: list[Req]) -> int:
+    def reclaim_orphans(self, running: list[Req], held_reqs: list[Req] = (),
+                        held_slots: Iterable[int] = ()) -> int:
         """Free every slot that is neither free, nor in the tree, nor in a running request's
-        computed row: what a step that failed half-way had allocated. Returns how many."""
+        computed row: what a step that failed half-way had allocated. Returns how many.
+        `held_reqs` keep their rows and `held_slots` stay allocated (a decode worker's
+        transfers in flight)."""
         owned = set(self.tree.held_slots())
+        owned.update(held_slots)
+        running = [*running, *held_reqs]
         for req in running:
             if req.req_pool_idx is not None:
                 owned.update(self.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_len))

@@ -95,10 +95,14 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        bootstrap_host: str | list[str] | None = None,
+        bootstrap_port: int | list[int] | None = None,
+        bootstrap_room: int | list[int] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict), a list (a list of dicts), or stream increments."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
-                                         logprob_start_len, top_logprobs_num, stream, rid)
+                                         logprob_start_len, top_logprobs_num, stream, rid,
+                                         (bootstrap_host, bootstrap_port, bootstrap_room))
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
             return self._stream_sync(handles[0], is_batch)
@@ -116,10 +120,14 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        bootstrap_host: str | list[str] | None = None,
+        bootstrap_port: int | list[int] | None = None,
+        bootstrap_room: int | list[int] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """The asyncio form of `generate`; with stream=True, an async iterator of increments."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
-                                         logprob_start_len, top_logprobs_num, stream, rid)
+                                         logprob_start_len, top_logprobs_num, stream, rid,
+                                         (bootstrap_host, bootstrap_port, bootstrap_room))
         loop = asyncio.get_running_loop()
         handles = [self._submit(r, return_text_in_logprobs, loop) for r in reqs]
         if stream:
@@ -160,6 +168,19 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the radix cache; False while requests are queued or running."""
         return self._client.call("flush_cache")
+
+    def switch_disaggregation_mode(self, mode: str, bootstrap_port: int | None = None,
+                                   drain_timeout: float = 60.0) -> dict[str, Any]:
+        """Make this a prefill, decode or regular ("null") worker without reloading the model,
+        once no transfer of its current role is in flight (waits up to `drain_timeout` s;
+        the answer's `switched` says whether it happened)."""
+        deadline = time.monotonic() + drain_timeout
+        while True:
+            result = self._client.call("switch_disaggregation_mode", mode=mode,
+                                       bootstrap_port=bootstrap_port)
+            if result["switched"] or time.monotonic() >= deadline:
+                return result
+            time.sleep(0.05)
 
     def get_server_info(self) -> dict[str, Any]:
         """The resolved server args and the scheduler's live counters (asked of the core)."""
@@ -223,15 +244,21 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     def _make_reqs(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
                    logprob_start_len: int, top_logprobs_num: int, stream: bool,
-                   rid: Any) -> tuple[list[GenerateReqInput], bool]:
+                   rid: Any, bootstrap: tuple[Any, Any, Any] = (None, None, None),
+                   ) -> tuple[list[GenerateReqInput], bool]:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         items, is_batch = prepare_inputs(self.tokenizer, prompt, input_ids, sampling_params, rid)
+        pd = _bootstrap_per_item(bootstrap, len(items), is_batch)
         reqs: list[GenerateReqInput] = []
-        for ids, sp_dict, item_rid in items:
+        for k, (ids, sp_dict, item_rid) in enumerate(items):
             sp = SamplingParams.from_dict(sp_dict)
             sp.validate(self.model_config.vocab_size)
             self._check_lengths(ids, sp, return_logprob, logprob_start_len, top_logprobs_num)
+            host, port, room = pd[k]
+            if room is not None and sp.n != 1:
+                raise ValueError("n > 1 is not supported for a disaggregated (bootstrap_room) "
+                                 "request")
             base = item_rid or uuid.uuid4().hex
             for i in range(sp.n):
                 sp_i = sp if sp.n == 1 else sp.replace_for_sample(i)
@@ -239,7 +266,8 @@ class Engine:
                     base if sp.n == 1 else f"{base}-{i}", list(ids), sp_i.to_dict(),
                     return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, stream=bool(stream),
-                    arrival_time=time.perf_counter()))
+                    arrival_time=time.perf_counter(), bootstrap_host=host,
+                    bootstrap_port=port, bootstrap_room=room))
         for msg in reqs:  # all or none: a field the wire cannot carry fails before any submit
             try:
                 encode(msg)
@@ -309,6 +337,31 @@ class Engine:
         finally:
             if not handle.done:
                 self.abort(handle.rid)
+
+
+def _bootstrap_per_item(bootstrap: tuple[Any, Any, Any], num_items: int,
+                        is_batch: bool) -> list[tuple[Any, Any, Any]]:
+    """(host, port, room) for each prompt: lists (one entry per prompt) for a batch, as
+    sglang-router's PD mode sends them, or scalars for one prompt."""
+    columns = []
+    for name, value in zip(("bootstrap_host", "bootstrap_port", "bootstrap_room"), bootstrap,
+                           strict=True):
+        if isinstance(value, list):
+            if not is_batch or len(value) != num_items:
+                raise ValueError(f"{name} must be a list with one entry per prompt exactly "
+                                 "when the input is a batch")
+            columns.append(value)
+        else:
+            if value is not None and is_batch and num_items > 1:
+                raise ValueError(f"{name} must be a list with one entry per prompt")
+            columns.append([value] * num_items)
+    for room in columns[2]:
+        if room is not None and not (isinstance(room, int) and 0 <= room < 1 << 63):
+            raise ValueError(f"bootstrap_room must be an integer in [0, 2^63), got {room!r}")
+    for port in columns[1]:
+        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+            raise ValueError(f"bootstrap_port must be a port number, got {port!r}")
+    return list(zip(*columns, strict=True))
 
 
 def _raise_bad_input(out: dict, is_batch: bool) -> dict:

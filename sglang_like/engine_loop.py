@@ -194,8 +194,8 @@ class EngineLoop:
             elif name == "abort_all":
                 for req in self._end_compiling("aborted") + self.scheduler.abort_all("aborted"):
                     self._deliver(req)
-            elif name == "grammar_ready":
-                pass  # a wake-up: _serve polls the compiles after the commands
+            elif name in ("grammar_ready", "wake"):
+                pass  # a wake-up: _serve polls the compiles (and steps) after the commands
             elif name == "call":
                 fn, done = arg
                 try:

@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "listed here are passed to every replica (see launch_server --help).",
     )
     p.add_argument("--dp-size", type=int, default=1, help="number of replicas")
+    p.add_argument("--pd-disaggregation", action="store_true",
+                   help="prefill and decode workers (--prefill-size, --decode-size) behind the "
+                        "router's PD mode instead of --dp-size regular replicas")
+    p.add_argument("--prefill-size", type=int, default=1,
+                   help="with --pd-disaggregation: prefill workers")
+    p.add_argument("--decode-size", type=int, default=1,
+                   help="with --pd-disaggregation: decode workers")
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=int, default=30000, help="the router's port")
     p.add_argument("--policy", default="cache_aware", choices=_POLICIES)
@@ -96,11 +103,21 @@ def replica_command(port: int, server_argv: list[str], shutdown_timeout: float) 
 
 
 def router_command(ns: argparse.Namespace, worker_urls: list[str], prometheus_port: int,
-                   api_key: str | None) -> list[str]:
+                   api_key: str | None, pd: tuple[list[tuple[str, int]], list[str]] | None = None,
+                   ) -> list[str]:
     """The real router on ns.host:ns.port; its metrics listener on loopback (its default is
-    0.0.0.0:29000, which a second router on the host would collide with)."""
+    0.0.0.0:29000, which a second router on the host would collide with). `pd`: (prefill
+    (url, bootstrap port) pairs, decode urls) for its --pd-disaggregation mode."""
+    if pd is None:
+        workers = ["--worker-urls", *worker_urls]
+    else:
+        workers = ["--pd-disaggregation"]
+        for url, bootstrap_port in pd[0]:
+            workers += ["--prefill", url, str(bootstrap_port)]
+        for url in pd[1]:
+            workers += ["--decode", url]
     cmd = [sys.executable, "-c", _ROUTER_MAIN, "--host", ns.host,
-           "--port", str(ns.port), "--worker-urls", *worker_urls, "--policy", ns.policy,
+           "--port", str(ns.port), *workers, "--policy", ns.policy,
            *_ROUTER_HEALTH_ARGS, "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(prometheus_port), "--log-level", ns.router_log_level,
            "--shutdown-grace-period-secs", str(int(ns.shutdown_timeout))]
@@ -210,10 +227,26 @@ def _server_api_key(server_argv: list[str]) -> str | None:
 def _check(ns: argparse.Namespace) -> None:
     if ns.dp_size < 1:
         raise SystemExit("--dp-size must be at least 1")
+    if ns.pd_disaggregation and (ns.prefill_size < 1 or ns.decode_size < 1):
+        raise SystemExit("--prefill-size and --decode-size must be at least 1")
     if not 0 < ns.port < 65536:
         raise SystemExit("--port must be in 1..65535")
     if importlib.util.find_spec("sglang_router") is None:
         raise SystemExit("sglang-router is not installed: pip install sglang-router==0.3.2")
+
+
+def _roles(ns: argparse.Namespace) -> list[tuple[str, list[str], int | None]]:
+    """(name, extra server options, bootstrap port) of each worker to start."""
+    if not ns.pd_disaggregation:
+        return [("replica", [], None) for _ in range(ns.dp_size)]
+    roles: list[tuple[str, list[str], int | None]] = []
+    for _ in range(ns.prefill_size):
+        port = free_port()
+        roles.append(("prefill", ["--disaggregation-mode", "prefill",
+                                  "--disaggregation-bootstrap-port", str(port)], port))
+    roles += [("decode", ["--disaggregation-mode", "decode"], None)
+              for _ in range(ns.decode_size)]
+    return roles
 
 
 def _supervise(router: Child, replicas: list[Child], stop: threading.Event) -> int:
@@ -253,12 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, on_signal)
     children: list[Child] = []
     try:
-        ports = [free_port() for _ in range(ns.dp_size)]
+        roles = _roles(ns)
+        ports = [free_port() for _ in roles]
         replicas = [
-            start_child(f"replica {i}", f"http://127.0.0.1:{port}",
-                        replica_command(port, server_argv, ns.shutdown_timeout),
-                        replica_env(ns.dp_size))
-            for i, port in enumerate(ports)
+            start_child(f"{role} {i}", f"http://127.0.0.1:{port}",
+                        replica_command(port, server_argv + extra, ns.shutdown_timeout),
+                        replica_env(len(roles)))
+            for i, (port, (role, extra, _)) in enumerate(zip(ports, roles, strict=True))
         ]
         children += replicas
         deadline = time.monotonic() + ns.worker_startup_timeout
@@ -266,16 +300,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sglang_like: a replica did not start: {why}", flush=True)
             return 0 if stop.is_set() else 1
         urls = [r.url for r in replicas]
+        pd = None
+        if ns.pd_disaggregation:
+            pd = ([(r.url, b) for r, (role, _, b) in zip(replicas, roles, strict=True)
+                   if role == "prefill"],
+                  [r.url for r, (role, _, _) in zip(replicas, roles, strict=True)
+                   if role == "decode"])
         router = start_child("router", f"http://{ns.host}:{ns.port}",
-                             router_command(ns, urls, free_port(), api_key))
+                             router_command(ns, urls, free_port(), api_key, pd))
         children.insert(0, router)  # stopped first: no new requests reach stopping replicas
         why = wait_ready([router], "/workers", stop, time.monotonic() + 120.0, headers,
-                         min_workers=ns.dp_size)
+                         min_workers=len(roles))
         if why is not None:
             print(f"sglang_like: the router did not start: {why}", flush=True)
             return 0 if stop.is_set() else 1
+        shape = (f"{ns.prefill_size} prefill + {ns.decode_size} decode worker(s), PD mode"
+                 if ns.pd_disaggregation else f"{ns.dp_size} replica(s)")
         print(f"sglang_like: sglang-router ({ns.policy}) listening on {router.url} in front of "
-              f"{ns.dp_size} replica(s): {' '.join(urls)}", flush=True)
+              f"{shape}: {' '.join(urls)}", flush=True)
         return _supervise(router, replicas, stop)
     finally:
         if children:

@@ -91,6 +91,7 @@ class ModelRunner:
             tree_mask=tree_mask,
             custom_masks=custom_masks,
             is_decode=batch.is_decode,
+            on_layer=batch.on_layer,
         )
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:

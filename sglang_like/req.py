@@ -91,6 +91,10 @@ class Req:
         self.invalid_message: str | None = None  # a grammar that failed to compile
         self.generator: torch.Generator | None = None
         self.spec = SpecState()  # speculative decoding: counters and drafter state
+        # prefill/decode disaggregation: (bootstrap_host, bootstrap_port, bootstrap_room) when
+        # sglang-router's PD mode sent it, and the transfer's state on this worker
+        self.bootstrap: tuple[str, int, int] | None = None
+        self.pd: Any = None
         self.finished_reason: FinishReason | None = None
         self.logprobs = Logprobs()
         # next prompt position whose logprob is still to be collected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sglang_like.req import Req
@@ -30,6 +31,8 @@ class ScheduleBatch:
     # a speculative verify: request i's rows are its tree's nodes (else None); its logits
     # rows are all N nodes, from sample_index[i] on
     trees: list[DraftTree | None] = field(default_factory=list)
+    # ForwardBatch.on_layer for this forward (a prefill worker streaming KV out), or None
+    on_layer: Callable[[int], None] | None = None
 
     @property
     def batch_size(self) -> int:

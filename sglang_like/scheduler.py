@@ -91,6 +91,8 @@ class Scheduler:
         self._rng = random.Random(config.random_seed)
         self._finished_outside_step: list[Req] = []
         self.drafter = drafter
+        # prefill/decode disaggregation (sglang_like.disaggregation): None on a regular worker
+        self.disagg: Any = None
         self.spec_controller = SpecController(enabled=config.speculative_auto_disable)
         self.spec_accept_lengths: collections.Counter[int] = collections.Counter()
         # statistics
@@ -98,6 +100,7 @@ class Scheduler:
         self.num_cached_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_forward_steps = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens this worker's forwards ran
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -112,6 +115,11 @@ class Scheduler:
                 f"{self.config.pool_size}; raise max_total_tokens")))
             self._finished_outside_step.append(req)
             return
+        if req.bootstrap is not None and self.disagg is not None:
+            self.disagg.add(req)  # a PD request: it meets its other half first
+            if req.is_finished:
+                self._finished_outside_step.append(req)
+            return
         self.waiting.append(req)
 
     def abort(self, rid: str) -> bool:
@@ -124,6 +132,11 @@ class Scheduler:
                     self.cache.release(req)
                     self._finished_outside_step.append(req)
                     return True
+        if self.disagg is not None:
+            req = self.disagg.abort(rid, self)
+            if req is not None:
+                self._finished_outside_step.append(req)
+                return True
         return False
 
     def abort_all(self, message: str) -> list[Req]:
@@ -132,15 +145,19 @@ class Scheduler:
             req.finish(FinishReason("abort", message=message))
             self.cache.release(req)
         self.waiting, self.running = [], []
+        if self.disagg is not None:
+            reqs += self.disagg.abort_all(message, self)
         return reqs
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_outside_step)
+        return bool(self.waiting or self.running or self._finished_outside_step
+                    or (self.disagg is not None and self.disagg.has_news))
 
     def flush_cache(self) -> bool:
         """Empty the radix tree; refused (False) while requests are queued or running."""
-        if self.waiting or self.running:
+        if self.waiting or self.running or (self.disagg is not None
+                                            and self.disagg.num_inflight):
             return False
         self.cache.tree.reset()
         return True
@@ -157,6 +174,8 @@ class Scheduler:
         self._finished_outside_step = []
         batch = ScheduleBatch()
         try:
+            if self.disagg is not None:
+                self.disagg.poll(self, touched)
             self._schedule_running(batch, touched)
             self._schedule_waiting(batch, touched)
             if batch.batch_size:
@@ -165,17 +184,28 @@ class Scheduler:
             logger.exception("scheduler step failed; ending the requests of its batch")
             self._recover(batch, touched, exc)
         if self.config.check_accounting:
-            self.cache.check_accounting(self.running)
-        return touched
+            held = self.disagg.held_slots() if self.disagg is not None else []
+            self.cache.check_accounting(self.running, pending_slots=len(held))
+        # once each (a PD request can arrive and decode in one step): a stream gets one chunk
+        return list(dict.fromkeys(touched)) if self.disagg is not None else touched
 
     def _run(self, batch: ScheduleBatch, touched: list[Req]) -> None:
         self.faults.maybe_fail("forward")
         start = time.perf_counter()
-        logits = self.runner.forward(batch)
+        sender = getattr(self.disagg, "before_forward", None)
+        if sender is not None:
+            batch.on_layer = sender(batch)  # streams each layer's KV to the decode worker
+        try:
+            logits = self.runner.forward(batch)
+        finally:
+            if sender is not None:
+                self.disagg.after_forward()  # its slots are not freed with a write in flight
         self.spec_controller.record_forward(batch.num_tokens, time.perf_counter() - start)
         self.num_forward_steps += 1
         walks: list[TreeWalk] = []
         self._process(batch, logits, walks, touched)
+        if sender is not None:
+            self.disagg.after_process(batch)
         after = getattr(self.drafter, "after_forward", None)
         if after is not None:
             after(batch, walks, self)
@@ -199,7 +229,9 @@ class Scheduler:
         for req in touched + self.waiting:  # only running requests may hold a row
             if req.req_pool_idx is not None and req not in self.running:
                 self.cache.release(req)
-        num = self.cache.reclaim_orphans(self.running)
+        held = self.disagg.held_reqs() if self.disagg is not None else []
+        num = self.cache.reclaim_orphans(
+            self.running, held, self.disagg.held_slots() if self.disagg is not None else ())
         if num:
             logger.warning("took back %d KV slots the failed step had allocated", num)
 
@@ -311,6 +343,8 @@ class Scheduler:
             reserve += _DECODE_RESERVE_PER_REQ
 
     def _add_to_batch(self, batch: ScheduleBatch, req: Req, n: int, slots: list[int]) -> None:
+        self.num_computed_prompt_tokens += max(min(req.kv_len + n, req.prompt_len) - req.kv_len,
+                                               0)
         self.cache.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
         batch.add(req, n, slots)
 

@@ -53,6 +53,9 @@ def make_req(msg: GenerateReqInput) -> Req:
               top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
     if msg.arrival_time:
         req.arrival_time = msg.arrival_time
+    if msg.bootstrap_room is not None:
+        req.bootstrap = (msg.bootstrap_host or "127.0.0.1",
+                         msg.bootstrap_port or 8998, msg.bootstrap_room)
     return req
 
 
@@ -60,7 +63,7 @@ class EngineCore:
     """The model, its scheduler and the loop that drives them; built on the loop's thread."""
 
     RPC_METHODS = ("get_server_info", "get_load", "flush_cache", "get_stats", "cache_tree",
-                   "cache_node", "cache_match")
+                   "cache_node", "cache_match", "switch_disaggregation_mode")
 
     def __init__(self, server_args: ServerArgs, hooks: LoopHooks | None = None) -> None:
         from sglang_like.engine_setup import build_engine_parts
@@ -82,6 +85,10 @@ class EngineCore:
         self.loop = EngineLoop(self.tokenizer, self.server_args.watchdog_timeout,
                                grammar_backend=lambda: self.grammar_backend, hooks=hooks)
         self.loop.scheduler = self.scheduler
+        self._kv_transfer: Any = None  # the Mooncake engine, made once, kept across roles
+        self.disaggregation_mode = "null"
+        self._set_disaggregation_mode(self.server_args.disaggregation_mode,
+                                      self.server_args.disaggregation_bootstrap_port)
 
     @property
     def grammar_backend(self) -> Any:
@@ -91,6 +98,28 @@ class EngineCore:
                     self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                     self.server_args.grammar_backend)
             return self._grammar_backend
+
+    def _set_disaggregation_mode(self, mode: str, bootstrap_port: int) -> None:
+        from sglang_like.disaggregation import build_manager
+
+        sa = self.server_args
+        if mode != "null" and self._kv_transfer is None:
+            from sglang_like.disaggregation.transfer import MooncakeKVTransfer
+
+            self._kv_transfer = MooncakeKVTransfer(self.runner.kv_pool, sa.host)
+        manager = build_manager(mode, self._kv_transfer, self.runner.req_to_token_pool,
+                                sa.host, bootstrap_port, sa.disaggregation_transfer_timeout,
+                                lambda: self.loop.put_command("wake"))
+        old, self.scheduler.disagg = self.scheduler.disagg, manager
+        if old is not None:
+            old.close()
+        self.disaggregation_mode = mode
+        self.server_args = sa.replace(disaggregation_mode=mode,
+                                      disaggregation_bootstrap_port=bootstrap_port)
+
+    def shutdown_disaggregation(self) -> None:
+        if self.scheduler.disagg is not None:
+            self.scheduler.disagg.close()
 
     def shutdown_grammars(self) -> None:
         with self._grammar_lock:
@@ -113,6 +142,8 @@ class EngineCore:
             # faults injected so far (SGLANG_LIKE_FAULT_INJECT), by site; {} when off
             "injected_faults": s.faults.stats() if s.faults.enabled else {},
             "context_length": self.server_args.context_length,
+            "disaggregation": (s.disagg.info() if s.disagg is not None
+                               else {"mode": "null"}),
         }
 
     def get_load(self) -> dict[str, int]:
@@ -126,6 +157,20 @@ class EngineCore:
     def flush_cache(self) -> bool:
         """Empty the radix cache; False while requests are queued or running."""
         return self.scheduler.flush_cache()
+
+    def switch_disaggregation_mode(self, mode: str, bootstrap_port: int | None = None,
+                                   ) -> dict[str, Any]:
+        """Become a `mode` worker ("prefill", "decode", "null") without reloading the model.
+        Refused ({"switched": False}) while transfers of the current role are in flight:
+        the caller drains first (see sglang_like.disaggregation.switch_role)."""
+        disagg = self.scheduler.disagg
+        inflight = disagg.num_inflight if disagg is not None else 0
+        if inflight:
+            return {"switched": False, "mode": self.disaggregation_mode,
+                    "num_inflight": inflight}
+        port = bootstrap_port or self.server_args.disaggregation_bootstrap_port
+        self._set_disaggregation_mode(mode, port)
+        return {"switched": True, "mode": mode, "bootstrap_port": port}
 
     # ---- what the dashboard reads (server/dashboard): small answers, no tree mutation ------
     @_dashboard_call
@@ -154,6 +199,8 @@ class EngineCore:
             "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
             "num_generated_tokens": s.num_generated_tokens,
             "num_forward_steps": s.num_forward_steps,
+            # prompt tokens this worker's forwards computed (a PD decode worker: none)
+            "num_computed_prompt_tokens": s.num_computed_prompt_tokens,
             # loop time spent answering the dashboard (get_stats, cache_tree, ...)
             "dashboard_busy_s": self.dashboard_busy_s,
         }

@@ -82,3 +82,4 @@ class ThreadCoreClient:
         self.core.loop.put_command("stop")
         self._thread.join(timeout=30)
         self.core.shutdown_grammars()
+        self.core.shutdown_disaggregation()

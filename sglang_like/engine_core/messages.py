@@ -24,6 +24,10 @@ class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):
     stream: bool = False
     # the caller's time.perf_counter() at submission (CLOCK_MONOTONIC: shared by processes)
     arrival_time: float = 0.0
+    # prefill/decode disaggregation: where the pair meets (sglang-router's PD mode adds them)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class AbortReq(msgspec.Struct, tag="abort", frozen=True):

@@ -180,6 +180,8 @@ def main(args_path: str) -> int:
     core.loop.run()  # returns on "stop", or when the loop died (everyone answered either way)
     outbox.flush()
     core.shutdown_grammars()
+    core.runner.close()  # tensor-parallel ranks get their stop message (os._exit skips atexit)
+    core.shutdown_disaggregation()
     out.close(linger=5000)
     return 1 if core.loop.error is not None else 0
 

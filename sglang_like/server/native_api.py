@@ -84,6 +84,9 @@ def _split_for_streaming(kwargs: dict[str, Any], is_batch: bool) -> list[dict[st
         for choice in range(n):
             call = {k: v for k, v in kwargs.items() if k not in ("prompt", "input_ids")}
             call[key] = prompt
+            for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+                if isinstance(call.get(name), list):  # a batch's: this prompt's entry
+                    call[name] = call[name][i]
             call["sampling_params"] = choice_params(params, choice)
             call["rid"] = None if rid is None else (rid if n == 1 else f"{rid}-{choice}")
             calls.append(call)

@@ -32,6 +32,7 @@ _ERROR_TEXT = {
     401: "Missing or wrong API key (only when the server runs with --api-key)",
     404: "Not found (the message says what)",
     429: "Too many requests waiting (--max-queued-requests); retry later",
+    409: "Conflict: the server is busy with work that must finish first; retry",
     500: "A fault inside the runtime ended the request (`internal error: ...`); retry",
     503: "The server is not healthy (the message says why)",
 }

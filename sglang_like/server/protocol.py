@@ -74,6 +74,10 @@ class GenerateRequest(BaseModel):
     return_hidden_states: StrictBool = Field(False, description="ignored: not supported")
     return_bytes: StrictBool = Field(False, description="ignored: not supported")
     return_entropy: StrictBool = Field(False, description="ignored: not supported")
+    # sglang-router's PD mode (--pd-disaggregation): where the prefill and decode workers meet
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: StrictInt | list[StrictInt] | None = None
+    bootstrap_room: StrictInt | list[StrictInt] | None = None
 
     @property
     def is_batch(self) -> bool:
@@ -126,7 +130,14 @@ class GenerateRequest(BaseModel):
             "top_logprobs_num": top_logprobs_num,
             "return_text_in_logprobs": self.return_text_in_logprobs,
             "rid": self.rid,
+            **bootstrap_kwargs(self),
         }
+
+
+def bootstrap_kwargs(body: Any) -> dict[str, Any]:
+    """The PD bootstrap fields a body carries, as Engine.generate keyword arguments."""
+    return {k: getattr(body, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+            if getattr(body, k) is not None}
 
 
 def clean_sampling_params(params: dict[str, Any] | None) -> dict[str, Any]:
@@ -230,6 +241,10 @@ class _OpenAISampling(BaseModel):
         None, description="token id -> bias in [-100, 100] added to its logit (-100 bans it)")
     # sglang-router sends it (false) on every OpenAI body
     return_hidden_states: StrictBool = Field(False, description="ignored: not supported")
+    # sglang-router's PD mode (--pd-disaggregation): where the prefill and decode workers meet
+    bootstrap_host: str | None = None
+    bootstrap_port: StrictInt | None = None
+    bootstrap_room: StrictInt | None = None
 
     def check_common(self) -> None:
         if not 1 <= self.n <= _OPENAI_MAX_N:

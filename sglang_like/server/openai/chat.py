@@ -20,7 +20,7 @@ from sglang_like.server.openai.common import (
     stream_usage,
 )
 from sglang_like.server.openapi import operation
-from sglang_like.server.protocol import ChatCompletionRequest, parse_model
+from sglang_like.server.protocol import ChatCompletionRequest, bootstrap_kwargs, parse_model
 from sglang_like.server.runner import ClientGone, EngineStream, merge_streams
 from sglang_like.server.sse import DONE, open_streams, sse, sse_response
 from sglang_like.server.state import ServerState, get_state
@@ -47,7 +47,8 @@ async def chat_completions(request: Request) -> Response:
             sampling = plan.sampling_params(sampling)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
-    base = {"input_ids": input_ids, **logprob_kwargs(req.logprobs, req.top_logprobs or 0)}
+    base = {"input_ids": input_ids, **logprob_kwargs(req.logprobs, req.top_logprobs or 0),
+            **bootstrap_kwargs(req)}
     if req.stream:
         calls = [
             {**base, "sampling_params": choice_params(sampling, j)} for j in range(req.n)

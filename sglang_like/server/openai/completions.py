@@ -19,7 +19,7 @@ from sglang_like.server.openai.common import (
     stream_usage,
 )
 from sglang_like.server.openapi import operation
-from sglang_like.server.protocol import CompletionRequest, parse_model
+from sglang_like.server.protocol import CompletionRequest, bootstrap_kwargs, parse_model
 from sglang_like.server.runner import ClientGone, EngineStream, merge_streams
 from sglang_like.server.sse import DONE, open_streams, sse, sse_response
 from sglang_like.server.state import ServerState, get_state
@@ -40,7 +40,7 @@ async def completions(request: Request) -> Response:
             check_prompt_len(state, len(prompt))
     sampling = req.sampling_dict(req.max_new_tokens)
     want_logprobs = req.logprobs is not None
-    base = logprob_kwargs(want_logprobs, req.logprobs or 0)
+    base = {**logprob_kwargs(want_logprobs, req.logprobs or 0), **bootstrap_kwargs(req)}
     if want_logprobs and req.echo:
         base["logprob_start_len"] = 0  # the echoed prompt's tokens get logprobs too
     calls = [

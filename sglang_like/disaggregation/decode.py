@@ -1,0 +1,315 @@
+"""The decode worker of a PD pair: allocate the prompt's slots, have them filled, decode.
+
+A request that carries a bootstrap room is matched against this worker's radix tree and
+given slots for the rest of its prompt; the decode worker registers those slots with the
+prefill worker named by `bootstrap_host:bootstrap_port` and waits. When the prefill side
+reports the room Done, the prompt's KV is in the slots: the request enters the running batch
+as if its prefill had just run here (the prompt goes into this worker's tree), with the
+first token the prefill worker sampled, and decodes from there. No prompt token is computed
+here.
+
+Nothing is lost when the other side fails: a Failed message, a prefill worker that stops
+answering pings (`PEER_DEAD_S`), or a transfer that takes longer than
+`--disaggregation-transfer-timeout` ends the request with an error and frees its slots. Slots
+a live prefill worker might still write (a timeout, an abort) are held until it confirms
+the cancel, or is found dead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from sglang_like.disaggregation import messages as m
+from sglang_like.disaggregation.channel import Channel
+from sglang_like.disaggregation.transfer import MooncakeKVTransfer
+from sglang_like.req import FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+PING_S = 0.5  # how often a prefill worker with rooms in flight is pinged
+PEER_DEAD_S = 3.0  # no answer for this long: the prefill worker is gone
+
+
+@dataclasses.dataclass
+class DecodeRoom:
+    """One request's transfer, on the decode side."""
+
+    room: int
+    peer: bytes  # "host:port" of the prefill worker's bootstrap channel
+    deadline: float
+    slots: list[int] = dataclasses.field(default_factory=list)
+    start: int = 0  # prompt positions below this came from this worker's own cache
+
+
+@dataclasses.dataclass
+class _Peer:
+    rooms: set[int] = dataclasses.field(default_factory=set)
+    last_ping: float = 0.0
+    last_heard: float = 0.0  # last message of any kind from it
+
+
+class DecodeManager:
+    """Owned by the scheduler (its `disagg`); every method but the channel's runs on the
+    loop thread."""
+
+    mode = "decode"
+
+    def __init__(self, kv: MooncakeKVTransfer, timeout_s: float, wake: Any) -> None:
+        self.kv = kv
+        self.timeout_s = timeout_s
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._events: list[Any] = []  # messages and ("dead", peer) / ("late", room), in order
+        self._peers: dict[bytes, _Peer] = {}
+        self._deadlines: dict[int, float] = {}
+        self._queue: list[Req] = []  # waiting for slots
+        self._transferring: dict[int, Req] = {}
+        self._quarantine: dict[int, tuple[bytes, list[int]]] = {}  # slots a peer may still write
+        self._seq = itertools.count()
+        self.num_received = self.num_failed = self.bytes_received = 0
+        self.num_transferred_tokens = 0
+        self.channel = Channel("pd-decode", self._on_message, on_tick=self._tick)
+
+    # ---- the channel's thread ------------------------------------------------------------
+    def _on_message(self, peer: bytes, data: bytes) -> None:
+        msg = m.decode_to_decode(data)
+        now = time.perf_counter()
+        with self._lock:
+            state = self._peers.get(peer)
+            if state is not None:
+                state.last_heard = now
+            if isinstance(msg, m.Pong):
+                return
+            if state is not None:
+                state.rooms.discard(msg.room)
+            self._deadlines.pop(msg.room, None)
+            self._events.append(msg)
+        self._wake()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        woke = False
+        with self._lock:
+            for peer, state in list(self._peers.items()):
+                if not state.rooms:
+                    continue
+                if now - state.last_heard > PEER_DEAD_S:
+                    self._events.append(("dead", peer))
+                    del self._peers[peer]
+                    for room in state.rooms:
+                        self._deadlines.pop(room, None)
+                    woke = True
+                elif now - state.last_ping >= PING_S:
+                    state.last_ping = now
+                    self.channel.send(peer, m.encode(m.Ping(next(self._seq))))
+            for room, deadline in list(self._deadlines.items()):
+                if deadline < now:
+                    del self._deadlines[room]
+                    self._events.append(("late", room))
+                    woke = True
+        if woke:
+            self._wake()
+
+    def _watch(self, peer: bytes, room: int, deadline: float) -> None:
+        with self._lock:
+            state = self._peers.setdefault(peer, _Peer())
+            if not state.rooms:
+                # heard "now": a first ping goes out on the next tick; PEER_DEAD_S of silence
+                # from here on means the worker is not there
+                state.last_heard = time.perf_counter()
+            state.rooms.add(room)
+            self._deadlines[room] = deadline
+
+    # ---- the scheduler's calls -----------------------------------------------------------
+    @property
+    def has_news(self) -> bool:
+        return bool(self._events) or bool(self._queue)
+
+    def add(self, req: Req) -> None:
+        host, port, room = req.bootstrap
+        if room in self._transferring or any(r.bootstrap[2] == room for r in self._queue):
+            req.finish(FinishReason("abort", status_code=400, message=(
+                f"bootstrap room {room} is already in use on this decode worker")))
+            return
+        req.pd = DecodeRoom(room, f"{host}:{port}".encode(),
+                            deadline=time.perf_counter() + self.timeout_s)
+        # the prefill worker reports the prompt's logprobs (the router joins them in front)
+        req.logprob_start_len = -1
+        self._queue.append(req)
+
+    def poll(self, sched: Any, touched: list[Req]) -> None:
+        with self._lock:
+            events, self._events = self._events, []
+        for event in events:
+            self._apply(event, sched, touched)
+        self._admit(sched, touched)
+
+    def _admit(self, sched: Any, touched: list[Req]) -> None:
+        """Give queued requests their slots (in arrival order) and register them."""
+        cache = sched.cache
+        now = time.perf_counter()
+        while self._queue:
+            req = self._queue[0]
+            state: DecodeRoom = req.pd
+            if state.deadline < now:
+                self._queue.pop(0)
+                self._end(req, f"no KV slots for this request within {self.timeout_s:g} s",
+                          sched, touched)
+                continue
+            if (cache.req_to_token_pool.num_free_rows == 0
+                    or len(sched.running) + len(self._transferring)
+                    >= sched.config.max_running_requests):
+                return
+            match_len, unlocked = cache.peek(req.origin_input_ids)
+            reserve = 8 * (len(sched.running) + len(self._transferring))
+            if req.prompt_len - match_len + 1 + reserve > cache.num_available_slots - unlocked:
+                return
+            cache.match_and_lock(req, req.prompt_len)
+            slots = cache.alloc_slots(req.prompt_len - req.kv_len)
+            if slots is None:
+                cache.release(req)
+                return
+            self._queue.pop(0)
+            state.start, state.slots = req.kv_len, slots
+            cache.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
+            req.first_scheduled_time = time.perf_counter()
+            req.num_cached_tokens = req.kv_len
+            sched.num_prompt_tokens += req.prompt_len
+            sched.num_cached_prompt_tokens += req.kv_len
+            self._transferring[state.room] = req
+            self._watch(state.peer, state.room, state.deadline)
+            self.channel.send(state.peer, m.encode(m.Register(
+                state.room, self.kv.layout, state.start, slots, req.prompt_len)))
+
+    def _apply(self, event: Any, sched: Any, touched: list[Req]) -> None:
+        if isinstance(event, tuple) and event[0] == "dead":
+            peer = event[1]
+            for room, (owner, _) in list(self._quarantine.items()):
+                if owner == peer:  # a dead worker writes nothing more
+                    sched.cache.allocator.free(self._quarantine.pop(room)[1])
+            for room, req in list(self._transferring.items()):
+                if req.pd.peer == peer:
+                    del self._transferring[room]
+                    self._fail(req, f"the prefill worker {peer.decode()} stopped answering "
+                                    f"(no reply for {PEER_DEAD_S:g} s)", sched, touched)
+            return
+        if isinstance(event, tuple) and event[0] == "late":
+            held = self._quarantine.pop(event[1], None)
+            if held is not None:  # a cancel never confirmed: reuse the slots at last
+                logger.warning("bootstrap room %d: no answer to its cancel; freeing its slots",
+                               event[1])
+                sched.cache.allocator.free(held[1])
+                return
+            req = self._transferring.pop(event[1], None)
+            if req is not None:
+                self._give_up(req, f"the KV of this request did not arrive within "
+                                   f"{self.timeout_s:g} s", sched, touched)
+            return
+        room = event.room
+        held = self._quarantine.pop(room, None)
+        if held is not None:  # the prefill side let go of a room given up here
+            sched.cache.allocator.free(held[1])
+            return
+        req = self._transferring.pop(room, None)
+        if req is None:
+            return
+        if isinstance(event, m.Done):
+            self._commit(req, event, sched, touched)
+        elif isinstance(event, m.Failed):
+            self._fail(req, f"the prefill worker failed: {event.message}", sched, touched)
+        else:  # Cancelled without our cancel: nothing more comes for it
+            self._fail(req, "the prefill worker cancelled the transfer", sched, touched)
+
+    def _commit(self, req: Req, done: m.Done, sched: Any, touched: list[Req]) -> None:
+        """The prompt's KV is in place: the request continues as one that just prefilled."""
+        state: DecodeRoom = req.pd
+        req.kv_len = req.prompt_len
+        self.num_received += 1
+        self.bytes_received += done.num_bytes
+        self.num_transferred_tokens += req.prompt_len - state.start
+        req.pd = None
+        sched.cache.cache_computed_prefix(req)  # this worker's tree keeps what it received
+        sched.running.append(req)
+        sched.outputs.append_token(req, done.token, done.logprob, done.top_logprobs)
+        sched.num_generated_tokens += 1
+        if req.is_finished:
+            sched._end(req, req.finished_reason, touched)
+        else:
+            touched.append(req)
+
+    def _fail(self, req: Req, message: str, sched: Any, touched: list[Req]) -> None:
+        """End a transferring request whose slots nobody will write any more."""
+        sched.cache.allocator.free(req.pd.slots)
+        self._end(req, message, sched, touched)
+
+    def _give_up(self, req: Req, message: str, sched: Any, touched: list[Req]) -> None:
+        """End a transferring request whose prefill worker may still write its slots: they
+        are held until it confirms the cancel (or dies)."""
+        state: DecodeRoom = req.pd
+        self._quarantine[state.room] = (state.peer, state.slots)
+        self._watch(state.peer, state.room, time.perf_counter() + self.timeout_s)
+        self.channel.send(state.peer, m.encode(m.Cancel(state.room)))
+        self._end(req, message, sched, touched)
+
+    def _end(self, req: Req, message: str, sched: Any, touched: list[Req]) -> None:
+        self.num_failed += 1
+        req.finish(FinishReason("abort", message=message))
+        req.pd = None
+        sched.cache.release(req)
+        touched.append(req)
+
+    def abort(self, rid: str, sched: Any) -> Req | None:
+        for req in self._queue:
+            if req.rid == rid:
+                self._queue.remove(req)
+                req.finish(FinishReason("abort", message="aborted"))
+                req.pd = None
+                return req
+        for room, req in list(self._transferring.items()):
+            if req.rid == rid:
+                del self._transferring[room]
+                ended: list[Req] = []
+                self._give_up(req, "aborted", sched, ended)
+                return req
+        return None
+
+    def abort_all(self, message: str, sched: Any) -> list[Req]:
+        reqs: list[Req] = []
+        for req in list(self._queue):
+            self.abort(req.rid, sched)
+            reqs.append(req)
+        for req in list(self._transferring.values()):
+            self.abort(req.rid, sched)
+            reqs.append(req)
+        for req in reqs:
+            req.finished_reason = FinishReason("abort", message=message)
+        return reqs
+
+    # ---- accounting ----------------------------------------------------------------------
+    @property
+    def num_inflight(self) -> int:
+        return len(self._queue) + len(self._transferring)
+
+    def held_slots(self) -> list[int]:
+        """Allocated slots no request row accounts for yet: transfers and quarantine."""
+        held = [s for req in self._transferring.values() for s in req.pd.slots]
+        return held + [s for _, slots in self._quarantine.values() for s in slots]
+
+    def held_reqs(self) -> list[Req]:
+        """Requests holding a row (and a locked prefix) outside the running batch."""
+        return list(self._transferring.values())
+
+    def info(self) -> dict[str, Any]:
+        return {"mode": self.mode, "session": self.kv.session,
+                "num_inflight": self.num_inflight, "num_received": self.num_received,
+                "num_failed": self.num_failed, "bytes_received": self.bytes_received,
+                "num_transferred_tokens": self.num_transferred_tokens,
+                "num_quarantined_slots": sum(len(s) for _, s in self._quarantine.values())}
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,92 @@
+"""What prefill and decode workers say to each other (msgspec structs over ZeroMQ).
+
+The decode worker opens a DEALER socket to each prefill worker's bootstrap port (a ROUTER);
+everything travels on that one channel:
+
+    decode -> prefill   Register (where to write a room's KV), Ping, Cancel
+    prefill -> decode   Done (the KV is written; here is the first token), Failed, Pong,
+                        Cancelled
+
+The KV itself never passes here: the prefill worker writes it straight into the decode
+worker's pool through the Mooncake Transfer Engine (transfer.py).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """Where a worker's KV pool lives in its memory, for a peer's transfer engine."""
+
+    session: str  # the Mooncake session ("host:rpc_port") that owns this memory
+    k_addrs: list[int]  # per layer: address of K slot 0
+    v_addrs: list[int]
+    slot_bytes: int  # one slot of one layer's K (or V): kv heads x head dim x element size
+
+
+class Register(msgspec.Struct, tag="register", frozen=True):
+    """Decode -> prefill: write room's prompt positions [start, start + len(slots)) into these
+    slots of my pool, then send me its first token."""
+
+    room: int
+    layout: KVLayout
+    start: int
+    slots: list[int]
+    prompt_len: int
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    seq: int
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    seq: int
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True):
+    """Decode -> prefill: the decode side gave the room up: stop writing to its slots."""
+
+    room: int
+
+
+class Cancelled(msgspec.Struct, tag="cancelled", frozen=True):
+    """Prefill -> decode: nothing more will be written for the room (its slots may be reused)."""
+
+    room: int
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    """Prefill -> decode: every layer of the room's KV is written, and the first token."""
+
+    room: int
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[float, int]] | None = None
+    num_bytes: int = 0
+    prefill_cached_tokens: int = 0
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    room: int
+    message: str
+
+
+ToPrefill = Register | Ping | Cancel
+ToDecode = Done | Failed | Pong | Cancelled
+
+_encoder = msgspec.msgpack.Encoder()
+_to_prefill = msgspec.msgpack.Decoder(ToPrefill)
+_to_decode = msgspec.msgpack.Decoder(ToDecode)
+
+
+def encode(msg: ToPrefill | ToDecode) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_prefill(data: bytes) -> ToPrefill:
+    return _to_prefill.decode(data)
+
+
+def decode_to_decode(data: bytes) -> ToDecode:
+    return _to_decode.decode(data)

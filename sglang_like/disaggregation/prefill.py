@@ -1,0 +1,319 @@
+"""The prefill worker of a PD pair: wait for the decode side, run the prompt, stream its KV.
+
+A request that carries `bootstrap_room` waits here until the decode worker has registered
+the room (the slots it allocated for the prompt, in its pool). It then runs as an ordinary
+request that stops after its first token; while its forward runs, each layer's K/V for the
+request's new positions is written into the decode worker's slots by a sender thread as soon
+as that layer has stored it (`on_layer`), so the transfer of layer i overlaps the compute of
+layers i+1... The step waits for the last writes before it ends (the slots stay the
+request's until then), and the first token follows in a Done message.
+
+Everything that ends a room without a Done (a failed write, an abort, a timeout, a bad
+registration) sends Failed, so the decode side never waits for nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from sglang_like.disaggregation import messages as m
+from sglang_like.disaggregation.channel import Channel
+from sglang_like.disaggregation.transfer import MooncakeKVTransfer, slot_runs
+from sglang_like.req import FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+_RECENT = 64  # transfer records kept for get_server_info (benchmarks, tests)
+
+
+@dataclasses.dataclass
+class PrefillRoom:
+    """One request's transfer, on the prefill side."""
+
+    room: int
+    peer: bytes  # the decode worker's channel identity
+    reg: m.Register
+    sent_upto: int  # prompt positions below this are written (or were cached there)
+    num_bytes: int = 0
+    error: str | None = None
+    done_sent: bool = False
+    t_registered: float = 0.0
+    layer_computed: list[float] = dataclasses.field(default_factory=list)
+    layer_sent: list[float] = dataclasses.field(default_factory=list)
+
+
+class _Sender:
+    """The thread that performs the writes a forward's layer hook queues, in order."""
+
+    def __init__(self, kv: MooncakeKVTransfer) -> None:
+        self.kv = kv
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="sglang-like-pd-sender", daemon=True).start()
+
+    def put(self, layer: int, work: list[tuple[PrefillRoom, list[tuple[int, int, int]]]]) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._jobs.put((layer, work))
+
+    def wait(self) -> None:
+        self._idle.wait()
+
+    def _run(self) -> None:
+        while True:
+            layer, work = self._jobs.get()
+            for room, runs in work:
+                if room.error is not None:
+                    continue
+                try:
+                    room.num_bytes += self.kv.write_layer(room.reg.layout, layer, runs)
+                except Exception as exc:  # noqa: BLE001 - fails this room, not the worker
+                    room.error = f"KV transfer to the decode worker failed: {exc}"
+                room.layer_sent.append(time.perf_counter())
+            with self._lock:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.set()
+
+
+class PrefillManager:
+    """Owned by the scheduler (its `disagg`); every method but the channel's runs on the
+    loop thread."""
+
+    mode = "prefill"
+
+    def __init__(self, kv: MooncakeKVTransfer, req_to_token_pool: Any, host: str,
+                 bootstrap_port: int, timeout_s: float, wake: Any) -> None:
+        self.kv = kv
+        self.req_to_token_pool = req_to_token_pool
+        self.timeout_s = timeout_s
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._registrations: dict[int, tuple[bytes, m.Register, float]] = {}
+        self._cancels: list[tuple[bytes, int]] = []
+        self._news = False
+        self._waiting: dict[int, tuple[Req, float]] = {}  # room -> (req, deadline)
+        self._active: dict[int, tuple[Req, PrefillRoom]] = {}
+        self._sender = _Sender(kv)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
+        self.num_transfers = self.num_failed = self.bytes_sent = 0
+        self.transfer_seconds = 0.0
+        self.bootstrap_port = bootstrap_port
+        self.channel = Channel("pd-bootstrap", self._on_message, on_tick=self._tick,
+                               bind=f"tcp://{host}:{bootstrap_port}")
+
+    # ---- the channel's thread ------------------------------------------------------------
+    def _on_message(self, peer: bytes, data: bytes) -> None:
+        msg = m.decode_to_prefill(data)
+        if isinstance(msg, m.Ping):
+            self.channel.send(peer, m.encode(m.Pong(msg.seq)))
+            return
+        with self._lock:
+            if isinstance(msg, m.Register):
+                self._registrations[msg.room] = (peer, msg, time.perf_counter())
+            elif isinstance(msg, m.Cancel):
+                self._cancels.append((peer, msg.room))
+            self._news = True
+        self._wake()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            late = any(deadline < now for _, deadline in list(self._waiting.values()))
+            stale = [r for r, (_, _, t) in self._registrations.items()
+                     if now - t > self.timeout_s and r not in self._waiting
+                     and r not in self._active]
+            for room in stale:  # registered for a request that never came here
+                peer, _, _ = self._registrations.pop(room)
+                self.channel.send(peer, m.encode(m.Failed(
+                    room, f"the prefill worker got no request for bootstrap room {room} "
+                          f"within {self.timeout_s:g} s")))
+            if late:
+                self._news = True
+        if late:
+            self._wake()
+
+    # ---- the scheduler's calls -----------------------------------------------------------
+    @property
+    def has_news(self) -> bool:
+        return self._news
+
+    def add(self, req: Req) -> None:
+        """A request of a PD pair: it waits for its room's registration."""
+        room = req.bootstrap[2]
+        if room in self._waiting or room in self._active:
+            req.finish(FinishReason("abort", status_code=400, message=(
+                f"bootstrap room {room} is already in use on this prefill worker")))
+            return
+        # the prefill worker's answer ends at the first token; the decode worker goes on
+        req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
+        self._waiting[room] = (req, time.perf_counter() + self.timeout_s)
+        with self._lock:
+            self._news = True
+
+    def poll(self, sched: Any, touched: list[Req]) -> None:
+        """Admit registered requests, apply cancels and deadlines, report rooms that ended."""
+        with self._lock:
+            self._news = False
+            cancels, self._cancels = self._cancels, []
+            ready = [r for r in self._waiting if r in self._registrations]
+            regs = {r: self._registrations.pop(r) for r in ready}
+        now = time.perf_counter()
+        for room, (peer, reg, t_reg) in regs.items():
+            req, _ = self._waiting.pop(room)
+            problem = self.kv.check_peer(reg.layout)
+            if problem is None and reg.prompt_len != req.prompt_len:
+                problem = (f"the decode worker tokenized the prompt to {reg.prompt_len} "
+                           f"tokens, this worker to {req.prompt_len} (different tokenizers?)")
+            if problem is None and reg.start + len(reg.slots) != reg.prompt_len:
+                problem = "the registration does not cover the prompt"
+            if problem is not None:
+                self.channel.send(peer, m.encode(m.Failed(room, problem)))
+                req.finish(FinishReason("abort", message=f"disaggregation: {problem}"))
+                touched.append(req)
+                continue
+            state = PrefillRoom(room, peer, reg, sent_upto=reg.start, t_registered=t_reg)
+            req.pd = state
+            self._active[room] = (req, state)
+            sched.waiting.append(req)
+        for room, (req, deadline) in list(self._waiting.items()):
+            if deadline < now:
+                del self._waiting[room]
+                req.finish(FinishReason("abort", message=(
+                    f"no decode worker registered bootstrap room {room} within "
+                    f"{self.timeout_s:g} s")))
+                touched.append(req)
+        for peer, room in cancels:
+            entry = self._waiting.pop(room, None)
+            if entry is not None:
+                entry[0].finish(FinishReason("abort", message="the decode worker cancelled"))
+                touched.append(entry[0])
+            elif room in self._active:
+                req, _ = self._active.pop(room)
+                sched.abort(req.rid)  # no write is in flight between steps
+            self.channel.send(peer, m.encode(m.Cancelled(room)))
+        self._report_ended()
+
+    def before_forward(self, batch: Any) -> Any:
+        """The layer hook for this batch (None when no request of it sends KV)."""
+        work: list[tuple[PrefillRoom, list[tuple[int, int, int]]]] = []
+        for req, n, tree in zip(batch.reqs, batch.extend_lens, batch.trees, strict=True):
+            state = req.pd
+            if not isinstance(state, PrefillRoom) or tree is not None or state.error:
+                continue
+            end = min(req.kv_len + n, req.prompt_len)
+            if end <= state.sent_upto:
+                continue
+            src = self.req_to_token_pool.read(req.req_pool_idx, state.sent_upto, end)
+            dst = state.reg.slots[state.sent_upto - state.reg.start : end - state.reg.start]
+            work.append((state, slot_runs(src, dst)))
+            state.sent_upto = end
+        if not work:
+            return None
+
+        def on_layer(layer: int) -> None:
+            now = time.perf_counter()
+            for state, _ in work:
+                state.layer_computed.append(now)
+            self._sender.put(layer, work)
+
+        return on_layer
+
+    def after_forward(self) -> None:
+        """The step's writes are done before its requests can free their slots."""
+        self._sender.wait()
+
+    def after_process(self, batch: Any) -> None:
+        for req in batch.reqs:
+            state = req.pd
+            if isinstance(state, PrefillRoom) and req.output_ids and not state.done_sent:
+                if state.error is not None:
+                    continue  # reported (and the request ended) by _report_ended
+                token = req.output_ids[0]
+                logprob = top = None
+                if req.return_logprob and req.logprobs.output_token:
+                    logprob = req.logprobs.output_token[0][0]
+                    top = req.logprobs.output_top[0] or None
+                state.done_sent = True
+                self.channel.send(state.peer, m.encode(m.Done(
+                    state.room, token, logprob, top, state.num_bytes,
+                    prefill_cached_tokens=req.num_cached_tokens)))
+        self._report_ended()
+
+    def abort(self, rid: str, sched: Any) -> Req | None:
+        for room, (req, _) in list(self._waiting.items()):
+            if req.rid == rid:
+                del self._waiting[room]
+                req.finish(FinishReason("abort", message="aborted"))
+                return req
+        return None  # a registered request is in the scheduler's queues
+
+    def abort_all(self, message: str, sched: Any) -> list[Req]:
+        reqs = [req for req, _ in self._waiting.values()]
+        self._waiting.clear()
+        for req in reqs:
+            req.finish(FinishReason("abort", message=message))
+        for _, state in self._active.values():
+            state.error = state.error or message
+        return reqs
+
+    def _report_ended(self) -> None:
+        """Forget rooms whose request ended; Failed to the decode side for those without a
+        Done (aborted, a write failed, the request failed)."""
+        for room, (req, state) in list(self._active.items()):
+            if state.error is not None and not req.is_finished:
+                req.finish(FinishReason("abort", message=state.error))
+            if not req.is_finished:
+                continue
+            del self._active[room]
+            if not state.done_sent:
+                reason = req.finished_reason
+                message = state.error or (reason.message if reason else None) or "ended"
+                self.channel.send(state.peer, m.encode(m.Failed(room, message)))
+                self.num_failed += 1
+                continue
+            self._record(state)
+
+    def _record(self, state: PrefillRoom) -> None:
+        self.num_transfers += 1
+        self.bytes_sent += state.num_bytes
+        seconds = 0.0
+        if state.layer_sent and state.layer_computed:
+            seconds = max(state.layer_sent[-1] - state.layer_computed[0], 0.0)
+        self.transfer_seconds += seconds
+        self.recent.append({
+            "room": state.room, "bytes": state.num_bytes,
+            "tokens": state.reg.prompt_len - state.reg.start,
+            "layer_computed": state.layer_computed, "layer_sent": state.layer_sent,
+        })
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._waiting) + len(self._active)
+
+    def held_slots(self) -> list[int]:
+        return []
+
+    def held_reqs(self) -> list[Req]:
+        return []
+
+    def info(self) -> dict[str, Any]:
+        return {"mode": self.mode, "bootstrap_port": self.bootstrap_port,
+                "session": self.kv.session, "num_inflight": self.num_inflight,
+                "num_transfers": self.num_transfers, "num_failed": self.num_failed,
+                "bytes_sent": self.bytes_sent, "transfer_seconds": self.transfer_seconds,
+                "recent_transfers": list(self.recent)}
+
+    def close(self) -> None:
+        self.channel.close()
+
