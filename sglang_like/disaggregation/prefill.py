@@ -44,6 +44,7 @@ class PrefillRoom:
     error: str | None = None
     done_sent: bool = False
     t_registered: float = 0.0
+    write_seconds: float = 0.0  # inside the transfer engine's writes
     layer_computed: list[float] = dataclasses.field(default_factory=list)
     layer_sent: list[float] = dataclasses.field(default_factory=list)
 
@@ -75,11 +76,14 @@ class _Sender:
             for room, runs in work:
                 if room.error is not None:
                     continue
+                t0 = time.perf_counter()
                 try:
                     room.num_bytes += self.kv.write_layer(room.reg.layout, layer, runs)
                 except Exception as exc:  # noqa: BLE001 - fails this room, not the worker
                     room.error = f"KV transfer to the decode worker failed: {exc}"
-                room.layer_sent.append(time.perf_counter())
+                now = time.perf_counter()
+                room.write_seconds += now - t0
+                room.layer_sent.append(now)
             with self._lock:
                 self._pending -= 1
                 if self._pending == 0:
@@ -107,7 +111,7 @@ class PrefillManager:
         self._sender = _Sender(kv)
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         self.num_transfers = self.num_failed = self.bytes_sent = 0
-        self.transfer_seconds = 0.0
+        self.write_seconds = 0.0  # summed over transfers: bytes_sent / it is the write rate
         self.bootstrap_port = bootstrap_port
         self.channel = Channel("pd-bootstrap", self._on_message, on_tick=self._tick,
                                bind=f"tcp://{host}:{bootstrap_port}")
@@ -287,13 +291,12 @@ class PrefillManager:
     def _record(self, state: PrefillRoom) -> None:
         self.num_transfers += 1
         self.bytes_sent += state.num_bytes
-        seconds = 0.0
-        if state.layer_sent and state.layer_computed:
-            seconds = max(state.layer_sent[-1] - state.layer_computed[0], 0.0)
-        self.transfer_seconds += seconds
+        self.write_seconds += state.write_seconds
         self.recent.append({
             "room": state.room, "bytes": state.num_bytes,
             "tokens": state.reg.prompt_len - state.reg.start,
+            "write_seconds": state.write_seconds,
+            "registered_at": state.t_registered,
             "layer_computed": state.layer_computed, "layer_sent": state.layer_sent,
         })
 
@@ -311,7 +314,7 @@ class PrefillManager:
         return {"mode": self.mode, "bootstrap_port": self.bootstrap_port,
                 "session": self.kv.session, "num_inflight": self.num_inflight,
                 "num_transfers": self.num_transfers, "num_failed": self.num_failed,
-                "bytes_sent": self.bytes_sent, "transfer_seconds": self.transfer_seconds,
+                "bytes_sent": self.bytes_sent, "write_seconds": self.write_seconds,
                 "recent_transfers": list(self.recent)}
 
     def close(self) -> None:
