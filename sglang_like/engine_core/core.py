@@ -103,6 +103,13 @@ class EngineCore:
         from sglang_like.disaggregation import build_manager
 
         sa = self.server_args
+        if mode != "null" and sa.tp_size > 1:
+            raise ValueError("prefill/decode disaggregation with --tp-size > 1 is not "
+                             "supported yet")
+        if mode == "decode" and (sa.speculative_algorithm or "").startswith("EAGLE"):
+            # its draft head never sees the prompt it would need the hidden states of
+            raise ValueError("a decode worker cannot run EAGLE speculation (the prompt is "
+                             "computed elsewhere); use --speculative-algorithm NGRAM")
         if mode != "null" and self._kv_transfer is None:
             from sglang_like.disaggregation.transfer import MooncakeKVTransfer
 
