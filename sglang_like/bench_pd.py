@@ -41,9 +41,9 @@ from sglang_like.launch_router import free_port
 
 
 def _long_prompt(i: int, num_tokens: int) -> str:
-    # about 11 tokens a sentence; distinct from the first words so no prefix is shared
+    # about 16 tokens a sentence; distinct from the first words so no prefix is shared
     words = " ".join(f"Record {i}-{k}: the river carries stone number {k} east."
-                     for k in range(max(num_tokens // 11, 1)))
+                     for k in range(max(num_tokens // 16, 1)))
     return f"Long document {i}. {words}\nSummary:"
 
 
@@ -131,7 +131,7 @@ def _pd_pair(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         deadline = time.monotonic() + 300
         assert proc.stdout is not None
         for line in proc.stdout:
-            if "listening on" in line:
+            if line.startswith("sglang_like: sglang-router"):
                 urls = line.rsplit(": ", 1)[1].split()
                 break
             if time.monotonic() > deadline:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,19 +18,10 @@ from starlette.responses import Response
 from sglang_like.config import DISAGGREGATION_MODES
 from sglang_like.server.errors import ApiError, json_response, read_json_body
 from sglang_like.server.openapi import json_content, operation
-from sglang_like.server.protocol import parse_model
+from sglang_like.server.protocol import SwitchModeRequest, parse_model
 from sglang_like.server.state import get_state
 
 router = APIRouter()
-
-
-class SwitchModeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    mode: str = Field(description="prefill, decode or null (a regular worker)")
-    bootstrap_port: StrictInt | None = Field(None, ge=1, le=65535,
-                                             description="a prefill worker's bootstrap port")
-    drain_timeout: StrictFloat | StrictInt = Field(60.0, ge=0, le=3600)
 
 
 @router.post("/switch_disaggregation_mode", openapi_extra=operation(

@@ -21,11 +21,12 @@ from sglang_like.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    SwitchModeRequest,
 )
 
 _REF = "#/components/schemas/{model}"
 _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    GenerateRequest, CompletionRequest, ChatCompletionRequest, AbortRequest,
+    GenerateRequest, CompletionRequest, ChatCompletionRequest, AbortRequest, SwitchModeRequest,
 )
 _ERROR_TEXT = {
     400: "Bad request: the body or a parameter is invalid (the message says which)",

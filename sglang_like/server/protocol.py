@@ -134,6 +134,17 @@ class GenerateRequest(BaseModel):
         }
 
 
+class SwitchModeRequest(BaseModel):
+    """POST /switch_disaggregation_mode (sglang_like.server.disaggregation_api)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: str = Field(description="prefill, decode or null (a regular worker)")
+    bootstrap_port: StrictInt | None = Field(None, ge=1, le=65535,
+                                             description="a prefill worker's bootstrap port")
+    drain_timeout: StrictFloat | StrictInt = Field(60.0, ge=0, le=3600)
+
+
 def bootstrap_kwargs(body: Any) -> dict[str, Any]:
     """The PD bootstrap fields a body carries, as Engine.generate keyword arguments."""
     return {k: getattr(body, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")

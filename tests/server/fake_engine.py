@@ -96,11 +96,13 @@ class FakeEngine:
                              input_ids: Any = None, return_logprob: bool = False,
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False,
-                             rid: Any = None) -> Any:
+                             rid: Any = None, bootstrap_host: Any = None,
+                             bootstrap_port: Any = None, bootstrap_room: Any = None) -> Any:
         self.calls.append({"prompt": prompt, "input_ids": input_ids, "stream": stream,
                            "sampling_params": sampling_params, "rid": rid,
                            "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                           "logprob_start_len": logprob_start_len})
+                           "logprob_start_len": logprob_start_len,
+                           "bootstrap": (bootstrap_host, bootstrap_port, bootstrap_room)})
         is_batch = isinstance(prompt, list) or (bool(input_ids) and isinstance(input_ids[0], list))
         texts = prompt if isinstance(prompt, list) else [prompt]
         ids_list = input_ids if is_batch and input_ids is not None else [input_ids]
