@@ -62,11 +62,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         dtype=str(dtype).removeprefix("torch."), quantization=quantization,
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
     )
-    runner = ModelRunner(
-        loaded.config, loaded.weights, dtype=dtype, device=device, num_kv_slots=num_slots,
-        context_len=context_len, max_running_requests=sa.max_running_requests, quant=quant,
-        kv_dtype=kv_dtype,
-    )
+    runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype)
     eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
     drafter = build_drafter(spec, runner) if spec is not None else None
     scheduler = Scheduler(
@@ -82,6 +78,26 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         runner, tokenizer, eos, drafter,
     )
     return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos)
+
+
+def _build_runner(sa: ServerArgs, config: ModelConfig, weights: dict[str, Any],
+                  device: torch.device, dtype: torch.dtype, quant: QuantConfig,
+                  kv_dtype: torch.dtype) -> ModelRunner:
+    """The model runner; with `tp_size` > 1 it is rank 0 of a tensor-parallel group whose
+    other ranks start here (they load while this rank builds its own shard)."""
+    tp_group = tp = None
+    if sa.tp_size > 1:
+        from sglang_like.tp.group import TPGroup
+
+        tp_group = TPGroup(sa, config, device)
+        tp = tp_group.shard
+    elif sa.tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1; got {sa.tp_size}")
+    return ModelRunner(
+        config, weights, dtype=dtype, device=device, num_kv_slots=sa.max_total_tokens,
+        context_len=sa.context_length, max_running_requests=sa.max_running_requests,
+        quant=quant, kv_dtype=kv_dtype, tp=tp, tp_group=tp_group,
+    )
 
 
 def build_drafter(spec: SpecConfig, runner: ModelRunner) -> Any:

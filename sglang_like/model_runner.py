@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,11 @@ from sglang_like.mem_pool import KVPool, ReqToTokenPool
 from sglang_like.models.llama import LlamaForCausalLM
 from sglang_like.quant import QuantConfig
 from sglang_like.schedule_batch import ScheduleBatch
+from sglang_like.tp.comm import TPRankLost
+from sglang_like.tp.parallel import TPShard, shard_weights
+
+if TYPE_CHECKING:
+    from sglang_like.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +25,12 @@ _SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class ModelRunner:
-    """Builds the model from Hugging Face-named weights and runs mixed extend/decode batches."""
+    """Builds the model from Hugging Face-named weights and runs mixed extend/decode batches.
+
+    Tensor parallelism: with `tp` the model is one rank's shard (its KV pool holds its KV
+    heads only). Rank 0 also gets `tp_group`: `forward` then hands each batch to the other
+    ranks, which run it through `run_shard`; the scheduler's side is unchanged.
+    """
 
     def __init__(
         self,
@@ -33,9 +44,28 @@ class ModelRunner:
         max_running_requests: int,
         quant: QuantConfig | None = None,
         kv_dtype: torch.dtype | None = None,
+        tp: TPShard | None = None,
+        tp_group: TPGroup | None = None,
     ) -> None:
         """`dtype` is the dense dtype (residual stream, unquantized weights); `quant` picks each
-        linear's method (default: dense in `dtype`); `kv_dtype` the KV pool's (default `dtype`)."""
+        linear's method (default: dense in `dtype`); `kv_dtype` the KV pool's (default `dtype`).
+        `tp`: this rank's shard; `tp_group` (rank 0): the started group, which this runner
+        then owns (closed if the build fails)."""
+        try:
+            self._build(model_config, weights, dtype, device, num_kv_slots, context_len,
+                        max_running_requests, quant, kv_dtype, tp)
+            if tp_group is not None:
+                tp_group.wait_ready()
+        except BaseException:
+            if tp_group is not None:
+                tp_group.close()
+            raise
+        self.tp_group = tp_group
+
+    def _build(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+               dtype: torch.dtype, device: torch.device, num_kv_slots: int, context_len: int,
+               max_running_requests: int, quant: QuantConfig | None,
+               kv_dtype: torch.dtype | None, tp: TPShard | None) -> None:
         if model_config.architecture not in _SUPPORTED_ARCHS:
             raise ValueError(
                 f"unsupported architecture {model_config.architecture!r}; "
@@ -45,12 +75,15 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.quant = quant or QuantConfig("none", dtype)
-        model = LlamaForCausalLM(model_config, self.quant)
+        model = LlamaForCausalLM(model_config, self.quant, tp)
         model.set_rope(context_len, device)
+        if tp is not None:
+            weights = shard_weights(weights, model_config, tp.plan)
         model.load_weights(weights, device)
         self.model = model.eval()
+        num_kv_heads = tp.plan.num_kv_heads if tp else model_config.num_key_value_heads
         self.kv_pool = KVPool(
-            num_kv_slots, model_config.num_hidden_layers, model_config.num_key_value_heads,
+            num_kv_slots, model_config.num_hidden_layers, num_kv_heads,
             model_config.head_dim, kv_dtype or dtype, device,
         )
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len, device)
@@ -99,8 +132,29 @@ class ModelRunner:
         EAGLE-3 drafter is on), the target's features of every token row are kept in
         `last_features` [num_tokens, 3 * hidden] for the drafter."""
         fb = self.build_forward_batch(batch)
+        if self.tp_group is None:
+            return self._forward(fb)
+        self.tp_group.broadcast(fb)
+        try:
+            return self._forward(fb)
+        except Exception as exc:
+            # the other ranks are inside this forward's collectives: they cannot be brought
+            # back in step with the next batch, so the group (and the engine) ends
+            raise TPRankLost(f"rank 0 failed inside a tensor-parallel forward: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.aux_layers:
             logits, self.last_features = self.model.forward_features(fb, self.kv_pool,
                                                                      self.aux_layers)
             return logits.float().cpu()
         return self.model(fb, self.kv_pool).float().cpu()
+
+    def run_shard(self, fb: ForwardBatch) -> None:
+        """A tensor-parallel rank > 0's part of a forward: its layers, K/V stored, no logits."""
+        self.model.forward_layers(fb, self.kv_pool)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them)."""
+        if self.tp_group is not None:
+            self.tp_group.close()

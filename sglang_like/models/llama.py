@@ -12,6 +12,7 @@ from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
 from sglang_like.models.rotary import RotaryEmbedding, RotaryTables
 from sglang_like.quant import QuantConfig, QuantLinear, WeightSource
+from sglang_like.tp.parallel import TPShard
 
 
 class RMSNorm(nn.Module):
@@ -49,12 +50,23 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fb: Forw
                                     fb.prefix_lens, fb.extend_lens, sm_scale)
 
 
+def _reduce(y: torch.Tensor, tp: TPShard | None, dtype: torch.dtype) -> torch.Tensor:
+    """A row-parallel linear's partial sum joined over the ranks, in the residual's dtype."""
+    return y if tp is None else tp.all_reduce(y.to(dtype).contiguous())
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig) -> None:
+    """Self-attention over the KV pool; with `tp`, only this rank's KV-head groups (q/k/v
+    rows column-parallel, o_proj row-parallel, its output summed over the ranks)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.residual_dtype = quant.dtype
+        self.num_heads = tp.plan.num_heads if tp else config.num_attention_heads
+        self.num_kv_heads = tp.plan.num_kv_heads if tp else config.num_key_value_heads
         self.head_dim = config.head_dim
         self.sm_scale = self.head_dim**-0.5
         hidden, bias = config.hidden_size, config.attention_bias
@@ -63,7 +75,7 @@ class LlamaAttention(nn.Module):
                                     [q_rows, kv_rows, kv_rows],
                                     ["q_proj", "k_proj", "v_proj"], bias=bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
-        o_bias = bias and config.architecture != "qwen2"
+        o_bias = bias and config.architecture != "qwen2" and (tp is None or tp.plan.is_first)
         self.o_proj = QuantLinear(quant.linear_method(q_rows, hidden), q_rows, [hidden], ["o_proj"],
                                   bias=o_bias)
         if config.qk_norm:
@@ -89,13 +101,21 @@ class LlamaAttention(nn.Module):
         k_pool, v_pool = pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id]
         kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
         out = attend(q, k_pool, v_pool, fb, self.sm_scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return _reduce(out, self.tp, self.residual_dtype)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant: QuantConfig) -> None:
+    """SwiGLU; with `tp`, this rank's intermediate columns (gate/up column-parallel,
+    down_proj row-parallel, its output summed over the ranks)."""
+
+    def __init__(self, config: ModelConfig, quant: QuantConfig,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden = config.hidden_size
+        inter = tp.plan.intermediate_size if tp else config.intermediate_size
+        self.tp = tp
+        self.residual_dtype = quant.dtype
         self.gate_up_proj = QuantLinear(quant.linear_method(hidden, 2 * inter), hidden,
                                         [inter, inter],
                                         ["gate_proj", "up_proj"])
@@ -106,15 +126,16 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return self.down_proj(F.silu(gate) * up)
+        return _reduce(self.down_proj(F.silu(gate) * up), self.tp, self.residual_dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
         act = quant.activation_dtype
-        self.self_attn = LlamaAttention(config, layer_id, quant)
-        self.mlp = LlamaMLP(config, quant)
+        self.self_attn = LlamaAttention(config, layer_id, quant, tp)
+        self.mlp = LlamaMLP(config, quant, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
 
@@ -127,14 +148,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, quant: QuantConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
         embed = (quant.head_method() if config.tie_word_embeddings
                  else quant.embedding_method())
         self.embed_tokens = QuantLinear(embed, config.hidden_size, [config.vocab_size],
                                         ["embed_tokens"])
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, quant, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                             quant.head_method(embeds=config.tie_word_embeddings).input_dtype)
@@ -146,15 +168,21 @@ class LlamaForCausalLM(nn.Module):
     Every matmul goes through a `QuantLinear` whose method `quant` picks (dense, int8, int4);
     q/k/v and gate/up are fused. The embedding and a tied LM head are one matrix.
     `forward(fb, pool)` returns float32 logits [len(fb.logits_indices), vocab_size].
+
+    With `tp` the model is one rank's shard (see sglang_like.tp.parallel): it loads the
+    checkpoint `shard_weights` cut for it, its KV pool holds its KV heads, and every rank runs
+    the layers (`forward_layers`) while only rank 0 goes on to the logits.
     """
 
-    def __init__(self, config: ModelConfig, quant: QuantConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig, quant: QuantConfig | None = None,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
         quant = quant or QuantConfig("none", torch.float32)
         self.config = config
         self.quant = quant
+        self.tp = tp
         self.dtype = quant.dtype  # the residual stream's
-        self.model = LlamaModel(config, quant)
+        self.model = LlamaModel(config, quant, tp)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -177,6 +205,16 @@ class LlamaForCausalLM(nn.Module):
         """(logits, features): features [T, len(aux_layers) * hidden] float32 are the residual
         stream entering each layer in `aux_layers` (SGLang's EAGLE-3 capture), for every token
         row; None when `aux_layers` is empty."""
+        x, features = self.forward_layers(fb, pool, aux_layers)
+        x = self.model.norm(x[fb.logits_indices])
+        return self.lm_head(x).float(), features
+
+    @torch.inference_mode()
+    def forward_layers(self, fb: ForwardBatch, pool: KVPool, aux_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(residual stream after the last layer [T, hidden], aux features as in
+        `forward_features`): every K/V of the batch stored, no logits (a TP rank > 0 stops
+        here)."""
         embed = self.model.embed_tokens
         x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
         rope = self.rope.tables(fb.positions)  # gathered once, used by every layer
@@ -187,9 +225,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, fb, rope, pool)
             if fb.on_layer is not None:
                 fb.on_layer(i)
-        x = self.model.norm(x[fb.logits_indices])
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return self.lm_head(x).float(), features
+        return x, features
 
     def default_aux_layers(self) -> tuple[int, ...]:
         """SGLang's default EAGLE-3 capture: low, middle and high layers."""

@@ -69,6 +69,26 @@ class GGUFBlockWeight(NamedTuple):
         """Rows reordered by `index` (a row permutation keeps blocks whole)."""
         return self._replace(blocks=np.ascontiguousarray(np.asarray(self.blocks)[index.numpy()]))
 
+    def slice_rows(self, start: int, stop: int) -> GGUFBlockWeight:
+        """Rows [start, stop) (a column-parallel shard): whole rows of blocks, no decoding."""
+        rows, cols = self.shape
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"rows [{start}, {stop}) outside a matrix of {rows} rows")
+        blocks = np.ascontiguousarray(np.asarray(self.blocks).reshape(rows, -1)[start:stop])
+        return self._replace(shape=(stop - start, cols), blocks=blocks)
+
+    def slice_cols(self, start: int, stop: int) -> GGUFBlockWeight:
+        """Columns [start, stop) (a row-parallel shard); both ends on a 32-column block
+        boundary, so every block is kept whole and its scale stays exact."""
+        rows, cols = self.shape
+        if not 0 <= start <= stop <= cols or start % BLOCK or stop % BLOCK:
+            raise ValueError(f"columns [{start}, {stop}) of {cols} are not on {BLOCK}-column "
+                             "block boundaries")
+        block_bytes = np.asarray(self.blocks).size // (rows * (cols // BLOCK))
+        view = np.asarray(self.blocks).reshape(rows, cols // BLOCK, block_bytes)
+        blocks = np.ascontiguousarray(view[:, start // BLOCK : stop // BLOCK])
+        return self._replace(shape=(rows, stop - start), blocks=blocks.reshape(rows, -1))
+
 
 def all_int4_blocks(weights: dict[str, object]) -> bool:
     """Whether every transformer-block matrix of loaded weights is a GGUF Q4_0/Q4_1 block

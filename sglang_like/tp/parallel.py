@@ -1,0 +1,137 @@
+"""The sharding plan of tensor parallelism: which heads and MLP columns each rank keeps, and
+the checkpoint slices that give a rank exactly its shard.
+
+Attention splits by KV-head groups (each query head stays with its KV head), the MLP's
+intermediate dim by chunks of `MLP_CHUNK` columns; shares are uneven when the counts do not
+divide (SmolLM2-135M at TP=2: KV heads 2 + 1, query heads 6 + 3). Per rank:
+
+    qkv_proj, gate_up_proj   column-parallel: its rows of q/k/v (gate/up)
+    o_proj, down_proj        row-parallel: its input columns; partial sums all-reduced
+    embedding, norms, head   replicated (only rank 0 computes the logits)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from sglang_like.config import ModelConfig
+from sglang_like.quant import GGUFBlockWeight, WeightSource
+
+# Intermediate columns move between ranks in chunks of 64: GGUF 32-blocks and the int4 group
+# sizes (32, 64) then divide every rank's share of down_proj's input.
+MLP_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank `rank` of `tp_size` keeps: heads [q_head_start, + num_heads) with their KV
+    heads [kv_head_start, + num_kv_heads), intermediate columns [inter_start, +
+    intermediate_size)."""
+
+    rank: int
+    tp_size: int
+    head_dim: int
+    q_head_start: int
+    num_heads: int
+    kv_head_start: int
+    num_kv_heads: int
+    inter_start: int
+    intermediate_size: int
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0: it adds the row-parallel biases and computes the logits."""
+        return self.rank == 0
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """`total` as `parts` shares that differ by at most one, larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def check_tp_size(config: ModelConfig, tp_size: int) -> None:
+    """ValueError unless `config` can be split over `tp_size` ranks."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1; got {tp_size}")
+    if tp_size > config.num_key_value_heads:
+        raise ValueError(f"tp_size {tp_size} exceeds the model's {config.num_key_value_heads} KV "
+                         "heads (tensor parallelism splits by KV-head groups)")
+    if config.intermediate_size % MLP_CHUNK or config.intermediate_size // MLP_CHUNK < tp_size:
+        raise ValueError(f"intermediate_size {config.intermediate_size} cannot be split into "
+                         f"{tp_size} shares of {MLP_CHUNK}-column chunks")
+
+
+def make_shard_plan(config: ModelConfig, tp_size: int, rank: int) -> ShardPlan:
+    """Rank `rank`'s share of `config` (see the module docstring)."""
+    check_tp_size(config, tp_size)
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} outside 0..{tp_size - 1}")
+    group = config.num_attention_heads // config.num_key_value_heads  # query heads per KV head
+    kv_shares = _split(config.num_key_value_heads, tp_size)
+    chunk_shares = _split(config.intermediate_size // MLP_CHUNK, tp_size)
+    kv_start = sum(kv_shares[:rank])
+    return ShardPlan(
+        rank=rank, tp_size=tp_size, head_dim=config.head_dim,
+        q_head_start=kv_start * group, num_heads=kv_shares[rank] * group,
+        kv_head_start=kv_start, num_kv_heads=kv_shares[rank],
+        inter_start=sum(chunk_shares[:rank]) * MLP_CHUNK,
+        intermediate_size=chunk_shares[rank] * MLP_CHUNK,
+    )
+
+
+def slice_rows(source: WeightSource, start: int, stop: int) -> WeightSource:
+    """Rows [start, stop) of a dense or packed [out, in] matrix (or a 1-D bias)."""
+    if isinstance(source, GGUFBlockWeight):
+        return source.slice_rows(start, stop)
+    return source[start:stop].contiguous()
+
+
+def slice_cols(source: WeightSource, start: int, stop: int) -> WeightSource:
+    """Columns [start, stop) of a dense or packed [out, in] matrix."""
+    if isinstance(source, GGUFBlockWeight):
+        return source.slice_cols(start, stop)
+    return source[:, start:stop].contiguous()
+
+
+def shard_weights(weights: dict[str, WeightSource], config: ModelConfig,
+                  plan: ShardPlan) -> dict[str, WeightSource]:
+    """The checkpoint as rank `plan.rank` loads it: every transformer-block matrix (and bias)
+    cut to its shard, the rest as it is; a row-parallel bias only on rank 0 (the all-reduce
+    would add it once per rank)."""
+    hd = plan.head_dim
+    q = (plan.q_head_start * hd, (plan.q_head_start + plan.num_heads) * hd)
+    kv = (plan.kv_head_start * hd, (plan.kv_head_start + plan.num_kv_heads) * hd)
+    inter = (plan.inter_start, plan.inter_start + plan.intermediate_size)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
+    cols = {"o_proj": q, "down_proj": inter}
+    out: dict[str, WeightSource] = {}
+    for name, source in weights.items():
+        if not name.startswith("model.layers."):
+            out[name] = source
+            continue
+        module, _, kind = name.rpartition(".")
+        proj = module.rpartition(".")[2]
+        if proj in rows:
+            out[name] = slice_rows(source, *rows[proj])
+        elif proj in cols and kind == "weight":
+            out[name] = slice_cols(source, *cols[proj])
+        elif proj in cols:  # a row-parallel bias
+            if plan.is_first:
+                out[name] = source
+        else:
+            out[name] = source  # norms (q/k norms are per head_dim: replicated)
+    return out
+
+
+
+class TPShard(NamedTuple):
+    """What a sharded model needs: its plan and the all-reduce (sum, in place) that joins the
+    partial outputs of its row-parallel linears."""
+
+    plan: ShardPlan
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
