@@ -107,10 +107,10 @@ def _summary(name: str, run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _colocated(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+def _colocated(args: argparse.Namespace, *extra: str) -> tuple[dict[str, Any], dict[str, Any]]:
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
-           "--log-level", "warning", *args.server_args]
+           "--log-level", "warning", *args.server_args, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -194,12 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_like.bench_pd", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decoders", type=int, default=4)
-    p.add_argument("--decode-tokens", type=int, default=160)
+    p.add_argument("--decode-tokens", type=int, default=480)
     p.add_argument("--long-prompts", type=int, default=6)
     p.add_argument("--long-tokens", type=int, default=1200)
     p.add_argument("--long-new-tokens", type=int, default=8)
     p.add_argument("--first-long-at", type=float, default=1.0)
     p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--small-chunk", type=int, default=256,
+                   help="also run the colocated server with this --chunked-prefill-size (the "
+                        "knob a colocated deployment trades TTFT against ITL with); 0: skip")
     p.add_argument("--out-dir", default="bench_results")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="options for every server (last on the line)")
@@ -211,9 +214,12 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {}
     stats: dict[str, Any] = {}
-    for name, fn in tqdm([("colocated (1 worker)", _colocated),
-                          ("PD pair (router + 1 prefill + 1 decode)", _pd_pair)],
-                         desc="setups", unit="setup"):
+    setups = [("colocated (1 worker)", lambda a: _colocated(a))]
+    if args.small_chunk:
+        setups.append((f"colocated, --chunked-prefill-size {args.small_chunk}",
+                       lambda a: _colocated(a, "--chunked-prefill-size", str(a.small_chunk))))
+    setups.append(("PD pair (router + 1 prefill + 1 decode)", _pd_pair))
+    for name, fn in tqdm(setups, desc="setups", unit="setup"):
         runs[name], extra = fn(args)
         if extra:
             stats = extra
@@ -223,9 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nmixed load: {args.decoders} streams x {args.decode_tokens} tokens, "
           f"{args.long_prompts} prompts of ~{args.long_tokens} tokens every {args.interval:g} s"
           f" ({os.cpu_count()} cores)")
-    print(" | ".join(f"{c:>12}" if c != "setup" else f"{c:<40}" for c in cols))
+    print(" | ".join(f"{c:>12}" if c != "setup" else f"{c:<44}" for c in cols))
     for r in rows:
-        print(" | ".join(f"{r[c]:<40}" if c == "setup" else
+        print(" | ".join(f"{r[c]:<44}" if c == "setup" else
                          (f"{r[c]:>12.1f}" if isinstance(r[c], float) else f"{r[c]:>12}")
                          for c in cols))
     transfer = _transfer_rows(stats, args.long_tokens // 2) if stats else {}
