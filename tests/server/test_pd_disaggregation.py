@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pd_cluster import PDCluster, info, kill_tree, pd_cluster, sse_events
+from router_cluster import PDCluster, info, kill_tree, pd_cluster, sse_events
 
 pytestmark = [
     pytest.mark.slow,

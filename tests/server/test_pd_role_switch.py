@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pd_cluster import PDCluster, info, pd_cluster
+from router_cluster import PDCluster, info, pd_cluster
 
 pytestmark = [
     pytest.mark.slow,

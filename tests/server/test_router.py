@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from router_cluster import info, kill_tree, sse_events, this_folders_conftest
 
 from sglang_like import launch_router
 
@@ -36,18 +36,7 @@ pytestmark = [
                        reason="needs sglang-router==0.3.2 (the test extra)"),
 ]
 
-
-
-def _this_folders_conftest() -> Any:
-    """tests/server/conftest.py as pytest loaded it (start_real_server, stop_real_server)."""
-    path = str(Path(__file__).with_name("conftest.py"))
-    for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) == path:
-            return module
-    raise RuntimeError(f"{path} is not loaded")
-
-
-_conftest = _this_folders_conftest()
+_conftest = this_folders_conftest()
 
 WORKER_ARGS = ("--max-total-tokens", "16384")
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
@@ -83,7 +72,7 @@ def cluster() -> Iterator[Cluster]:
     workers = [s.result() for s in starts if s.exception() is None]
     if len(workers) < 2:
         for worker in workers:
-            _kill_tree(worker.proc.pid)
+            kill_tree(worker.proc.pid)
         raise next(s.exception() for s in starts if s.exception() is not None)
     port = _conftest.free_port()
     ns = launch_router.build_parser().parse_args(["--port", str(port)])
@@ -98,43 +87,19 @@ def cluster() -> Iterator[Cluster]:
         launch_router.stop_all([router], signal.SIGTERM, 30)
         for worker in workers:
             _conftest.stop_real_server(worker, timeout=30)
-            _kill_tree(worker.proc.pid)
+            kill_tree(worker.proc.pid)
 
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a worker with every process it started (its engine process, whatever session
-    that is in) and its process group."""
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 60) -> httpx.Response:
     return httpx.post(url, json=body, timeout=timeout)
 
 
-def _info(url: str) -> dict[str, Any]:
-    return httpx.get(url + "/get_server_info", timeout=10).json()
-
 
 def _deltas(key: str, after: list[dict[str, Any]], before: list[dict[str, Any]]) -> list[int]:
     return [a[key] - b[key] for a, b in zip(after, before, strict=True)]
 
 
-def _sse_events(text: str) -> list[Any]:
-    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-    assert lines and lines[-1] == "[DONE]", text[-300:]
-    return [json.loads(line) for line in lines[:-1]]
 
 
 # ---- a. the routes through the router --------------------------------------------------------
@@ -148,7 +113,7 @@ def test_generate_stream_chat_and_openai_client(cluster: Cluster) -> None:
     streamed = _post(url + "/generate", {**body, "stream": True})
     assert streamed.status_code == 200
     assert streamed.headers["content-type"].startswith("text/event-stream")
-    events = _sse_events(streamed.text)
+    events = sse_events(streamed.text)
     assert events[-1]["text"] == plain.json()["text"]
     assert events[-1]["output_ids"] == plain.json()["output_ids"]
 
@@ -201,7 +166,7 @@ def test_enriched_request_same_answer_as_direct(cluster: Cluster) -> None:
 
 # ---- c. cache affinity ---------------------------------------------------------------------
 def test_concurrent_prefix_groups_each_stay_on_one_worker(cluster: Cluster) -> None:
-    before = [_info(w.url) for w in cluster.workers]
+    before = [info(w.url) for w in cluster.workers]
     prompts = [(group, prefix + f" Question {j}: what comes next?")
                for j in range(GROUP_SIZE) for group, prefix in (("A", PREFIX_A),
                                                                  ("B", PREFIX_B))]
@@ -217,7 +182,7 @@ def test_concurrent_prefix_groups_each_stay_on_one_worker(cluster: Cluster) -> N
             return await asyncio.gather(*(one(text) for _, text in prompts))
 
     results = asyncio.run(send_all())
-    after = [_info(w.url) for w in cluster.workers]
+    after = [info(w.url) for w in cluster.workers]
     group_tokens = {"A": 0, "B": 0}
     for (group, _), result in zip(prompts, results, strict=True):
         group_tokens[group] += result["meta_info"]["prompt_tokens"]
@@ -226,36 +191,36 @@ def test_concurrent_prefix_groups_each_stay_on_one_worker(cluster: Cluster) -> N
     cached = _deltas("num_cached_prompt_tokens", after, before)
     # each worker prefilled exactly one group's prompts
     assert sorted(served) == sorted(group_tokens.values()), (served, group_tokens)
-    for num_served, num_cached, info in zip(served, cached, after, strict=True):
+    for num_served, num_cached, worker in zip(served, cached, after, strict=True):
         # 3 of the 4 prompts of a group reuse its ~300-token prefix
         assert num_cached / num_served > 0.6, (num_cached, num_served)
-        assert info["cache_hit_rate"] > 0
+        assert worker["cache_hit_rate"] > 0
 
 
 # ---- d. /flush_cache fans out ----------------------------------------------------------------
 def test_flush_cache_through_router_empties_both(cluster: Cluster) -> None:
-    assert all(_info(w.url)["kv_pool"]["cached_slots"] > 0 for w in cluster.workers)
+    assert all(info(w.url)["kv_pool"]["cached_slots"] > 0 for w in cluster.workers)
     r = httpx.post(cluster.router_url + "/flush_cache", timeout=30)
     assert r.status_code == 200, r.text
-    assert [_info(w.url)["kv_pool"]["cached_slots"] for w in cluster.workers] == [0, 0]
+    assert [info(w.url)["kv_pool"]["cached_slots"] for w in cluster.workers] == [0, 0]
 
 
 # ---- e. a killed worker (last: the cluster is left with one) -----------------------------------
 def test_killed_worker_is_routed_around(cluster: Cluster) -> None:
     # the worker that serves PREFIX_B now (a fresh probe puts it in the router's tree)
-    before = [_info(w.url)["num_prompt_tokens"] for w in cluster.workers]
+    before = [info(w.url)["num_prompt_tokens"] for w in cluster.workers]
     probe = _post(cluster.router_url + "/generate",
                   {"text": PREFIX_B + " Probe.", "sampling_params": {**GREEDY,
                                                                      "max_new_tokens": 1}})
     assert probe.status_code == 200
-    grew = [_info(w.url)["num_prompt_tokens"] > b
+    grew = [info(w.url)["num_prompt_tokens"] > b
             for w, b in zip(cluster.workers, before, strict=True)]
     assert grew.count(True) == 1, grew
     victim, survivor = (cluster.workers[i] for i in ((0, 1) if grew[0] else (1, 0)))
 
-    _kill_tree(victim.proc.pid)
+    kill_tree(victim.proc.pid)
     victim.proc.wait(timeout=10)
-    survivor_before = _info(survivor.url)["num_prompt_tokens"]
+    survivor_before = info(survivor.url)["num_prompt_tokens"]
     statuses: list[int] = []
     ok_prompt_tokens = 0
     consecutive_ok = 0
@@ -281,7 +246,7 @@ def test_killed_worker_is_routed_around(cluster: Cluster) -> None:
     assert consecutive_ok == 4, statuses
     assert len(errors) <= 5, statuses
     # every answer came from the survivor
-    assert _info(survivor.url)["num_prompt_tokens"] - survivor_before == ok_prompt_tokens
+    assert info(survivor.url)["num_prompt_tokens"] - survivor_before == ok_prompt_tokens
 
 
 # ---- the launcher ------------------------------------------------------------------------------
@@ -309,7 +274,7 @@ def test_launch_router_serves_and_stops_on_sigterm() -> None:
         _, alive = psutil.wait_procs(descendants, timeout=5)
         assert not alive, alive
     finally:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
 
 
 def test_launch_router_names_a_replica_that_cannot_start(tmp_path: Path) -> None:

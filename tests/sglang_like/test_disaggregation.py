@@ -66,6 +66,13 @@ def _assert_idle(engine: Engine) -> dict:
     return info
 
 
+def _wait_quarantine_freed(engine: Engine, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.get_server_info()["disaggregation"]["num_quarantined_slots"]:
+        assert time.monotonic() < deadline, "slots given up on were never freed"
+        time.sleep(0.1)
+
+
 def test_pair_without_router_matches_whole_request(pair: tuple[Engine, Engine, int]) -> None:
     prefill, decode, port = pair
     text = "Engines of a pair, asked directly:"
@@ -96,10 +103,7 @@ def test_decode_request_whose_prefill_worker_is_not_there(
                                           or "did not arrive" in reason["message"]), reason
     assert time.monotonic() - t0 < 10
     # slots given up on a timeout wait for the cancel's answer; a dead peer frees them
-    deadline = time.monotonic() + 10
-    while decode.get_server_info()["disaggregation"]["num_quarantined_slots"]:
-        assert time.monotonic() < deadline, "slots of a dead peer's room were never freed"
-        time.sleep(0.1)
+    _wait_quarantine_freed(decode)
     _assert_idle(decode)
 
 
@@ -111,10 +115,7 @@ def test_transfer_timeout_cancels_and_frees(pair: tuple[Engine, Engine, int]) ->
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "did not arrive" in reason["message"], reason
     # the slots are held until the prefill worker confirms the cancel, then freed
-    deadline = time.monotonic() + 10
-    while decode.get_server_info()["disaggregation"]["num_quarantined_slots"]:
-        assert time.monotonic() < deadline, "the cancel was never confirmed"
-        time.sleep(0.1)
+    _wait_quarantine_freed(decode)
     _assert_idle(decode)
 
 

@@ -1,5 +1,6 @@
-"""A PD cluster for the disaggregation tests: prefill and decode workers (real servers on the
-default model) behind the real sglang-router's --pd-disaggregation mode, on loopback."""
+"""Helpers of the tests that put real servers (default model) behind the real sglang-router
+on loopback (test_router.py, test_pd_*.py), and the PD cluster: prefill and decode workers
+behind its --pd-disaggregation mode."""
 
 from __future__ import annotations
 
