@@ -158,6 +158,8 @@ class EngineCore:
         waiting), waiting requests, and the KV slots the running requests hold."""
         s = self.scheduler
         waiting = len(s.waiting) + self.loop.num_pending_commands
+        if s.disagg is not None:  # PD requests meeting their other half, or moving KV
+            waiting += s.disagg.num_inflight
         return {"dp_rank": 0, "num_reqs": len(s.running) + waiting,
                 "num_waiting_reqs": waiting, "num_tokens": s.kv_pool_info()["used_slots"]}
 
