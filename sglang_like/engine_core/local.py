@@ -81,5 +81,6 @@ class ThreadCoreClient:
     def shutdown(self) -> None:
         self.core.loop.put_command("stop")
         self._thread.join(timeout=30)
+        self.core.runner.close()  # tensor-parallel ranks stop now, not at interpreter exit
         self.core.shutdown_grammars()
         self.core.shutdown_disaggregation()

@@ -136,7 +136,14 @@ class GroupAllReduce:
         return x
 
     def close(self) -> None:
-        self._group = None
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                # its threads must be joined before the interpreter exits (else the C++
+                # runtime aborts the process at exit)
+                group.shutdown()
+            except Exception:  # noqa: BLE001 - a peer already gone: nothing left to close
+                pass
 
 
 def make_process_group(store: object, rank: int, tp_size: int, device: torch.device,

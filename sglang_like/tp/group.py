@@ -93,6 +93,7 @@ class TPGroup:
         self._socks: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         self._closed = False
+        self._close_lock = threading.Lock()  # the engine's shutdown, the watcher, exit
         num_threads = threads_per_rank(self.tp_size)
         torch.set_num_threads(num_threads)
         try:
@@ -187,9 +188,13 @@ class TPGroup:
 
     def close(self) -> None:
         """Stop the workers (a stop message, then a kill after a grace period)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
         _stop_workers(self.procs, self._socks, self._slot)
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:

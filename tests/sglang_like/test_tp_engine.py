@@ -202,3 +202,24 @@ def test_killing_rank_0_stops_the_other_ranks() -> None:
         assert worker in gone and not alive
     finally:
         engine.shutdown()
+
+
+def test_tp2_over_a_gloo_group_equals_tp1(make_engine: Any, monkeypatch: Any) -> None:
+    """The torch.distributed path (gloo here, NCCL on CUDA) end to end: the same greedy
+    tokens as TP=1 on the exact fp32 path."""
+    from sglang_like.tp.group import ALLREDUCE_ENV
+
+    prompts = PROMPTS[:4]
+    sp = {**GREEDY, "max_new_tokens": 16}
+    one = make_engine(quantization="none")
+    want = one.generate(prompts, sp, return_logprob=True, top_logprobs_num=2)
+    one.shutdown()
+    monkeypatch.setenv(ALLREDUCE_ENV, "group")  # read by rank 0 and inherited by rank 1
+    two = make_engine(quantization="none", tp_size=2)
+    got = two.generate(prompts, sp)
+    two.shutdown()
+    for w, g in zip(want, got, strict=True):
+        first = _first_difference(w["output_ids"], g["output_ids"])
+        if first is not None:
+            top = w["meta_info"]["output_top_logprobs"][first]
+            assert top[0][0] - top[1][0] < TIE_NATS["none"], (first, top)
