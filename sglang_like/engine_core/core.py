@@ -106,6 +106,10 @@ class EngineCore:
         if mode != "null" and sa.tp_size > 1:
             raise ValueError("prefill/decode disaggregation with --tp-size > 1 is not "
                              "supported yet")
+        if mode != "null" and self.runner.device.type != "cpu":
+            # the layer hook fires when a layer's kernels are queued, not done: a GPU sender
+            # would first wait on a per-layer event (not written yet)
+            raise ValueError("prefill/decode disaggregation runs on CPU workers only so far")
         if mode == "decode" and (sa.speculative_algorithm or "").startswith("EAGLE"):
             # its draft head never sees the prompt it would need the hidden states of
             raise ValueError("a decode worker cannot run EAGLE speculation (the prompt is "
