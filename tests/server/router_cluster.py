@@ -58,19 +58,18 @@ def kill_tree(pid: int) -> None:
         pass
 
 
-@contextmanager
-def pd_cluster(num_prefill: int, num_decode: int, *worker_args: str) -> Iterator[PDCluster]:
+def start_workers(arg_lists: list[tuple[str, ...]]) -> list[Any]:
+    """Real servers, one per argument list, started together, each with its share of the
+    cores as torch threads (as launch_router sets them); all or none (the started ones are
+    killed if one fails)."""
     conftest = this_folders_conftest()
-    num = num_prefill + num_decode
+    num = len(arg_lists)
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = launch_router.replica_env(num)["OMP_NUM_THREADS"]
-    ports = [conftest.free_port() for _ in range(num_prefill)]
-    args = [("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(p))
-            for p in ports] + [("--disaggregation-mode", "decode")] * num_decode
     try:
         with ThreadPoolExecutor(num) as pool:
-            starts = [pool.submit(conftest.start_real_server, *worker_args, *a, new_session=True)
-                      for a in args]
+            starts = [pool.submit(conftest.start_real_server, *a, new_session=True)
+                      for a in arg_lists]
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS")
@@ -81,6 +80,18 @@ def pd_cluster(num_prefill: int, num_decode: int, *worker_args: str) -> Iterator
         for worker in workers:
             kill_tree(worker.proc.pid)
         raise next(s.exception() for s in starts if s.exception() is not None)
+    return workers
+
+
+@contextmanager
+def pd_cluster(num_prefill: int, num_decode: int, *worker_args: str) -> Iterator[PDCluster]:
+    conftest = this_folders_conftest()
+    num = num_prefill + num_decode
+    ports = [conftest.free_port() for _ in range(num_prefill)]
+    workers = start_workers(
+        [(*worker_args, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+          str(p)) for p in ports]
+        + [(*worker_args, "--disaggregation-mode", "decode")] * num_decode)
     prefill, decode = workers[:num_prefill], workers[num_prefill:]
     port = conftest.free_port()
     ns = launch_router.build_parser().parse_args(["--port", str(port)])

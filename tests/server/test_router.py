@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from router_cluster import info, kill_tree, sse_events, this_folders_conftest
+from router_cluster import info, kill_tree, sse_events, start_workers, this_folders_conftest
 
 from sglang_like import launch_router
 
@@ -57,23 +55,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    # the workers' torch threads as launch_router would set them for two replicas
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = launch_router.replica_env(2)["OMP_NUM_THREADS"]
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            starts = [pool.submit(_conftest.start_real_server, *WORKER_ARGS, new_session=True)
-                      for _ in range(2)]
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    workers = [s.result() for s in starts if s.exception() is None]
-    if len(workers) < 2:
-        for worker in workers:
-            kill_tree(worker.proc.pid)
-        raise next(s.exception() for s in starts if s.exception() is not None)
+    workers = start_workers([WORKER_ARGS, WORKER_ARGS])
     port = _conftest.free_port()
     ns = launch_router.build_parser().parse_args(["--port", str(port)])
     cmd = launch_router.router_command(ns, [w.url for w in workers], _conftest.free_port(), None)
