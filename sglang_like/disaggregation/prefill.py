@@ -107,6 +107,7 @@ class PrefillManager:
         self._cancels: list[tuple[bytes, int]] = []
         self._news = False
         self._waiting: dict[int, tuple[Req, float]] = {}  # room -> (req, deadline)
+        self._first_deadline = float("inf")  # of _waiting (an early one only wakes the loop)
         self._active: dict[int, tuple[Req, PrefillRoom]] = {}
         self._sender = _Sender(kv)
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
@@ -133,7 +134,8 @@ class PrefillManager:
     def _tick(self) -> None:
         now = time.perf_counter()
         with self._lock:
-            late = any(deadline < now for _, deadline in list(self._waiting.values()))
+            # the loop thread owns _waiting; it publishes the first deadline for this check
+            late = self._first_deadline < now
             stale = [r for r, (_, _, t) in self._registrations.items()
                      if now - t > self.timeout_s and r not in self._waiting
                      and r not in self._active]
@@ -161,7 +163,9 @@ class PrefillManager:
             return
         # the prefill worker's answer ends at the first token; the decode worker goes on
         req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
-        self._waiting[room] = (req, time.perf_counter() + self.timeout_s)
+        deadline = time.perf_counter() + self.timeout_s
+        self._waiting[room] = (req, deadline)
+        self._first_deadline = min(self._first_deadline, deadline)
         with self._lock:
             self._news = True
 
@@ -206,6 +210,7 @@ class PrefillManager:
                 req, _ = self._active.pop(room)
                 sched.abort(req.rid)  # no write is in flight between steps
             self.channel.send(peer, m.encode(m.Cancelled(room)))
+        self._first_deadline = min((d for _, d in self._waiting.values()), default=float("inf"))
         self._report_ended()
 
     def before_forward(self, batch: Any) -> Any:
