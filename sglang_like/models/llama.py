@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+import kernels.cpu
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
@@ -189,6 +190,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = QuantLinear(quant.head_method(embeds=False), config.hidden_size,
                                        [config.vocab_size], ["lm_head"])
         self.rope: RotaryEmbedding | None = None  # set by the runner: it knows the context
+        self.native_decode = self._native_decode_supported()
+
+    # decode batches up to this size take the fused native path; larger ones keep the torch
+    # path, whose decode attention shares a radix-shared prefix's keys across requests
+    NATIVE_DECODE_MAX_BATCH = 8
+
+    def _native_decode_supported(self) -> bool:
+        """Whether decode steps can run through kernels.cpu's fused ops: quantized weights
+        (the exact `none` path stays on torch), a float32 residual stream, one rank, plain
+        Llama attention (no q/k norm), and the native library built for this CPU."""
+        c = self.config
+        return (self.quant.is_quantized and self.dtype == torch.float32 and self.tp is None
+                and not c.qk_norm and c.head_dim % 8 == 0
+                and c.num_attention_heads % c.num_key_value_heads == 0
+                and kernels.cpu.available())
 
     def set_rope(self, max_positions: int, device: torch.device | str) -> None:
         c = self.config
@@ -217,12 +233,55 @@ class LlamaForCausalLM(nn.Module):
         here)."""
         embed = self.model.embed_tokens
         x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
+        if (self.native_decode and fb.is_decode and fb.custom_masks is None
+                and fb.tree_mask is None and x.device.type == "cpu"
+                and fb.batch_size <= self.NATIVE_DECODE_MAX_BATCH
+                and pool.k_buffers[0].dtype in (torch.float32, torch.bfloat16)):
+            return self._decode_layers_native(x, fb, pool, aux_layers)
         rope = self.rope.tables(fb.positions)  # gathered once, used by every layer
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 aux[i] = x.float()
             x = layer(x, fb, rope, pool)
+            if fb.on_layer is not None:
+                fb.on_layer(i)
+        features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
+        return x, features
+
+    def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
+                              aux_layers: tuple[int, ...]
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_layers` of a decode batch in a few native calls per layer: norm (fused with
+        the residual add before it), qkv, RoPE + KV store + attention in one, o_proj, norm,
+        gate_up, silu*mul, down. The same math as the layer modules, summed in another order."""
+        from kernels.cpu import ops
+
+        layers = self.model.layers
+        rope = self.rope
+        norm = layers[0].input_layernorm
+        h = ops.rmsnorm(x, norm.weight, norm.eps, norm.out_dtype)
+        aux: dict[int, torch.Tensor] = {}
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
+            if i in aux_layers:
+                aux[i] = x  # never written in place: each step makes a new residual tensor
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = attn.qkv_proj(h)
+            a = ops.decode_attention_rope(
+                qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim, rope.cos_table,
+                rope.sin_table, fb.positions, pool.k_buffers[attn.layer_id],
+                pool.v_buffers[attn.layer_id], fb.out_slots, fb.req_to_token,
+                fb.req_pool_indices, fb.seq_lens, attn.sm_scale, attn.o_proj.method.input_dtype)
+            norm = layer.post_attention_layernorm
+            x, h = ops.add_rmsnorm(x, attn.o_proj(a), norm.weight, norm.eps, norm.out_dtype)
+            act = ops.silu_mul(mlp.gate_up_proj(h), mlp.down_proj.method.input_dtype)
+            down = mlp.down_proj(act)
+            if i < last:
+                norm = layers[i + 1].input_layernorm
+                x, h = ops.add_rmsnorm(x, down, norm.weight, norm.eps, norm.out_dtype)
+            else:
+                x = x + down.float()
             if fb.on_layer is not None:
                 fb.on_layer(i)
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None

@@ -50,6 +50,16 @@ class RotaryEmbedding:
         self._cos_full = torch.cat([cos, cos], dim=-1).to(device)  # [P, D]
         self._sin_signed = torch.cat([-sin, sin], dim=-1).to(device)
 
+    @property
+    def cos_table(self) -> torch.Tensor:
+        """[P, D] float32 rows [cos, cos] (native kernels index it by position)."""
+        return self._cos_full
+
+    @property
+    def sin_table(self) -> torch.Tensor:
+        """[P, D] float32 rows [-sin, sin]."""
+        return self._sin_signed
+
     def tables(self, positions: torch.Tensor) -> RotaryTables:
         """The cos/sin rows of `positions` [T], for every layer of one forward."""
         return RotaryTables(self._cos_full[positions], self._sin_signed[positions])

@@ -26,6 +26,7 @@ from sglang_like.quant.int8 import (
     quantize_rows_int8,
 )
 from sglang_like.quant.linear import QuantLinear
+from sglang_like.quant.q4_native import Q4NativeMethod, prefer_native_q4, q4_1_blocks
 
 __all__ = [
     "PACKED_QTYPES",
@@ -37,6 +38,7 @@ __all__ = [
     "Int8EmbeddingMethod",
     "Int8Method",
     "LinearMethod",
+    "Q4NativeMethod",
     "QuantConfig",
     "QuantLinear",
     "WeightSource",
@@ -46,6 +48,7 @@ __all__ = [
     "quantize_blocks_int8",
     "quantize_groups_int4",
     "quantize_rows_int8",
+    "q4_1_blocks",
     "resolve_quantization",
 ]
 
@@ -100,6 +103,8 @@ class QuantConfig:
         out_features % 16 == 0 and groups that divide in_features; else int8)."""
         if self.name == "fp16":
             return _FP16
+        if self.name == "int4" and in_features % 32 == 0 and prefer_native_q4():
+            return _Q4_NATIVE  # torch's int4 kernel would run its AVX2 code (see q4_native)
         if self.name == "int4" and in_features % 32 == 0 and out_features % 16 == 0:
             return _INT4 if in_features % 64 == 0 else _INT4_G32
         if self.name in ("int4", "int8"):
@@ -135,3 +140,4 @@ _FP16 = Fp16FbgemmMethod(embed_rows=False)
 _FP16_TIED = Fp16FbgemmMethod(embed_rows=True)
 _INT4 = Int4Method(64)
 _INT4_G32 = Int4Method(32)
+_Q4_NATIVE = Q4NativeMethod()

@@ -1,0 +1,244 @@
+"""Native CPU kernels (C with x86 intrinsics), built on first use with the system compiler.
+
+`q4_1_matmul` multiplies activations by weights held in GGUF's Q4_1 blocks (the default
+model's format) after quantizing each activation row to int8 per block of 32, as llama.cpp
+does: the integer dot is a `vpdpbusd` (AVX-512 VNNI) or `vpmaddubsw` (AVX2). Built twice
+from one source, one per instruction set; `isa()` is the variant this CPU runs, chosen at
+run time. `SGLANG_LIKE_CPU_KERNELS` overrides it (read once): `auto` (default), `avx2`,
+`avx512_vnni` or `off` (torch's kernels only).
+
+The shared library goes to `$SGLANG_LIKE_CACHE_DIR/kernels` (default
+`~/.cache/sglang_like/kernels`) under a name that hashes the source, the flags and the
+compiler, so a second start loads it at once; a failed build (no compiler) leaves the
+library unavailable and callers on torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q8_0_matmul_f32"]
+
+_SOURCES = [Path(__file__).with_name(n) for n in ("q4_1.c", "ops.c")]
+_ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
+_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                    "-mavx512vnni", "-DQ4_VNNI"],
+}
+_COMMON = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+_CHOICES = ("auto", "off", *_FLAGS)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported_isas() -> list[str]:
+    """The variants this CPU can run, best first."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return []
+    flags = _cpu_flags()
+    out = []
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        out.append("avx512_vnni")
+    if {"avx2", "fma", "f16c"} <= flags:
+        out.append("avx2")
+    return out
+
+
+def _requested() -> str:
+    value = os.environ.get(_ENV_VAR, "").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise ValueError(f"{_ENV_VAR}={value!r}: expected one of {', '.join(_CHOICES)}")
+    return value
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SGLANG_LIKE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sglang_like")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(variant: str) -> Path:
+    """The variant's shared library, compiled unless the cache has it (atomic: concurrent
+    builders each write a temporary file and rename it into place)."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             check=False).stdout.splitlines()[:1]
+    flags = _COMMON + _FLAGS[variant]
+    texts = [src.read_text() for src in _SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *flags, *version]).encode())
+    out = cache_dir() / f"cpu_kernels_{variant}_{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build the CPU kernels ({variant}):\n"
+                               f"{proc.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class _Library:
+    def __init__(self, variant: str, path: Path) -> None:
+        self.variant = variant
+        lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.q4_1_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.q4_1_matmul.restype = ctypes.c_int
+        lib.q4_1_dequantize.argtypes = [ptr, i64, i64, ptr]
+        lib.q4_1_dequantize.restype = None
+        lib.q4_1_isa.restype = ctypes.c_char_p
+        lib.q8_0_matmul_f32.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.q8_0_matmul_f32.restype = ctypes.c_int
+        i32, f32 = ctypes.c_int, ctypes.c_float
+        lib.add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, ptr, i32]
+        lib.add_rmsnorm.restype = None
+        lib.silu_mul.argtypes = [ptr, i32, i64, i64, ptr, i32]
+        lib.silu_mul.restype = None
+        lib.decode_attention_rope.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                              ptr, i32, ptr, ptr, i64, ptr, ptr, f32, ptr, i32]
+        lib.decode_attention_rope.restype = ctypes.c_int
+        built = lib.q4_1_isa().decode()
+        if built != variant:
+            raise RuntimeError(f"{path} is the {built} build, not {variant}")
+        self.matmul = lib.q4_1_matmul
+        self.dequantize = lib.q4_1_dequantize
+        self.q8_0_matmul_f32 = lib.q8_0_matmul_f32
+        self.add_rmsnorm = lib.add_rmsnorm
+        self.silu_mul = lib.silu_mul
+        self.decode_attention_rope = lib.decode_attention_rope
+
+
+@functools.cache
+def _library(variant: str) -> _Library | None:
+    try:
+        return _Library(variant, _build(variant))
+    except (RuntimeError, OSError) as exc:
+        logger.warning("native CPU kernels (%s) unavailable, using torch's: %s", variant, exc)
+        return None
+
+
+def isa(variant: str | None = None) -> str | None:
+    """The variant calls run on (None: torch's kernels); `variant` asks for one explicitly
+    (tests run both on a CPU that has both)."""
+    if variant is None:
+        return _default_isa()
+    return variant if _library(variant) is not None else None
+
+
+@functools.lru_cache(maxsize=1)
+def _default_isa() -> str | None:
+    """This CPU's best variant, or the one `SGLANG_LIKE_CPU_KERNELS` names (once per process)."""
+    requested = _requested()
+    if requested == "off":
+        return None
+    supported = supported_isas()
+    if requested != "auto":
+        if requested not in supported:
+            raise ValueError(f"{_ENV_VAR}={requested}: this CPU runs only {supported}")
+        variant = requested
+    elif supported:
+        variant = supported[0]
+    else:
+        return None
+    return variant if _library(variant) is not None else None
+
+
+def available() -> bool:
+    return isa() is not None
+
+
+def _lib(variant: str | None) -> _Library:
+    """The library of `variant` (None: this CPU's best); the hot path is two cache hits."""
+    v = _default_isa() if variant is None else variant
+    lib = _library(v) if v is not None else None
+    if lib is None:
+        raise RuntimeError("native CPU kernels are unavailable on this machine")
+    return lib
+
+
+def q4_1_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
+                variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 (rows contiguous) @ W.T -> [M, N] float32; W [N, K] as Q4_1 blocks
+    `blocks` uint8 [N, K/32*20]."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = _lib(variant).matmul(blocks.data_ptr(), out_features, k, x.data_ptr(), x.stride(0), m,
+                              y.data_ptr(), out_features)
+    if rc != 0:
+        raise RuntimeError(f"q4_1_matmul failed for x {tuple(x.shape)} (K must be a multiple "
+                           "of 32)")
+    return y
+
+
+def q8_0_matmul_f32(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32 with W = codes int8 [N, K] times scales
+    float32 [N, K/32] (one per 32 columns), activations kept float32."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = _lib(variant).q8_0_matmul_f32(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(),
+                                       x.stride(0), m, y.data_ptr(), n)
+    if rc != 0:
+        raise RuntimeError(f"q8_0_matmul_f32 failed for x {tuple(x.shape)} (K must be a "
+                           "multiple of 32)")
+    return y
+
+
+def q4_1_dequantize(blocks: torch.Tensor, out_features: int, in_features: int,
+                    variant: str | None = None) -> torch.Tensor:
+    """The float32 [N, K] matrix the blocks hold."""
+    out = torch.empty(out_features, in_features, dtype=torch.float32)
+    _lib(variant).dequantize(blocks.data_ptr(), out_features, in_features, out.data_ptr())
+    return out

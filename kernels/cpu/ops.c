@@ -1,0 +1,256 @@
+// The small ops of a decode step, fused so that a layer is a few calls instead of sixty:
+//   add_rmsnorm           x_out = x + delta; out = rmsnorm(x_out) * w          (fp32 math)
+//   silu_mul              out = silu(gate) * up over a fused [T, 2I] gate_up
+//   decode_attention_rope RoPE on q/k of a fused qkv row, k/v stored into the slot pool, then
+//                         each query attends to its request's first seq_len slots
+// Activations come and go as fp32 or bf16 (the int kernels' dtype), chosen per call; the KV
+// pool is fp32 or bf16. bf16 rounding is round-to-nearest-even, as torch's `.to(bfloat16)`.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error under 2e-7 over the float range), 2^n put into the exponent bits
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2, high part
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);      // and the rest
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// in place: v[i] = exp(v[i] - shift); returns the sum
+static inline float exp_shift_sum(float *v, int64_t n, float shift) {
+    const __m256 sh = _mm256_set1_ps(shift);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(v + i), sh));
+        _mm256_storeu_ps(v + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float tail[8] = {0};
+    float rest[8];
+    const int64_t left = n - i;
+    for (int64_t j = 0; j < 8; j++) rest[j] = j < left ? v[i + j] - shift : -INFINITY;
+    const __m256 e = exp256(_mm256_loadu_ps(rest));
+    _mm256_storeu_ps(tail, e);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < left; j++) {
+        v[i + j] = tail[j];
+        sum += tail[j];
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s) + sum;
+}
+
+static inline void load_row(const void *src, int bf16, int64_t off, int n, float *dst) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src + off;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, (const float *)src + off, sizeof(float) * (size_t)n);
+    }
+}
+
+static inline void store_row(void *dst, int bf16, int64_t off, int n, const float *src) {
+    if (bf16) {
+        uint16_t *d = (uint16_t *)dst + off;
+        for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)dst + off, src, sizeof(float) * (size_t)n);
+    }
+}
+
+// x, delta, x_out fp32 [T, H] (delta and x_out may be NULL: no add, norm of x); w fp32 [H];
+// out [T, H] in bf16 or fp32. Same formula as the model's RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
+void add_rmsnorm(const float *x, const float *delta, float *x_out, const float *w, int64_t T,
+                 int64_t H, float eps, void *out, int out_bf16) {
+#pragma omp parallel for schedule(static) if (T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = (float *)malloc(sizeof(float) * (size_t)H);
+        const float *xr = x + t * H;
+        double ss = 0.0;
+        for (int64_t i = 0; i < H; i++) {
+            const float v = delta ? xr[i] + delta[t * H + i] : xr[i];
+            row[i] = v;
+            ss += (double)v * v;
+        }
+        if (delta && x_out) memcpy(x_out + t * H, row, sizeof(float) * (size_t)H);
+        const float inv = 1.0f / sqrtf((float)(ss / (double)H) + eps);
+        for (int64_t i = 0; i < H; i++) row[i] = (row[i] * inv) * w[i];
+        store_row(out, out_bf16, t * H, (int)H, row);
+        free(row);
+    }
+}
+
+// gate_up [T, 2I] (gate then up), out [T, I]
+void silu_mul(const void *gate_up, int in_bf16, int64_t T, int64_t I, void *out, int out_bf16) {
+#pragma omp parallel for schedule(static) if (T * I >= 16384)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = (float *)malloc(sizeof(float) * (size_t)(2 * I));
+        load_row(gate_up, in_bf16, t * 2 * I, (int)(2 * I), row);
+        int64_t i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            const __m256 g = _mm256_loadu_ps(row + i);
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
+            _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(row + I + i)));
+        }
+        for (; i < I; i++) {
+            const float g = row[i];
+            row[i] = g / (1.0f + expf(-g)) * row[I + i];
+        }
+        store_row(out, out_bf16, t * I, (int)I, row);
+        free(row);
+    }
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float r = _mm_cvtss_f32(s);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+static inline void axpy(float a, const float *x, float *y, int n) {
+    const __m256 av = _mm256_set1_ps(a);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+// rotate-half RoPE of one head: out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin_signed[i],
+// with the model's tables ([cos, cos] and [-sin, sin] rows)
+static inline void rope_head(const float *x, const float *cos_row, const float *sin_row, int D,
+                             float *out) {
+    const int half = D / 2;
+    for (int i = 0; i < D; i++) {
+        const float rolled = x[i < half ? i + half : i - half];
+        out[i] = x[i] * cos_row[i] + rolled * sin_row[i];
+    }
+}
+
+// qkv [B, (Hq + 2 Hkv) * D] (q heads, k heads, v heads); cos/sin fp32 [P, D]; positions [B];
+// k_pool/v_pool [S, Hkv, D]; req_to_token int32 [R, ld_r2t]; req_pool_indices, seq_lens,
+// out_slots int64 [B]. Stores request b's k/v at slot out_slots[b], then its query heads
+// attend to slots req_to_token[r, 0 .. seq_lens[b]) (the new one included). out [B, Hq * D].
+// Returns 0, or -1 when scratch memory could not be allocated.
+int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, int64_t Hkv,
+                          int64_t D, const float *cos_tab, const float *sin_tab,
+                          const int64_t *positions, void *k_pool, void *v_pool, int pool_bf16,
+                          const int64_t *out_slots, const int32_t *req_to_token, int64_t ld_r2t,
+                          const int64_t *req_pool_indices, const int64_t *seq_lens,
+                          float sm_scale, void *out, int out_bf16) {
+    const int64_t row = (Hq + 2 * Hkv) * D;
+    float *q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    if (!q_all) return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(row + 2 * D));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            if (!buf) continue;
+            load_row(qkv, qkv_bf16, b * row, (int)row, buf);
+            const float *c = cos_tab + positions[b] * D, *s = sin_tab + positions[b] * D;
+            for (int64_t h = 0; h < Hq; h++) rope_head(buf + h * D, c, s, (int)D, q_all + (b * Hq + h) * D);
+            float *rot = buf + row;
+            const int64_t slot = out_slots[b];
+            for (int64_t h = 0; h < Hkv; h++) {
+                rope_head(buf + (Hq + h) * D, c, s, (int)D, rot);
+                store_row(k_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, rot);
+                store_row(v_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, buf + (Hq + Hkv + h) * D);
+            }
+        }
+        // (the implicit barrier: every new k/v is in the pool before any query reads it)
+        float *scores = (float *)malloc(sizeof(float) * (size_t)max_len);
+        float *acc = (float *)malloc(sizeof(float) * (size_t)D);
+        float *kv = (float *)malloc(sizeof(float) * (size_t)D);
+        if (!buf || !scores || !acc || !kv) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        const int64_t group = Hq / Hkv;
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t h = 0; h < Hq; h++) {
+                if (!scores || !acc || !kv || !buf) continue;
+                const float *q = q_all + (b * Hq + h) * D;
+                const int64_t g = h / group, len = seq_lens[b];
+                const int32_t *slots = req_to_token + req_pool_indices[b] * ld_r2t;
+                float mx = -INFINITY;
+                for (int64_t t = 0; t < len; t++) {
+                    const int64_t off = ((int64_t)slots[t] * Hkv + g) * D;
+                    const float *k;
+                    if (pool_bf16) {
+                        load_row(k_pool, 1, off, (int)D, kv);
+                        k = kv;
+                    } else {
+                        k = (const float *)k_pool + off;
+                    }
+                    const float sc = dot(q, k, (int)D) * sm_scale;
+                    scores[t] = sc;
+                    mx = sc > mx ? sc : mx;
+                }
+                const float sum = exp_shift_sum(scores, len, mx);
+                memset(acc, 0, sizeof(float) * (size_t)D);
+                for (int64_t t = 0; t < len; t++) {
+                    const int64_t off = ((int64_t)slots[t] * Hkv + g) * D;
+                    const float *v;
+                    if (pool_bf16) {
+                        load_row(v_pool, 1, off, (int)D, kv);
+                        v = kv;
+                    } else {
+                        v = (const float *)v_pool + off;
+                    }
+                    axpy(scores[t], v, acc, (int)D);
+                }
+                const float inv = 1.0f / sum;
+                for (int64_t i = 0; i < D; i++) acc[i] *= inv;
+                store_row(out, out_bf16, (b * Hq + h) * D, (int)D, acc);
+            }
+        }
+        free(scores); free(acc); free(kv); free(buf);
+    }
+    free(q_all);
+    return failed ? -1 : 0;
+}
