@@ -39,6 +39,7 @@ __all__ = [
     "Int8Method",
     "LinearMethod",
     "Q4NativeMethod",
+    "prefer_native_q4",
     "QuantConfig",
     "QuantLinear",
     "WeightSource",

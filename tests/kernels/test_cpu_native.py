@@ -1,0 +1,205 @@
+"""The native CPU kernels (kernels/cpu) against torch math, on every variant this CPU runs.
+
+A machine with AVX-512 VNNI runs both builds (the AVX2 one too), so one session's tests cover
+the code an AVX2-only machine would run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import kernels.cpu as kc
+from kernels import reference
+from kernels.cpu import ops
+from sglang_like.models.rotary import RotaryEmbedding
+from sglang_like.quant import q4_1_blocks
+from sglang_like.quant.gguf_blocks import GGUFBlockWeight
+from sglang_like.quant.int8 import quantize_blocks_int8
+
+pytestmark = pytest.mark.skipif(not kc.available(), reason="needs a C compiler and AVX2")
+VARIANTS = kc.supported_isas()
+
+
+def _blocks_of(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q4_1 blocks, the float matrix they hold) for a dense matrix."""
+    blocks = q4_1_blocks(w)
+    return blocks, kc.q4_1_dequantize(blocks, w.shape[0], w.shape[1])
+
+
+def _q8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the Q4_1 kernel computes: x rounded to int8 per block of 32 (scale amax / 127),
+    then multiplied by the Q4_1 matrix in float64."""
+    m, k = x.shape
+    xb = x.double().view(m, k // 32, 32)
+    scale = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.round(xb / torch.where(scale > 0, scale, torch.ones_like(scale)))
+    return ((q * scale).view(m, k) @ w.double().T).float()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13])
+def test_q4_1_matmul_is_int8_activations_times_the_blocks(variant, m):
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(80, 192, generator=gen) * 0.05
+    blocks, wq = _blocks_of(w)
+    x = torch.randn(m, 192, generator=gen)
+    y = kc.q4_1_matmul(x, blocks, 80, variant)
+    torch.testing.assert_close(y, _q8_reference(x, wq), rtol=1e-4, atol=1e-4)
+    # and close to the float product: the int8 rounding of activations is all it adds
+    exact = x @ wq.T
+    assert ((y - exact).norm() / exact.norm()).item() < 0.01
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_q4_1_matmul_reads_strided_rows_and_refuses_bad_k(variant):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=gen)
+    blocks, wq = _blocks_of(w)
+    wide = torch.randn(4, 96, generator=gen)
+    x = wide[:, 16:80]  # rows with a stride of 96
+    torch.testing.assert_close(kc.q4_1_matmul(x, blocks, 32, variant), _q8_reference(x, wq),
+                               rtol=1e-4, atol=1e-4)
+    assert kc.q4_1_matmul(torch.empty(0, 64), blocks, 32, variant).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kc.q4_1_matmul(torch.randn(1, 48), blocks, 32, variant)
+
+
+def _gguf_tensor(name: str) -> GGUFBlockWeight:
+    from sglang_like.model_loader import default_model_path
+
+    t = next(t for t in gguf.GGUFReader(default_model_path()).tensors if t.name == name)
+    rows, cols = int(t.shape[1]), int(t.shape[0])
+    return GGUFBlockWeight(t.tensor_type.name, (rows, cols), np.array(t.data).reshape(rows, -1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dequantize_equals_gguf_on_the_default_model(variant):
+    source = _gguf_tensor("blk.3.ffn_down.weight")
+    assert source.qtype == "Q4_1"
+    blocks = q4_1_blocks(source)
+    got = kc.q4_1_dequantize(blocks, *source.shape, variant)
+    assert torch.equal(got, source.dequantize())
+
+
+def test_q4_0_and_dense_sources_become_q4_1_blocks():
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 64, generator=gen)
+    q4_0 = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0)
+    source = GGUFBlockWeight("Q4_0", (16, 64), q4_0)
+    assert torch.equal(kc.q4_1_dequantize(q4_1_blocks(source), 16, 64), source.dequantize())
+    # a dense matrix: within half a step of its block's scale everywhere
+    blocks, wq = _blocks_of(w)
+    d = blocks.view(16, 2, 20)[..., 0:2].contiguous().view(torch.float16).float()
+    step = d.repeat_interleave(32, dim=1).view(16, 64)
+    assert ((wq - w).abs() <= step / 2 + 1e-3).all()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m", [1, 3])
+def test_q8_0_head_keeps_float_activations(variant, m):
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(300, 128, generator=gen) * 0.1
+    codes, scale = quantize_blocks_int8(w)
+    wq = (codes.float().view(300, 4, 32) * scale[..., None]).view(300, 128)
+    x = torch.randn(m, 128, generator=gen)
+    torch.testing.assert_close(kc.q8_0_matmul_f32(x, codes, scale, variant), x @ wq.T,
+                               rtol=1e-5, atol=1e-5)
+
+
+def _rmsnorm(x, w, eps):
+    xf = x.float()
+    inv = torch.mean(xf * xf, dim=-1, keepdim=True).add_(eps).rsqrt_()
+    return torch.mul(xf, inv).mul_(w)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm(out_dtype):
+    gen = torch.Generator().manual_seed(2)
+    x, d = torch.randn(5, 576, generator=gen), torch.randn(5, 576, generator=gen)
+    w = torch.rand(576, generator=gen) + 0.5
+    x_new, h = ops.add_rmsnorm(x, d, w, 1e-5, out_dtype)
+    assert torch.equal(x_new, x + d) and h.dtype == out_dtype
+    want = _rmsnorm(x + d, w, 1e-5)
+    tol = 1e-5 if out_dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(h.float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(ops.rmsnorm(x, w, 1e-5, torch.float32), _rmsnorm(x, w, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    # bf16 rounding is torch's (round to nearest even) on the same float value
+    assert torch.equal(ops.rmsnorm(x, w, 1e-5, torch.bfloat16),
+                       ops.rmsnorm(x, w, 1e-5, torch.float32).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(3, 2 * 100, generator=gen) * 4).to(dtype)  # 100: a scalar tail
+    got = ops.silu_mul(gate_up, torch.float32)
+    g, u = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(got, torch.nn.functional.silu(g) * u, rtol=2e-6, atol=2e-6)
+    assert ops.silu_mul(gate_up, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_rope_matches_rope_store_and_reference_attention(pool_dtype,
+                                                                          act_dtype):
+    hq, hkv, dim, slots = 9, 3, 64, 200
+    gen = torch.Generator().manual_seed(8)
+    rope = RotaryEmbedding(dim, 512, 10000.0, None, "cpu")
+    k_pool = torch.randn(slots, hkv, dim, generator=gen).to(pool_dtype)
+    v_pool = torch.randn(slots, hkv, dim, generator=gen).to(pool_dtype)
+    req_to_token = torch.zeros(4, 128, dtype=torch.int32)
+    lens = [1, 37, 120]  # a first token, a short and a long request (20 rows of 8 + a tail)
+    perm = torch.randperm(slots - 1, generator=gen) + 1
+    rows = torch.tensor([2, 0, 3])
+    start = 0
+    for r, n in zip(rows.tolist(), lens, strict=True):
+        req_to_token[r, :n] = perm[start:start + n].int()
+        start += n
+    seq_lens = torch.tensor(lens)
+    positions = seq_lens - 1
+    out_slots = torch.stack([req_to_token[r, n - 1].long() for r, n in zip(rows, lens,
+                                                                          strict=True)])
+    qkv = torch.randn(3, (hq + 2 * hkv) * dim, generator=gen).to(act_dtype)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    got = ops.decode_attention_rope(qkv, hq, hkv, dim, rope.cos_table, rope.sin_table, positions,
+                                    k_pool, v_pool, out_slots, req_to_token, rows, seq_lens,
+                                    dim**-0.5, torch.float32)
+    # the torch path: RoPE, store, attend
+    qk = qkv.float()[:, :(hq + hkv) * dim].view(3, hq + hkv, dim)
+    v = qkv.float()[:, (hq + hkv) * dim:].view(3, hkv, dim)
+    qk = rope.tables(positions).rotate(qk)
+    reference.store_kv(k_ref, v_ref, out_slots, qk[:, hq:], v)
+    assert torch.equal(k_pool, k_ref) if pool_dtype == torch.bfloat16 else torch.allclose(
+        k_pool, k_ref, atol=1e-6)
+    assert torch.equal(v_pool, v_ref)
+    want = reference.decode_attention(qk[:, :hq].contiguous(), k_ref, v_ref, req_to_token, rows,
+                                      seq_lens, dim**-0.5)
+    torch.testing.assert_close(got.view(3, hq, dim), want, rtol=2e-5, atol=2e-5)
+
+
+def test_env_var_turns_the_kernels_off_and_rejects_unknown_values():
+    code = ("import kernels.cpu as kc, torch; from sglang_like.quant import QuantConfig;"
+            "print(kc.available(), kc.isa())")
+    env = {**os.environ, "SGLANG_LIKE_CPU_KERNELS": "off"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "None"]
+    env["SGLANG_LIKE_CPU_KERNELS"] = "sse9"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "SGLANG_LIKE_CPU_KERNELS='sse9'" in proc.stderr
+
+
+def test_the_build_is_cached_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_LIKE_CACHE_DIR", str(tmp_path))
+    first = kc._build("avx2")
+    mtime = first.stat().st_mtime_ns
+    assert kc._build("avx2") == first and first.stat().st_mtime_ns == mtime
+    assert first.parent == tmp_path / "kernels" and list(first.parent.glob("*.so")) == [first]
