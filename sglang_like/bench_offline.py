@@ -26,13 +26,20 @@ import torch
 
 from sglang_like.bench_shared_prefix import run_shared_prefix
 
-# name -> Engine kwargs
+# name -> Engine kwargs (and "env": variables its worker process runs under)
 FORMATS = {
     "fp32": {"quantization": "none"},
     "bf16": {"quantization": "none", "dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    # int4 with the native CPU kernels off: torch's ops only (the path before kernels/cpu)
+    "int4-torch-ops": {"quantization": "int4", "env": {"SGLANG_LIKE_CPU_KERNELS": "off"}},
+    # what an AVX2-only machine runs: torch's AVX2 kernels, the AVX2 build of ours (which
+    # then takes int4's matmuls, see sglang_like/quant/q4_native.py)
+    "int4-avx2": {"quantization": "int4",
+                  "env": {"ATEN_CPU_CAPABILITY": "avx2", "SGLANG_LIKE_CPU_KERNELS": "avx2"}},
 }
+DEFAULT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4-torch-ops", "int4-avx2")
 _PROMPT = "Tell me a story about a robot who learns to paint."
 
 
@@ -71,18 +78,23 @@ def worker(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     # the engine itself, on a thread of this process (it reads the model's byte counts too)
+    kwargs = {k: v for k, v in FORMATS[fmt].items() if k != "env"}
     engine = Engine(model_path=args.model_path, max_total_tokens=16384, engine_in_process=True,
-                    **FORMATS[fmt])
+                    **kwargs)
     load_s = time.perf_counter() - t0
     engine.generate("Warm up.", {"max_new_tokens": 8})
     model = engine.runner.model
+    import kernels.cpu
+
     out = {"format": fmt, "quantization": engine.server_args.quantization, "load_s": load_s,
+           "linear": type(model.model.layers[0].mlp.down_proj.method).__name__,
+           "native_decode": bool(model.native_decode), "native_isa": kernels.cpu.isa(),
            "weight_mb": model.weight_bytes() / 1e6, "decode_mb": model.decode_bytes() / 1e6}
     out["b1_tok_s"] = _decode_tok_s(engine, 1, args.new_tokens)
     for batch in args.batch_sizes:
         out[f"b{batch}_tok_s"] = _decode_tok_s(engine, batch, args.batch_new_tokens)
     out["prefill_tok_s"] = _prefill_tok_s(engine, args.prefill_tokens)
-    engine._call_in_loop(lambda: None)  # the loop has gone idle (and trimmed its heap)
+    engine.get_server_info()  # a round trip through the loop: it has gone idle (and trimmed)
     out["rss_mb"] = _rss_mb()
     engine.shutdown()
     return out
@@ -101,7 +113,8 @@ def measure_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
 
 def _run_worker(fmt: str, argv: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "sglang_like.bench_offline", "--worker", fmt, *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = {**os.environ, **FORMATS[fmt].get("env", {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{fmt} worker failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -146,13 +159,13 @@ def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: fl
         for r in rows:
             ratios = "  ".join(f"{c.removesuffix('_tok_s')} {r[c] / peer[c]:.2f}x"
                                for c in cols if c in peer and peer[c])
-            print(f"  {r['format']:<8}{ratios}")
+            print(f"  {r['format']:<16}{ratios}")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--formats", default=",".join(FORMATS),
+    ap.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                     help=f"comma list of {', '.join(FORMATS)}")
     ap.add_argument("--new-tokens", type=int, default=128, help="batch-1 decode length")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
