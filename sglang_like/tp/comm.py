@@ -26,6 +26,8 @@ import torch
 _LINE = 64  # one counter per cache line: ranks never write the same line
 _HEADER = 4096
 _CHECK_EVERY = 512  # spins between liveness checks (a few ms)
+_SPIN_S = 0.002  # spin this long for a peer, then nap between checks
+_NAP_S = 0.0002
 
 
 class TPRankLost(BaseException):  # noqa: N818 - the name says what happened
@@ -109,11 +111,17 @@ class ShmAllReduce:
             if why is not None:
                 raise TPRankLost(why)
             now = time.monotonic()
-            deadline = deadline or now + self._timeout_s
+            if deadline is None:
+                deadline, started = now + self._timeout_s, now
             if now > deadline:
                 raise TPRankLost(f"rank {self.rank}: no tensor-parallel peer reached all-reduce "
                                  f"round {target} within {self._timeout_s:g} s")
-            os.sched_yield()
+            if now - started > _SPIN_S:
+                # a peer far behind: sleep, which lets go of the GIL for real (ranks on threads
+                # of one process, as tests run them, starved each other under sched_yield)
+                time.sleep(_NAP_S)
+            else:
+                os.sched_yield()
 
     def close(self) -> None:
         # dropped, not mmap.close(): a traceback may still hold a view of the slots, and the
