@@ -136,24 +136,87 @@ void silu_mul(const void *gate_up, int in_bf16, int64_t T, int64_t I, void *out,
     }
 }
 
-static inline float dot(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float r = _mm_cvtss_f32(s);
-    for (; i < n; i++) r += a[i] * b[i];
-    return r;
+// 8 lanes of a pool row at element offset `off` (fp32, or bf16 widened)
+static inline __m256 load8(const void *base, int bf16, int64_t off) {
+    if (bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + off);
 }
 
-static inline void axpy(float a, const float *x, float *y, int n) {
-    const __m256 av = _mm256_set1_ps(a);
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
+// the four lane sums of a, b, c, d
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+#define KV_CHUNK 256  // keys per work item: a long context is split across the threads
+
+// Attention of one query head q [D] over keys [t0, t1) of kv head g: writes the chunk's max
+// score, its sum of exp(score - max) and acc [D] = sum exp(score - max) * v.
+static void attend_chunk(const float *q, const int32_t *slots, int64_t t0, int64_t t1,
+                         const void *k_pool, const void *v_pool, int bf16, int64_t Hkv,
+                         int64_t g, int64_t D, float sm_scale, float *scores, float *m_out,
+                         float *l_out, float *acc) {
+    const int64_t n = t1 - t0;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const int64_t o0 = ((int64_t)slots[t0 + t] * Hkv + g) * D;
+        const int64_t o1 = ((int64_t)slots[t0 + t + 1] * Hkv + g) * D;
+        const int64_t o2 = ((int64_t)slots[t0 + t + 2] * Hkv + g) * D;
+        const int64_t o3 = ((int64_t)slots[t0 + t + 3] * Hkv + g) * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qv, load8(k_pool, bf16, o0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, load8(k_pool, bf16, o1 + d), a1);
+            a2 = _mm256_fmadd_ps(qv, load8(k_pool, bf16, o2 + d), a2);
+            a3 = _mm256_fmadd_ps(qv, load8(k_pool, bf16, o3 + d), a3);
+        }
+        _mm_storeu_ps(scores + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(sm_scale)));
+    }
+    for (; t < n; t++) {
+        const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k_pool, bf16, o + d), a);
+        const __m128 h = hsum4(a, a, a, a);
+        scores[t] = _mm_cvtss_f32(h) * sm_scale;
+    }
+    float mx = -INFINITY;
+    for (t = 0; t < n; t++) mx = scores[t] > mx ? scores[t] : mx;
+    *m_out = mx;
+    *l_out = exp_shift_sum(scores, n, mx);
+    if (D == 64) {  // the common head size: the accumulator stays in registers
+        __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0, v4 = v0, v5 = v0, v6 = v0,
+               v7 = v0;
+        for (t = 0; t < n; t++) {
+            const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D;
+            const __m256 p = _mm256_set1_ps(scores[t]);
+            v0 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o), v0);
+            v1 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 8), v1);
+            v2 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 16), v2);
+            v3 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 24), v3);
+            v4 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 32), v4);
+            v5 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 40), v5);
+            v6 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 48), v6);
+            v7 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 56), v7);
+        }
+        _mm256_storeu_ps(acc, v0); _mm256_storeu_ps(acc + 8, v1);
+        _mm256_storeu_ps(acc + 16, v2); _mm256_storeu_ps(acc + 24, v3);
+        _mm256_storeu_ps(acc + 32, v4); _mm256_storeu_ps(acc + 40, v5);
+        _mm256_storeu_ps(acc + 48, v6); _mm256_storeu_ps(acc + 56, v7);
+        return;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)D);
+    for (t = 0; t < n; t++) {
+        const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D;
+        const __m256 p = _mm256_set1_ps(scores[t]);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(v_pool, bf16, o + d),
+                                                      _mm256_loadu_ps(acc + d)));
+    }
 }
 
 // rotate-half RoPE of one head: out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin_signed[i],
@@ -180,9 +243,22 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
                           float sm_scale, void *out, int out_bf16) {
     const int64_t row = (Hq + 2 * Hkv) * D;
     float *q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
-    int64_t max_len = 1;
-    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    if (!q_all) return -1;
+    int64_t *num_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
+    int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    int64_t total_items = 0;
+    if (num_chunks && item_start) {
+        for (int64_t b = 0; b < B; b++) {
+            num_chunks[b] = seq_lens[b] > 0 ? (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK : 1;
+            item_start[b] = total_items;
+            total_items += Hq * num_chunks[b];
+        }
+        item_start[B] = total_items;
+    }
+    float *partials = (float *)malloc(sizeof(float) * (size_t)(total_items * (D + 2) + 1));
+    if (!q_all || !num_chunks || !item_start || !partials) {
+        free(q_all); free(num_chunks); free(item_start); free(partials);
+        return -1;
+    }
     int failed = 0;
 #pragma omp parallel
     {
@@ -202,55 +278,51 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
             }
         }
         // (the implicit barrier: every new k/v is in the pool before any query reads it)
-        float *scores = (float *)malloc(sizeof(float) * (size_t)max_len);
-        float *acc = (float *)malloc(sizeof(float) * (size_t)D);
-        float *kv = (float *)malloc(sizeof(float) * (size_t)D);
-        if (!buf || !scores || !acc || !kv) {
+        float *scores = (float *)malloc(sizeof(float) * KV_CHUNK);
+        if (!buf || !scores) {
 #pragma omp atomic write
             failed = 1;
         }
         const int64_t group = Hq / Hkv;
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t h = 0; h < Hq; h++) {
-                if (!scores || !acc || !kv || !buf) continue;
-                const float *q = q_all + (b * Hq + h) * D;
-                const int64_t g = h / group, len = seq_lens[b];
-                const int32_t *slots = req_to_token + req_pool_indices[b] * ld_r2t;
-                float mx = -INFINITY;
-                for (int64_t t = 0; t < len; t++) {
-                    const int64_t off = ((int64_t)slots[t] * Hkv + g) * D;
-                    const float *k;
-                    if (pool_bf16) {
-                        load_row(k_pool, 1, off, (int)D, kv);
-                        k = kv;
-                    } else {
-                        k = (const float *)k_pool + off;
-                    }
-                    const float sc = dot(q, k, (int)D) * sm_scale;
-                    scores[t] = sc;
-                    mx = sc > mx ? sc : mx;
-                }
-                const float sum = exp_shift_sum(scores, len, mx);
-                memset(acc, 0, sizeof(float) * (size_t)D);
-                for (int64_t t = 0; t < len; t++) {
-                    const int64_t off = ((int64_t)slots[t] * Hkv + g) * D;
-                    const float *v;
-                    if (pool_bf16) {
-                        load_row(v_pool, 1, off, (int)D, kv);
-                        v = kv;
-                    } else {
-                        v = (const float *)v_pool + off;
-                    }
-                    axpy(scores[t], v, acc, (int)D);
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t i = 0; i < D; i++) acc[i] *= inv;
-                store_row(out, out_bf16, (b * Hq + h) * D, (int)D, acc);
-            }
+        // work items: (request, query head, chunk of KV_CHUNK keys), flattened
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < total_items; item++) {
+            if (!scores) continue;
+            int64_t b = 0;
+            while (item >= item_start[b + 1]) b++;
+            const int64_t within = item - item_start[b], nch = num_chunks[b];
+            const int64_t h = within / nch, c = within % nch;
+            const int64_t len = seq_lens[b];
+            const int64_t t0 = c * KV_CHUNK, t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
+            float *part = partials + item * (D + 2);
+            attend_chunk(q_all + (b * Hq + h) * D, req_to_token + req_pool_indices[b] * ld_r2t,
+                         t0, t1, k_pool, v_pool, pool_bf16, Hkv, h / group, D, sm_scale, scores,
+                         part, part + 1, part + 2);
         }
-        free(scores); free(acc); free(kv); free(buf);
+        // merge each head's chunks
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * Hq; bh++) {
+            if (!buf) continue;
+            const int64_t b = bh / Hq, h = bh % Hq, nch = num_chunks[b];
+            const float *first = partials + (item_start[b] + h * nch) * (D + 2);
+            float mx = -INFINITY;
+            for (int64_t c = 0; c < nch; c++) mx = first[c * (D + 2)] > mx ? first[c * (D + 2)] : mx;
+            float *merged = buf;  // [D] (row + 2 D floats: room to spare)
+            memset(merged, 0, sizeof(float) * (size_t)D);
+            float denom = 0.0f;
+            for (int64_t c = 0; c < nch; c++) {
+                const float *part = first + c * (D + 2);
+                const float w = expf(part[0] - mx);
+                denom += w * part[1];
+                for (int64_t d = 0; d < D; d++) merged[d] += w * part[2 + d];
+            }
+            const float inv = 1.0f / denom;
+            for (int64_t d = 0; d < D; d++) merged[d] *= inv;
+            store_row(out, out_bf16, (b * Hq + h) * D, (int)D, merged);
+        }
+        free(scores); free(buf);
     }
+    free(partials); free(item_start); free(num_chunks);
     free(q_all);
     return failed ? -1 : 0;
 }

@@ -148,15 +148,16 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 32])  # 64: the unrolled path; others: the generic loop
 def test_decode_attention_rope_matches_rope_store_and_reference_attention(pool_dtype,
-                                                                          act_dtype):
-    hq, hkv, dim, slots = 9, 3, 64, 200
+                                                                          act_dtype, dim):
+    hq, hkv, slots = 9, 3, 400
     gen = torch.Generator().manual_seed(8)
     rope = RotaryEmbedding(dim, 512, 10000.0, None, "cpu")
     k_pool = torch.randn(slots, hkv, dim, generator=gen).to(pool_dtype)
     v_pool = torch.randn(slots, hkv, dim, generator=gen).to(pool_dtype)
-    req_to_token = torch.zeros(4, 128, dtype=torch.int32)
-    lens = [1, 37, 120]  # a first token, a short and a long request (20 rows of 8 + a tail)
+    req_to_token = torch.zeros(4, 320, dtype=torch.int32)
+    lens = [1, 37, 300]  # a first token, a short request, and one of two key chunks + a tail
     perm = torch.randperm(slots - 1, generator=gen) + 1
     rows = torch.tensor([2, 0, 3])
     start = 0
