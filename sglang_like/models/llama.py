@@ -11,6 +11,8 @@ import kernels.cpu
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
+from sglang_like.models.native_decode import MAX_BATCH as NATIVE_MAX_BATCH
+from sglang_like.models.native_decode import NativeDecodePlan
 from sglang_like.models.rotary import RotaryEmbedding, RotaryTables
 from sglang_like.quant import QuantConfig, QuantLinear, WeightSource
 from sglang_like.tp.parallel import TPShard
@@ -191,10 +193,7 @@ class LlamaForCausalLM(nn.Module):
                                        [config.vocab_size], ["lm_head"])
         self.rope: RotaryEmbedding | None = None  # set by the runner: it knows the context
         self.native_decode = self._native_decode_supported()
-
-    # decode batches up to this size take the fused native path; larger ones keep the torch
-    # path, whose decode attention shares a radix-shared prefix's keys across requests
-    NATIVE_DECODE_MAX_BATCH = 8
+        self._native_plan: NativeDecodePlan | None = None  # built at the first native step
 
     def _native_decode_supported(self) -> bool:
         """Whether decode steps can run through kernels.cpu's fused ops: quantized weights
@@ -208,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_rope(self, max_positions: int, device: torch.device | str) -> None:
         c = self.config
+        self._native_plan = None
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling,
                                     device)
 
@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
         if (self.native_decode and fb.is_decode and fb.custom_masks is None
                 and fb.tree_mask is None and x.device.type == "cpu"
-                and fb.batch_size <= self.NATIVE_DECODE_MAX_BATCH
+                and fb.batch_size <= NATIVE_MAX_BATCH
                 and pool.k_buffers[0].dtype in (torch.float32, torch.bfloat16)):
             return self._decode_layers_native(x, fb, pool, aux_layers)
         rope = self.rope.tables(fb.positions)  # gathered once, used by every layer
@@ -252,40 +252,12 @@ class LlamaForCausalLM(nn.Module):
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
                               aux_layers: tuple[int, ...]
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward_layers` of a decode batch in a few native calls per layer: norm (fused with
-        the residual add before it), qkv, RoPE + KV store + attention in one, o_proj, norm,
-        gate_up, silu*mul, down. The same math as the layer modules, summed in another order."""
-        from kernels.cpu import ops
-
-        layers = self.model.layers
-        rope = self.rope
-        norm = layers[0].input_layernorm
-        h = ops.rmsnorm(x, norm.weight, norm.eps, norm.out_dtype)
-        aux: dict[int, torch.Tensor] = {}
-        last = len(layers) - 1
-        for i, layer in enumerate(layers):
-            if i in aux_layers:
-                aux[i] = x  # never written in place: each step makes a new residual tensor
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj(h)
-            a = ops.decode_attention_rope(
-                qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim, rope.cos_table,
-                rope.sin_table, fb.positions, pool.k_buffers[attn.layer_id],
-                pool.v_buffers[attn.layer_id], fb.out_slots, fb.req_to_token,
-                fb.req_pool_indices, fb.seq_lens, attn.sm_scale, attn.o_proj.method.input_dtype)
-            norm = layer.post_attention_layernorm
-            x, h = ops.add_rmsnorm(x, attn.o_proj(a), norm.weight, norm.eps, norm.out_dtype)
-            act = ops.silu_mul(mlp.gate_up_proj(h), mlp.down_proj.method.input_dtype)
-            down = mlp.down_proj(act)
-            if i < last:
-                norm = layers[i + 1].input_layernorm
-                x, h = ops.add_rmsnorm(x, down, norm.weight, norm.eps, norm.out_dtype)
-            else:
-                x = x + down.float()
-            if fb.on_layer is not None:
-                fb.on_layer(i)
-        features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return x, features
+        """`forward_layers` of a decode batch through kernels.cpu (see native_decode): the
+        same math as the layer modules, summed in another order."""
+        if self._native_plan is None:
+            self._native_plan = NativeDecodePlan(list(self.model.layers), self.rope.cos_table,
+                                                 self.rope.sin_table)
+        return self._native_plan.run(x, fb, pool, aux_layers)
 
     def default_aux_layers(self) -> tuple[int, ...]:
         """SGLang's default EAGLE-3 capture: low, middle and high layers."""
@@ -301,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(needed - set(weights))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        self._native_plan = None  # it holds the layers' buffers
         for prefix, lin in self._linears():
             lin.load_weights(weights, prefix, device)
         for name, param in self.named_parameters():

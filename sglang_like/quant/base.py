@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -46,6 +47,13 @@ class LinearMethod(ABC):
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """The float32 [out, in] matrix `apply` really multiplies by (tests, debugging)."""
 
+    def decode_fn(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`layer(x)` for a decode-sized x (a few rows, already in `input_dtype`), as a
+        closure over the layer's buffers: the native decode path calls it 120 times a step,
+        so methods whose kernel is one op return that op without the module's per-call
+        Python. Default: the module itself."""
+        return layer.forward
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the matrix as float32 [T, in] (for an embedding that is also a head)."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")
@@ -60,3 +68,13 @@ class LinearMethod(ABC):
 
     def __repr__(self) -> str:
         return type(self).__name__
+
+
+def with_bias(fn: Callable[[torch.Tensor], torch.Tensor], bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fn, plus the layer's bias (cast once to the kernel's output dtype, as QuantLinear adds
+    it) when it has one."""
+    if bias is None:
+        return fn
+    b = bias.to(out_dtype)
+    return lambda x: fn(x) + b

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang_like.quant.base import LinearMethod, WeightSource, dense
+from sglang_like.quant.base import LinearMethod, WeightSource, dense, with_bias
 from sglang_like.quant.gguf_blocks import BLOCK, GGUFBlockWeight
 
 _GGUF_INT4 = ("Q4_0", "Q4_1")
@@ -85,6 +85,11 @@ class Int4Method(LinearMethod):
             return torch.nn.functional.linear(x.float(), self.dequantize(layer))
         return torch._weight_int4pack_mm_for_cpu(x, layer.weight, layer.group_size,
                                                  layer.scale_zero)
+
+    def decode_fn(self, layer: nn.Module):
+        op, w, group, sz = (torch._weight_int4pack_mm_for_cpu, layer.weight, layer.group_size,
+                            layer.scale_zero)
+        return with_bias(lambda x: op(x, w, group, sz), layer.bias, torch.bfloat16)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         n, half = layer.nibbles.shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang_like.quant.base import LinearMethod, WeightSource, dense
+from sglang_like.quant.base import LinearMethod, WeightSource, dense, with_bias
 from sglang_like.quant.gguf_blocks import GGUFBlockWeight
 
 
@@ -93,6 +93,10 @@ class Int8Method(LinearMethod):
         if x.shape[0] >= self.dense_min_rows:
             return torch.nn.functional.linear(x.float(), self.dequantize(layer))
         return torch._weight_int8pack_mm(x, layer.weight, layer.scale)
+
+    def decode_fn(self, layer: nn.Module):
+        op, w, scale = torch._weight_int8pack_mm, layer.weight, layer.scale
+        return with_bias(lambda x: op(x, w, scale), layer.bias, torch.bfloat16)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float() * layer.scale_f32[:, None]

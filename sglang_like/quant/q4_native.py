@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels.cpu
-from sglang_like.quant.base import LinearMethod, WeightSource, dense
+from sglang_like.quant.base import LinearMethod, WeightSource, dense, with_bias
 from sglang_like.quant.gguf_blocks import BLOCK, GGUFBlockWeight
 
 Q4_1_BLOCK_BYTES = 20  # fp16 d | fp16 m | 16 nibble bytes
@@ -89,6 +89,10 @@ class Q4NativeMethod(LinearMethod):
         if x.shape[0] >= self.dense_min_rows:
             return F.linear(x.float(), self.dequantize(layer))
         return kernels.cpu.q4_1_matmul(x, layer.blocks, n)
+
+    def decode_fn(self, layer: nn.Module):
+        matmul, blocks, n = kernels.cpu.q4_1_matmul, layer.blocks, layer.blocks.shape[0]
+        return with_bias(lambda x: matmul(x, blocks, n), layer.bias, torch.float32)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         n, row_bytes = layer.blocks.shape

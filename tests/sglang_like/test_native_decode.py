@@ -21,8 +21,10 @@ pytestmark = [pytest.mark.slow,
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 TIE_NATS = 0.1
-# the logprob of the same token under both paths (measured up to 0.02 here)
-LOGPROB_TOL = 0.06
+# the logprob of the same token under both paths: bf16 activations round differently once the
+# sums are reordered and the drift grows along the output (measured up to 0.07 over 24 tokens);
+# as the "output logprob == scored logprob" check on this path, 0.1
+LOGPROB_TOL = 0.1
 
 
 def _runs(engine, prompts):

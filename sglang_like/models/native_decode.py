@@ -1,0 +1,104 @@
+"""The native decode path of a Llama-family model: each layer as a few kernels.cpu calls.
+
+A decode batch (every request one new token, no tree) of up to `MAX_BATCH` requests runs
+RMSNorm fused with the residual add before it, the qkv matmul, RoPE + KV store + attention in
+one call, o_proj, RMSNorm, gate_up, silu*mul, down. The per-layer arguments are gathered once
+into plain tuples (`NativeDecodePlan`), so a step pays no nn.Module attribute lookups or
+module calls: at batch 1 those were about a millisecond of a 7-10 ms step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from kernels.cpu import ops
+
+if TYPE_CHECKING:
+    from sglang_like.forward_batch import ForwardBatch
+    from sglang_like.mem_pool import KVPool
+    from sglang_like.models.llama import LlamaDecoderLayer, RMSNorm
+
+# larger decode batches keep the torch path, whose decode attention shares a radix-shared
+# prefix's keys across requests
+MAX_BATCH = 8
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
+    out_dtype: torch.dtype
+
+
+class _Layer(NamedTuple):
+    norm_in: _Norm
+    qkv: Linear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_id: int
+    sm_scale: float
+    o_in_dtype: torch.dtype
+    o_proj: Linear
+    norm_post: _Norm
+    gate_up: Linear
+    down_in_dtype: torch.dtype
+    down: Linear
+
+
+def _norm(module: RMSNorm) -> _Norm:
+    return _Norm(module.weight, module.eps, module.out_dtype)
+
+
+def _linear(layer: torch.nn.Module) -> Linear:
+    return layer.method.decode_fn(layer)
+
+
+class NativeDecodePlan:
+    """What every decode step of one model needs from its layers, gathered once."""
+
+    def __init__(self, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> None:
+        self.cos, self.sin = cos_table, sin_table
+        self.layers = [
+            _Layer(_norm(layer.input_layernorm), _linear(a.qkv_proj), a.num_heads,
+                   a.num_kv_heads, a.head_dim, a.layer_id, a.sm_scale,
+                   a.o_proj.method.input_dtype, _linear(a.o_proj),
+                   _norm(layer.post_attention_layernorm), _linear(layer.mlp.gate_up_proj),
+                   layer.mlp.down_proj.method.input_dtype, _linear(layer.mlp.down_proj))
+            for layer in layers for a in (layer.self_attn,)
+        ]
+
+    def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
+            aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(residual stream after the last layer, EAGLE-3 features or None), as
+        `LlamaForCausalLM.forward_layers`; x is the embedded batch, float32 [B, hidden]."""
+        attend, add_rmsnorm, silu_mul = ops.decode_attention_rope, ops.add_rmsnorm, ops.silu_mul
+        cos, sin = self.cos, self.sin
+        positions, out_slots, table = fb.positions, fb.out_slots, fb.req_to_token
+        rows, seq_lens, on_layer = fb.req_pool_indices, fb.seq_lens, fb.on_layer
+        k_buffers, v_buffers = pool.k_buffers, pool.v_buffers
+        layers = self.layers
+        last = len(layers) - 1
+        h = ops.rmsnorm(x, *layers[0].norm_in)
+        aux: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(layers):
+            if i in aux_layers:
+                aux[i] = x  # never written in place: each step makes a new residual tensor
+            a = attend(p.qkv(h), p.num_heads, p.num_kv_heads, p.head_dim, cos, sin, positions,
+                       k_buffers[p.layer_id], v_buffers[p.layer_id], out_slots, table, rows,
+                       seq_lens, p.sm_scale, p.o_in_dtype)
+            x, h = add_rmsnorm(x, p.o_proj(a), *p.norm_post)
+            down = p.down(silu_mul(p.gate_up(h), p.down_in_dtype))
+            if i < last:
+                x, h = add_rmsnorm(x, down, *layers[i + 1].norm_in)
+            else:
+                x = x + down.float()
+            if on_layer is not None:
+                on_layer(i)
+        features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
+        return x, features
