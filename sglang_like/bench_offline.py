@@ -162,6 +162,36 @@ def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: fl
             print(f"  {r['format']:<16}{ratios}")
 
 
+def draw_throughput(rows: list[dict[str, Any]], peer: dict[str, Any] | None,
+                    batch_sizes: list[int], path: str) -> None:
+    """Decode tokens/s against batch size, one line per format, llama.cpp dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [1, *batch_sizes]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    every = [*rows, *([{"format": "llama.cpp", **peer}] if peer else [])]
+    for r in every:
+        speeds = [r.get(f"b{b}_tok_s", float("nan")) for b in sizes]
+        style = "--" if r["format"] == "llama.cpp" else "-"
+        ax.plot(sizes, speeds, style, marker="o", label=r["format"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("decode batch size (streams)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"Default model, {torch.get_num_threads()} threads, "
+                 f"{torch.backends.cpu.get_cpu_capability()}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"throughput chart: {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None)
@@ -179,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also the 64 x 1000-token shared-prefix batch (ours vs HF generate)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--plot", default="bench_results/bench_offline_throughput.png",
+                    help="where to draw decode tokens/s by batch size ('' for none)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -201,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"llama.cpp: {peer}", flush=True)
     gbs = measure_bandwidth_gbs()
     print_table(rows, peer, gbs, args.batch_sizes)
+    if args.plot:
+        draw_throughput(rows, peer, args.batch_sizes, args.plot)
     shared = run_shared_prefix(args.model_path, skip_hf=args.skip_hf) if args.shared_prefix \
         else None
     if args.output_json:
