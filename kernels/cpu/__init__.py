@@ -129,7 +129,7 @@ class _Library:
         lib.q8_0_matmul_f32.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64]
         lib.q8_0_matmul_f32.restype = ctypes.c_int
         i32, f32 = ctypes.c_int, ctypes.c_float
-        lib.add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, ptr, i32]
+        lib.add_rmsnorm.argtypes = [ptr, ptr, i32, ptr, ptr, i64, i64, f32, ptr, i32]
         lib.add_rmsnorm.restype = None
         lib.silu_mul.argtypes = [ptr, i32, i64, i64, ptr, i32]
         lib.silu_mul.restype = None

@@ -92,20 +92,23 @@ static inline void store_row(void *dst, int bf16, int64_t off, int n, const floa
     }
 }
 
-// x, delta, x_out fp32 [T, H] (delta and x_out may be NULL: no add, norm of x); w fp32 [H];
-// out [T, H] in bf16 or fp32. Same formula as the model's RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
-void add_rmsnorm(const float *x, const float *delta, float *x_out, const float *w, int64_t T,
-                 int64_t H, float eps, void *out, int out_bf16) {
+// x, x_out fp32 [T, H], delta [T, H] fp32 or bf16 (`delta_bf16`: a bf16 matmul's output as it
+// comes); delta and x_out may be NULL: no add, norm of x. w fp32 [H]; out [T, H] in bf16 or
+// fp32. Same formula as the model's RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
+void add_rmsnorm(const float *x, const void *delta, int delta_bf16, float *x_out,
+                 const float *w, int64_t T, int64_t H, float eps, void *out, int out_bf16) {
 #pragma omp parallel for schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++) {
         float *row = (float *)malloc(sizeof(float) * (size_t)H);
         const float *xr = x + t * H;
-        double ss = 0.0;
-        for (int64_t i = 0; i < H; i++) {
-            const float v = delta ? xr[i] + delta[t * H + i] : xr[i];
-            row[i] = v;
-            ss += (double)v * v;
+        if (delta) {
+            load_row(delta, delta_bf16, t * H, (int)H, row);
+            for (int64_t i = 0; i < H; i++) row[i] += xr[i];
+        } else {
+            memcpy(row, xr, sizeof(float) * (size_t)H);
         }
+        double ss = 0.0;
+        for (int64_t i = 0; i < H; i++) ss += (double)row[i] * row[i];
         if (delta && x_out) memcpy(x_out + t * H, row, sizeof(float) * (size_t)H);
         const float inv = 1.0f / sqrtf((float)(ss / (double)H) + eps);
         for (int64_t i = 0; i < H; i++) row[i] = (row[i] * inv) * w[i];

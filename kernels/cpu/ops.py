@@ -28,22 +28,21 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """rmsnorm(x) * weight: x float32 [T, H] -> [T, H] in out_dtype."""
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype)
-    _lib(None).add_rmsnorm(x.data_ptr(), None, None, weight.data_ptr(), x.shape[0], x.shape[1],
-                           eps, out.data_ptr(), _flag(out_dtype))
+    _lib(None).add_rmsnorm(x.data_ptr(), None, 0, None, weight.data_ptr(), x.shape[0],
+                           x.shape[1], eps, out.data_ptr(), _flag(out_dtype))
     return out
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rmsnorm(x + delta) * weight): the residual add and the next norm in one
-    pass; x, delta float32 [T, H]."""
+    pass; x float32 [T, H], delta float32 or bfloat16 (a sub-layer's output as it comes)."""
     x, delta = x.contiguous(), delta.contiguous()
-    if delta.dtype != torch.float32:
-        delta = delta.float()
     x_out = torch.empty_like(x)
     out = torch.empty(x.shape, dtype=out_dtype)
-    _lib(None).add_rmsnorm(x.data_ptr(), delta.data_ptr(), x_out.data_ptr(), weight.data_ptr(),
-                           x.shape[0], x.shape[1], eps, out.data_ptr(), _flag(out_dtype))
+    _lib(None).add_rmsnorm(x.data_ptr(), delta.data_ptr(), _flag(delta.dtype), x_out.data_ptr(),
+                           weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(),
+                           _flag(out_dtype))
     return x_out, out
 
 

@@ -131,6 +131,10 @@ def test_add_rmsnorm(out_dtype):
     torch.testing.assert_close(h.float(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(ops.rmsnorm(x, w, 1e-5, torch.float32), _rmsnorm(x, w, 1e-5),
                                rtol=1e-5, atol=1e-5)
+    # a bf16 delta (an int kernel's output) is widened exactly before the add
+    x_b, h_b = ops.add_rmsnorm(x, d.bfloat16(), w, 1e-5, out_dtype)
+    assert torch.equal(x_b, x + d.bfloat16().float())
+    torch.testing.assert_close(h_b.float(), _rmsnorm(x_b, w, 1e-5), rtol=tol, atol=tol)
     # bf16 rounding is torch's (round to nearest even) on the same float value
     assert torch.equal(ops.rmsnorm(x, w, 1e-5, torch.bfloat16),
                        ops.rmsnorm(x, w, 1e-5, torch.float32).bfloat16())
