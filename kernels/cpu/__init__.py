@@ -195,23 +195,29 @@ def _lib(variant: str | None) -> _Library:
     return lib
 
 
+def _float_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it: float32 with contiguous rows (a row stride is allowed)."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check(rc: int, name: str, x: torch.Tensor) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{name} failed for x {tuple(x.shape)} (K must be a multiple of 32)")
+
+
 def q4_1_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
                 variant: str | None = None) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) @ W.T -> [M, N] float32; W [N, K] as Q4_1 blocks
     `blocks` uint8 [N, K/32*20]."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _float_rows(x)
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    if m == 0:
-        return y
-    rc = _lib(variant).matmul(blocks.data_ptr(), out_features, k, x.data_ptr(), x.stride(0), m,
-                              y.data_ptr(), out_features)
-    if rc != 0:
-        raise RuntimeError(f"q4_1_matmul failed for x {tuple(x.shape)} (K must be a multiple "
-                           "of 32)")
+    if m:
+        _check(_lib(variant).matmul(blocks.data_ptr(), out_features, k, x.data_ptr(),
+                                    x.stride(0), m, y.data_ptr(), out_features),
+               "q4_1_matmul", x)
     return y
 
 
@@ -219,20 +225,14 @@ def q8_0_matmul_f32(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     variant: str | None = None) -> torch.Tensor:
     """x [M, K] float32 @ W.T -> [M, N] float32 with W = codes int8 [N, K] times scales
     float32 [N, K/32] (one per 32 columns), activations kept float32."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _float_rows(x)
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    if m == 0:
-        return y
-    rc = _lib(variant).q8_0_matmul_f32(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(),
-                                       x.stride(0), m, y.data_ptr(), n)
-    if rc != 0:
-        raise RuntimeError(f"q8_0_matmul_f32 failed for x {tuple(x.shape)} (K must be a "
-                           "multiple of 32)")
+    if m:
+        _check(_lib(variant).q8_0_matmul_f32(codes.data_ptr(), scales.data_ptr(), n, k,
+                                             x.data_ptr(), x.stride(0), m, y.data_ptr(), n),
+               "q8_0_matmul_f32", x)
     return y
 
 
