@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang_like.quant.base import LinearMethod, WeightSource, dense, with_bias
+from sglang_like.quant.base import LinearMethod, WeightSource, dense, dense_forward, with_bias
 from sglang_like.quant.gguf_blocks import BLOCK, GGUFBlockWeight
 
 _GGUF_INT4 = ("Q4_0", "Q4_1")
@@ -76,13 +76,10 @@ class Int4Method(LinearMethod):
         # the portable copy: byte j of a row holds columns 2j (low nibble) and 2j+1 (high)
         nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
         layer.register_buffer("nibbles", nibbles.contiguous().to(device))
-        used = layer.scale_zero.float()  # the kernel's bf16 values, so both paths agree
-        layer.register_buffer("scale_f32", used[..., 0].t().contiguous(), persistent=False)
-        layer.register_buffer("zero_f32", used[..., 1].t().contiguous(), persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
-            return torch.nn.functional.linear(x.float(), self.dequantize(layer))
+            return dense_forward(x, self.dequantize(layer))
         return torch._weight_int4pack_mm_for_cpu(x, layer.weight, layer.group_size,
                                                  layer.scale_zero)
 
@@ -93,11 +90,13 @@ class Int4Method(LinearMethod):
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         n, half = layer.nibbles.shape
-        groups = layer.scale_f32.shape[1]
+        # the kernel's own bf16 (scale, zero), widened here rather than kept as fp32 copies
+        # (+0.25 byte per weight for a prefill-only convenience)
+        used = layer.scale_zero.float().permute(1, 0, 2).contiguous()  # [N, K/g, 2]
+        groups = used.shape[1]
         codes = torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1)
         codes = codes.view(n, groups, 2 * half // groups)
-        w = torch.addcmul(layer.zero_f32.unsqueeze(-1), codes.float() - 8,
-                          layer.scale_f32.unsqueeze(-1))
+        w = torch.addcmul(used[..., 1:2], codes.float() - 8, used[..., 0:1])
         return w.view(n, 2 * half)
 
     def weight_bytes(self, layer: nn.Module) -> int:

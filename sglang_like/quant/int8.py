@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang_like.quant.base import LinearMethod, WeightSource, dense, with_bias
+from sglang_like.quant.base import LinearMethod, WeightSource, dense, dense_forward, with_bias
 from sglang_like.quant.gguf_blocks import GGUFBlockWeight
 
 
@@ -91,7 +91,7 @@ class Int8Method(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
-            return torch.nn.functional.linear(x.float(), self.dequantize(layer))
+            return dense_forward(x, self.dequantize(layer))
         return torch._weight_int8pack_mm(x, layer.weight, layer.scale)
 
     def decode_fn(self, layer: nn.Module):

@@ -12,11 +12,10 @@ import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels.cpu
-from sglang_like.quant.base import LinearMethod, WeightSource, dense, with_bias
+from sglang_like.quant.base import LinearMethod, WeightSource, dense, dense_forward, with_bias
 from sglang_like.quant.gguf_blocks import BLOCK, GGUFBlockWeight
 
 Q4_1_BLOCK_BYTES = 20  # fp16 d | fp16 m | 16 nibble bytes
@@ -87,7 +86,7 @@ class Q4NativeMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         n = layer.blocks.shape[0]
         if x.shape[0] >= self.dense_min_rows:
-            return F.linear(x.float(), self.dequantize(layer))
+            return dense_forward(x, self.dequantize(layer))
         return kernels.cpu.q4_1_matmul(x, layer.blocks, n)
 
     def decode_fn(self, layer: nn.Module):

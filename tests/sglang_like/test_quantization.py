@@ -280,6 +280,35 @@ def test_int4_prefill_path_equals_the_kernel() -> None:
     torch.testing.assert_close(big[:8], small, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
+def test_prefill_gemm_dtype_switch(monkeypatch: pytest.MonkeyPatch, gemm: str) -> None:
+    """Both prefill GEMMs (`SGLANG_LIKE_PREFILL_GEMM`) compute the layer: int4 and int8 alike
+    agree with their decode kernels to within bf16 rounding, and the switch is honoured."""
+    from sglang_like.quant.base import prefill_gemm_dtype
+
+    monkeypatch.setenv("SGLANG_LIKE_PREFILL_GEMM", gemm)
+    prefill_gemm_dtype.cache_clear()
+    try:
+        assert prefill_gemm_dtype() == (torch.bfloat16 if gemm == "bf16" else torch.float32)
+        w = torch.randn(80, 192, generator=torch.Generator().manual_seed(8)) / 13
+        x = torch.randn(Int4Method.dense_min_rows, 192,
+                        generator=torch.Generator().manual_seed(9)).bfloat16()
+        for method in (Int4Method(64), Int8Method()):
+            lin = _linear(method, [w])
+            big = lin(x).float()
+            assert big.dtype == torch.float32 and big.shape == (x.shape[0], 80)
+            torch.testing.assert_close(big[:8], lin(x[:8]).float(), rtol=2e-2, atol=2e-2)
+            exact = x.float() @ method.dequantize(lin).t()
+            torch.testing.assert_close(big, exact, rtol=2e-2, atol=2e-2)
+        monkeypatch.setenv("SGLANG_LIKE_PREFILL_GEMM", "fp64")
+        prefill_gemm_dtype.cache_clear()
+        with pytest.raises(ValueError, match="SGLANG_LIKE_PREFILL_GEMM"):
+            prefill_gemm_dtype()
+    finally:
+        monkeypatch.undo()
+        prefill_gemm_dtype.cache_clear()
+
+
 def test_cli_and_server_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     import sglang_like.engine as engine_mod
     from sglang_like.__main__ import main
