@@ -22,9 +22,10 @@ pytestmark = [pytest.mark.slow,
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 TIE_NATS = 0.1
 # the logprob of the same token under both paths: bf16 activations round differently once the
-# sums are reordered and the drift grows along the output (measured up to 0.07 over 24 tokens);
-# as the "output logprob == scored logprob" check on this path, 0.1
-LOGPROB_TOL = 0.1
+# sums are reordered and the drift grows along the output: measured up to 0.07 over 24 tokens
+# on an AMD EPYC (AVX-512) and 0.102 (token 13 of the fibonacci prompt) on an Intel Xeon with
+# AMX, where torch's int4 kernel rounds in another order; a wrong kernel is off by nats
+LOGPROB_TOL = 0.15
 
 
 def _runs(engine, prompts):
