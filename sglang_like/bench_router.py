@@ -34,7 +34,13 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from sglang_like.bench_serving_peers import _drive, _stop, _wait_healthy
+from sglang_like.bench_serving_peers import (
+    _drive,
+    _stop,
+    _wait_healthy,
+    offline_tpot_ms,
+    served_prompt,
+)
 from sglang_like.launch_router import free_port
 
 
@@ -105,17 +111,11 @@ def _router_overhead(router_url: str, worker_url: str, n: int) -> dict[str, floa
     return {"router_ms": statistics.median(via) * 1e3, "direct_ms": statistics.median(direct) * 1e3}
 
 
-def _offline_tpot_ms(engine: Any, args: argparse.Namespace) -> float:
-    from sglang_like.bench_offline import _decode_tok_s
-
-    return 1e3 / _decode_tok_s(engine, 1, args.output_len)
-
-
-def _curl_tpot_ms(url: str, num_tokens: int) -> float:
+def _curl_tpot_ms(url: str, num_tokens: int, prompt: str) -> float:
     """One greedy stream of `num_tokens` read by curl, a client that takes almost no CPU (on 2
     cores a Python client's own work per token slows the engine it shares them with): the
     time after the first byte over the tokens after the first."""
-    body = json.dumps({"model": "default", "prompt": "Tell me a long story about dragons.",
+    body = json.dumps({"model": "default", "prompt": prompt,
                        "max_tokens": num_tokens, "temperature": 0, "stream": True,
                        "ignore_eos": True})
     out = subprocess.run(
@@ -181,11 +181,13 @@ def main(argv: list[str] | None = None) -> None:
         use_curl = shutil.which("curl") is not None
         offline: list[float] = []
         for _ in tqdm(range(args.rounds), desc="concurrency-1 rounds"):
-            offline.append(_offline_tpot_ms(offline_engine, args))
+            # on the served prompts: each decode step attends over their ~900-token prefix
+            offline.append(offline_tpot_ms(offline_engine, args))
             for s in setups:
                 c1[s.name].append(_drive_one(s.url, 1, args))
                 if use_curl:
-                    curl[s.name].append(_curl_tpot_ms(s.url, 2 * args.output_len))
+                    curl[s.name].append(_curl_tpot_ms(s.url, 2 * args.output_len,
+                                                      served_prompt(args)))
         offline_engine.shutdown()
         high = {s.name: _drive_one(s.url, args.high_concurrency, args)
                 for s in tqdm(setups, desc=f"concurrency {args.high_concurrency}")}

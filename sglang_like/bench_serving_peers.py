@@ -98,28 +98,38 @@ def _llama(port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     return _serve_and_drive(cmd, port, args)
 
 
-def _offline_tpot_ms(quantization: str, args: argparse.Namespace) -> float:
-    """Batch-1 decode ms/token of the in-process engine on the served workload's own prompts
-    (a ~900-token shared prefix: attention over it is part of every step), median of 3."""
+def served_prompt(args: argparse.Namespace, i: int = 0) -> str:
+    """The i-th prompt of the served shared-prefix workload (as `_drive` sends it)."""
     from sglang_like.bench_serving import make_workload
+
+    conv = make_workload("shared-prefix", i + 1, 0, args.prefix_words, 1)[i]
+    return conv.prefix + conv.turns[0]
+
+
+def offline_tpot_ms(engine: Any, args: argparse.Namespace) -> float:
+    """Batch-1 decode ms/token of an in-process engine on the served workload's own prompts
+    (a ~900-token shared prefix: attention over it is part of every step), median of 3."""
+    params = {"temperature": 0, "ignore_eos": True}
+    per_token = []
+    for i in range(3):
+        prompt = served_prompt(args, i)
+        engine.generate(prompt, {**params, "max_new_tokens": 1})  # cached, as served
+        t0 = time.perf_counter()
+        engine.generate(prompt, {**params, "max_new_tokens": 1})
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.generate(prompt, {**params, "max_new_tokens": args.output_len + 1})
+        per_token.append((time.perf_counter() - t0 - first) / args.output_len)
+    return 1e3 * sorted(per_token)[1]
+
+
+def _offline_tpot_ms(quantization: str, args: argparse.Namespace) -> float:
     from sglang_like.engine import Engine
 
-    convs = make_workload("shared-prefix", 3, 0, args.prefix_words, 1)
     engine = Engine(model_path=args.model_path, quantization=quantization, engine_in_process=True)
-    params = {"temperature": 0, "ignore_eos": True}
     try:
         engine.generate("Warm up.", {"max_new_tokens": 8})
-        per_token = []
-        for conv in convs:
-            prompt = conv.prefix + conv.turns[0]
-            engine.generate(prompt, {**params, "max_new_tokens": 1})  # cached, as served
-            t0 = time.perf_counter()
-            engine.generate(prompt, {**params, "max_new_tokens": 1})
-            first = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            engine.generate(prompt, {**params, "max_new_tokens": args.output_len + 1})
-            per_token.append((time.perf_counter() - t0 - first) / args.output_len)
-        return 1e3 * sorted(per_token)[1]
+        return offline_tpot_ms(engine, args)
     finally:
         engine.shutdown()
 
