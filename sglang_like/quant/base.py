@@ -32,8 +32,10 @@ def prefill_gemm_dtype() -> torch.dtype:
     bf16 where the CPU multiplies bf16 in hardware (AMX tiles, or AVX512-BF16), float32
     elsewhere. oneDNN's bf16 GEMM with AMX measured 3.2 ms against MKL's fp32 21.6 ms for
     1024 x 576 x 3072 on an Intel Xeon here; on AVX2 bf16 is emulated and slower than fp32.
-    The activations these methods take are bf16 already (int4, int8), so only the dequantized
-    weight rounds. `SGLANG_LIKE_PREFILL_GEMM=auto|bf16|fp32` overrides."""
+    int4 and int8 take bf16 activations already, so only the dequantized weight rounds;
+    Q4NativeMethod's fp32 activations round too, where it runs with bf16 hardware (it is
+    chosen for AVX2-only CPUs, which have neither).
+    `SGLANG_LIKE_PREFILL_GEMM=auto|bf16|fp32` overrides."""
     choice = os.environ.get(_PREFILL_GEMM_ENV, "").strip().lower() or "auto"
     if choice not in ("auto", "bf16", "fp32"):
         raise ValueError(f"{_PREFILL_GEMM_ENV}={choice!r}: expected auto, bf16 or fp32")
