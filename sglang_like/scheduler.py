@@ -234,6 +234,9 @@ class Scheduler:
             self.running, held, self.disagg.held_slots() if self.disagg is not None else ())
         if num:
             logger.warning("took back %d KV slots the failed step had allocated", num)
+        report = getattr(self.disagg, "report_ended", None)
+        if report is not None:  # a PD prefill worker tells the decode side now
+            report()
 
     def _schedule_running(self, batch: ScheduleBatch, touched: list[Req]) -> None:
         decoders = [r for r in self.running if r.num_uncomputed == 1]

@@ -211,7 +211,7 @@ class PrefillManager:
                 sched.abort(req.rid)  # no write is in flight between steps
             self.channel.send(peer, m.encode(m.Cancelled(room)))
         self._first_deadline = min((d for _, d in self._waiting.values()), default=float("inf"))
-        self._report_ended()
+        self.report_ended()
 
     def before_forward(self, batch: Any) -> Any:
         """The layer hook for this batch (None when no request of it sends KV)."""
@@ -247,7 +247,7 @@ class PrefillManager:
             state = req.pd
             if isinstance(state, PrefillRoom) and req.output_ids and not state.done_sent:
                 if state.error is not None:
-                    continue  # reported (and the request ended) by _report_ended
+                    continue  # reported (and the request ended) by report_ended
                 token = req.output_ids[0]
                 logprob = top = None
                 if req.return_logprob and req.logprobs.output_token:
@@ -257,7 +257,7 @@ class PrefillManager:
                 self.channel.send(state.peer, m.encode(m.Done(
                     state.room, token, logprob, top, state.num_bytes,
                     prefill_cached_tokens=req.num_cached_tokens)))
-        self._report_ended()
+        self.report_ended()
 
     def abort(self, rid: str, sched: Any) -> Req | None:
         for room, (req, _) in list(self._waiting.items()):
@@ -276,9 +276,11 @@ class PrefillManager:
             state.error = state.error or message
         return reqs
 
-    def _report_ended(self) -> None:
+    def report_ended(self) -> None:
         """Forget rooms whose request ended; Failed to the decode side for those without a
-        Done (aborted, a write failed, the request failed)."""
+        Done (aborted, a write failed, the request failed). Also called by the scheduler right
+        after a failed step, which may be the last step for a while: the decode side (and the
+        router's client behind it) would otherwise wait for its transfer timeout."""
         for room, (req, state) in list(self._active.items()):
             if state.error is not None and not req.is_finished:
                 req.finish(FinishReason("abort", message=state.error))

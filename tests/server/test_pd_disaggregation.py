@@ -247,3 +247,27 @@ def _assert_decode_idle(cluster: PDCluster) -> None:
     assert d["disaggregation"]["num_inflight"] == 0
     assert d["disaggregation"]["num_quarantined_slots"] == 0
     assert d["kv_pool"]["used_slots"] == 0
+
+
+def test_failed_prefill_step_answers_the_client_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill worker whose forward fails (every one, injected) tells the decode worker at
+    once: the client behind the router gets its error in seconds, not after the transfer
+    timeout (120 s), and the decode worker holds nothing afterwards. Before the fix the
+    failed step was the loop's last, and nobody sent Failed until the timeout."""
+    monkeypatch.setenv("SGLANG_LIKE_FAULT_INJECT", "forward=1.0,seed=3")
+    with pd_cluster(1, 1, *WORKER_ARGS) as c:
+        t0 = time.monotonic()
+        resp = httpx.post(c.router_url + "/generate", timeout=60, json={
+            "text": PROMPTS[0], "sampling_params": GREEDY})
+        seconds = time.monotonic() - t0
+        assert seconds < 20, seconds
+        assert resp.status_code != 200 or '"abort"' in resp.text, resp.text
+        assert "injected" in resp.text.lower() or "internal error" in resp.text, resp.text
+        deadline = time.monotonic() + 15
+        while True:
+            d = info(c.decode[0].url)
+            idle = (d["disaggregation"]["num_inflight"] == 0 and d["kv_pool"]["used_slots"] == 0)
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert idle, d
