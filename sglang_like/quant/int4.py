@@ -40,8 +40,8 @@ class Int4Method(LinearMethod):
     a few hundred rows (measured for 3072x576: 11.5 vs 9.1 ms at 256 rows, 49 vs 22 ms at
     1024), so prefill chunks of `dense_min_rows` rows or more dequantize the layer into fp32
     (about 2 ms per 1.8M weights) and run a dense GEMM (`base.dense_forward`: bf16 on CPUs
-    with bf16 matrix hardware). That needs the codes in a portable layout
-    too (the kernel's is per ISA): a nibble copy, +0.5 byte per weight.
+    with bf16 matrix hardware). That needs the codes in a portable layout too (the kernel's
+    is per ISA): a nibble copy, +0.5 byte per weight.
     """
 
     dense_min_rows = 256
