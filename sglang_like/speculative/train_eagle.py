@@ -58,6 +58,87 @@ def _add_timing(work: str, stage: str, seconds: float) -> None:
         json.dump(t, f, indent=2)
 
 
+# Openers that start some self-prompted user turns, so that tasks the model rarely asks itself
+# about (code, structured output) are in the data too; "" leaves the turn to the model.
+USER_OPENERS = ("", "", "", "", "", "Write a Python function", "Can you write code",
+                "Extract", "Give me a JSON", "List", "Rewrite", "Summarize", "Translate",
+                "Explain how")
+# Tasks over a text the model wrote before: they teach the head to copy from the context, as
+# extraction and editing prompts make the target do.
+REWORK_TASKS = (
+    "Rewrite the text above as a bulleted list.",
+    "Repeat the text above word for word, then add one more sentence.",
+    "Extract the key facts of the text above as a JSON object.",
+    "Summarize the text above in two sentences.",
+    "Rewrite the text above in a more formal tone.",
+    "Correct any mistakes in the text above and show the whole corrected text.",
+    "Turn the text above into a numbered list of steps or points.",
+    "Write three questions a reader could answer from the text above, with their answers.",
+)
+
+
+def _finish_convs(tok: Any, prompts: list[str], answers: list[dict], stop_ids: set[int],
+                  im_end: int | None) -> list[dict]:
+    convs = []
+    for p, a in zip(prompts, answers, strict=True):
+        out = list(a["output_ids"])
+        while out and out[-1] in stop_ids:
+            out.pop()
+        fr = a["meta_info"]["finish_reason"] or {}
+        if fr.get("type") != "length" and im_end is not None:
+            out.append(im_end)  # the turn ends as the template would close it
+        if not out:
+            continue
+        prompt_ids = tok.encode(p)
+        convs.append({"ids": prompt_ids + out, "prompt_len": len(prompt_ids),
+                      "answer": a["text"]})
+    return convs
+
+
+def _answer_params(args: argparse.Namespace, seeds: list[int]) -> list[dict]:
+    """Half greedy, half temperature 0.7 / top_p 0.95 (by the seed's parity)."""
+    return [({"temperature": 0.0} if sd % 2 == 0 else
+             {"temperature": 0.7, "top_p": 0.95, "seed": sd})
+            | {"max_new_tokens": args.answer_max_tokens} for sd in seeds]
+
+
+def _magpie_shard(eng: Any, tok: Any, user_prefix: str, stop_ids: set[int],
+                  im_end: int | None, args: argparse.Namespace, base: int) -> list[dict]:
+    """`args.shard_size` self-prompted conversations: the template up to the user turn
+    (plus, for some, an opener) samples a question, the chat template answers it."""
+    n = args.shard_size
+    rng = random.Random(base)
+    openers = [rng.choice(USER_OPENERS) for _ in range(n)]
+    users = eng.generate(
+        prompt=[user_prefix + o for o in openers],
+        sampling_params=[{"temperature": 1.0, "top_p": 0.95, "seed": base + i,
+                          "max_new_tokens": args.user_max_tokens,
+                          "stop": ["<|im_end|>"]} for i in range(n)])
+    msgs = [(o + u["text"]).strip() for o, u in zip(openers, users, strict=True)]
+    keep = [i for i, m in enumerate(msgs) if m]
+    prompts = [eng.apply_chat_template([{"role": "user", "content": msgs[i]}]) for i in keep]
+    answers = eng.generate(prompt=prompts,
+                           sampling_params=_answer_params(args, [base + i for i in keep]))
+    return _finish_convs(tok, prompts, answers, stop_ids, im_end)
+
+
+def _rework_shard(eng: Any, tok: Any, convs: list[dict], stop_ids: set[int],
+                  im_end: int | None, args: argparse.Namespace, base: int) -> list[dict]:
+    """Copy-heavy conversations: an answer of this shard given back as the document of a
+    task from REWORK_TASKS."""
+    rng = random.Random(base + 1)
+    docs = [c["answer"].strip() for c in convs if len(c["answer"].strip()) > 200]
+    rng.shuffle(docs)
+    docs = docs[: round(args.shard_size * args.rework_frac)]
+    prompts = [eng.apply_chat_template(
+        [{"role": "user", "content": f"{d}\n\n{rng.choice(REWORK_TASKS)}"}]) for d in docs]
+    if not prompts:
+        return []
+    answers = eng.generate(prompt=prompts, sampling_params=_answer_params(
+        args, [base + 500_000 + i for i in range(len(prompts))]))
+    return _finish_convs(tok, prompts, answers, stop_ids, im_end)
+
+
 # ---- 1. data ---------------------------------------------------------------------------------
 def stage_data(args: argparse.Namespace, work: str) -> None:
     from tqdm import tqdm
@@ -85,32 +166,10 @@ def stage_data(args: argparse.Namespace, work: str) -> None:
                 _log(f"data: time budget of {args.gen_budget_min} min spent; "
                      f"stopping before shard {s}")
                 break
-            n, base = args.shard_size, args.seed * 1_000_003 + s * args.shard_size
-            users = eng.generate(
-                prompt=[user_prefix] * n,
-                sampling_params=[{"temperature": 1.0, "top_p": 0.95, "seed": base + i,
-                                  "max_new_tokens": args.user_max_tokens,
-                                  "stop": ["<|im_end|>"]} for i in range(n)])
-            msgs = [u["text"].strip() for u in users]
-            keep = [i for i, m in enumerate(msgs) if m]
-            prompts = [eng.apply_chat_template([{"role": "user", "content": msgs[i]}])
-                       for i in keep]
-            sps = [({"temperature": 0.0} if (base + i) % 2 == 0 else
-                    {"temperature": 0.7, "top_p": 0.95, "seed": base + i})
-                   | {"max_new_tokens": args.answer_max_tokens} for i in keep]
-            answers = eng.generate(prompt=prompts, sampling_params=sps)
-            convs = []
-            for p, a in zip(prompts, answers, strict=True):
-                out = list(a["output_ids"])
-                while out and out[-1] in stop_ids:
-                    out.pop()
-                fr = a["meta_info"]["finish_reason"] or {}
-                if fr.get("type") != "length" and im_end is not None:
-                    out.append(im_end)  # the turn ends as the template would close it
-                if not out:
-                    continue
-                prompt_ids = tok.encode(p)
-                convs.append({"ids": prompt_ids + out, "prompt_len": len(prompt_ids)})
+            base = args.seed * 1_000_003 + s * args.shard_size
+            convs = _magpie_shard(eng, tok, user_prefix, stop_ids, im_end, args, base)
+            if args.rework_frac > 0:
+                convs += _rework_shard(eng, tok, convs, stop_ids, im_end, args, base)
             _save_atomic({"convs": convs, "vocab_size": eng.model_config.vocab_size,
                           "stop_ids": sorted(stop_ids)},
                          os.path.join(ddir, f"shard_{s:04d}.pt"))
@@ -194,7 +253,6 @@ def stage_capture(args: argparse.Namespace, work: str) -> None:
 
     from sglang_like.config import ServerArgs
     from sglang_like.engine_setup import build_engine_parts
-    from sglang_like.forward_batch import ForwardBatch
 
     cdir = os.path.join(work, "capture")
     os.makedirs(cdir, exist_ok=True)
@@ -207,41 +265,77 @@ def stage_capture(args: argparse.Namespace, work: str) -> None:
     vocab = torch.load(os.path.join(work, "vocab.pt"))
     t2d = vocab["t2d"]
     draft_to_target = torch.nonzero(t2d).squeeze(1)  # draft id d -> target id (sorted)
-    max_len = max(len(c["ids"]) for p in todo for c in torch.load(p)["convs"])
-    parts = build_engine_parts(ServerArgs(max_total_tokens=max_len + 8))
+    pack = max(args.capture_tokens, max(len(c["ids"]) for p in todo
+                                        for c in torch.load(p)["convs"]))
+    parts = build_engine_parts(ServerArgs(max_total_tokens=pack + 8))
     runner = parts.runner
     model = runner.model
     aux = tuple(model.default_aux_layers())
-    row = runner.req_to_token_pool.alloc()
+    rows: list[int] = []
     ntok = sum(len(c["ids"]) for p in todo for c in torch.load(p)["convs"])
     bar = tqdm(total=ntok, desc="capture", unit="tok", smoothing=0.05)
+
+    def forward(group: list[dict]) -> list[dict]:
+        out = capture_group(runner, aux, draft_to_target, args.label_topk, group, rows)
+        bar.update(sum(len(c["ids"]) for c in group))
+        return out
+
     with torch.no_grad():  # not inference_mode: the CPU attention plan cache reads ._version
         for path in todo:
-            out = []
+            out: list[dict] = []
+            group: list[dict] = []
             for c in torch.load(path)["convs"]:
-                ids = torch.tensor(c["ids"], dtype=torch.long)
-                t = ids.numel()
-                slots = torch.arange(1, t + 1, dtype=torch.long)
-                runner.req_to_token_pool.req_to_token[row, :t] = slots.to(torch.int32)
-                fb = ForwardBatch(
-                    input_ids=ids, positions=torch.arange(t), out_slots=slots,
-                    req_pool_indices=torch.tensor([row]), prefix_lens=torch.tensor([0]),
-                    extend_lens=torch.tensor([t]), logits_indices=torch.arange(t),
-                    req_to_token=runner.req_to_token_pool.req_to_token, is_decode=False)
-                logits, feats = model.forward_features(fb, runner.kv_pool, aux)
-                logp = torch.log_softmax(logits.float(), dim=-1)[:, draft_to_target]
-                vals, idx = logp.topk(args.label_topk, dim=-1)
-                out.append({"ids": ids.to(torch.int32), "prompt_len": c["prompt_len"],
-                            "features": feats.to(torch.float16),
-                            "label_ids": idx.to(torch.int16), "label_logp": vals.half(),
-                            "target_top1": logits.argmax(-1).to(torch.int32)})
-                bar.update(t)
+                if group and sum(len(g["ids"]) for g in group) + len(c["ids"]) > pack:
+                    out += forward(group)
+                    group = []
+                group.append(c)
+            if group:
+                out += forward(group)
             _save_atomic({"convs": out, "aux_layers": list(aux)},
                          os.path.join(cdir, os.path.basename(path)))
     bar.close()
     dt = time.perf_counter() - t0
     _add_timing(work, "capture", dt)
     _log(f"capture: {dt:.0f}s wall ({ntok} tokens)")
+
+
+def capture_group(runner: Any, aux: tuple[int, ...], draft_to_target: torch.Tensor,
+                  label_topk: int, group: list[dict], rows: list[int]) -> list[dict]:
+    """Teacher-force `group` (conversations {"ids", "prompt_len"}) in one prefill: per
+    conversation its fp16 features, the top-`label_topk` target log-probabilities over the
+    draft vocabulary and the full-vocabulary argmax. Several conversations go in one forward
+    so that it is 256+ rows (the bf16 GEMM where the CPU has one, as served prefill runs);
+    `rows` caches req_to_token rows between calls. Slots from 1 on are overwritten."""
+    from sglang_like.forward_batch import ForwardBatch
+
+    pool = runner.req_to_token_pool
+    while len(rows) < len(group):
+        rows.append(pool.alloc())
+    ids = [torch.tensor(c["ids"], dtype=torch.long) for c in group]
+    lens = [int(t.numel()) for t in ids]
+    slot0 = 1
+    for r, n in zip(rows, lens, strict=False):
+        pool.req_to_token[r, :n] = torch.arange(slot0, slot0 + n, dtype=torch.int32)
+        slot0 += n
+    total = slot0 - 1
+    fb = ForwardBatch(
+        input_ids=torch.cat(ids), positions=torch.cat([torch.arange(n) for n in lens]),
+        out_slots=torch.arange(1, total + 1), req_pool_indices=torch.tensor(rows[: len(group)]),
+        prefix_lens=torch.zeros(len(group), dtype=torch.long), extend_lens=torch.tensor(lens),
+        logits_indices=torch.arange(total), req_to_token=pool.req_to_token, is_decode=False)
+    logits, feats = runner.model.forward_features(fb, runner.kv_pool, aux)
+    logp = torch.log_softmax(logits.float(), dim=-1)[:, draft_to_target]
+    vals, idx = logp.topk(label_topk, dim=-1)
+    top1 = logits.argmax(-1).to(torch.int32)
+    out, start = [], 0
+    for c, t, n in zip(group, ids, lens, strict=True):
+        sl = slice(start, start + n)
+        out.append({"ids": t.to(torch.int32), "prompt_len": c["prompt_len"],
+                    "features": feats[sl].to(torch.float16),
+                    "label_ids": idx[sl].to(torch.int16), "label_logp": vals[sl].half(),
+                    "target_top1": top1[sl]})
+        start += n
+    return out
 
 
 def _embedding_and_head(draft_to_target: torch.Tensor) -> tuple[Any, torch.Tensor, dict]:
@@ -284,11 +378,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
     g.add_argument("--user-max-tokens", type=int, default=64)
     g.add_argument("--answer-max-tokens", type=int, default=256)
+    g.add_argument("--rework-frac", type=float, default=0.25,
+                   help="copy-heavy conversations per shard, as a fraction of --shard-size")
     g.add_argument("--gen-budget-min", type=float, default=0.0,
                    help="start no new data shard after this many minutes (0: no limit)")
     g = ap.add_argument_group("vocab / capture")
     g.add_argument("--draft-vocab-size", type=int, default=8192)
     g.add_argument("--label-topk", type=int, default=32)
+    g.add_argument("--capture-tokens", type=int, default=2048,
+                   help="tokens per capture forward (several conversations packed)")
     g = ap.add_argument_group("train")
     g.add_argument("--unroll", type=int, default=5, help="training-time-test steps K")
     g.add_argument("--steps", type=int, default=1000)
@@ -297,6 +395,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--warmup", type=int, default=50)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip", type=float, default=0.5)
+    g.add_argument("--train-dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="auto: bf16 autocast where the CPU has bf16 matrix hardware")
     g.add_argument("--ckpt-every-s", type=float, default=120.0)
     g.add_argument("--heldout", type=float, default=0.05)
     return ap.parse_args(argv)

@@ -39,6 +39,7 @@ class TrainConfig:
     seed: int = 0
     step_decay: float = 0.8
     ckpt_every_s: float = 120.0
+    bf16: bool = False  # autocast the forward to bf16 (matmuls; losses and softmax in fp32)
 
 
 def build_head(config: Eagle3Config, lm_head_rows: torch.Tensor | None, d2t: torch.Tensor,
@@ -120,13 +121,15 @@ def unroll(head: Eagle3Head, batch: dict[str, torch.Tensor], rope: Any, unroll_s
     group = hq // hkv
     scale = d ** -0.5
     seg, pos = batch["seg"], batch["pos"]
-    same = seg[:, None] == seg[None, :]
-    causal = torch.ones(n, n, dtype=torch.bool).tril() & same  # [query, key]
+    # conversations attend only within themselves: one causal block each (not an n x n
+    # matrix masked to its diagonal blocks, which costs ~n / mean length times more)
+    counts = torch.unique_consecutive(seg, return_counts=True)[1].tolist()
+    causal = torch.ones(max(counts), max(counts), dtype=torch.bool).tril()  # [query, key]
     neg = torch.finfo(torch.float32).min
     hidden = head.project(batch["features"])
-    k0 = v0 = None
-    diag_k: list[torch.Tensor] = []  # [n, hq, d] per step >= 1 (repeated for GQA)
-    diag_v: list[torch.Tensor] = []
+    k0 = v0 = None  # step 0's keys / values, split per conversation: [hq, m, d] each
+    diag_k: list[torch.Tensor] = []  # [hq, n, d] per step >= 1 (repeated for GQA)
+    diag_v: list[tuple[torch.Tensor, ...]] = []  # the same values, split per conversation
     total = torch.zeros(())
     stats = []
     for k in range(unroll_steps):
@@ -134,21 +137,31 @@ def unroll(head: Eagle3Head, batch: dict[str, torch.Tensor], rope: Any, unroll_s
         q, kk, vv = head.qkv(tok_embeds, hidden)
         tables = rope.tables(pos + k)  # draft position p + k
         q, kk = tables.rotate(q), tables.rotate(kk)
-        kk = kk.repeat_interleave(group, dim=1)  # [n, hq, d]
-        vv = vv.float().repeat_interleave(group, dim=1)
+        kk = kk.repeat_interleave(group, dim=1).transpose(0, 1)  # [hq, n, d]
+        vv = vv.float().repeat_interleave(group, dim=1).transpose(0, 1)
         if k == 0:
-            k0, v0 = kk, vv
+            k0, v0 = kk.split(counts, dim=1), vv.split(counts, dim=1)
         else:
             diag_k.append(kk)
-            diag_v.append(vv)
+            diag_v.append(vv.split(counts, dim=1))
         qh = q.transpose(0, 1)  # [hq, n, d]
-        scores = torch.matmul(qh, k0.permute(1, 2, 0)) * scale  # [hq, n, n]
-        scores = scores.masked_fill(~causal, neg)
-        extra = [(q * dk).sum(-1).transpose(0, 1).unsqueeze(-1) * scale for dk in diag_k]
-        probs = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1)
-        attn = torch.matmul(probs[..., :n], v0.transpose(0, 1))  # [hq, n, d]
-        for j, dv in enumerate(diag_v):
-            attn = attn + probs[..., n + j: n + j + 1] * dv.transpose(0, 1)
+        # row p's own keys of steps 1..k: one score each, [hq, n, k]
+        extra = (torch.cat([(qh.float() * dk.float()).sum(-1, keepdim=True) for dk in diag_k],
+                           dim=-1) * scale).split(counts, dim=1) if diag_k else None
+        blocks = []
+        # split once (not sliced per block: a slice's backward writes a full-size zero grad)
+        for i, (qb, kb, vb) in enumerate(zip(qh.split(counts, dim=1), k0, v0, strict=True)):
+            m = qb.shape[1]
+            scores = torch.matmul(qb, kb.transpose(1, 2)).float() * scale
+            scores = scores.masked_fill(~causal[:m, :m], neg)  # [hq, m, m]
+            if extra is not None:
+                scores = torch.cat([scores, extra[i]], dim=-1)
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.matmul(probs[..., :m], vb)  # [hq, m, d]
+            for j, dv in enumerate(diag_v):
+                o = o + probs[..., m + j: m + j + 1] * dv[i]
+            blocks.append(o)
+        attn = torch.cat(blocks, dim=1)  # [hq, n, d]
         out = head.finish(attn.transpose(0, 1).reshape(n, hq * d), hidden)
         logits = head.logits(out)
         if collect is not None:
@@ -253,7 +266,8 @@ def train_loop(head: Eagle3Head, convs: list[dict], embed_table: torch.Tensor, r
         batch = make_batch(convs, epoch_cache[epoch][b], embed_table, cfg.batch_tokens)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        loss, stats = unroll(head, batch, rope, cfg.unroll, cfg.step_decay)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss, stats = unroll(head, batch, rope, cfg.unroll, cfg.step_decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.clip)

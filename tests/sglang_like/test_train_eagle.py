@@ -147,3 +147,36 @@ def test_training_lowers_loss_and_resume_matches(tmp_path) -> None:
     assert [h["step"] for h in h2] == list(range(1, 25))
     for (n, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=n)
+
+
+def test_packed_capture_equals_one_conversation_at_a_time() -> None:
+    """The capture stage packs conversations into one prefill; each conversation's features
+    and labels are what it gets alone (the real default model, served weights)."""
+    from sglang_like.config import ServerArgs
+    from sglang_like.engine_setup import build_engine_parts
+    from sglang_like.speculative.train_eagle import capture_group
+
+    parts = build_engine_parts(ServerArgs(max_total_tokens=512))
+    runner = parts.runner
+    tok = parts.tokenizer
+    aux = tuple(runner.model.default_aux_layers())
+    texts = ["The capital of France is Paris. It is known for",
+             "def add(a, b):\n    return a + b\n\nprint(add(2,",
+             "Three primary colors are red, blue and"]
+    convs = [{"ids": tok.encode(t), "prompt_len": 2} for t in texts]
+    draft_to_target = torch.arange(0, 49152, 6)
+    rows: list[int] = []
+    with torch.no_grad():
+        together = capture_group(runner, aux, draft_to_target, 8, convs, rows)
+        alone = [capture_group(runner, aux, draft_to_target, 8, [c], rows)[0] for c in convs]
+    for c, a, b in zip(convs, alone, together, strict=True):
+        n = len(c["ids"])
+        assert a["features"].shape == b["features"].shape == (n, 3 * runner.model.config
+                                                              .hidden_size)
+        assert a["ids"].tolist() == b["ids"].tolist() == c["ids"]
+        torch.testing.assert_close(a["features"].float(), b["features"].float(),
+                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(a["label_logp"].float(), b["label_logp"].float(),
+                                   atol=5e-2, rtol=0)
+        assert (a["target_top1"] == b["target_top1"]).float().mean() >= 0.9
+        assert (a["label_ids"][:, 0] == b["label_ids"][:, 0]).float().mean() >= 0.9
