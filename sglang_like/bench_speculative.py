@@ -144,6 +144,10 @@ def run(args: argparse.Namespace) -> dict:
             kw["speculative_auto_disable"] = False
         if name == "EAGLE3" and args.draft_model_path:
             kw["speculative_draft_model_path"] = args.draft_model_path
+        if name == "EAGLE3":
+            for key in ("num_steps", "eagle_topk", "num_draft_tokens"):
+                if getattr(args, key) is not None:
+                    kw[f"speculative_{key}"] = getattr(args, key)
         engine = Engine(**kw)
         try:
             params = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
@@ -224,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=32768)
     p.add_argument("--draft-model-path", default=None, help=f"default: {DEFAULT_HEAD}")
+    p.add_argument("--num-steps", type=int, default=None,
+                   help="EAGLE3 --speculative-num-steps (default: the engine's)")
+    p.add_argument("--eagle-topk", type=int, default=None)
+    p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--always-speculate", action="store_true",
                    help="turn the controller off: speculate wherever a draft exists")
     p.add_argument("--out-dir", default="bench_results")

@@ -372,7 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--stop-after", choices=STAGES, default="export")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads for capture and training (default: every core)")
     g = ap.add_argument_group("data")
     g.add_argument("--num-shards", type=int, default=8)
     g.add_argument("--shard-size", type=int, default=64, help="conversations per shard")

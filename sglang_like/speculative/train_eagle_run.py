@@ -14,6 +14,7 @@ import torch
 from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head, load_eagle3_head
 from sglang_like.speculative.train_eagle import (
     _add_timing,
+    _data_shards,
     _data_stats,
     _embedding_and_head,
     _log,
@@ -221,6 +222,19 @@ full vocab: the second is what greedy verification accepts, one draft at a time)
 
 | stage | seconds |
 |---|---|
-""" + "\n".join(f"| {k} | {v:.0f} |" for k, v in t.items()) + "\n"
+""" + "\n".join(f"| {k} | {v:.0f} |" for k, v in t.items()) + f"""
+
+## Reproduce
+
+    python -m sglang_like.speculative.train_eagle --num-shards {len(_data_shards(work))} \\
+        --shard-size {args.shard_size} --user-max-tokens {args.user_max_tokens} \\
+        --answer-max-tokens {args.answer_max_tokens} --rework-frac {args.rework_frac} \\
+        --draft-vocab-size {args.draft_vocab_size} --label-topk {args.label_topk} \\
+        --unroll {cfg['unroll']} --steps {cfg['steps']} --lr {cfg['lr']} --warmup {cfg['warmup']} \\
+        --batch-tokens {cfg['batch_tokens']} --train-dtype {args.train_dtype}
+
+Every stage checkpoints under `--work-dir` and the same command resumes where it stopped;
+`--gen-budget-min` bounds the data stage's time, `--stop-after STAGE` ends after one stage.
+"""
     with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:
         f.write(text)

@@ -149,6 +149,19 @@ def test_training_lowers_loss_and_resume_matches(tmp_path) -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=n)
 
 
+def _served_logits(runner, ids: torch.Tensor) -> torch.Tensor:
+    from sglang_like.forward_batch import ForwardBatch
+
+    n = ids.numel()
+    row = runner.req_to_token_pool.alloc()
+    runner.req_to_token_pool.req_to_token[row, :n] = torch.arange(1, n + 1, dtype=torch.int32)
+    fb = ForwardBatch(input_ids=ids, positions=torch.arange(n), out_slots=torch.arange(1, n + 1),
+                      req_pool_indices=torch.tensor([row]), prefix_lens=torch.tensor([0]),
+                      extend_lens=torch.tensor([n]), logits_indices=torch.arange(n),
+                      req_to_token=runner.req_to_token_pool.req_to_token, is_decode=False)
+    return runner.model.forward_features(fb, runner.kv_pool, ())[0]
+
+
 def test_packed_capture_equals_one_conversation_at_a_time() -> None:
     """The capture stage packs conversations into one prefill; each conversation's features
     and labels are what it gets alone (the real default model, served weights)."""
@@ -168,7 +181,15 @@ def test_packed_capture_equals_one_conversation_at_a_time() -> None:
     rows: list[int] = []
     with torch.no_grad():
         together = capture_group(runner, aux, draft_to_target, 8, convs, rows)
-        alone = [capture_group(runner, aux, draft_to_target, 8, [c], rows)[0] for c in convs]
+        alone = [capture_group(runner, aux, draft_to_target, 8, [c], rows)[0]
+                 for c in convs]
+        # the labels are the served model's: its own logits, log-softmaxed, at the draft ids
+        ids = torch.tensor(convs[0]["ids"])
+        served = _served_logits(runner, ids)
+    lp = torch.log_softmax(served, dim=-1)[:, draft_to_target]
+    torch.testing.assert_close(alone[0]["label_logp"].float(), lp.topk(8, dim=-1).values,
+                               atol=5e-2, rtol=0)
+    assert (alone[0]["target_top1"] == served.argmax(-1)).float().mean() >= 0.9
     for c, a, b in zip(convs, alone, together, strict=True):
         n = len(c["ids"])
         assert a["features"].shape == b["features"].shape == (n, 3 * runner.model.config
