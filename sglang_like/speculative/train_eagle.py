@@ -31,6 +31,7 @@ import torch
 DEFAULT_WORK_DIR = os.path.expanduser("~/.cache/sglang_like/eagle3-train")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-instruct-eagle3")
 STAGES = ("data", "vocab", "capture", "train", "export")
+DATA_KEYS = ("seed", "shard_size", "user_max_tokens", "answer_max_tokens", "rework_frac")
 
 
 def _log(msg: str) -> None:
@@ -153,6 +154,10 @@ def stage_data(args: argparse.Namespace, work: str) -> None:
         _log("data: all shards present, skipped")
         return
     t_start = time.perf_counter()
+    cfg_path = os.path.join(work, "data_config.json")
+    if not os.path.isfile(cfg_path):  # the card reports what made the data, not a later call
+        with open(cfg_path, "w", encoding="utf-8") as f:
+            json.dump({k: getattr(args, k) for k in DATA_KEYS}, f, indent=2)
     eng = sglang_like.Engine()
     try:
         tok = eng.tokenizer
@@ -180,6 +185,16 @@ def stage_data(args: argparse.Namespace, work: str) -> None:
     dt = time.perf_counter() - t_start
     _add_timing(work, "data", dt)
     _log(f"data: {dt:.0f}s wall")
+
+
+def data_config(work: str, args: argparse.Namespace) -> argparse.Namespace:
+    """The data stage's settings as it recorded them (those of `args` where it did not)."""
+    path = os.path.join(work, "data_config.json")
+    saved = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    return argparse.Namespace(**(vars(args) | saved))
 
 
 def _data_shards(work: str) -> list[str]:

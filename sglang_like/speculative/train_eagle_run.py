@@ -20,6 +20,7 @@ from sglang_like.speculative.train_eagle import (
     _log,
     _save_atomic,
     _timings,
+    data_config,
 )
 from sglang_like.speculative.train_eagle_core import (
     TrainConfig,
@@ -168,6 +169,7 @@ def _machine() -> str:
 
 
 def _write_card(args: argparse.Namespace, work: str, s: dict, done: dict) -> None:
+    args = data_config(work, args)
     stats = _data_stats(work)
     t = _timings(work)
     cfg = done["config"]
