@@ -487,11 +487,13 @@ HELD_OUT = [  # written for this test; the head trained on conversations the mod
     "How can I improve my sleep?",
     "What is the difference between a lake and a sea?",
 ]
-# Measured on this machine with the committed head (greedy, 64 new tokens, every step
-# drafting a 3-token chain): 1.31 tokens per verify (a random head gives 1.00). The floor is
-# that less a margin for float noise in a different batch; a head that regressed to guessing
-# fails it. The 2.5 needs far more training data than this head had (see its card).
-SHIPPED_HEAD_ACCEPT_FLOOR = 1.2
+# Measured with the committed head (greedy, 64 new tokens, every step drafting a 3-token
+# chain): 1.41 tokens per verify on an Intel Xeon (the previous head, trained on 1/17 of the
+# data, measured 1.31; a random head gives 1.00). The floor is that less a margin for another
+# CPU's rounding in a different batch; the old head (1.31) would fail it.
+# These human-written prompts are harder for the head than its own held-out conversations
+# (top-1 0.31 here against 0.46): its data's questions were written by the 135M model itself.
+SHIPPED_HEAD_ACCEPT_FLOOR = 1.33
 
 
 @pytest.mark.slow
