@@ -144,7 +144,7 @@ def _sample(probs: torch.Tensor, reqs: list[Req]) -> list[int]:
     uniform = torch.cat([torch.rand(1, generator=r.generator) for r in reqs])
     out = [0] * len(reqs)
     cut = [i for i in range(len(reqs)) if top_ks[i] > 0 or top_ps[i] < 1.0]
-    full = [i for i in range(len(reqs)) if i not in set(cut)]
+    full = [i for i in range(len(reqs)) if not (top_ks[i] > 0 or top_ps[i] < 1.0)]
     if full:  # the whole distribution: its CDF over the vocabulary in id order
         ids = _inverse_cdf(probs[full], uniform[full])
         for j, i in enumerate(full):
