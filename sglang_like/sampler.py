@@ -143,8 +143,9 @@ def _sample(probs: torch.Tensor, reqs: list[Req]) -> list[int]:
         probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
     uniform = torch.cat([torch.rand(1, generator=r.generator) for r in reqs])
     out = [0] * len(reqs)
-    cut = [i for i in range(len(reqs)) if top_ks[i] > 0 or top_ps[i] < 1.0]
-    full = [i for i in range(len(reqs)) if not (top_ks[i] > 0 or top_ps[i] < 1.0)]
+    is_cut = [k > 0 or p < 1.0 for k, p in zip(top_ks, top_ps, strict=True)]
+    cut = [i for i, c in enumerate(is_cut) if c]
+    full = [i for i, c in enumerate(is_cut) if not c]
     if full:  # the whole distribution: its CDF over the vocabulary in id order
         ids = _inverse_cdf(probs[full], uniform[full])
         for j, i in enumerate(full):
