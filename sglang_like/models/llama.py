@@ -11,8 +11,8 @@ import kernels.cpu
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
-from sglang_like.models.native_decode import MAX_BATCH as NATIVE_MAX_BATCH
-from sglang_like.models.native_decode import NativeDecodePlan
+from sglang_like.models import native_decode as native
+from sglang_like.models.native_decode import AttnRows, NativeDecodePlan
 from sglang_like.models.rotary import RotaryEmbedding, RotaryTables
 from sglang_like.quant import QuantConfig, QuantLinear, WeightSource
 from sglang_like.tp.parallel import TPShard
@@ -233,11 +233,9 @@ class LlamaForCausalLM(nn.Module):
         here)."""
         embed = self.model.embed_tokens
         x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
-        if (self.native_decode and fb.is_decode and fb.custom_masks is None
-                and fb.tree_mask is None and x.device.type == "cpu"
-                and fb.batch_size <= NATIVE_MAX_BATCH
-                and pool.k_buffers[0].dtype in (torch.float32, torch.bfloat16)):
-            return self._decode_layers_native(x, fb, pool, aux_layers)
+        attn = self._native_rows(fb, pool)
+        if attn is not None:
+            return self._decode_layers_native(x, fb, pool, attn, aux_layers)
         rope = self.rope.tables(fb.positions)  # gathered once, used by every layer
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
@@ -249,15 +247,31 @@ class LlamaForCausalLM(nn.Module):
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return x, features
 
+    def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
+        """The key rows of a batch the native path runs (a decode batch of up to MAX_BATCH
+        requests, or a masked one such as a verify of as many requests and up to
+        MAX_MASKED_ROWS rows); None: the torch path."""
+        if (not self.native_decode or fb.tree_mask is not None
+                or fb.input_ids.device.type != "cpu"
+                or pool.k_buffers[0].dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        if fb.batch_size > native.MAX_BATCH:
+            return None
+        if fb.custom_masks is not None:
+            # a verify takes the path its batch's plain decode takes (same requests: same
+            # float sums for the rows they share), up to a size where GEMMs win
+            return native.masked_rows(fb) if fb.num_tokens <= native.MAX_MASKED_ROWS else None
+        return native.decode_rows(fb) if fb.is_decode else None
+
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
-                              aux_layers: tuple[int, ...]
+                              attn: AttnRows, aux_layers: tuple[int, ...]
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward_layers` of a decode batch through kernels.cpu (see native_decode): the
-        same math as the layer modules, summed in another order."""
+        """`forward_layers` of a decode or verify batch through kernels.cpu (see
+        native_decode): the same math as the layer modules, summed in another order."""
         if self._native_plan is None:
             self._native_plan = NativeDecodePlan(list(self.model.layers), self.rope.cos_table,
                                                  self.rope.sin_table)
-        return self._native_plan.run(x, fb, pool, aux_layers)
+        return self._native_plan.run(x, fb, pool, attn, aux_layers)
 
     def default_aux_layers(self) -> tuple[int, ...]:
         """SGLang's default EAGLE-3 capture: low, middle and high layers."""

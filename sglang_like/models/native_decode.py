@@ -5,6 +5,12 @@ RMSNorm fused with the residual add before it, the qkv matmul, RoPE + KV store +
 one call, o_proj, RMSNorm, gate_up, silu*mul, down. The per-layer arguments are gathered once
 into plain tuples (`NativeDecodePlan`), so a step pays no nn.Module attribute lookups or
 module calls: at batch 1 those were about a millisecond of a 7-10 ms step.
+
+A batch under per-request masks (a speculative verify: trees, beside plain decode rows) of up
+to `MAX_MASKED_ROWS` token rows runs the same calls: the attention kernel reads, for each
+query row, one row of a key table, so `masked_rows` builds a table with one row per query
+(the request's prefix slots, then the slots of the tree nodes its mask lets it see) once per
+forward, and every layer reads it.
 """
 
 from __future__ import annotations
@@ -24,8 +30,72 @@ if TYPE_CHECKING:
 # larger decode batches keep the torch path, whose decode attention shares a radix-shared
 # prefix's keys across requests
 MAX_BATCH = 8
+# masked batches (verify passes) up to this many token rows; larger ones (a prefill chunk in
+# the batch) keep the torch path, whose GEMMs win at that size
+MAX_MASKED_ROWS = 64
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+class AttnRows(NamedTuple):
+    """Which keys each query row attends to: the first seq_lens[t] slots of table[rows[t]]."""
+
+    table: torch.Tensor  # int32 [*, width], contiguous
+    rows: torch.Tensor  # int64 [T]
+    seq_lens: torch.Tensor  # int64 [T]
+
+
+def decode_rows(fb: ForwardBatch) -> AttnRows:
+    """A decode batch reads its requests' own rows of the slot table."""
+    return AttnRows(fb.req_to_token, fb.req_pool_indices, fb.seq_lens)
+
+
+def extend_rows(fb: ForwardBatch) -> AttnRows:
+    """A causal extend whose new tokens' slots are already in the table (a decode is an
+    extend of one): new token i of request b reads the first prefix_len + i + 1 slots of its
+    request's row."""
+    lens = fb.extend_lens
+    rows = fb.req_pool_indices.repeat_interleave(lens)
+    starts = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
+    within = torch.arange(fb.num_tokens) - starts
+    return AttnRows(fb.req_to_token, rows, fb.prefix_lens.repeat_interleave(lens) + within + 1)
+
+
+def masked_rows(fb: ForwardBatch) -> AttnRows:
+    """A batch under `fb.custom_masks` as one key row per query.
+
+    Request b's query i sees its prefix_len cached keys and the new key j iff mask[i, j]:
+
+        table row of query i:  | req_to_token[r, :prefix_len] | slots of its visible new keys |
+                               |<-------- prefix_len -------->|<----- mask[i].sum() ------->|
+
+    The new keys are taken in order (j ascending), so a chain's rows read exactly what a
+    plain decode at that position reads, in the same order."""
+    r2t, masks = fb.req_to_token, fb.custom_masks
+    assert masks is not None
+    prefixes = fb.prefix_lens.tolist()
+    width = max(p + m.shape[1] for p, m in zip(prefixes, masks, strict=True))
+    table = torch.empty(fb.num_tokens, max(width, 1), dtype=torch.int32)
+    seq_lens = torch.empty(fb.num_tokens, dtype=torch.long)
+    start = 0
+    for r, p, mask in zip(fb.req_pool_indices.tolist(), prefixes, masks, strict=True):
+        n, m = mask.shape
+        if n == 0:
+            continue
+        keys = r2t[r, : p + m]
+        seg = table[start : start + n]
+        seg[:, :p] = keys[:p]
+        if n == 1 and bool(mask.all()):
+            seg[:, p : p + m] = keys[p:]  # a decode row (or one-row extend) beside the trees
+            seq_lens[start] = p + m
+        else:
+            mask = mask.to(torch.bool)
+            # each row's visible columns first, ascending; the rest (sentinel m) after them
+            cols = torch.where(mask, torch.arange(m), m).sort(dim=1).values.clamp_(max=m - 1)
+            seg[:, p : p + m] = keys[p:][cols]
+            seq_lens[start : start + n] = mask.sum(dim=1) + p
+        start += n
+    return AttnRows(table, torch.arange(fb.num_tokens), seq_lens)
 
 
 class _Norm(NamedTuple):
@@ -73,14 +143,15 @@ class NativeDecodePlan:
             for layer in layers for a in (layer.self_attn,)
         ]
 
-    def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
+    def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
             aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(residual stream after the last layer, EAGLE-3 features or None), as
-        `LlamaForCausalLM.forward_layers`; x is the embedded batch, float32 [B, hidden]."""
+        `LlamaForCausalLM.forward_layers`; x is the embedded batch, float32 [T, hidden], one
+        row per query of `attn`."""
         attend, add_rmsnorm, silu_mul = ops.decode_attention_rope, ops.add_rmsnorm, ops.silu_mul
         cos, sin = self.cos, self.sin
-        positions, out_slots, table = fb.positions, fb.out_slots, fb.req_to_token
-        rows, seq_lens, on_layer = fb.req_pool_indices, fb.seq_lens, fb.on_layer
+        positions, out_slots, on_layer = fb.positions, fb.out_slots, fb.on_layer
+        table, rows, seq_lens = attn
         k_buffers, v_buffers = pool.k_buffers, pool.v_buffers
         layers = self.layers
         last = len(layers) - 1

@@ -20,11 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import kernels
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
+from sglang_like.models import native_decode as native
 from sglang_like.models.llama import attend
 from sglang_like.models.rotary import RotaryEmbedding
 from sglang_like.speculative.eagle_head import Eagle3Head, load_eagle3_head
+from sglang_like.speculative.eagle_native import NativeEagleHead
 from sglang_like.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -80,6 +83,10 @@ class EagleDrafter:
                                     runner.device)
         self.sm_scale = hc.head_dim ** -0.5
         self.num_forwards = 0
+        # where the target runs natively (quantized, CPU kernels built), the head does too
+        self.native = (NativeEagleHead(self.head, runner.quant, self.rope.cos_table,
+                                       self.rope.sin_table, runner.device)
+                       if runner.model.native_decode and runner.device.type == "cpu" else None)
 
     # ---- the head over the pool ----------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -89,22 +96,28 @@ class EagleDrafter:
     @torch.inference_mode()
     def _forward(self, fb: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
         """Head outputs [T, H] of fb's rows, their K/V written to the draft pool."""
+        k_pool, v_pool = self.pool.k_buffers[0], self.pool.v_buffers[0]
+        self.num_forwards += 1
+        if self.native is not None:
+            attn = native.masked_rows(fb) if fb.custom_masks is not None else (
+                native.extend_rows(fb))
+            return self.native.forward(self._embed(fb.input_ids),
+                                       self.native.project(features), fb.positions,
+                                       fb.out_slots, attn, k_pool, v_pool)
         head = self.head
         hidden = head.project(features)
         q, k, v = head.qkv(self._embed(fb.input_ids), hidden)
         tables = self.rope.tables(fb.positions)
         q, k = tables.rotate(q), tables.rotate(k)
-        k_pool, v_pool = self.pool.k_buffers[0], self.pool.v_buffers[0]
-        import kernels
-
         kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
         out = attend(q, k_pool, v_pool, fb, self.sm_scale)
-        self.num_forwards += 1
         return head.finish(out.reshape(out.shape[0], -1), hidden)
 
+    @torch.inference_mode()
     def _candidates(self, outs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the head's distribution: (target ids [R, k], log-probs [R, k])."""
-        lp = torch.log_softmax(self.head.logits(outs), dim=-1)
+        logits = self.native.logits(outs) if self.native is not None else self.head.logits(outs)
+        lp = torch.log_softmax(logits, dim=-1)
         values, ids = torch.topk(lp, k, dim=-1)
         return self.head.to_target_ids(ids), values
 

@@ -120,3 +120,59 @@ def test_native_q4_kernel_end_to_end(make_engine, monkeypatch):
     # and it decodes: greedy text through the kernel's one-row path starts as fp32's does
     out = native.generate(PROMPTS[0], GREEDY)["output_ids"]
     assert out[:4] == ref.generate(PROMPTS[0], GREEDY)["output_ids"][:4]
+
+
+def test_masked_rows_lay_out_each_querys_keys() -> None:
+    """Per query row: the request's prefix slots, then the new keys its mask shows, in order."""
+    import torch
+
+    from sglang_like.forward_batch import ForwardBatch
+    from sglang_like.models.native_decode import masked_rows
+
+    r2t = torch.zeros(3, 16, dtype=torch.int32)
+    r2t[1, :7] = torch.tensor([10, 11, 12, 20, 21, 22, 23])  # prefix 3, tree of 4 after it
+    r2t[2, :3] = torch.tensor([30, 31, 32])  # prefix 2, one decode row
+    # tree: 0 -> 1, 0 -> 2, 1 -> 3
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    fb = ForwardBatch(
+        input_ids=torch.zeros(5, dtype=torch.long), positions=torch.zeros(5, dtype=torch.long),
+        out_slots=torch.tensor([20, 21, 22, 23, 32]), req_pool_indices=torch.tensor([1, 2]),
+        prefix_lens=torch.tensor([3, 2]), extend_lens=torch.tensor([4, 1]),
+        logits_indices=torch.arange(5), req_to_token=r2t,
+        custom_masks=[tree, torch.ones(1, 1, dtype=torch.bool)])
+    attn = masked_rows(fb)
+    assert attn.seq_lens.tolist() == [4, 5, 5, 6, 3]
+    got = [attn.table[attn.rows[t], : attn.seq_lens[t]].tolist() for t in range(5)]
+    assert got == [[10, 11, 12, 20], [10, 11, 12, 20, 21], [10, 11, 12, 20, 22],
+                   [10, 11, 12, 20, 21, 23], [30, 31, 32]]
+
+
+def test_native_verify_matches_the_torch_path(make_engine):
+    """A speculative verify (branching EAGLE-3 trees, several requests in a batch) runs the
+    native layer path under its tree masks, with the torch path's tokens."""
+    engine = make_engine(quantization="int4", speculative_algorithm="EAGLE3",
+                         speculative_num_steps=3, speculative_eagle_topk=2,
+                         speculative_num_draft_tokens=6, speculative_auto_disable=False)
+    model = engine.runner.model
+    verify_rows = []
+    native = model._decode_layers_native
+
+    def counted(x, fb, *args, **kwargs):
+        if fb.custom_masks is not None:
+            verify_rows.append(fb.num_tokens)
+        return native(x, fb, *args, **kwargs)
+
+    model._decode_layers_native = counted
+    try:
+        got = _runs(engine, PROMPTS[:4])
+        n_native = len(verify_rows)
+        model.native_decode = False
+        want = _runs(engine, PROMPTS[:4])
+    finally:
+        model.native_decode = True
+        del model._decode_layers_native
+    # verifies of several 6-node trees ran natively, then none did
+    assert verify_rows and max(verify_rows) >= 12 and len(verify_rows) == n_native, verify_rows
+    _assert_same(got, want)
+    hist = engine.get_server_info()["spec_accept_lengths"]
+    assert sum(v for k, v in hist.items() if k > 1) > 0, hist

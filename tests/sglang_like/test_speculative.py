@@ -234,14 +234,24 @@ def off_engine(make_engine):
     return make_engine(quantization=SPEC_QUANT)
 
 
+def _ids_and_gaps(runs: list[dict]) -> tuple[list[list[int]], list[list[float]]]:
+    """Output ids and the top-2 logprob gap at each step."""
+    gaps = [[t[0][0] - t[1][0] for t in r["meta_info"]["output_top_logprobs"]] for r in runs]
+    return [r["output_ids"] for r in runs], gaps
+
+
 @pytest.fixture(scope="module")
 def baseline(off_engine, chat_prompts):
-    """Spec off, all prompts in one batch (batch invariance without speculation is
-    test_invariance's): (prompts, output ids, top-2 logprob gap at each step)."""
+    """Spec off: (prompts, (ids, gaps) of all prompts in one batch, (ids, gaps) of every 3rd
+    prompt alone). Speculation is compared with the same batch shape without it: a batch of
+    20 decodes on the torch path and a lone request on the native kernels, whose float sums
+    differ by up to 0.1 nats over a long output (test_native_decode), which is batch
+    invariance without speculation (test_invariance's), not speculation's."""
     prompts = PROMPTS + chat_prompts
-    runs = off_engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
-    gaps = [[t[0][0] - t[1][0] for t in r["meta_info"]["output_top_logprobs"]] for r in runs]
-    return prompts, [r["output_ids"] for r in runs], gaps
+    together = off_engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+    alone = [off_engine.generate(p, GREEDY, return_logprob=True, top_logprobs_num=2)
+             for p in prompts[::3]]
+    return prompts, _ids_and_gaps(together), _ids_and_gaps(alone)
 
 
 def _assert_same(outputs, ids, gaps) -> None:
@@ -255,7 +265,7 @@ def _assert_same(outputs, ids, gaps) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["NGRAM", "EAGLE3"])
 def test_greedy_equals_spec_off(make_engine, baseline, name, tmp_path_factory) -> None:
-    prompts, ids, gaps = baseline
+    prompts, (ids, gaps), (alone_ids, alone_gaps) = baseline
     kw = _spec_kwargs(name, tmp_path_factory)
     # alone (radix cold: every prompt is new to this engine; every 3rd prompt, to bound the
     # time), then all 20 in one batch (radix warm), then in a chunked-prefill engine without
@@ -263,7 +273,7 @@ def test_greedy_equals_spec_off(make_engine, baseline, name, tmp_path_factory) -
     engine = make_engine(quantization=SPEC_QUANT, **kw)
     assert engine.server_args.quantization == SPEC_QUANT
     alone = [engine.generate(p, GREEDY)["output_ids"] for p in prompts[::3]]
-    _assert_same(alone, ids[::3], gaps[::3])
+    _assert_same(alone, alone_ids, alone_gaps)
     batched = engine.generate(prompts, GREEDY)
     _assert_same([o["output_ids"] for o in batched], ids, gaps)
     assert sum(o["meta_info"]["cached_tokens"] for o in batched) > 0

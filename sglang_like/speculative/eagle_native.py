@@ -1,0 +1,100 @@
+"""The EAGLE-3 head's inference forward on the CPU fast path: quantized linears, native ops.
+
+The head is one decoder layer plus fc and a draft-vocabulary LM head: about 10M weights,
+40 MB in float32, which a batch-1 draft step streamed three times per verify cycle (1.8 ms
+a forward on a 2-core machine, more than a quarter of the target's whole decode step). Here
+its linears take the target's own linear methods (int4 / int8 codes, a sixth to a quarter of
+the bytes), fused as the target's are (q/k/v, gate/up), and its norms, RoPE + KV store +
+attention and silu*mul run through kernels.cpu like the target's native decode path, so a
+head forward costs a few hundred microseconds.
+
+The drafted tokens only choose what the target verifies (acceptance is decided by the
+target's own logits), so the head's rounding changes how often drafts are accepted, never
+an output: bench_speculative measures the acceptance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernels.cpu import ops
+from sglang_like.models.native_decode import AttnRows
+from sglang_like.quant import QuantConfig, QuantLinear
+from sglang_like.speculative.eagle_head import Eagle3Head
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+class NativeEagleHead:
+    """`Eagle3Head`'s math over the draft KV pool with `quant`'s linear methods."""
+
+    def __init__(self, head: Eagle3Head, quant: QuantConfig, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor, device: torch.device) -> None:
+        c = head.config
+        layer, attn = head.midlayer, head.midlayer.self_attn
+        self.hidden_size = c.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = (c.num_attention_heads,
+                                                            c.num_key_value_heads, c.head_dim)
+        self.sm_scale = c.head_dim ** -0.5
+        self.eps = c.rms_norm_eps
+        self.cos, self.sin = cos_table, sin_table
+        self._modules: list[QuantLinear] = []  # they own the packed buffers the closures use
+        self.fc, self.fc_in = self._linear(quant, {"fc": head.fc.weight})
+        self.qkv, self.qkv_in = self._linear(quant, {"q_proj": attn.q_proj.weight,
+                                                     "k_proj": attn.k_proj.weight,
+                                                     "v_proj": attn.v_proj.weight})
+        self.o_proj, self.o_in = self._linear(quant, {"o_proj": attn.o_proj.weight})
+        self.gate_up, self.gate_up_in = self._linear(quant, {"gate_proj": layer.mlp.gate_proj.weight,
+                                                             "up_proj": layer.mlp.up_proj.weight})
+        self.down, self.down_in = self._linear(quant, {"down_proj": layer.mlp.down_proj.weight})
+        self.lm_head, self.lm_in = self._linear(quant, {"lm_head": head.lm_head.weight})
+        self.w_input = layer.input_layernorm.weight.detach().float().contiguous()
+        self.w_hidden = layer.hidden_norm.weight.detach().float().contiguous()
+        self.w_post = layer.post_attention_layernorm.weight.detach().float().contiguous()
+        self.w_norm = head.norm.weight.detach().float().contiguous()
+        del device  # the methods keep CPU buffers: this path runs on CPU only
+
+    def _linear(self, quant: QuantConfig, parts: dict[str, torch.Tensor]
+                ) -> tuple[Linear, torch.dtype]:
+        weights = {f"{name}.weight": w.detach().float() for name, w in parts.items()}
+        rows = [w.shape[0] for w in weights.values()]
+        in_features = next(iter(weights.values())).shape[1]
+        lin = QuantLinear(quant.linear_method(in_features, sum(rows)), in_features, rows,
+                          list(parts))
+        lin.load_weights(weights, "", torch.device("cpu"))
+        self._modules.append(lin)
+        return lin.method.decode_fn(lin), lin.method.input_dtype
+
+    def weight_bytes(self) -> int:
+        return sum(m.method.weight_bytes(m) for m in self._modules)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [T, 3H] -> [T, H] float32; the head's own outputs pass through."""
+        if features.shape[-1] == self.hidden_size:
+            return features.float().contiguous()
+        return self.fc(features.to(self.fc_in).contiguous()).float()
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                out_slots: torch.Tensor, attn: AttnRows, k_pool: torch.Tensor,
+                v_pool: torch.Tensor) -> torch.Tensor:
+        """The layer's output [T, H] float32 (pre-norm: the next step's feature) for inputs
+        `embeds` float32 [T, H] and `hidden` = `project(features)`; each row's K/V stored
+        at its out slot before any row attends."""
+        x = torch.cat([ops.rmsnorm(embeds.float().contiguous(), self.w_input, self.eps,
+                                   self.qkv_in),
+                       ops.rmsnorm(hidden, self.w_hidden, self.eps, self.qkv_in)], dim=-1)
+        table, rows, seq_lens = attn
+        a = ops.decode_attention_rope(self.qkv(x), self.num_heads, self.num_kv_heads,
+                                      self.head_dim, self.cos, self.sin, positions, k_pool,
+                                      v_pool, out_slots, table, rows, seq_lens, self.sm_scale,
+                                      self.o_in)
+        r, h = ops.add_rmsnorm(hidden, self.o_proj(a), self.w_post, self.eps, self.gate_up_in)
+        down = self.down(ops.silu_mul(self.gate_up(h), self.down_in))
+        return r + down.float()
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> draft-vocabulary logits [T, draft_vocab] float32."""
+        return self.lm_head(ops.rmsnorm(out.contiguous(), self.w_norm, self.eps,
+                                        self.lm_in)).float()
