@@ -46,9 +46,10 @@ class NativeEagleHead:
                                                      "k_proj": attn.k_proj.weight,
                                                      "v_proj": attn.v_proj.weight})
         self.o_proj, self.o_in = self._linear(quant, {"o_proj": attn.o_proj.weight})
-        self.gate_up, self.gate_up_in = self._linear(quant, {"gate_proj": layer.mlp.gate_proj.weight,
-                                                             "up_proj": layer.mlp.up_proj.weight})
-        self.down, self.down_in = self._linear(quant, {"down_proj": layer.mlp.down_proj.weight})
+        mlp = layer.mlp
+        self.gate_up, self.gate_up_in = self._linear(quant, {"gate_proj": mlp.gate_proj.weight,
+                                                             "up_proj": mlp.up_proj.weight})
+        self.down, self.down_in = self._linear(quant, {"down_proj": mlp.down_proj.weight})
         self.lm_head, self.lm_in = self._linear(quant, {"lm_head": head.lm_head.weight})
         self.w_input = layer.input_layernorm.weight.detach().float().contiguous()
         self.w_hidden = layer.hidden_norm.weight.detach().float().contiguous()
