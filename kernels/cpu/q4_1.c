@@ -218,9 +218,65 @@ const char *q4_1_isa(void) {
 #endif
 }
 
+// One weight row (nb blocks of 32 int8 codes, a float scale each) against R activation rows:
+// each block is widened to float once for all R rows. Every row's sums run in the same
+// order whatever R is, so a row's result does not depend on the rows beside it.
+#ifdef Q4_VNNI
+#define Q8_DOT_ROWS(R)                                                                         \
+    static inline void q8_dot_##R(const int8_t *wr, const float *sr, int nb, const float *x,   \
+                                  int64_t ldx, float *y, int64_t ldy) {                       \
+        __m512 acc[R];                                                                         \
+        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                              \
+        for (int b = 0; b < nb; b++) {                                                         \
+            const int8_t *wb = wr + b * QK;                                                    \
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wb)));        \
+            const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + 16)))); \
+            const __m512 s = _mm512_set1_ps(sr[b]);                                            \
+            for (int i = 0; i < R; i++) {                                                      \
+                const float *xb = x + i * ldx + b * QK;                                        \
+                const __m512 blk = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16),               \
+                                                   _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));    \
+                acc[i] = _mm512_fmadd_ps(blk, s, acc[i]);                                      \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < R; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);                 \
+    }
+#else
+#define Q8_DOT_ROWS(R)                                                                         \
+    static inline void q8_dot_##R(const int8_t *wr, const float *sr, int nb, const float *x,   \
+                                  int64_t ldx, float *y, int64_t ldy) {                       \
+        __m256 acc0[R], acc1[R];                                                               \
+        for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();                   \
+        for (int b = 0; b < nb; b++) {                                                         \
+            const int8_t *wb = wr + b * QK;                                                    \
+            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wb)));        \
+            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8))));  \
+            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 16)))); \
+            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 24)))); \
+            const __m256 s = _mm256_set1_ps(sr[b]);                                            \
+            for (int i = 0; i < R; i++) {                                                      \
+                const float *xb = x + i * ldx + b * QK;                                        \
+                const __m256 blk = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8),                \
+                                                   _mm256_mul_ps(w0, _mm256_loadu_ps(xb)));    \
+                const __m256 blk2 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24),              \
+                                                    _mm256_mul_ps(w2, _mm256_loadu_ps(xb + 16))); \
+                acc0[i] = _mm256_fmadd_ps(blk, s, acc0[i]);                                    \
+                acc1[i] = _mm256_fmadd_ps(blk2, s, acc1[i]);                                   \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < R; i++) y[i * ldy] = hsum256(_mm256_add_ps(acc0[i], acc1[i]));     \
+    }
+#endif
+Q8_DOT_ROWS(1)
+Q8_DOT_ROWS(2)
+Q8_DOT_ROWS(3)
+Q8_DOT_ROWS(4)
+
 // y [M, N] = x [M, K] float32 @ W.T, W [N, K] as int8 codes with one float scale per 32
 // columns (GGUF Q8_0's values, exactly): the LM head of a quantized model, whose logits stay
-// float32 from float32 activations (no activation quantization here).
+// float32 from float32 activations (no activation quantization here). Rows go four at a
+// time through each weight row while it is in cache, so a verify pass's few rows read the
+// matrix once.
 int q8_0_matmul_f32(const int8_t *codes, const float *scales, int64_t N, int64_t K,
                     const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy) {
     if (K % QK != 0 || M <= 0 || N <= 0) return -1;
@@ -229,29 +285,15 @@ int q8_0_matmul_f32(const int8_t *codes, const float *scales, int64_t N, int64_t
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = codes + n * K;
         const float *sr = scales + n * nb;
-        for (int64_t r = 0; r < M; r++) {
+        for (int64_t r = 0; r < M; r += 4) {
             const float *xr = x + r * ldx;
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                const int8_t *wb = wr + b * QK;
-                const float *xb = xr + b * QK;
-                __m256 blk = _mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wb))),
-                    _mm256_loadu_ps(xb));
-                blk = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8)))),
-                    _mm256_loadu_ps(xb + 8), blk);
-                __m256 blk2 = _mm256_mul_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 16)))),
-                    _mm256_loadu_ps(xb + 16));
-                blk2 = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 24)))),
-                    _mm256_loadu_ps(xb + 24), blk2);
-                const __m256 s = _mm256_set1_ps(sr[b]);
-                acc0 = _mm256_fmadd_ps(blk, s, acc0);
-                acc1 = _mm256_fmadd_ps(blk2, s, acc1);
+            float *yr = y + r * ldy + n;
+            switch (M - r < 4 ? M - r : 4) {
+                case 1: q8_dot_1(wr, sr, nb, xr, ldx, yr, ldy); break;
+                case 2: q8_dot_2(wr, sr, nb, xr, ldx, yr, ldy); break;
+                case 3: q8_dot_3(wr, sr, nb, xr, ldx, yr, ldy); break;
+                default: q8_dot_4(wr, sr, nb, xr, ldx, yr, ldy); break;
             }
-            y[r * ldy + n] = hsum256(_mm256_add_ps(acc0, acc1));
         }
     }
     return 0;
