@@ -54,6 +54,16 @@ class EagleState:
 
 
 @dataclass
+class _Pending:
+    """Target features of a request's committed positions [first, first + num_rows) that the
+    head has not run over yet (its drafting is paused), one chunk per forward."""
+
+    first: int
+    chunks: list[torch.Tensor]
+    num_rows: int
+
+
+@dataclass
 class _Node:
     token: int
     parent: int  # index into the request's node list; -1: the root
@@ -150,17 +160,19 @@ class EagleDrafter:
                 state.eagle = None
                 continue
             cur = features[torch.tensor(feat_rows[:count], device=features.device)]
-            if pending is not None and pending[0] + pending[1].shape[0] == first:
-                first, cur = pending[0], torch.cat([pending[1], cur])  # catch up
-                count = cur.shape[0]
-            if not sched.spec_controller.may_draft(state, ahead=1):
+            chunks = [cur]
+            if pending is not None and pending.first + pending.num_rows == first:
+                chunks = [*pending.chunks, cur]  # catch up
+                first, count = pending.first, pending.num_rows + count
+            if not sched.spec_controller.may_try(state, len(batch.reqs), ahead=1):
                 # not drafting next step (the controller backed off): keep the features and
                 # run the head over all of them at once when drafting resumes, so its K/V
-                # have no holes and idle steps cost nothing
+                # have no holes and idle steps cost nothing (the chunks are joined then, once)
                 if count <= _MAX_PENDING:
-                    state.eagle_pending = (first, cur)
+                    state.eagle_pending = _Pending(first, chunks, count)
                 state.eagle = None
                 continue
+            cur = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             ids += req.fill_slice(first + 1, first + count + 1)
             pos += range(first, first + count)
             slots += table[req.req_pool_idx, first : first + count].tolist()

@@ -98,12 +98,38 @@ def test_controller_compares_measured_rates_and_backs_off() -> None:
     assert ctl.worth_it(1, 1, 4, 2.5)  # 83 vs 50 tokens/s
     assert not ctl.worth_it(1, 1, 4, 1.2)  # 40 vs 50
     state = SpecState()
-    for _ in range(5):
-        ctl.record_verify(state, 1)
+    ctl.record_verify(state, 1)
     assert not ctl.may_draft(state)  # nothing accepted: drafting pauses
     ctl.step += 100
     assert ctl.may_draft(state)
     assert SpecController(enabled=False).worth_it(1, 1, 64, 0.1)
+
+
+def test_controller_pauses_grow_and_end_together() -> None:
+    """Failures in a row double a request's pause; pauses end on multiples of 32 steps, so
+    requests that failed at different steps retry in the same step; a verify that pays
+    resets the doubling."""
+    ctl = SpecController()
+    a, b = SpecState(), SpecState()
+    ctl.step = 5
+    ctl.record_verify(a, 1)
+    ctl.step = 17
+    ctl.record_verify(b, 1)
+    assert a.backoff_until == b.backoff_until == 64  # 5 + 32 and 17 + 32, rounded up
+    ctl.step = 64
+    assert ctl.may_draft(a) and ctl.may_draft(b)
+    ctl.record_verify(a, 1)  # second failure in a row: 64 steps
+    assert a.backoff_until == 128
+    ctl.step = 128
+    ctl.record_verify(a, 1)  # third: 128
+    assert a.backoff_until == 256
+    ctl.step = 256
+    ctl.record_verify(a, 4)  # pays: the next pause is 32 steps again
+    assert a.num_failed_tries == 0 and ctl.may_draft(a)
+    ctl.back_off([type("R", (), {"spec": a})()])
+    assert a.backoff_until == 288
+    ctl.back_off([type("R", (), {"spec": b})()])  # judged not to pay this step: same rule
+    assert b.backoff_until == 256 + 64
 
 
 # ---- the attention a verify runs ---------------------------------------------------------------
