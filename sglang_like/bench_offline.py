@@ -147,13 +147,17 @@ def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: fl
     print(f"\ndecode and prefill in tokens/s; floor = read bandwidth {gbs:.1f} GB/s / weight "
           f"bytes one decode step reads; threads={torch.get_num_threads()}, ISA {isa}")
     print(head)
-    every = [*rows, *([{"format": "llama.cpp GGUF", **peer}] if peer else [])]
+    peer_name = "llama.cpp GGUF" if not peer or peer.get("repack", True) else "llama.cpp -nr"
+    every = [*rows, *([{"format": peer_name, **peer}] if peer else [])]
     for r in every:
         floor = gbs * 1e3 / r["decode_mb"]
         cells = "".join(f"{r.get(c, float('nan')):>11.1f}" if c != "prefill_tok_s"
                         else f"{r.get(c, float('nan')):>10.1f}" for c in cols)
         print(f"{r['format']:<16}{r['decode_mb']:>13.0f}{r.get('rss_mb', float('nan')):>8.0f}"
               f"{floor:>12.1f}{cells}")
+    if peer and not peer.get("repack", True):
+        print("(llama.cpp with weight repacking off: its default run died in its AMX matmul "
+              "on this CPU)")
     if peer:
         print("\nratio to llama.cpp (ours / theirs):")
         for r in rows:
