@@ -84,7 +84,9 @@ def test_methods_compute_x_times_w_transposed(method, rel_err: float) -> None:
     parts = [torch.randn(n, 128, generator=gen) / 11 for n in (64, 32, 32)]
     bias = [torch.randn(n, generator=gen) for n in (64, 32, 32)]
     lin = _linear(method, parts, bias)
-    x = torch.randn(5, 128, generator=gen)
+    # 16 rows: the fp16 head's fbgemm GEMM (up to 8 rows it reads its block-int8 rows:
+    # test_fp16_head_reads_its_int8_rows_for_a_few_rows)
+    x = torch.randn(16, 128, generator=gen)
     y = lin(x.to(method.input_dtype)).float()
     w_used = lin.method.dequantize(lin)
     exact_with_used = x.to(method.input_dtype).float() @ w_used.T + torch.cat(bias)
@@ -92,6 +94,24 @@ def test_methods_compute_x_times_w_transposed(method, rel_err: float) -> None:
     dense = x @ torch.cat(parts).T + torch.cat(bias)
     assert ((y - dense).norm() / dense.norm()).item() < rel_err
     assert [t.shape[-1] for t in lin.split(y)] == [64, 32, 32]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+def test_fp16_head_reads_its_int8_rows_for_a_few_rows(rows: int) -> None:
+    """A few rows (small decode batches, verify passes) go through the native Q8_0 kernel over
+    the head's block-int8 rows (a GGUF Q8_0 embedding's own values), not fbgemm's fp16."""
+    import kernels.cpu as kc
+
+    if not kc.available():
+        pytest.skip("the native CPU kernels are not built here (no compiler)")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 128, generator=gen) / 11
+    lin = _linear(Fp16FbgemmMethod(embed_rows=True), [w])
+    x = torch.randn(rows, 128, generator=gen)
+    y = lin(x)
+    int8_rows = (lin.weight.float().view(96, 4, 32) * lin.block_scale[..., None]).view(96, 128)
+    torch.testing.assert_close(y, x @ int8_rows.T, rtol=1e-5, atol=1e-5)
+    assert ((y - x @ w.T).norm() / (x @ w.T).norm()).item() < 0.01
 
 
 def test_int_methods_are_row_independent() -> None:
