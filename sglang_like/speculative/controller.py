@@ -50,11 +50,17 @@ def _bucket(num_rows: int) -> int:
     return num_rows if num_rows <= 64 else 1 << math.ceil(math.log2(num_rows))
 
 
+_MAX_EVIDENCE = 8  # match lengths from here on share one expectation
+
+
 @dataclass
 class SpecController:
     enabled: bool = True  # False: always speculate where a draft exists (tests, benchmarks)
     step: int = 0
     cost: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds (EMA)
+    # a cheap drafter's trees by their evidence (NGRAM: matched length) -> tokens committed
+    # per verify (EMA over every request's trees)
+    accept_by_evidence: dict[int, float] = field(default_factory=dict)
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self.step += 1
@@ -62,11 +68,17 @@ class SpecController:
         old = self.cost.get(b)
         self.cost[b] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
 
-    def record_verify(self, state: SpecState, committed: int) -> None:
+    def record_verify(self, state: SpecState, committed: int, evidence: int | None = None,
+                      drafts_cheaply: bool = False) -> None:
         state.accept_ema = committed if state.accept_ema is None else (
             (1 - _EMA) * state.accept_ema + _EMA * committed)
-        if not self.enabled:
-            return
+        if evidence is not None:
+            key = min(evidence, _MAX_EVIDENCE)
+            old = self.accept_by_evidence.get(key)
+            self.accept_by_evidence[key] = committed if old is None else (
+                (1 - _EMA) * old + _EMA * committed)
+        if not self.enabled or drafts_cheaply:
+            return  # a cheap drafter's trees are judged one by one (`choose_trees`)
         if state.accept_ema < _MIN_USEFUL_ACCEPT:
             self._pause(state)
             state.accept_ema = None  # the next try starts afresh
@@ -108,12 +120,54 @@ class SpecController:
         """base: the step without trees (rows run, tokens it commits); tree: with them."""
         if not self.enabled:
             return True
-        c_base, c_tree = self.cost.get(_bucket(base_rows)), self.cost.get(_bucket(tree_rows))
+        c_base, c_tree = self.cost.get(_bucket(base_rows)), self._cost_of(tree_rows)
         if c_tree is None:
-            return True  # not measured yet: try it
+            return True  # nothing above the base measured yet: try it
         if c_base is None:
             return False  # measure the plain step once, to compare
         return tree_tokens / c_tree > base_tokens / c_base
+
+    def _cost_of(self, rows: int) -> float | None:
+        """The measured cost of that many rows, or one read off the nearest measured sizes
+        (linear between the two around it; above the largest, growing with rows from the
+        two largest): every new row count is not worth a try of its own. None when no size
+        from `rows` up has been measured and fewer than two below it have."""
+        b = _bucket(rows)
+        if b in self.cost:
+            return self.cost[b]
+        below = [k for k in self.cost if k < b]
+        above = [k for k in self.cost if k > b]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (b - lo) / (hi - lo)
+        if len(below) >= 2 and not above:
+            lo, hi = sorted(below)[-2:]
+            slope = max(0.0, (self.cost[hi] - self.cost[lo]) / (hi - lo))
+            return self.cost[hi] + slope * (b - hi)
+        return None
+
+    def choose_trees(self, base_rows: int, trees: list[DraftTree]) -> list[bool]:
+        """Which of a cheap drafter's trees to verify in a step of `base_rows` plain rows: by
+        the tokens trees with that evidence committed so far (optimistic when none has been
+        tried), the most promising per extra row first, each kept while the step's expected
+        tokens per second grow."""
+        if not self.enabled:
+            return [True] * len(trees)
+
+        def expect(t: DraftTree) -> float:
+            known = (None if t.evidence is None
+                     else self.accept_by_evidence.get(min(t.evidence, _MAX_EVIDENCE)))
+            return known if known is not None else 1.0 + 0.5 * (t.num_nodes - 1)
+
+        gains = [(expect(t) - 1.0) / (t.num_nodes - 1) for t in trees]
+        keep = [False] * len(trees)
+        rows, tokens = base_rows, float(base_rows)
+        for j in sorted(range(len(trees)), key=lambda j: -gains[j]):
+            extra_rows, extra_tokens = trees[j].num_nodes - 1, expect(trees[j]) - 1.0
+            if self.worth_it(rows, tokens, rows + extra_rows, tokens + extra_tokens):
+                keep[j] = True
+                rows, tokens = rows + extra_rows, tokens + extra_tokens
+        return keep
 
     def expected_tokens(self, state: SpecState, num_nodes: int) -> float:
         """Tokens a verify of this request is expected to commit (optimistic when unknown)."""
@@ -128,15 +182,26 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     if sched.drafter is None or not decoders:
         return {}
     ctl = sched.spec_controller
+    cheap = getattr(sched.drafter, "drafts_cheaply", False)
     eligible, depths = [], []
     for req in decoders:
         depth = min(req.sampling_params.max_new_tokens - len(req.output_ids),
                     sched.config.context_len - req.seq_len) - 1
-        if req.is_decoding and depth >= 1 and ctl.may_try(req.spec, len(decoders)):
+        # a cheap drafter's trees are judged one by one after drafting (`choose_trees`), on
+        # what trees with that evidence committed: no per-request pauses or guesses
+        allowed = ctl.may_draft(req.spec) if cheap else ctl.may_try(req.spec, len(decoders))
+        if req.is_decoding and depth >= 1 and allowed:
             eligible.append(req)
             depths.append(depth)
     if not eligible:
         return {}
+    if cheap:  # draft first, then keep the trees that are expected to pay
+        drafted = sched.drafter.propose(eligible, depths, sched)
+        pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
+        keep = ctl.choose_trees(len(decoders), [t for _, t in pairs])
+        trees = {id(r): t for (r, t), k in zip(pairs, keep, strict=True) if k}
+        extra = sum(t.num_nodes - 1 for t in trees.values())
+        return trees if len(decoders) + extra <= sched.cache.num_available_slots else {}
     # judge with the trees' full size before drafting: an EAGLE draft costs head forwards
     nodes = sched.drafter.num_draft_tokens
     base = len(decoders)

@@ -34,25 +34,31 @@ class NgramIndex:
                     del ends[0]
         self.indexed = max(self.indexed, len(seq) - 1)
 
-    def continuations(self, seq: list[int], length: int, breadth: int) -> list[list[int]]:
-        """Up to `breadth` distinct continuations of `seq`'s suffix, longest match first, the
-        most recent occurrence first among equals; each at most `length` tokens, and at most
-        twice the matched length (a one-token match is weak evidence: a short draft costs a
-        short verify)."""
+    def continuations(self, seq: list[int], length: int, breadth: int
+                      ) -> tuple[list[list[int]], int]:
+        """(up to `breadth` distinct continuations of `seq`'s suffix, the longest matched
+        suffix length): longest match first, the most recent occurrence first among equals;
+        each at most `length` tokens, and at most twice the matched length (a one-token match
+        is weak evidence: a short draft costs a short verify)."""
         self.sync(seq)
         found: list[list[int]] = []
+        longest = 0
         for n in range(min(self.max_window, len(seq) - 1), self.min_window - 1, -1):
             for start in reversed(self.last_end.get(tuple(seq[-n:]), ())):
                 cont = seq[start : start + min(length, 2 * n)]
                 if cont and cont not in found:
+                    longest = max(longest, n)
                     found.append(cont)
                     if len(found) >= breadth:
-                        return found
-        return found
+                        return found, longest
+        return found, longest
 
 
 class NgramDrafter:
     """Proposes a tree of up to `num_draft_tokens` nodes (root included) per request."""
+
+    # drafting is a few dict lookups: the controller judges the drafted trees themselves
+    drafts_cheaply = True
 
     def __init__(self, num_draft_tokens: int, min_window: int, max_window: int,
                  breadth: int) -> None:
@@ -71,7 +77,8 @@ class NgramDrafter:
         if index is None or index.indexed > req.seq_len:  # new, or the tokens were rewritten
             index = req.spec.ngram = NgramIndex(self.min_window, self.max_window)
         seq = req.fill_ids
-        conts = index.continuations(seq, min(max_depth, self.num_draft_tokens - 1), self.breadth)
+        conts, matched = index.continuations(seq, min(max_depth, self.num_draft_tokens - 1),
+                                             self.breadth)
         if not conts:
             return None
         # merge the continuations into a trie of at most num_draft_tokens nodes
@@ -89,4 +96,4 @@ class NgramDrafter:
                     parents.append(node)
                     children[(node, tok)] = nxt
                 node = nxt
-        return DraftTree(tokens, parents) if len(tokens) > 1 else None
+        return DraftTree(tokens, parents, evidence=matched) if len(tokens) > 1 else None

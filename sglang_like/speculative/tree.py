@@ -19,6 +19,9 @@ class DraftTree:
 
     tokens: list[int]
     parents: list[int]  # parents[0] == -1
+    # what the drafter based it on, for the controller's expectation (NGRAM: the matched
+    # suffix length); None: nothing to say
+    evidence: int | None = None
     depth: list[int] = field(init=False)
     _children: list[dict[int, int]] = field(init=False, repr=False)
 

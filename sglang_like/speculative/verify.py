@@ -76,7 +76,9 @@ def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
         state = w.req.spec
         state.verify_ct += 1
         state.accepted_drafts += len(w.committed) - 1
-        sched.spec_controller.record_verify(state, len(w.committed))
+        sched.spec_controller.record_verify(
+            state, len(w.committed), w.tree.evidence,
+            getattr(sched.drafter, "drafts_cheaply", False))
         sched.spec_accept_lengths[len(w.committed)] += 1
         if w.req.is_finished:
             sched._end(w.req, w.req.finished_reason, touched)

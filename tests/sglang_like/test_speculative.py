@@ -50,8 +50,8 @@ def test_ngram_continues_the_longest_most_recent_match() -> None:
     index = NgramIndex(1, 4)
     seq = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
     # "2 3 4" occurred twice before: the latest first (7 8 ...), then the earlier (5 9 ...)
-    assert index.continuations(seq, 3, 2) == [[7, 8, 2], [5, 9, 2]]
-    assert NgramIndex(2, 4).continuations([1, 2, 3, 4], 3, 1) == []  # no earlier bigram
+    assert index.continuations(seq, 3, 2) == ([[7, 8, 2], [5, 9, 2]], 3)
+    assert NgramIndex(2, 4).continuations([1, 2, 3, 4], 3, 1) == ([], 0)  # no earlier bigram
 
 
 def test_ngram_drafter_builds_a_capped_trie() -> None:
@@ -103,6 +103,36 @@ def test_controller_compares_measured_rates_and_backs_off() -> None:
     ctl.step += 100
     assert ctl.may_draft(state)
     assert SpecController(enabled=False).worth_it(1, 1, 64, 0.1)
+
+
+def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
+    """A row count never run is priced from the measured ones around it (linear), or above
+    the largest from the two largest; with nothing to go on it is tried."""
+    ctl = SpecController()
+    ctl.record_forward(8, 0.020)
+    assert ctl.worth_it(8, 8, 12, 8.1)  # only the base measured: try 12 rows
+    ctl.record_forward(16, 0.030)
+    assert ctl._cost_of(12) == pytest.approx(0.025)
+    assert ctl._cost_of(20) == pytest.approx(0.035)
+    assert not ctl.worth_it(8, 8, 12, 10.0)  # 400 tokens/s < 400 at 8 rows: no gain
+    assert ctl.worth_it(8, 8, 12, 10.5)
+
+
+def test_cheap_drafter_trees_are_chosen_by_their_evidence() -> None:
+    """NGRAM's trees are kept by what trees of the same match length committed before, the
+    most promising per extra row first, while the step's tokens per second grow."""
+    ctl = SpecController()
+    ctl.record_forward(2, 0.010)
+    ctl.record_forward(6, 0.014)
+    ctl.record_forward(10, 0.018)
+    state = SpecState()
+    ctl.record_verify(state, 5, evidence=6, drafts_cheaply=True)  # long matches pay
+    ctl.record_verify(state, 1, evidence=1, drafts_cheaply=True)  # one-token matches do not
+    assert ctl.may_draft(state)  # a cheap drafter's request is never paused
+    long_match = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], evidence=6)
+    short_match = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], evidence=1)
+    assert ctl.choose_trees(2, [short_match, long_match]) == [False, True]
+    assert SpecController(enabled=False).choose_trees(2, [short_match]) == [True]
 
 
 def test_controller_pauses_grow_and_end_together() -> None:
