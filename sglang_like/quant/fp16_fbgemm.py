@@ -30,7 +30,7 @@ def fbgemm_fp16_available() -> bool:
 @functools.cache
 def _q8_max_rows() -> int:
     """Rows up to which the native Q8_0 head beats fbgemm's fp16 GEMM (see `apply`)."""
-    return 8 if kernels.cpu.isa() == "avx512_vnni" else 4
+    return 16 if kernels.cpu.isa() == "avx512_vnni" else 4
 
 
 class Fp16FbgemmMethod(LinearMethod):
@@ -67,8 +67,10 @@ class Fp16FbgemmMethod(LinearMethod):
             # the native kernel, which reads half fbgemm's bytes and widens each block once
             # for up to four rows; float32 activations, so logits stay float32. Measured for
             # 49152x576 with the caches cold (as after a step's layers), AVX-512: 1.14 / 1.73
-            # / 2.88 ms at 1 / 4 / 8 rows against fbgemm's 1.88 / 2.78 / 3.62; the AVX2 build
-            # crosses fbgemm at about 5 rows
+            # / 2.91 / 5.09 / 12.2 ms at 1 / 4 / 8 / 16 / 32 rows against fbgemm's 1.88 /
+            # 2.78 / 3.37 / 5.09 / 6.72; the AVX2 build crosses fbgemm at about 5 rows. The
+            # two round differently (int8 rows vs their fp16 copy: logprobs move by ~1e-3),
+            # so the cut is as high as speed allows: batches on either side of it differ
             return kernels.cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
         return torch.ops.quantized.linear_dynamic_fp16(x, layer.packed_fp16)
 

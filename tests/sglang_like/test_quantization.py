@@ -84,9 +84,9 @@ def test_methods_compute_x_times_w_transposed(method, rel_err: float) -> None:
     parts = [torch.randn(n, 128, generator=gen) / 11 for n in (64, 32, 32)]
     bias = [torch.randn(n, generator=gen) for n in (64, 32, 32)]
     lin = _linear(method, parts, bias)
-    # 16 rows: the fp16 head's fbgemm GEMM (up to 8 rows it reads its block-int8 rows:
+    # 24 rows: the fp16 head's fbgemm GEMM (up to 16 rows it reads its block-int8 rows:
     # test_fp16_head_reads_its_int8_rows_for_a_few_rows)
-    x = torch.randn(16, 128, generator=gen)
+    x = torch.randn(24, 128, generator=gen)
     y = lin(x.to(method.input_dtype)).float()
     w_used = lin.method.dequantize(lin)
     exact_with_used = x.to(method.input_dtype).float() @ w_used.T + torch.cat(bias)
