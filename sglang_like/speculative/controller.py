@@ -30,6 +30,12 @@ _MIN_USEFUL_ACCEPT = 1.3
 _BACKOFF_STEPS = 32
 _MAX_BACKOFF_DOUBLINGS = 4
 _EMA = 0.3
+# A request with no acceptance of its own is expected to do what the others did (a slow
+# average over every request's verifies), except on every _EXPLORE_STEPS-th step, where it
+# is expected to do well and tries: the average is refreshed, and a workload that changes
+# (a copy-heavy stretch after open chat) is noticed.
+_POPULATION_EMA = 0.1
+_EXPLORE_STEPS = 256
 
 
 @dataclass
@@ -61,6 +67,8 @@ class SpecController:
     # a cheap drafter's trees by their evidence (NGRAM: matched length) -> tokens committed
     # per verify (EMA over every request's trees)
     accept_by_evidence: dict[int, float] = field(default_factory=dict)
+    # a model drafter's tokens committed per verify over every request (EMA)
+    population_accept: float | None = None
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self.step += 1
@@ -79,6 +87,9 @@ class SpecController:
                 (1 - _EMA) * old + _EMA * committed)
         if not self.enabled or drafts_cheaply:
             return  # a cheap drafter's trees are judged one by one (`choose_trees`)
+        old = self.population_accept
+        self.population_accept = committed if old is None else (
+            (1 - _POPULATION_EMA) * old + _POPULATION_EMA * committed)
         if state.accept_ema < _MIN_USEFUL_ACCEPT:
             self._pause(state)
             state.accept_ema = None  # the next try starts afresh
@@ -108,12 +119,19 @@ class SpecController:
         measured its acceptance any step; one that has not (new, or back from a pause) alone
         in its batch, or in a batch on a multiple of _BACKOFF_STEPS steps, where every such
         request tries together (a tree per step, each from another request, would keep the
-        whole batch on the verify path for the price of guesses). `ahead`: true if it may
-        in any of the next `ahead` + 1 steps."""
+        whole batch on the verify path for the price of guesses); and when every request's
+        trees have not paid, only on an exploring step (so an EAGLE head does not extend
+        over requests it will not draft for). `ahead`: true if it may in any of the next
+        `ahead` + 1 steps."""
         if not self.may_draft(state, ahead):
             return False
-        return (not self.enabled or state.accept_ema is not None or batch_size == 1
-                or any((self.step + a) % _BACKOFF_STEPS == 0 for a in range(ahead + 1)))
+        if not self.enabled or state.accept_ema is not None:
+            return True
+        steps = [self.step + a for a in range(ahead + 1)]
+        if (self.population_accept is not None and self.population_accept < _MIN_USEFUL_ACCEPT
+                and not any(t % _EXPLORE_STEPS == 0 for t in steps)):
+            return False  # the others' trees did not pay: wait for an exploring step
+        return batch_size == 1 or any(t % _BACKOFF_STEPS == 0 for t in steps)
 
     def worth_it(self, base_rows: int, base_tokens: float, tree_rows: int,
                  tree_tokens: float) -> bool:
@@ -170,10 +188,13 @@ class SpecController:
         return keep
 
     def expected_tokens(self, state: SpecState, num_nodes: int) -> float:
-        """Tokens a verify of this request is expected to commit (optimistic when unknown)."""
-        if state.accept_ema is None:
+        """Tokens a verify of this request is expected to commit: its own average; without
+        one, every request's (optimistic when nothing is measured, and on exploring steps)."""
+        if state.accept_ema is not None:
+            return state.accept_ema
+        if self.population_accept is None or self.step % _EXPLORE_STEPS == 0:
             return 1.0 + 0.5 * (num_nodes - 1)
-        return state.accept_ema
+        return self.population_accept
 
 
 def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]:

@@ -135,6 +135,32 @@ def test_cheap_drafter_trees_are_chosen_by_their_evidence() -> None:
     assert SpecController(enabled=False).choose_trees(2, [short_match]) == [True]
 
 
+def test_controller_expects_new_requests_to_do_what_others_did() -> None:
+    """Without an average of its own a request is expected to commit what every request's
+    verifies did, except on every 256th step, where it is expected to do well (explores)."""
+    ctl = SpecController()
+    fresh = SpecState()
+    assert ctl.expected_tokens(fresh, 4) == 2.5  # nothing measured: optimistic
+    for _ in range(20):
+        ctl.record_verify(SpecState(), 1)
+    ctl.step = 255
+    assert ctl.expected_tokens(fresh, 4) == pytest.approx(1.0)
+    ctl.step = 256
+    assert ctl.expected_tokens(fresh, 4) == 2.5
+    own = SpecState()
+    ctl.record_verify(own, 3)
+    assert ctl.expected_tokens(own, 4) == 3  # its own average first
+    ctl.record_verify(SpecState(), 2, evidence=2, drafts_cheaply=True)
+    assert ctl.population_accept < 1.3  # a cheap drafter's trees are not in it
+    # the others' trees did not pay: a new request waits for an exploring step to try
+    ctl.step = 300
+    assert not ctl.may_try(fresh, 1) and not ctl.may_try(fresh, 8)
+    ctl.step = 511
+    assert ctl.may_try(fresh, 1, ahead=1) and not ctl.may_try(fresh, 1)
+    ctl.step = 512
+    assert ctl.may_try(fresh, 8) and ctl.may_try(own, 8)
+
+
 def test_controller_pauses_grow_and_end_together() -> None:
     """Failures in a row double a request's pause; pauses end on multiples of 32 steps, so
     requests that failed at different steps retry in the same step; a verify that pays
