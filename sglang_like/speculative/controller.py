@@ -52,6 +52,15 @@ class SpecState:
     eagle_pending: object | None = None  # (first position, target features) not yet drafted
 
 
+def _ema(old: float | None, value: float, weight: float = _EMA) -> float:
+    return value if old is None else (1 - weight) * old + weight * value
+
+
+def _optimistic(num_nodes: int) -> float:
+    """Tokens a tree of `num_nodes` is expected to commit before anything is measured."""
+    return 1.0 + 0.5 * (num_nodes - 1)
+
+
 def _bucket(num_rows: int) -> int:
     return num_rows if num_rows <= 64 else 1 << math.ceil(math.log2(num_rows))
 
@@ -73,23 +82,17 @@ class SpecController:
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self.step += 1
         b = _bucket(num_rows)
-        old = self.cost.get(b)
-        self.cost[b] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        self.cost[b] = _ema(self.cost.get(b), seconds)
 
     def record_verify(self, state: SpecState, committed: int, evidence: int | None = None,
                       drafts_cheaply: bool = False) -> None:
-        state.accept_ema = committed if state.accept_ema is None else (
-            (1 - _EMA) * state.accept_ema + _EMA * committed)
+        state.accept_ema = _ema(state.accept_ema, committed)
         if evidence is not None:
             key = min(evidence, _MAX_EVIDENCE)
-            old = self.accept_by_evidence.get(key)
-            self.accept_by_evidence[key] = committed if old is None else (
-                (1 - _EMA) * old + _EMA * committed)
+            self.accept_by_evidence[key] = _ema(self.accept_by_evidence.get(key), committed)
         if not self.enabled or drafts_cheaply:
             return  # a cheap drafter's trees are judged one by one (`choose_trees`)
-        old = self.population_accept
-        self.population_accept = committed if old is None else (
-            (1 - _POPULATION_EMA) * old + _POPULATION_EMA * committed)
+        self.population_accept = _ema(self.population_accept, committed, _POPULATION_EMA)
         if state.accept_ema < _MIN_USEFUL_ACCEPT:
             self._pause(state)
             state.accept_ema = None  # the next try starts afresh
@@ -127,11 +130,14 @@ class SpecController:
             return False
         if not self.enabled or state.accept_ema is not None:
             return True
-        steps = [self.step + a for a in range(ahead + 1)]
         if (self.population_accept is not None and self.population_accept < _MIN_USEFUL_ACCEPT
-                and not any(t % _EXPLORE_STEPS == 0 for t in steps)):
+                and not self._on_multiple(_EXPLORE_STEPS, ahead)):
             return False  # the others' trees did not pay: wait for an exploring step
-        return batch_size == 1 or any(t % _BACKOFF_STEPS == 0 for t in steps)
+        return batch_size == 1 or self._on_multiple(_BACKOFF_STEPS, ahead)
+
+    def _on_multiple(self, period: int, ahead: int = 0) -> bool:
+        """Whether one of this step and the `ahead` after it is a multiple of `period`."""
+        return any((self.step + a) % period == 0 for a in range(ahead + 1))
 
     def worth_it(self, base_rows: int, base_tokens: float, tree_rows: int,
                  tree_tokens: float) -> bool:
@@ -175,7 +181,7 @@ class SpecController:
         def expect(t: DraftTree) -> float:
             known = (None if t.evidence is None
                      else self.accept_by_evidence.get(min(t.evidence, _MAX_EVIDENCE)))
-            return known if known is not None else 1.0 + 0.5 * (t.num_nodes - 1)
+            return known if known is not None else _optimistic(t.num_nodes)
 
         gains = [(expect(t) - 1.0) / (t.num_nodes - 1) for t in trees]
         keep = [False] * len(trees)
@@ -192,8 +198,8 @@ class SpecController:
         one, every request's (optimistic when nothing is measured, and on exploring steps)."""
         if state.accept_ema is not None:
             return state.accept_ema
-        if self.population_accept is None or self.step % _EXPLORE_STEPS == 0:
-            return 1.0 + 0.5 * (num_nodes - 1)
+        if self.population_accept is None or self._on_multiple(_EXPLORE_STEPS):
+            return _optimistic(num_nodes)
         return self.population_accept
 
 
@@ -221,23 +227,21 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
         keep = ctl.choose_trees(len(decoders), [t for _, t in pairs])
         trees = {id(r): t for (r, t), k in zip(pairs, keep, strict=True) if k}
-        extra = sum(t.num_nodes - 1 for t in trees.values())
-        return trees if len(decoders) + extra <= sched.cache.num_available_slots else {}
-    # judge with the trees' full size before drafting: an EAGLE draft costs head forwards
-    nodes = sched.drafter.num_draft_tokens
-    base = len(decoders)
-    expected = sum(ctl.expected_tokens(r.spec, nodes) for r in eligible)
-    if not ctl.worth_it(base, base, base + len(eligible) * (nodes - 1),
-                        base - len(eligible) + expected):
-        # not paying at this step's cost: these requests back off as a failed verify would,
-        # so an EAGLE head stops extending over them every step (its features wait, and it
-        # catches up when they may draft again); measured before this, a head that ran each
-        # step with nothing drafted made EAGLE3 0.54-0.59x of speculation off at batch 1
-        ctl.back_off(eligible)
-        return {}
-    proposed = sched.drafter.propose(eligible, depths, sched)
-    trees = {id(r): t for r, t in zip(eligible, proposed, strict=True) if t is not None}
+    else:
+        # judge with the trees' full size before drafting: an EAGLE draft costs head forwards
+        nodes = sched.drafter.num_draft_tokens
+        base = len(decoders)
+        expected = sum(ctl.expected_tokens(r.spec, nodes) for r in eligible)
+        if not ctl.worth_it(base, base, base + len(eligible) * (nodes - 1),
+                            base - len(eligible) + expected):
+            # not paying at this step's cost: these requests back off as a failed verify
+            # would, so an EAGLE head stops extending over them every step (its features
+            # wait, and it catches up when they may draft again); measured before this, a
+            # head that ran each step with nothing drafted made EAGLE3 0.54-0.59x of
+            # speculation off at batch 1
+            ctl.back_off(eligible)
+            return {}
+        proposed = sched.drafter.propose(eligible, depths, sched)
+        trees = {id(r): t for r, t in zip(eligible, proposed, strict=True) if t is not None}
     extra = sum(t.num_nodes - 1 for t in trees.values())
-    if not trees or len(decoders) + extra > sched.cache.num_available_slots:
-        return {}
-    return trees
+    return trees if len(decoders) + extra <= sched.cache.num_available_slots else {}

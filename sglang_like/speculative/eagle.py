@@ -95,7 +95,7 @@ class EagleDrafter:
         self.num_forwards = 0
         # where the target runs natively (quantized, CPU kernels built), the head does too
         self.native = (NativeEagleHead(self.head, runner.quant, self.rope.cos_table,
-                                       self.rope.sin_table, runner.device)
+                                       self.rope.sin_table)
                        if runner.model.native_decode and runner.device.type == "cpu" else None)
 
     # ---- the head over the pool ----------------------------------------------------------

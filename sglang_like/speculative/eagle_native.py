@@ -31,7 +31,8 @@ class NativeEagleHead:
     """`Eagle3Head`'s math over the draft KV pool with `quant`'s linear methods."""
 
     def __init__(self, head: Eagle3Head, quant: QuantConfig, cos_table: torch.Tensor,
-                 sin_table: torch.Tensor, device: torch.device) -> None:
+                 sin_table: torch.Tensor) -> None:
+        """Packs the head's weights for `quant`'s CPU methods (this path runs on CPU only)."""
         c = head.config
         layer, attn = head.midlayer, head.midlayer.self_attn
         self.hidden_size = c.hidden_size
@@ -55,7 +56,6 @@ class NativeEagleHead:
         self.w_hidden = layer.hidden_norm.weight.detach().float().contiguous()
         self.w_post = layer.post_attention_layernorm.weight.detach().float().contiguous()
         self.w_norm = head.norm.weight.detach().float().contiguous()
-        del device  # the methods keep CPU buffers: this path runs on CPU only
 
     def _linear(self, quant: QuantConfig, parts: dict[str, torch.Tensor]
                 ) -> tuple[Linear, torch.dtype]:

@@ -47,7 +47,7 @@ class NgramIndex:
             for start in reversed(self.last_end.get(tuple(seq[-n:]), ())):
                 cont = seq[start : start + min(length, 2 * n)]
                 if cont and cont not in found:
-                    longest = max(longest, n)
+                    longest = longest or n  # n only falls: the first match is the longest
                     found.append(cont)
                     if len(found) >= breadth:
                         return found, longest
