@@ -66,7 +66,9 @@ class ServerArgs:
     # auto -> CPU: int4 for a Q4_0/Q4_1 GGUF, int8 otherwise (none when dtype is given);
     # CUDA: none. fp16: every matrix fp16 in fbgemm (asked for only)
     quantization: str = "auto"  # "auto" | "none" | "int8" | "int4" | "fp16"
-    kv_cache_dtype: str = "auto"  # auto -> the dense dtype (float32 on CPU); or "bfloat16"
+    # auto -> the activations' dtype: bf16 for int8/int4 on CPU, else the dense dtype (fp32
+    # on CPU); or "float32" / "bfloat16" / "float16"
+    kv_cache_dtype: str = "auto"
     context_length: int | None = None  # None -> the model's max_position_embeddings
     # Memory: the KV pool holds max_total_tokens token slots (page size 1).
     max_total_tokens: int | None = None  # None -> from mem_fraction_static

@@ -47,7 +47,11 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         source_has_int4_blocks=all_int4_blocks(loaded.weights),
     )
     quant = QuantConfig(quantization, dtype)
-    kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, device, default=dtype)
+    # `auto` KV: the dtype K and V come out of their projection in. A quantized CPU model's
+    # int kernels return bf16, so V is bf16 already and only K's RoPE rounds again: an fp32
+    # pool would double the KV memory for nothing (llama.cpp keeps f16 KV by default)
+    kv_default = quant.activation_dtype if quant.is_quantized else dtype
+    kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, device, default=kv_default)
     tokenizer = loaded.tokenizer
     if server_args.tokenizer_path is not None:
         from sglang_like.model_loader import load_tokenizer

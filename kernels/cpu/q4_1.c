@@ -219,49 +219,66 @@ const char *q4_1_isa(void) {
 }
 
 // One weight row (nb blocks of 32 int8 codes, a float scale each) against R activation rows:
-// each block is widened to float once for all R rows. Every row's sums run in the same
-// order whatever R is, so a row's result does not depend on the rows beside it.
+// each block is widened to float and scaled once for all R rows, then each row takes two
+// FMAs a 16-lane half (two accumulators a row, summed at the end). Every row's sums run in
+// the same order whatever R is, so a row's result does not depend on the rows beside it.
 #ifdef Q4_VNNI
+#define Q8_MAX_ROWS 8
+#define Q8_WEIGHT_ROWS 2
+// two weight rows at a time (their blocks widened once, each activation load feeding both):
+// 2 * R accumulators, one per (weight row, activation row)
 #define Q8_DOT_ROWS(R)                                                                         \
     static inline void q8_dot_##R(const int8_t *wr, const float *sr, int nb, const float *x,   \
-                                  int64_t ldx, float *y, int64_t ldy) {                       \
-        __m512 acc[R];                                                                         \
-        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                              \
+                                  int64_t ldx, float *y, int64_t ldy, int two) {              \
+        __m512 acc0[R], acc1[R];                                                               \
+        for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();                   \
+        const int8_t *wr1 = wr + (two ? nb * QK : 0);                                          \
+        const float *sr1 = sr + (two ? nb : 0);                                                \
         for (int b = 0; b < nb; b++) {                                                         \
-            const int8_t *wb = wr + b * QK;                                                    \
-            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wb)));        \
-            const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + 16)))); \
-            const __m512 s = _mm512_set1_ps(sr[b]);                                            \
+            const int8_t *wb = wr + b * QK, *wb1 = wr1 + b * QK;                               \
+            const __m512 s = _mm512_set1_ps(sr[b]), s1 = _mm512_set1_ps(sr1[b]);               \
+            const __m512 w0 = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(        \
+                _mm_loadu_si128((const __m128i *)wb))));                                       \
+            const __m512 w1 = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(        \
+                _mm_loadu_si128((const __m128i *)(wb + 16)))));                                \
+            const __m512 v0 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(       \
+                _mm_loadu_si128((const __m128i *)wb1))));                                      \
+            const __m512 v1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(       \
+                _mm_loadu_si128((const __m128i *)(wb1 + 16)))));                               \
             for (int i = 0; i < R; i++) {                                                      \
                 const float *xb = x + i * ldx + b * QK;                                        \
-                const __m512 blk = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16),               \
-                                                   _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));    \
-                acc[i] = _mm512_fmadd_ps(blk, s, acc[i]);                                      \
+                const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);          \
+                acc0[i] = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, acc0[i]));           \
+                acc1[i] = _mm512_fmadd_ps(v1, x1, _mm512_fmadd_ps(v0, x0, acc1[i]));           \
             }                                                                                  \
         }                                                                                      \
-        for (int i = 0; i < R; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);                 \
+        for (int i = 0; i < R; i++) {                                                          \
+            y[i * ldy] = _mm512_reduce_add_ps(acc0[i]);                                        \
+            if (two) y[i * ldy + 1] = _mm512_reduce_add_ps(acc1[i]);                           \
+        }                                                                                      \
     }
 #else
+#define Q8_MAX_ROWS 4
+#define Q8_WEIGHT_ROWS 1
 #define Q8_DOT_ROWS(R)                                                                         \
     static inline void q8_dot_##R(const int8_t *wr, const float *sr, int nb, const float *x,   \
-                                  int64_t ldx, float *y, int64_t ldy) {                       \
+                                  int64_t ldx, float *y, int64_t ldy, int two) {              \
+        (void)two;                                                                             \
         __m256 acc0[R], acc1[R];                                                               \
         for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();                   \
         for (int b = 0; b < nb; b++) {                                                         \
             const int8_t *wb = wr + b * QK;                                                    \
-            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wb)));        \
-            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8))));  \
-            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 16)))); \
-            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 24)))); \
             const __m256 s = _mm256_set1_ps(sr[b]);                                            \
+            __m256 w[4];                                                                       \
+            for (int j = 0; j < 4; j++)                                                        \
+                w[j] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(               \
+                    _mm_loadl_epi64((const __m128i *)(wb + 8 * j)))));                         \
             for (int i = 0; i < R; i++) {                                                      \
                 const float *xb = x + i * ldx + b * QK;                                        \
-                const __m256 blk = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8),                \
-                                                   _mm256_mul_ps(w0, _mm256_loadu_ps(xb)));    \
-                const __m256 blk2 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24),              \
-                                                    _mm256_mul_ps(w2, _mm256_loadu_ps(xb + 16))); \
-                acc0[i] = _mm256_fmadd_ps(blk, s, acc0[i]);                                    \
-                acc1[i] = _mm256_fmadd_ps(blk2, s, acc1[i]);                                   \
+                acc0[i] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc0[i]);                 \
+                acc1[i] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc1[i]);             \
+                acc0[i] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc0[i]);            \
+                acc1[i] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc1[i]);            \
             }                                                                                  \
         }                                                                                      \
         for (int i = 0; i < R; i++) y[i * ldy] = hsum256(_mm256_add_ps(acc0[i], acc1[i]));     \
@@ -271,29 +288,51 @@ Q8_DOT_ROWS(1)
 Q8_DOT_ROWS(2)
 Q8_DOT_ROWS(3)
 Q8_DOT_ROWS(4)
+#if Q8_MAX_ROWS == 8
+Q8_DOT_ROWS(5)
+Q8_DOT_ROWS(6)
+Q8_DOT_ROWS(7)
+Q8_DOT_ROWS(8)
+#endif
+
+#define Q8_TILE_N 64  // weight rows (36 KB at K = 576) that meet each chunk of activation rows
+
+static inline void q8_dot_rows(int rows, const int8_t *wr, const float *sr, int nb,
+                               const float *x, int64_t ldx, float *y, int64_t ldy, int two) {
+    switch (rows) {
+        case 1: q8_dot_1(wr, sr, nb, x, ldx, y, ldy, two); break;
+        case 2: q8_dot_2(wr, sr, nb, x, ldx, y, ldy, two); break;
+        case 3: q8_dot_3(wr, sr, nb, x, ldx, y, ldy, two); break;
+#if Q8_MAX_ROWS == 8
+        case 4: q8_dot_4(wr, sr, nb, x, ldx, y, ldy, two); break;
+        case 5: q8_dot_5(wr, sr, nb, x, ldx, y, ldy, two); break;
+        case 6: q8_dot_6(wr, sr, nb, x, ldx, y, ldy, two); break;
+        case 7: q8_dot_7(wr, sr, nb, x, ldx, y, ldy, two); break;
+        default: q8_dot_8(wr, sr, nb, x, ldx, y, ldy, two); break;
+#else
+        default: q8_dot_4(wr, sr, nb, x, ldx, y, ldy, two); break;
+#endif
+    }
+}
 
 // y [M, N] = x [M, K] float32 @ W.T, W [N, K] as int8 codes with one float scale per 32
 // columns (GGUF Q8_0's values, exactly): the LM head of a quantized model, whose logits stay
-// float32 from float32 activations (no activation quantization here). Rows go four at a
-// time through each weight row while it is in cache, so a verify pass's few rows read the
-// matrix once.
+// float32 from float32 activations (no activation quantization here). Up to Q8_MAX_ROWS
+// activation rows go through each weight row while it is in registers; with more rows, a
+// tile of Q8_TILE_N weight rows stays in cache while every chunk of rows passes over it, so
+// the matrix is read from memory once whatever M is.
 int q8_0_matmul_f32(const int8_t *codes, const float *scales, int64_t N, int64_t K,
                     const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy) {
     if (K % QK != 0 || M <= 0 || N <= 0) return -1;
     const int nb = (int)(K / QK);
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *wr = codes + n * K;
-        const float *sr = scales + n * nb;
-        for (int64_t r = 0; r < M; r += 4) {
-            const float *xr = x + r * ldx;
-            float *yr = y + r * ldy + n;
-            switch (M - r < 4 ? M - r : 4) {
-                case 1: q8_dot_1(wr, sr, nb, xr, ldx, yr, ldy); break;
-                case 2: q8_dot_2(wr, sr, nb, xr, ldx, yr, ldy); break;
-                case 3: q8_dot_3(wr, sr, nb, xr, ldx, yr, ldy); break;
-                default: q8_dot_4(wr, sr, nb, xr, ldx, yr, ldy); break;
-            }
+    for (int64_t n0 = 0; n0 < N; n0 += Q8_TILE_N) {
+        const int64_t n1 = n0 + Q8_TILE_N < N ? n0 + Q8_TILE_N : N;
+        for (int64_t r = 0; r < M; r += Q8_MAX_ROWS) {
+            const int rows = (int)(M - r < Q8_MAX_ROWS ? M - r : Q8_MAX_ROWS);
+            for (int64_t n = n0; n < n1; n += Q8_WEIGHT_ROWS)
+                q8_dot_rows(rows, codes + n * K, scales + n * nb, nb, x + r * ldx, ldx,
+                            y + r * ldy + n, ldy, Q8_WEIGHT_ROWS == 2 && n + 1 < n1);
         }
     }
     return 0;

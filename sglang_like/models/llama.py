@@ -154,7 +154,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, quant: QuantConfig,
                  tp: TPShard | None = None) -> None:
         super().__init__()
-        embed = (quant.head_method() if config.tie_word_embeddings
+        embed = (quant.head_method(config.hidden_size) if config.tie_word_embeddings
                  else quant.embedding_method())
         self.embed_tokens = QuantLinear(embed, config.hidden_size, [config.vocab_size],
                                         ["embed_tokens"])
@@ -162,7 +162,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, quant, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                            quant.head_method(embeds=config.tie_word_embeddings).input_dtype)
+                            quant.head_method(config.hidden_size,
+                                              embeds=config.tie_word_embeddings).input_dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -189,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = QuantLinear(quant.head_method(embeds=False), config.hidden_size,
+            self.lm_head = QuantLinear(quant.head_method(config.hidden_size, embeds=False),
+                                       config.hidden_size,
                                        [config.vocab_size], ["lm_head"])
         self.rope: RotaryEmbedding | None = None  # set by the runner: it knows the context
         self.native_decode = self._native_decode_supported()

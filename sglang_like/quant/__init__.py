@@ -3,7 +3,8 @@
 `none` keeps dense weights in the model dtype (the exact fp32 path on CPU, bf16 on CUDA);
 `int8` is weight-only int8 per output row; `int4` is weight-only int4 per group of 32/64
 input columns; `fp16` keeps every matrix in fp16 for fbgemm's GEMM (fp32 activations). All
-keep the LM head at 16 bits with fp32 logits (fbgemm fp16) and the embedding rows in int8.
+keep fp32 logits from a head of block-int8 rows (the native Q8_0 kernel; fbgemm fp16 where
+that kernel is not built) whose rows the embedding gathers.
 GGUF Q4_0/Q4_1/Q8_0 matrices are repacked from their blocks, never held as fp32.
 """
 
@@ -26,6 +27,7 @@ from sglang_like.quant.int8 import (
     quantize_rows_int8,
 )
 from sglang_like.quant.linear import QuantLinear
+from sglang_like.quant.q8_head import Q8HeadMethod, q8_head_available
 from sglang_like.quant.q4_native import Q4NativeMethod, prefer_native_q4, q4_1_blocks
 
 __all__ = [
@@ -39,7 +41,9 @@ __all__ = [
     "Int8Method",
     "LinearMethod",
     "Q4NativeMethod",
+    "Q8HeadMethod",
     "prefer_native_q4",
+    "q8_head_available",
     "QuantConfig",
     "QuantLinear",
     "WeightSource",
@@ -112,14 +116,17 @@ class QuantConfig:
             return _INT8
         return DenseMethod(self.dtype)
 
-    def head_method(self, *, embeds: bool = True) -> LinearMethod:
+    def head_method(self, in_features: int, *, embeds: bool = True) -> LinearMethod:
         """The method of the LM head; `embeds`: it is also the (tied) embedding.
 
-        Quantized models keep logits in fp32: fbgemm's fp16 GEMM where the CPU has it (fp16
-        weights, half of fp32's bytes), else int8 (whose bf16 output is cast up).
+        Quantized models keep logits in fp32: block-int8 rows through the native Q8_0 kernel
+        (one copy a quarter of fp32's bytes; see q8_head), else fbgemm's fp16 GEMM where the
+        CPU has it, else int8 (whose bf16 output is cast up).
         """
         if not self.is_quantized:
             return DenseMethod(self.dtype)
+        if in_features % 32 == 0 and q8_head_available():
+            return _Q8_HEAD
         if fbgemm_fp16_available():
             return _FP16_TIED if embeds else _FP16
         return _INT8
@@ -139,6 +146,7 @@ _INT8 = Int8Method()
 _INT8_EMBED = Int8EmbeddingMethod()
 _FP16 = Fp16FbgemmMethod(embed_rows=False)
 _FP16_TIED = Fp16FbgemmMethod(embed_rows=True)
+_Q8_HEAD = Q8HeadMethod()
 _INT4 = Int4Method(64)
 _INT4_G32 = Int4Method(32)
 _Q4_NATIVE = Q4NativeMethod()

@@ -29,6 +29,30 @@ def quantize_groups_int4(
     return codes.to(torch.uint8).reshape(n, k), scale, zero
 
 
+def _unpack_blocked(packed: torch.Tensor, block_n: int) -> torch.Tensor:
+    """Codes [N, K] uint8 from torch's x86 int4 layout with `block_n` rows per block: the
+    bytes are [N/block_n, K, block_n/2], byte j of (block, k) holding row j of the block in
+    its low nibble and row j + block_n/2 in its high one."""
+    n, half_k = packed.shape
+    k = 2 * half_k
+    blocks = packed.view(n // block_n, k, block_n // 2)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [N/block_n, K, block_n]
+    return codes.transpose(1, 2).reshape(n, k)
+
+
+def _blocked_layout(packed: torch.Tensor, codes: torch.Tensor) -> int | None:
+    """The block size when `packed` holds `codes` in the blocked layout `_unpack_blocked`
+    reads (64 rows on AVX-512, 32 on AVX2 in torch 2.13), else None. Checked against the
+    codes themselves, so another torch or ISA that packs otherwise keeps a nibble copy."""
+    n, k = codes.shape
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (n, k // 2):
+        return None
+    for block_n in (64, 32, 16):
+        if n % block_n == 0 and torch.equal(_unpack_blocked(packed, block_n), codes):
+            return block_n
+    return None
+
+
 class Int4Method(LinearMethod):
     """int4 codes packed for the host CPU (the layout depends on its ISA: pack where it runs)
     with bf16 (scale, zero) per group of `group_size` input columns; bf16 activations.
@@ -40,8 +64,9 @@ class Int4Method(LinearMethod):
     a few hundred rows (measured for 3072x576: 11.5 vs 9.1 ms at 256 rows, 49 vs 22 ms at
     1024), so prefill chunks of `dense_min_rows` rows or more dequantize the layer into fp32
     (about 2 ms per 1.8M weights) and run a dense GEMM (`base.dense_forward`: bf16 on CPUs
-    with bf16 matrix hardware). That needs the codes in a portable layout too (the kernel's
-    is per ISA): a nibble copy, +0.5 byte per weight.
+    with bf16 matrix hardware). The codes are read back out of the kernel's own layout when
+    it is the blocked one torch uses on x86 (see `_blocked_layout`); where it is not, a
+    portable nibble copy is kept (+0.5 byte per weight).
     """
 
     dense_min_rows = 256
@@ -74,9 +99,11 @@ class Int4Method(LinearMethod):
         layer.register_buffer("weight", packed.to(device))
         layer.register_buffer("scale_zero", scale_zero.to(device=device, dtype=torch.bfloat16))
         layer.group_size = group
-        # the portable copy: byte j of a row holds columns 2j (low nibble) and 2j+1 (high)
-        nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        layer.register_buffer("nibbles", nibbles.contiguous().to(device))
+        layer.block_n = _blocked_layout(packed, codes)
+        if layer.block_n is None:
+            # the portable copy: byte j of a row holds columns 2j (low nibble) and 2j+1 (high)
+            nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            layer.register_buffer("nibbles", nibbles.contiguous().to(device))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
@@ -90,15 +117,18 @@ class Int4Method(LinearMethod):
         return with_bias(lambda x: op(x, w, group, sz), layer.bias, torch.bfloat16)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        n, half = layer.nibbles.shape
+        if layer.block_n is not None:
+            codes = _unpack_blocked(layer.weight, layer.block_n)
+        else:
+            codes = torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1)
+        n = layer.weight.shape[0]
         # the kernel's own bf16 (scale, zero), widened here rather than kept as fp32 copies
         # (+0.25 byte per weight for a prefill-only convenience)
         used = layer.scale_zero.float().permute(1, 0, 2).contiguous()  # [N, K/g, 2]
         groups = used.shape[1]
-        codes = torch.stack([layer.nibbles & 15, layer.nibbles >> 4], dim=-1)
-        codes = codes.view(n, groups, 2 * half // groups)
+        codes = codes.reshape(n, groups, -1)
         w = torch.addcmul(used[..., 1:2], codes.float() - 8, used[..., 0:1])
-        return w.view(n, 2 * half)
+        return w.view(n, -1)
 
     def weight_bytes(self, layer: nn.Module) -> int:
         return sum(b.numel() * b.element_size() for name, b in layer.named_buffers(recurse=False)

@@ -92,8 +92,9 @@ def test_native_q4_kernel_end_to_end(make_engine, monkeypatch):
     torch_int4 = make_engine(quantization="int4")
     assert isinstance(native.runner.model.model.layers[0].mlp.down_proj.method, Q4NativeMethod)
     assert isinstance(torch_int4.runner.model.model.layers[0].mlp.down_proj.method, Int4Method)
-    # one copy of the codes (20 bytes per 32 weights) instead of torch's pack + a nibble copy
-    assert native.runner.model.weight_bytes() < torch_int4.runner.model.weight_bytes()
+    # one copy of the codes, 20 bytes per 32 weights (torch's pack has its bf16 scale and
+    # zero beside it; its prefill path reads the codes back out of that pack)
+    assert native.runner.model.weight_bytes() <= torch_int4.runner.model.weight_bytes()
 
     ref = make_engine(quantization="none")
     tok = ref.tokenizer

@@ -18,9 +18,11 @@ from sglang_like.quant import (
     Int4Method,
     Int8EmbeddingMethod,
     Int8Method,
+    Q8HeadMethod,
     QuantConfig,
     QuantLinear,
     fbgemm_fp16_available,
+    q8_head_available,
     resolve_quantization,
 )
 
@@ -75,17 +77,20 @@ def test_int4_repacks_gguf_4bit_blocks_code_for_code(qtype: str) -> None:
 @pytest.mark.parametrize(
     ("method", "rel_err"),
     [(DenseMethod(torch.float32), 1e-6), (Int8Method(), 0.01), (Int4Method(64), 0.12),
-     (Int4Method(32), 0.10), (Fp16FbgemmMethod(embed_rows=True), 1e-3)],
+     (Int4Method(32), 0.10), (Fp16FbgemmMethod(embed_rows=True), 1e-3),
+     (Q8HeadMethod(), 0.01)],
 )
 def test_methods_compute_x_times_w_transposed(method, rel_err: float) -> None:
     """A fused 3-partition linear with bias: output = x @ dequantized(W).T + b, split back into
     the partitions, and close to the dense product by the method's quantization error."""
+    if isinstance(method, Fp16FbgemmMethod) and not fbgemm_fp16_available():
+        pytest.skip("fbgemm's fp16 GEMM is not in this torch build / CPU")
+    if isinstance(method, Q8HeadMethod) and not q8_head_available():
+        pytest.skip("the native CPU kernels are not built here (no compiler)")
     gen = torch.Generator().manual_seed(3)
     parts = [torch.randn(n, 128, generator=gen) / 11 for n in (64, 32, 32)]
     bias = [torch.randn(n, generator=gen) for n in (64, 32, 32)]
     lin = _linear(method, parts, bias)
-    # 24 rows: the fp16 head's fbgemm GEMM (up to 16 rows it reads its block-int8 rows:
-    # test_fp16_head_reads_its_int8_rows_for_a_few_rows)
     x = torch.randn(24, 128, generator=gen)
     y = lin(x.to(method.input_dtype)).float()
     w_used = lin.method.dequantize(lin)
@@ -96,22 +101,22 @@ def test_methods_compute_x_times_w_transposed(method, rel_err: float) -> None:
     assert [t.shape[-1] for t in lin.split(y)] == [64, 32, 32]
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 8])
-def test_fp16_head_reads_its_int8_rows_for_a_few_rows(rows: int) -> None:
-    """A few rows (small decode batches, verify passes) go through the native Q8_0 kernel over
-    the head's block-int8 rows (a GGUF Q8_0 embedding's own values), not fbgemm's fp16."""
-    import kernels.cpu as kc
-
-    if not kc.available():
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40])
+def test_q8_head_is_its_int8_rows_at_every_row_count(rows: int) -> None:
+    """The head multiplies by its block-int8 rows (a GGUF Q8_0 embedding's own values) at any
+    row count, and each row's logits are bit for bit what that row gets alone."""
+    if not q8_head_available():
         pytest.skip("the native CPU kernels are not built here (no compiler)")
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn(96, 128, generator=gen) / 11
-    lin = _linear(Fp16FbgemmMethod(embed_rows=True), [w])
+    w = torch.randn(130, 128, generator=gen) / 11  # 130: weight rows not a whole tile
+    lin = _linear(Q8HeadMethod(), [w])
     x = torch.randn(rows, 128, generator=gen)
     y = lin(x)
-    int8_rows = (lin.weight.float().view(96, 4, 32) * lin.block_scale[..., None]).view(96, 128)
+    int8_rows = (lin.weight.float().view(130, 4, 32) * lin.block_scale[..., None]).view(130, 128)
     torch.testing.assert_close(y, x @ int8_rows.T, rtol=1e-5, atol=1e-5)
     assert ((y - x @ w.T).norm() / (x @ w.T).norm()).item() < 0.01
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(lin(x[i : i + 1]), y[i : i + 1])
 
 
 def test_int_methods_are_row_independent() -> None:
@@ -131,8 +136,10 @@ def test_int8_embedding_rows_match_its_head() -> None:
     lin = _linear(Int8Method(), [w])
     ids = torch.tensor([0, 7, 49])
     torch.testing.assert_close(lin.method.embed(lin, ids), lin.method.dequantize(lin)[ids])
-    for method in (Int8EmbeddingMethod(), Fp16FbgemmMethod(embed_rows=True)):
+    for method in (Int8EmbeddingMethod(), Fp16FbgemmMethod(embed_rows=True), Q8HeadMethod()):
         if isinstance(method, Fp16FbgemmMethod) and not fbgemm_fp16_available():
+            continue
+        if isinstance(method, Q8HeadMethod) and not q8_head_available():
             continue
         emb = _linear(method, [w])  # block-int8 rows: within half a step of each 32-block max
         step = w.view(50, 2, 32).abs().amax(-1).repeat_interleave(32, 1) / 127
@@ -178,9 +185,11 @@ def test_odd_input_width_falls_back_from_int4() -> None:
     assert isinstance(config.linear_method(100, 960), Int8Method)
     assert isinstance(config.linear_method(576, 970), Int8Method)  # the packer wants N % 16
     assert isinstance(config.embedding_method(), Int8EmbeddingMethod)
-    if fbgemm_fp16_available():
-        assert isinstance(config.head_method(), Fp16FbgemmMethod)
-        assert config.head_method().input_dtype == torch.float32  # fp32 logits
+    if q8_head_available():
+        assert isinstance(config.head_method(576), Q8HeadMethod)
+    elif fbgemm_fp16_available():
+        assert isinstance(config.head_method(576), Fp16FbgemmMethod)
+    assert config.head_method(576).input_dtype == torch.float32  # fp32 logits
 
 
 # ---- the default model ------------------------------------------------------------------------
@@ -275,20 +284,25 @@ def test_default_model_loads_packed(engines) -> None:
     exact = GGUFBlockWeight(raw.qtype.name, raw.shape, raw.data).dequantize()
     assert (lin.method.dequantize(lin) - exact).abs().max() <= 2 ** -7 * exact.abs().max()
     assert model.lm_head is model.model.embed_tokens
-    if fbgemm_fp16_available():
-        assert isinstance(model.lm_head.method, Fp16FbgemmMethod)
+    if q8_head_available():  # the file's Q8_0 values, one copy
+        assert isinstance(model.lm_head.method, Q8HeadMethod)
     # a decode step reads 4.5 bits a weight in the blocks and the head at 16 bits; memory
-    # also holds the embedding's int8 rows and the prefill path's nibble copy
+    # also holds the embedding's int8 rows
     fp32 = engines["none"].runner.model
     assert model.decode_bytes() < 0.25 * fp32.decode_bytes()
     assert model.weight_bytes() < 0.4 * fp32.weight_bytes()
 
 
-def test_int4_prefill_path_equals_the_kernel() -> None:
+@pytest.mark.parametrize("rows", [96, 128])
+def test_int4_prefill_path_equals_the_kernel(rows: int) -> None:
     """Chunks of `dense_min_rows` rows and more run fp32 GEMM on the dequantized codes; it is
-    the same matrix the kernel multiplies by (checked through the kernel on an identity)."""
-    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(6)) / 11
+    the same matrix the kernel multiplies by (checked through the kernel on an identity).
+    128 rows: the codes are read out of the kernel's blocked x86 layout (no nibble copy);
+    96 rows (not a whole 64-row block on AVX-512): from the nibble copy there."""
+    w = torch.randn(rows, 128, generator=torch.Generator().manual_seed(6)) / 11
     lin = _linear(Int4Method(64), [w])
+    if rows == 128 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert lin.block_n in (32, 64) and not hasattr(lin, "nibbles")
     eye = torch.eye(128, dtype=torch.bfloat16)
     through_kernel = torch._weight_int4pack_mm_for_cpu(eye, lin.weight, lin.group_size,
                                                        lin.scale_zero).float().t()
@@ -352,11 +366,15 @@ def test_cli_and_server_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.slow
 def test_bf16_kv_pool(make_engine, engines) -> None:
-    """--kv-cache-dtype bfloat16 halves the pool; greedy text stays the fp32-pool text here."""
-    engine = make_engine(quantization="int4", kv_cache_dtype="bfloat16", max_total_tokens=4096)
-    assert engine.runner.kv_pool.k_buffers[0].dtype == torch.bfloat16
-    assert engine.server_args.kv_cache_dtype == "bfloat16"
+    """`auto` gives a quantized CPU model a bf16 pool (its K/V projections return bf16), half
+    of fp32's bytes; greedy text stays the fp32-pool text here. Dense fp32 keeps fp32."""
+    assert engines["int4"].runner.kv_pool.k_buffers[0].dtype == torch.bfloat16
+    assert engines["int4"].server_args.kv_cache_dtype == "bfloat16"
+    assert engines["none"].runner.kv_pool.k_buffers[0].dtype == torch.float32
+    engine = make_engine(quantization="int4", kv_cache_dtype="float32", max_total_tokens=4096)
+    assert engine.runner.kv_pool.k_buffers[0].dtype == torch.float32
+    assert engine.runner.kv_pool.bytes_per_slot == 2 * engines["int4"].runner.kv_pool.bytes_per_slot
     params = {"max_new_tokens": 12, "temperature": 0}
-    got = engine.generate("The capital of France is", params)
-    want = engines["int4"].generate("The capital of France is", params)
+    got = engines["int4"].generate("The capital of France is", params)
+    want = engine.generate("The capital of France is", params)
     assert got["output_ids"] == want["output_ids"] and "Paris" in got["text"]
