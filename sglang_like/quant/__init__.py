@@ -27,8 +27,8 @@ from sglang_like.quant.int8 import (
     quantize_rows_int8,
 )
 from sglang_like.quant.linear import QuantLinear
-from sglang_like.quant.q8_head import Q8HeadMethod, q8_head_available
 from sglang_like.quant.q4_native import Q4NativeMethod, prefer_native_q4, q4_1_blocks
+from sglang_like.quant.q8_head import Q8HeadMethod, q8_head_available
 
 __all__ = [
     "PACKED_QTYPES",
