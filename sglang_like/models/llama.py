@@ -250,19 +250,17 @@ class LlamaForCausalLM(nn.Module):
         return x, features
 
     def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
-        """The key rows of a batch the native path runs (a decode batch of up to MAX_BATCH
-        requests, or a masked one such as a verify of as many requests and up to
-        MAX_MASKED_ROWS rows); None: the torch path."""
+        """The key rows of a batch the native path runs (a decode batch, or a masked one such
+        as a verify, of up to native.MAX_ROWS query rows); None: the torch path. A verify
+        and the plain decode of the same requests take the same path (the same float sums
+        for the rows they share)."""
         if (not self.native_decode or fb.tree_mask is not None
                 or fb.input_ids.device.type != "cpu"
-                or pool.k_buffers[0].dtype not in (torch.float32, torch.bfloat16)):
-            return None
-        if fb.batch_size > native.MAX_BATCH:
+                or pool.k_buffers[0].dtype not in (torch.float32, torch.bfloat16)
+                or fb.num_tokens > native.MAX_ROWS):
             return None
         if fb.custom_masks is not None:
-            # a verify takes the path its batch's plain decode takes (same requests: same
-            # float sums for the rows they share), up to a size where GEMMs win
-            return native.masked_rows(fb) if fb.num_tokens <= native.MAX_MASKED_ROWS else None
+            return native.masked_rows(fb)
         return native.decode_rows(fb) if fb.is_decode else None
 
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,

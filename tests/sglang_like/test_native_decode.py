@@ -1,6 +1,6 @@
 """The native decode path (kernels/cpu) on the default model: the same tokens as the torch path.
 
-A quantized model's decode batches of up to 8 requests run each layer as a few native calls
+A quantized model's decode batches of up to 64 requests run each layer as a few native calls
 (`LlamaForCausalLM._decode_layers_native`) and a one-row step's LM head reads the block-int8
 rows natively. The math is the layer modules' summed in another order, so greedy outputs
 must be equal or first differ at a near-tie of the torch path (as in test_invariance), and
@@ -75,6 +75,32 @@ def test_native_decode_matches_the_torch_path(make_engine):
         del model._decode_layers_native
     assert n_native > 0 and len(calls) == n_native  # the native path ran, then it did not
     assert {1, 4} <= set(calls)
+    _assert_same(got, want)
+
+
+def test_native_decode_of_a_large_batch(make_engine):
+    """A batch of 16 (above the old cut of 8) runs natively, with the torch path's tokens."""
+    engine = make_engine(quantization="int4")
+    model = engine.runner.model
+    calls = []
+    native = model._decode_layers_native
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].batch_size)
+        return native(*args, **kwargs)
+
+    model._decode_layers_native = counted
+    prompts = list(PROMPTS[:16])
+    try:
+        engine.flush_cache()
+        got = engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+        model.native_decode = False
+        engine.flush_cache()
+        want = engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+    finally:
+        model.native_decode = True
+        del model._decode_layers_native
+    assert 16 in calls
     _assert_same(got, want)
 
 
