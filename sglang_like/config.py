@@ -95,6 +95,8 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_max_bfs_breadth: int = 1  # continuations a tree may branch into
+    # tokens of finished requests' text that NGRAM also drafts from (0: a request's own only)
+    speculative_ngram_capacity: int = 32768
     speculative_auto_disable: bool = True  # turn off per request/batch where it does not pay
     # The engine core (scheduler, model runner) runs in a process of its own; True: on a thread
     # of the caller's process instead (tests that look inside the scheduler; debugging)

@@ -110,7 +110,7 @@ def build_drafter(spec: SpecConfig, runner: ModelRunner) -> Any:
         from sglang_like.speculative.ngram import NgramDrafter
 
         return NgramDrafter(spec.num_draft_tokens, spec.ngram_min_window, spec.ngram_max_window,
-                            spec.ngram_breadth)
+                            spec.ngram_breadth, spec.ngram_capacity)
     from sglang_like.speculative.eagle import EagleDrafter
 
     return EagleDrafter(spec, runner)

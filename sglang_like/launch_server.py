@@ -98,6 +98,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None
                    default=d.speculative_ngram_max_match_window_size)
     p.add_argument("--speculative-ngram-max-bfs-breadth", type=int,
                    default=d.speculative_ngram_max_bfs_breadth)
+    p.add_argument("--speculative-ngram-capacity", type=int,
+                   default=d.speculative_ngram_capacity,
+                   help="tokens of finished requests' text NGRAM also drafts from (0: off)")
     p.add_argument("--disable-speculative-auto-disable", dest="speculative_auto_disable",
                    action="store_false", default=d.speculative_auto_disable,
                    help="speculate on every step, even where it measured as not paying")

@@ -160,6 +160,9 @@ class Scheduler:
                                             and self.disagg.num_inflight):
             return False
         self.cache.tree.reset()
+        flush = getattr(self.drafter, "flush", None)
+        if flush is not None:
+            flush()  # NGRAM's text of finished requests goes with the cache
         return True
 
     # ---- the step ------------------------------------------------------------------------
@@ -461,6 +464,9 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.cache.release(req)
+        finished = getattr(self.drafter, "finished", None)
+        if finished is not None:
+            finished(req)
         touched.append(req)
 
     # ---- introspection ---------------------------------------------------------------------

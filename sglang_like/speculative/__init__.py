@@ -1,7 +1,7 @@
 """Speculative decoding: drafters propose a token tree per request, one verify forward of the
 target checks every node, and the scheduler commits the longest prefix the target agrees with.
 
-- NGRAM: continuations of the request's own earlier text (`ngram.py`);
+- NGRAM: continuations of the request's own earlier text, or of recent requests' (`ngram.py`);
 - EAGLE / EAGLE3: a one-layer draft head over the target's features (`eagle.py`; the head for
   the default model ships in `heads/`, trained by `train_eagle.py`).
 
@@ -58,6 +58,7 @@ class SpecConfig:
     ngram_max_window: int
     ngram_breadth: int
     auto_disable: bool
+    ngram_capacity: int = 0  # tokens of finished requests' text kept for lookups
 
     @property
     def is_eagle(self) -> bool:
@@ -101,7 +102,8 @@ def resolve_spec_config(sa: ServerArgs, default_model: bool) -> SpecConfig | Non
                              ("num_draft_tokens", draft, 2),
                              ("ngram_min_match_window_size",
                               sa.speculative_ngram_min_match_window_size, 1),
-                             ("ngram_max_bfs_breadth", sa.speculative_ngram_max_bfs_breadth, 1)):
+                             ("ngram_max_bfs_breadth", sa.speculative_ngram_max_bfs_breadth, 1),
+                             ("ngram_capacity", sa.speculative_ngram_capacity, 0)):
         if value < low:
             raise ValueError(f"speculative_{name} must be at least {low}; got {value}")
     if sa.speculative_ngram_max_match_window_size < sa.speculative_ngram_min_match_window_size:
@@ -112,4 +114,5 @@ def resolve_spec_config(sa: ServerArgs, default_model: bool) -> SpecConfig | Non
     return SpecConfig(algo, steps, topk, draft, path,
                       sa.speculative_ngram_min_match_window_size,
                       sa.speculative_ngram_max_match_window_size,
-                      sa.speculative_ngram_max_bfs_breadth, sa.speculative_auto_disable)
+                      sa.speculative_ngram_max_bfs_breadth, sa.speculative_auto_disable,
+                      sa.speculative_ngram_capacity)

@@ -68,6 +68,12 @@ def _bucket(num_rows: int) -> int:
 _MAX_EVIDENCE = 8  # match lengths from here on share one expectation
 
 
+def _evidence_key(evidence: int) -> int:
+    """A tree's evidence as the key of its expectation: NGRAM's match length, negative when
+    the match was in another request's text; lengths from _MAX_EVIDENCE on share one key."""
+    return max(-_MAX_EVIDENCE, min(evidence, _MAX_EVIDENCE))
+
+
 @dataclass
 class SpecController:
     enabled: bool = True  # False: always speculate where a draft exists (tests, benchmarks)
@@ -88,7 +94,7 @@ class SpecController:
                       drafts_cheaply: bool = False) -> None:
         state.accept_ema = _ema(state.accept_ema, committed)
         if evidence is not None:
-            key = min(evidence, _MAX_EVIDENCE)
+            key = _evidence_key(evidence)
             self.accept_by_evidence[key] = _ema(self.accept_by_evidence.get(key), committed)
         if not self.enabled or drafts_cheaply:
             return  # a cheap drafter's trees are judged one by one (`choose_trees`)
@@ -180,7 +186,7 @@ class SpecController:
 
         def expect(t: DraftTree) -> float:
             known = (None if t.evidence is None
-                     else self.accept_by_evidence.get(min(t.evidence, _MAX_EVIDENCE)))
+                     else self.accept_by_evidence.get(_evidence_key(t.evidence)))
             return known if known is not None else _optimistic(t.num_nodes)
 
         gains = [(expect(t) - 1.0) / (t.num_nodes - 1) for t in trees]

@@ -1,8 +1,12 @@
 """N-gram (prompt-lookup) drafting: continue the request's own text where its last tokens
-appeared before. No model: copy-heavy work (extraction, editing, RAG, code) gains most."""
+appeared before, or a recent request's text where they appeared there (SGLang's NGRAM drafts
+from every request's tokens; SuffixDecoding's observation: agent and extraction traffic
+repeats itself across requests). No model: copy-heavy work (extraction, editing, RAG, code)
+gains most."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from sglang_like.speculative.tree import DraftTree
@@ -54,18 +58,96 @@ class NgramIndex:
         return found, longest
 
 
+class RecentTexts:
+    """The token ids of recently finished requests, `capacity` tokens in all (the oldest go
+    first), and where each of their n-grams (min_window <= n <= max_window) last ended.
+
+    One table for all texts, keyed by the n-gram's hash (a collision is caught when the match
+    is read back), so a lookup costs one dict probe per n whatever the number of texts; a
+    text's keys are recomputed when it leaves (as many as when it came: no key lists kept).
+    """
+
+    def __init__(self, min_window: int, max_window: int, capacity: int) -> None:
+        self.min_window = min_window
+        self.max_window = max_window
+        self.capacity = capacity
+        self.texts: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
+        self.latest: dict[int, tuple[int, int]] = {}  # n-gram hash -> (text id, end)
+        self.num_tokens = 0
+        self._next_id = 0
+
+    def _keys(self, text: list[int]):
+        for end in range(len(text) - 1):  # an n-gram ending at the last token continues nowhere
+            for n in range(self.min_window, min(self.max_window, end + 1) + 1):
+                yield hash(tuple(text[end - n + 1 : end + 1])), end + 1
+
+    def add(self, text: list[int]) -> None:
+        if len(text) < 2 or len(text) > self.capacity:
+            return
+        tid, self._next_id = self._next_id, self._next_id + 1
+        self.texts[tid] = text
+        self.num_tokens += len(text)
+        for key, end in self._keys(text):
+            self.latest[key] = (tid, end)
+        while self.num_tokens > self.capacity:
+            old_id, old = self.texts.popitem(last=False)
+            self.num_tokens -= len(old)
+            for key, _ in self._keys(old):
+                if self.latest.get(key, (None,))[0] == old_id:
+                    del self.latest[key]
+
+    def clear(self) -> None:
+        self.texts.clear()
+        self.latest.clear()
+        self.num_tokens = 0
+
+    def continuation(self, seq: list[int], length: int, min_match: int
+                     ) -> tuple[list[int], int]:
+        """(a continuation of `seq`'s suffix from the most recent text where the longest
+        suffix of at least `min_match` tokens appeared, that length); ([], 0) when none.
+        At most `length` tokens, and at most twice the matched length (as NgramIndex)."""
+        for n in range(min(self.max_window, len(seq)), max(self.min_window, min_match) - 1, -1):
+            suffix = seq[-n:]
+            hit = self.latest.get(hash(tuple(suffix)))
+            if hit is None:
+                continue
+            text = self.texts[hit[0]]
+            start = hit[1]
+            if text[start - n : start] == suffix:
+                cont = text[start : start + min(length, 2 * n)]
+                if cont:
+                    return cont, n
+        return [], 0
+
+
 class NgramDrafter:
-    """Proposes a tree of up to `num_draft_tokens` nodes (root included) per request."""
+    """Proposes a tree of up to `num_draft_tokens` nodes (root included) per request.
+
+    Continuations come from the request's own text (`NgramIndex`), and, where a finished
+    request's text (`RecentTexts`, `capacity` tokens) matches a longer suffix, first from
+    there. A tree's `evidence` is its longest match: positive from its own text, negative
+    from another's (the controller learns what each kind commits)."""
 
     # drafting is a few dict lookups: the controller judges the drafted trees themselves
     drafts_cheaply = True
 
     def __init__(self, num_draft_tokens: int, min_window: int, max_window: int,
-                 breadth: int) -> None:
+                 breadth: int, capacity: int = 0) -> None:
         self.num_draft_tokens = num_draft_tokens  # tree nodes, root included
         self.min_window = min_window
         self.max_window = max_window
         self.breadth = breadth
+        self.recent = RecentTexts(min_window, max_window, capacity) if capacity > 0 else None
+
+    def finished(self, req: Req) -> None:
+        """A request ended: its text (prompt and output) becomes draftable for others."""
+        if self.recent is not None:
+            self.recent.add(req.fill_ids)
+
+    def flush(self) -> None:
+        """Forget every finished request's text (with the radix cache's flush)."""
+        if self.recent is not None:
+            self.recent.clear()
 
     def propose(self, reqs: list[Req], max_depths: list[int], sched: object = None
                 ) -> list[DraftTree | None]:
@@ -77,8 +159,14 @@ class NgramDrafter:
         if index is None or index.indexed > req.seq_len:  # new, or the tokens were rewritten
             index = req.spec.ngram = NgramIndex(self.min_window, self.max_window)
         seq = req.fill_ids
-        conts, matched = index.continuations(seq, min(max_depth, self.num_draft_tokens - 1),
-                                             self.breadth)
+        depth = min(max_depth, self.num_draft_tokens - 1)
+        conts, matched = index.continuations(seq, depth, self.breadth)
+        evidence = matched
+        if self.recent is not None:
+            other, other_matched = self.recent.continuation(seq, depth, matched + 1)
+            if other and other not in conts:
+                conts = [other, *conts][: self.breadth]
+                evidence = -other_matched
         if not conts:
             return None
         # merge the continuations into a trie of at most num_draft_tokens nodes
@@ -96,4 +184,4 @@ class NgramDrafter:
                     parents.append(node)
                     children[(node, tok)] = nxt
                 node = nxt
-        return DraftTree(tokens, parents, evidence=matched) if len(tokens) > 1 else None
+        return DraftTree(tokens, parents, evidence=evidence) if len(tokens) > 1 else None

@@ -20,7 +20,7 @@ from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.speculative import DraftTree, SpecController, SpecState, resolve_spec_config
 from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head, load_eagle3_head
-from sglang_like.speculative.ngram import NgramDrafter, NgramIndex
+from sglang_like.speculative.ngram import NgramDrafter, NgramIndex, RecentTexts
 
 from .prompts import PROMPTS
 
@@ -63,6 +63,40 @@ def test_ngram_drafter_builds_a_capped_trie() -> None:
     assert tree.parents == [-1, 0, 1, 2, 3, 0]
     assert drafter.propose([_req([1, 2, 3])], [10]) == [None]
     assert drafter.propose([req], [1])[0].max_depth == 1  # depth capped by the budget
+
+
+def test_recent_texts_continue_the_newest_longest_match_within_capacity() -> None:
+    recent = RecentTexts(1, 4, capacity=12)
+    recent.add([1, 2, 3, 4, 5, 6])
+    recent.add([9, 2, 3, 7, 8])  # newer: "2 3" now continues with 7 8
+    assert recent.continuation([0, 2, 3], 5, 1) == ([7, 8], 2)
+    assert recent.continuation([0, 1, 2, 3], 5, 1) == ([4, 5, 6], 3)  # the longer match
+    assert recent.continuation([0, 1, 2, 3], 5, 4) == ([], 0)  # not longer than asked
+    assert recent.continuation([5, 6], 5, 1) == ([], 0)  # a text's last token continues nowhere
+    recent.add([4, 4, 1, 2])  # 15 tokens > 12: the oldest text goes, and only its keys
+    assert len(recent.texts) == 2 and recent.num_tokens == 9
+    assert recent.continuation([0, 3, 4], 5, 1) == ([1, 2], 1)  # "4" now only in the newest
+    assert recent.continuation([0, 2, 3], 5, 1) == ([7, 8], 2)
+    assert recent.continuation([0, 4, 5], 5, 1) == ([], 0)
+    recent.clear()
+    assert recent.continuation([0, 2, 3], 5, 1) == ([], 0) and not recent.latest
+
+
+def test_ngram_drafter_drafts_from_finished_requests() -> None:
+    drafter = NgramDrafter(num_draft_tokens=5, min_window=1, max_window=3, breadth=1,
+                           capacity=100)
+    done = _req([7, 1, 2, 3, 4, 5, 6])
+    drafter.finished(done)
+    tree = drafter.propose([_req([9, 9, 2, 3])], [10])[0]
+    assert tree.tokens == [3, 4, 5, 6] and tree.evidence == -2  # another request's text
+    own = _req([1, 2, 3, 8, 1, 2, 3])  # its own "1 2 3" is as long as the other's: own wins
+    tree = drafter.propose([own], [10])[0]
+    assert tree.tokens[:2] == [3, 8] and tree.evidence == 3
+    drafter.flush()
+    assert drafter.propose([_req([9, 9, 2, 3])], [10]) == [None]
+    off = NgramDrafter(num_draft_tokens=5, min_window=1, max_window=3, breadth=1)
+    off.finished(done)
+    assert off.propose([_req([9, 9, 2, 3])], [10]) == [None]
 
 
 def test_spec_config_defaults_and_errors() -> None:
@@ -342,6 +376,30 @@ def _assert_same(outputs, ids, gaps) -> None:
                        None)
         assert diverge is None or gap[diverge] < TIE_NATS, (k, diverge, gap[diverge])
         assert len(got) == len(want)
+
+
+@pytest.mark.slow
+def test_ngram_drafts_from_an_earlier_request(make_engine, off_engine, chat_prompts) -> None:
+    """A prompt asked again drafts from its first answer (finished requests' text), commits
+    several tokens a verify, and answers the same as without speculation; a flushed cache
+    forgets that text."""
+    engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="NGRAM",
+                         speculative_auto_disable=False)
+    prompt = chat_prompts[1]
+    want = off_engine.generate(prompt, GREEDY)["output_ids"]
+
+    def run():
+        out = engine.generate(prompt, GREEDY)
+        assert out["output_ids"] == want
+        return out["meta_info"]["completion_tokens"] / out["meta_info"]["spec_verify_ct"]
+
+    first, again = run(), run()
+    engine.flush_cache()
+    forgotten = run()
+    print(f"\nNGRAM acceptance: first {first:.2f}, again {again:.2f}, after a flush "
+          f"{forgotten:.2f}")
+    assert again > 2.5 and again > first + 1.0
+    assert forgotten < again - 1.0
 
 
 @pytest.mark.slow
