@@ -141,7 +141,8 @@ def test_controller_compares_measured_rates_and_backs_off() -> None:
 
 def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
     """A row count never run is priced from the measured ones around it (linear), or above
-    the largest from the two largest; with nothing to go on it is tried."""
+    the largest by the average row cost over the measured range; with nothing to go on it is
+    tried."""
     ctl = SpecController()
     ctl.record_forward(8, 0.020)
     assert ctl.worth_it(8, 8, 12, 8.1)  # only the base measured: try 12 rows
@@ -150,6 +151,11 @@ def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
     assert ctl._cost_of(20) == pytest.approx(0.035)
     assert not ctl.worth_it(8, 8, 12, 10.0)  # 400 tokens/s < 400 at 8 rows: no gain
     assert ctl.worth_it(8, 8, 12, 10.5)
+    # a staircase (rows in blocks of 4): 17 and 18 rows cost the same, and 24 rows are priced
+    # by the average row cost from 8 to 18 (1.8 ms), not as free
+    ctl.record_forward(17, 0.045)
+    ctl.record_forward(18, 0.045)
+    assert ctl._cost_of(24) == pytest.approx(0.045 + 6 * 0.025 / 10)
 
 
 def test_cheap_drafter_trees_are_chosen_by_their_evidence() -> None:
