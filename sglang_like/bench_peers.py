@@ -48,7 +48,7 @@ def _run(cmd: list[str], timeout_s: float) -> tuple[str, float]:
 # an Intel Xeon VM here (SIGILL, then SIGSEGV in ggml_backend_amx_mul_mat: the VM's AMX tiles
 # are not usable): where the default run dies of a signal, the run is repeated with
 # repacking off (its other kernels), and the result says so.
-_CRASH_CODES = (-4, -11, 132, 139)
+CRASH_CODES = (-4, -11, 132, 139)
 
 
 def _run_or_without_repack(cmd: list[str], no_repack: list[str], timeout_s: float
@@ -58,7 +58,7 @@ def _run_or_without_repack(cmd: list[str], no_repack: list[str], timeout_s: floa
         out, rss_mb = _run(cmd, timeout_s)
         return out, rss_mb, True
     except RuntimeError as exc:
-        if not any(f"failed ({code})" in str(exc) for code in _CRASH_CODES):
+        if not any(f"failed ({code})" in str(exc) for code in CRASH_CODES):
             raise
     out, rss_mb = _run(cmd + no_repack, timeout_s)
     return out, rss_mb, False

@@ -201,7 +201,11 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(1)
             transcript += res.text + "\n"
 
-    connector = aiohttp.TCPConnector(limit=max(64, (args.concurrency or 0) * 2))
+    # a connection per request (as SGLang's bench_serving, a session per request): servers
+    # that close idle keep-alive connections (llama-server) otherwise fail requests sent on
+    # a pooled connection they already closed (aiohttp's ServerDisconnectedError: 2 of 8 at
+    # concurrency 1 here); on loopback a new connection costs about 0.1 ms
+    connector = aiohttp.TCPConnector(limit=max(64, (args.concurrency or 0) * 2), force_close=True)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
                                      read_bufsize=1 << 20) as client:

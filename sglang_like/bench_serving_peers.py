@@ -22,14 +22,21 @@ from typing import Any
 
 import httpx
 
+from sglang_like.bench_peers import CRASH_CODES
 from sglang_like.bench_serving import build_parser, run_benchmark
+
+
+class _ServerDied(RuntimeError):
+    def __init__(self, returncode: int) -> None:
+        super().__init__(f"server exited with {returncode} before it was healthy")
+        self.returncode = returncode
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
+            raise _ServerDied(proc.returncode)
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -95,7 +102,15 @@ def _llama(port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     # shared prompt and the answer; its own defaults otherwise (prompt cache on)
     cmd = [binary, "-m", args.model_path or default_model_path(), "--port", str(port),
            "-t", str(args.threads), "-np", str(slots), "-c", str(slots * 2048)]
-    return _serve_and_drive(cmd, port, args)
+    try:
+        return _serve_and_drive(cmd, port, args)
+    except _ServerDied as exc:
+        if exc.returncode not in CRASH_CODES:
+            raise
+    # its AMX weight repacking dies on some CPUs (see bench_peers): as bench_offline does,
+    # run it again with repacking off, and say so in the table
+    args.llama_no_repack = True
+    return _serve_and_drive(cmd + ["--no-repack"], port, args)
 
 
 def served_prompt(args: argparse.Namespace, i: int = 0) -> str:
@@ -160,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
             offline[quantization] = _offline_tpot_ms(quantization, args)
     if args.llama_cpp_bin:
         for s in _llama(args.port + 1, args):
-            rows.append(("llama-server", s))
+            name = "llama-server" + (" --no-repack" if getattr(args, "llama_no_repack", False)
+                                     else "")
+            rows.append((name, s))
 
     print(f"\nshared-prefix workload (~{args.prefix_words} words shared), {args.output_len} "
           "tokens each, OpenAI /v1/completions streaming, same client for every server")
