@@ -201,6 +201,43 @@ def test_controller_expects_new_requests_to_do_what_others_did() -> None:
     assert ctl.may_try(fresh, 8) and ctl.may_try(own, 8)
 
 
+def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_down() -> None:
+    """16 steps of a batch of 8 whose trees were all turned down: it drafts every 8th step
+    only, until a tree is kept."""
+    from types import SimpleNamespace
+
+    from sglang_like.speculative.controller import propose_trees
+
+    calls = []
+
+    class Drafter:
+        drafts_cheaply = True
+
+        def propose(self, reqs, depths, sched):
+            calls.append(sched.spec_controller.step)
+            return [DraftTree([1, 2, 3], [-1, 0, 1], evidence=1) for _ in reqs]
+
+    ctl = SpecController()
+    ctl.accept_by_evidence[1] = 1.0  # such trees commit nothing: never worth their rows
+    ctl.record_forward(8, 0.02)
+    ctl.record_forward(24, 0.04)
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100), output_ids=[1],
+                            seq_len=10, is_decoding=True, spec=SpecState()) for _ in range(8)]
+    sched = SimpleNamespace(drafter=Drafter(), spec_controller=ctl,
+                            config=SimpleNamespace(context_len=1000),
+                            cache=SimpleNamespace(num_available_slots=1000))
+    for step in range(1, 49):
+        ctl.step = step
+        assert propose_trees(sched, reqs) == {}
+    assert calls == [*range(1, 17), 24, 32, 40, 48]
+    ctl.accept_by_evidence[1] = 3.0  # now they pay: kept on the next drafting step
+    ctl.step = 56
+    assert len(propose_trees(sched, reqs)) == 8 and ctl.cheap_idle_steps == 0
+    ctl.step = 57
+    propose_trees(sched, reqs)
+    assert calls[-1] == 57
+
+
 def test_controller_pauses_grow_and_end_together() -> None:
     """Failures in a row double a request's pause; pauses end on multiples of 32 steps, so
     requests that failed at different steps retry in the same step; a verify that pays
