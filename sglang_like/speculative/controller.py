@@ -41,6 +41,10 @@ _EXPLORE_STEPS = 256
 # kept: drafting is a few lookups a request, but at batch 32 that was 1.2 ms of a 66 ms step
 # for trees the step could not afford
 _IDLE_MIN_BATCH = 8
+# a cheap drafter's evidence whose trees have not been verified for this many steps is
+# expected to do as well as an untried one, once (the text changes: the bench's code-editing
+# prompts after chat found their match lengths priced by chat's trees and never drafted)
+_STALE_EVIDENCE_STEPS = 256
 _IDLE_STEPS = 16
 _IDLE_PERIOD = 8
 
@@ -93,6 +97,8 @@ class SpecController:
     population_accept: float | None = None
     # steps in a row whose cheap trees were all turned down (see _IDLE_STEPS)
     cheap_idle_steps: int = 0
+    # evidence key -> the step its trees were last verified (or last explored)
+    evidence_step: dict[int, int] = field(default_factory=dict)
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self.step += 1
@@ -105,6 +111,7 @@ class SpecController:
         if evidence is not None:
             key = _evidence_key(evidence)
             self.accept_by_evidence[key] = _ema(self.accept_by_evidence.get(key), committed)
+            self.evidence_step[key] = self.step
         if not self.enabled or drafts_cheaply:
             return  # a cheap drafter's trees are judged one by one (`choose_trees`)
         self.population_accept = _ema(self.population_accept, committed, _POPULATION_EMA)
@@ -196,21 +203,31 @@ class SpecController:
     def choose_trees(self, base_rows: int, trees: list[DraftTree]) -> list[bool]:
         """Which of a cheap drafter's trees to verify in a step of `base_rows` plain rows: by
         the tokens trees with that evidence committed so far (optimistic when none has been
-        tried), the most promising per extra row first, each kept while the step's expected
-        tokens per second grow."""
+        tried, and for one tree of an evidence not verified for _STALE_EVIDENCE_STEPS), the
+        most promising per extra row first, each kept while the step's expected tokens per
+        second grow."""
         if not self.enabled:
             return [True] * len(trees)
 
-        def expect(t: DraftTree) -> float:
-            known = (None if t.evidence is None
-                     else self.accept_by_evidence.get(_evidence_key(t.evidence)))
-            return known if known is not None else _optimistic(t.num_nodes)
+        explore: set[int] = set()  # stale keys explored at this step (one tree each)
+        expected = []
+        for t in trees:
+            known = None
+            if t.evidence is not None:
+                key = _evidence_key(t.evidence)
+                known = self.accept_by_evidence.get(key)
+                if (known is not None and key not in explore and self.step
+                        - self.evidence_step.get(key, self.step) > _STALE_EVIDENCE_STEPS):
+                    explore.add(key)
+                    self.evidence_step[key] = self.step  # once; its next verify decides
+                    known = None
+            expected.append(known if known is not None else _optimistic(t.num_nodes))
 
-        gains = [(expect(t) - 1.0) / (t.num_nodes - 1) for t in trees]
+        gains = [(e - 1.0) / (t.num_nodes - 1) for t, e in zip(trees, expected, strict=True)]
         keep = [False] * len(trees)
         rows, tokens = base_rows, float(base_rows)
         for j in sorted(range(len(trees)), key=lambda j: -gains[j]):
-            extra_rows, extra_tokens = trees[j].num_nodes - 1, expect(trees[j]) - 1.0
+            extra_rows, extra_tokens = trees[j].num_nodes - 1, expected[j] - 1.0
             if self.worth_it(rows, tokens, rows + extra_rows, tokens + extra_tokens):
                 keep[j] = True
                 rows, tokens = rows + extra_rows, tokens + extra_tokens

@@ -201,6 +201,23 @@ def test_controller_expects_new_requests_to_do_what_others_did() -> None:
     assert ctl.may_try(fresh, 8) and ctl.may_try(own, 8)
 
 
+def test_cheap_drafter_evidence_gone_stale_is_explored_once() -> None:
+    """Trees whose evidence has not been verified for 256 steps are priced as untried again,
+    one tree per evidence per step, once: then what they commit decides."""
+    ctl = SpecController()
+    ctl.record_forward(1, 0.010)
+    ctl.record_forward(6, 0.016)
+    ctl.record_verify(SpecState(), 1, evidence=4, drafts_cheaply=True)  # at step 2
+    trees = [DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 3, 4], evidence=4) for _ in range(2)]
+    assert ctl.choose_trees(1, trees[:1]) == [False]  # 1 token for 6 rows: no
+    ctl.step = 2 + 257
+    assert ctl.choose_trees(1, trees[:1]) == [True]  # stale: explored
+    assert ctl.choose_trees(1, trees[:1]) == [False]  # once
+    ctl.step += 300
+    keep = ctl.choose_trees(2, trees)
+    assert keep.count(True) <= 1  # one tree of that evidence per step
+
+
 def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_down() -> None:
     """16 steps of a batch of 8 whose trees were all turned down: it drafts every 8th step
     only, until a tree is kept."""
