@@ -222,6 +222,104 @@ static void attend_chunk(const float *q, const int32_t *slots, int64_t t0, int64
     }
 }
 
+// The G query heads that read kv head g (GQA), over keys [t0, t1): for each head, what
+// attend_chunk writes (max score, sum of exp(score - max), acc [D]) with the very same sums in
+// the same order, but each key and value row is loaded (and widened from bf16) once for the
+// G heads instead of once per head. q: the G heads' queries [G, D]; scores [G, KV_CHUNK];
+// part: head j's partial at part + j * part_stride. D a multiple of 32.
+#define ATTEND_GROUP(G)                                                                        \
+    static void attend_group_##G(const float *q, const int32_t *slots, int64_t t0, int64_t t1,  \
+                                 const void *k_pool, const void *v_pool, int bf16, int64_t Hkv, \
+                                 int64_t g, int64_t D, float sm_scale, float *scores,           \
+                                 float *part, int64_t part_stride) {                            \
+        const int64_t n = t1 - t0;                                                              \
+        int64_t t = 0;                                                                          \
+        for (; t + 4 <= n; t += 4) {                                                            \
+            const int64_t o0 = ((int64_t)slots[t0 + t] * Hkv + g) * D;                          \
+            const int64_t o1 = ((int64_t)slots[t0 + t + 1] * Hkv + g) * D;                      \
+            const int64_t o2 = ((int64_t)slots[t0 + t + 2] * Hkv + g) * D;                      \
+            const int64_t o3 = ((int64_t)slots[t0 + t + 3] * Hkv + g) * D;                      \
+            __m256 a[G][4];                                                                     \
+            for (int j = 0; j < G; j++)                                                         \
+                a[j][0] = a[j][1] = a[j][2] = a[j][3] = _mm256_setzero_ps();                    \
+            for (int64_t d = 0; d < D; d += 8) {                                                \
+                const __m256 k0 = load8(k_pool, bf16, o0 + d), k1 = load8(k_pool, bf16, o1 + d); \
+                const __m256 k2 = load8(k_pool, bf16, o2 + d), k3 = load8(k_pool, bf16, o3 + d); \
+                for (int j = 0; j < G; j++) {                                                   \
+                    const __m256 qv = _mm256_loadu_ps(q + j * D + d);                           \
+                    a[j][0] = _mm256_fmadd_ps(qv, k0, a[j][0]);                                 \
+                    a[j][1] = _mm256_fmadd_ps(qv, k1, a[j][1]);                                 \
+                    a[j][2] = _mm256_fmadd_ps(qv, k2, a[j][2]);                                 \
+                    a[j][3] = _mm256_fmadd_ps(qv, k3, a[j][3]);                                 \
+                }                                                                               \
+            }                                                                                   \
+            for (int j = 0; j < G; j++)                                                         \
+                _mm_storeu_ps(scores + j * KV_CHUNK + t,                                        \
+                              _mm_mul_ps(hsum4(a[j][0], a[j][1], a[j][2], a[j][3]),             \
+                                         _mm_set1_ps(sm_scale)));                               \
+        }                                                                                       \
+        for (; t < n; t++) {                                                                    \
+            const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D;                           \
+            __m256 a[G];                                                                        \
+            for (int j = 0; j < G; j++) a[j] = _mm256_setzero_ps();                             \
+            for (int64_t d = 0; d < D; d += 8) {                                                \
+                const __m256 kv = load8(k_pool, bf16, o + d);                                   \
+                for (int j = 0; j < G; j++)                                                     \
+                    a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + d), kv, a[j]);           \
+            }                                                                                   \
+            for (int j = 0; j < G; j++)                                                         \
+                scores[j * KV_CHUNK + t] =                                                      \
+                    _mm_cvtss_f32(hsum4(a[j], a[j], a[j], a[j])) * sm_scale;                    \
+        }                                                                                       \
+        for (int j = 0; j < G; j++) {                                                           \
+            float *sc = scores + j * KV_CHUNK, mx = -INFINITY;                                  \
+            for (t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;                               \
+            part[j * part_stride] = mx;                                                         \
+            part[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                               \
+        }                                                                                       \
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {                                                \
+            __m256 acc[G][4];                                                                   \
+            for (int j = 0; j < G; j++)                                                         \
+                acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = _mm256_setzero_ps();            \
+            for (t = 0; t < n; t++) {                                                           \
+                const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D + d0;                  \
+                const __m256 v0 = load8(v_pool, bf16, o), v1 = load8(v_pool, bf16, o + 8);      \
+                const __m256 v2 = load8(v_pool, bf16, o + 16), v3 = load8(v_pool, bf16, o + 24); \
+                for (int j = 0; j < G; j++) {                                                   \
+                    const __m256 p = _mm256_set1_ps(scores[j * KV_CHUNK + t]);                  \
+                    acc[j][0] = _mm256_fmadd_ps(p, v0, acc[j][0]);                              \
+                    acc[j][1] = _mm256_fmadd_ps(p, v1, acc[j][1]);                              \
+                    acc[j][2] = _mm256_fmadd_ps(p, v2, acc[j][2]);                              \
+                    acc[j][3] = _mm256_fmadd_ps(p, v3, acc[j][3]);                              \
+                }                                                                               \
+            }                                                                                   \
+            for (int j = 0; j < G; j++)                                                         \
+                for (int i = 0; i < 4; i++)                                                     \
+                    _mm256_storeu_ps(part + j * part_stride + 2 + d0 + 8 * i, acc[j][i]);       \
+        }                                                                                       \
+    }
+ATTEND_GROUP(1)
+ATTEND_GROUP(2)
+ATTEND_GROUP(3)
+ATTEND_GROUP(4)
+
+// heads [h0, h0 + G) of kv head g, G <= 4 (see ATTEND_GROUP)
+static void attend_group(int G, const float *q, const int32_t *slots, int64_t t0, int64_t t1,
+                         const void *k_pool, const void *v_pool, int bf16, int64_t Hkv,
+                         int64_t g, int64_t D, float sm_scale, float *scores, float *part,
+                         int64_t part_stride) {
+    switch (G) {
+        case 1: attend_group_1(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
+                               scores, part, part_stride); break;
+        case 2: attend_group_2(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
+                               scores, part, part_stride); break;
+        case 3: attend_group_3(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
+                               scores, part, part_stride); break;
+        default: attend_group_4(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
+                                scores, part, part_stride); break;
+    }
+}
+
 // rotate-half RoPE of one head: out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin_signed[i],
 // with the model's tables ([cos, cos] and [-sin, sin] rows)
 static inline void rope_head(const float *x, const float *cos_row, const float *sin_row, int D,
@@ -248,18 +346,25 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
     float *q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
     int64_t *num_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
-    int64_t total_items = 0;
-    if (num_chunks && item_start) {
+    int64_t *kv_item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    const int64_t group_heads = Hq / Hkv;
+    const int64_t set_size = D % 32 == 0 ? (group_heads < 4 ? group_heads : 4) : 1;
+    const int64_t sets = Hkv * ((group_heads + set_size - 1) / set_size);  // per request
+    int64_t total_items = 0, total_kv_items = 0;
+    if (num_chunks && item_start && kv_item_start) {
         for (int64_t b = 0; b < B; b++) {
             num_chunks[b] = seq_lens[b] > 0 ? (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK : 1;
-            item_start[b] = total_items;
+            item_start[b] = total_items;  // partials: (request, query head, chunk)
             total_items += Hq * num_chunks[b];
+            kv_item_start[b] = total_kv_items;  // work: (request, head set, chunk)
+            total_kv_items += sets * num_chunks[b];
         }
         item_start[B] = total_items;
+        kv_item_start[B] = total_kv_items;
     }
     float *partials = (float *)malloc(sizeof(float) * (size_t)(total_items * (D + 2) + 1));
-    if (!q_all || !num_chunks || !item_start || !partials) {
-        free(q_all); free(num_chunks); free(item_start); free(partials);
+    if (!q_all || !num_chunks || !item_start || !kv_item_start || !partials) {
+        free(q_all); free(num_chunks); free(item_start); free(kv_item_start); free(partials);
         return -1;
     }
     int failed = 0;
@@ -281,26 +386,36 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
             }
         }
         // (the implicit barrier: every new k/v is in the pool before any query reads it)
-        float *scores = (float *)malloc(sizeof(float) * KV_CHUNK);
+        // the query heads of one kv head go through attend_group together, up to 4 at a time
+        // (keys and values read once for them) where D allows; else one per attend_chunk
+        const int64_t group = group_heads, sub = set_size, subs = sets / Hkv;
+        float *scores = (float *)malloc(sizeof(float) * KV_CHUNK * (size_t)sub);
         if (!buf || !scores) {
 #pragma omp atomic write
             failed = 1;
         }
-        const int64_t group = Hq / Hkv;
-        // work items: (request, query head, chunk of KV_CHUNK keys), flattened
+        // work items: (request, kv head, set of its query heads, chunk of KV_CHUNK keys)
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < total_items; item++) {
+        for (int64_t item = 0; item < total_kv_items; item++) {
             if (!scores) continue;
             int64_t b = 0;
-            while (item >= item_start[b + 1]) b++;
-            const int64_t within = item - item_start[b], nch = num_chunks[b];
-            const int64_t h = within / nch, c = within % nch;
+            while (item >= kv_item_start[b + 1]) b++;
+            const int64_t within = item - kv_item_start[b], nch = num_chunks[b];
+            const int64_t gs = within / nch, c = within % nch;
+            const int64_t g = gs / subs, h0 = g * group + (gs % subs) * sub;
+            const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
             const int64_t len = seq_lens[b];
             const int64_t t0 = c * KV_CHUNK, t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
-            float *part = partials + item * (D + 2);
-            attend_chunk(q_all + (b * Hq + h) * D, req_to_token + req_pool_indices[b] * ld_r2t,
-                         t0, t1, k_pool, v_pool, pool_bf16, Hkv, h / group, D, sm_scale, scores,
-                         part, part + 1, part + 2);
+            float *part = partials + (item_start[b] + h0 * nch + c) * (D + 2);
+            const int32_t *slots = req_to_token + req_pool_indices[b] * ld_r2t;
+            const float *q = q_all + (b * Hq + h0) * D;
+            if (sub == 1) {
+                attend_chunk(q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D, sm_scale,
+                             scores, part, part + 1, part + 2);
+            } else {
+                attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
+                             sm_scale, scores, part, nch * (D + 2));
+            }
         }
         // merge each head's chunks
 #pragma omp for schedule(static)
@@ -325,7 +440,7 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
         }
         free(scores); free(buf);
     }
-    free(partials); free(item_start); free(num_chunks);
+    free(partials); free(item_start); free(kv_item_start); free(num_chunks);
     free(q_all);
     return failed ? -1 : 0;
 }

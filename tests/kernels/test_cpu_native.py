@@ -157,10 +157,11 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 32])  # 64: the unrolled path; others: the generic loop
+@pytest.mark.parametrize("dim", [64, 32, 40])  # 40: not a multiple of 32, a head at a time
+@pytest.mark.parametrize("heads", [(9, 3), (10, 2)])  # 10 / 2: groups of 5, in sets of 4 + 1
 def test_decode_attention_rope_matches_rope_store_and_reference_attention(pool_dtype,
-                                                                          act_dtype, dim):
-    hq, hkv, slots = 9, 3, 400
+                                                                          act_dtype, dim, heads):
+    (hq, hkv), slots = heads, 400
     gen = torch.Generator().manual_seed(8)
     rope = RotaryEmbedding(dim, 512, 10000.0, None, "cpu")
     k_pool = torch.randn(slots, hkv, dim, generator=gen).to(pool_dtype)
