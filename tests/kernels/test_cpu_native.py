@@ -102,17 +102,18 @@ def test_q4_0_and_dense_sources_become_q4_1_blocks():
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("m", [1, 3, 4, 7, 9])
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 9, 17, 33])
 def test_q8_0_head_keeps_float_activations(variant, m):
     gen = torch.Generator().manual_seed(11)
-    w = torch.randn(300, 128, generator=gen) * 0.1
+    # 301 weight rows: a tile of 64 left partial, and a last pair of rows left single
+    w = torch.randn(301, 128, generator=gen) * 0.1
     codes, scale = quantize_blocks_int8(w)
-    wq = (codes.float().view(300, 4, 32) * scale[..., None]).view(300, 128)
+    wq = (codes.float().view(301, 4, 32) * scale[..., None]).view(301, 128)
     x = torch.randn(m, 128, generator=gen)
     y = kc.q8_0_matmul_f32(x, codes, scale, variant)
     torch.testing.assert_close(y, x @ wq.T, rtol=1e-5, atol=1e-5)
-    # rows go through in groups of up to four: each row's logits are the bits it gets alone
-    # (a verify pass's rows equal the one-row decode step's)
+    # rows go through in chunks of up to 8 (AVX-512) or 4 (AVX2): each row's logits are the
+    # bits it gets alone (a verify pass's rows equal the one-row decode step's)
     alone = torch.cat([kc.q8_0_matmul_f32(x[i : i + 1], codes, scale, variant)
                        for i in range(m)])
     assert torch.equal(y, alone)
