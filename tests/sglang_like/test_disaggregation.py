@@ -19,7 +19,11 @@ from sglang_like.disaggregation.transfer import slot_runs
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 2.0  # the decode worker's transfer timeout
+# the prefill worker's: longer, so a request it never hears of ends by the decode side's
+# timeout and cancel (what test_transfer_timeout_cancels_and_frees checks), not by the prefill
+# side's own report of a room nobody asked for, which raced it at equal timeouts
+PREFILL_TIMEOUT_S = 2 * TIMEOUT_S
 SP = {"max_new_tokens": 8, "temperature": 0.0}
 
 
@@ -50,10 +54,10 @@ def test_messages_round_trip() -> None:
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[Engine, Engine, int]]:
     port = _free_port()
-    kw = {"max_total_tokens": 4096, "log_level": "warning",
-          "disaggregation_transfer_timeout": TIMEOUT_S}
-    prefill = Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, **kw)
-    decode = Engine(disaggregation_mode="decode", **kw)
+    kw = {"max_total_tokens": 4096, "log_level": "warning"}
+    prefill = Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                     disaggregation_transfer_timeout=PREFILL_TIMEOUT_S, **kw)
+    decode = Engine(disaggregation_mode="decode", disaggregation_transfer_timeout=TIMEOUT_S, **kw)
     yield prefill, decode, port
     prefill.shutdown()
     decode.shutdown()
@@ -127,7 +131,7 @@ def test_prefill_request_whose_decode_side_never_registers(
                            bootstrap_port=port, bootstrap_room=41)
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "no decode worker registered" in reason["message"]
-    assert TIMEOUT_S - 0.5 < time.monotonic() - t0 < TIMEOUT_S + 5
+    assert PREFILL_TIMEOUT_S - 0.5 < time.monotonic() - t0 < PREFILL_TIMEOUT_S + 5
     _assert_idle(prefill)
 
 
