@@ -93,7 +93,8 @@ def _ours(quantization: str, port: int, args: argparse.Namespace) -> list[dict[s
     return _serve_and_drive(cmd, port, args)
 
 
-def _llama(port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _llama(port: int, args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
+    """(its results, whether it ran with weight repacking off)."""
     from sglang_like.model_loader import default_model_path
 
     binary = os.path.join(os.path.expanduser(args.llama_cpp_bin), "llama-server")
@@ -103,14 +104,13 @@ def _llama(port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     cmd = [binary, "-m", args.model_path or default_model_path(), "--port", str(port),
            "-t", str(args.threads), "-np", str(slots), "-c", str(slots * 2048)]
     try:
-        return _serve_and_drive(cmd, port, args)
+        return _serve_and_drive(cmd, port, args), False
     except _ServerDied as exc:
         if exc.returncode not in CRASH_CODES:
             raise
     # its AMX weight repacking dies on some CPUs (see bench_peers): as bench_offline does,
     # run it again with repacking off, and say so in the table
-    args.llama_no_repack = True
-    return _serve_and_drive(cmd + ["--no-repack"], port, args)
+    return _serve_and_drive(cmd + ["--no-repack"], port, args), True
 
 
 def served_prompt(args: argparse.Namespace, i: int = 0) -> str:
@@ -174,10 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_offline:
             offline[quantization] = _offline_tpot_ms(quantization, args)
     if args.llama_cpp_bin:
-        for s in _llama(args.port + 1, args):
-            name = "llama-server" + (" --no-repack" if getattr(args, "llama_no_repack", False)
-                                     else "")
-            rows.append((name, s))
+        results, no_repack = _llama(args.port + 1, args)
+        name = "llama-server --no-repack" if no_repack else "llama-server"
+        rows.extend((name, s) for s in results)
 
     print(f"\nshared-prefix workload (~{args.prefix_words} words shared), {args.output_len} "
           "tokens each, OpenAI /v1/completions streaming, same client for every server")

@@ -156,77 +156,11 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 #define KV_CHUNK 256  // keys per work item: a long context is split across the threads
 
-// Attention of one query head q [D] over keys [t0, t1) of kv head g: writes the chunk's max
-// score, its sum of exp(score - max) and acc [D] = sum exp(score - max) * v.
-static void attend_chunk(const float *q, const int32_t *slots, int64_t t0, int64_t t1,
-                         const void *k_pool, const void *v_pool, int bf16, int64_t Hkv,
-                         int64_t g, int64_t D, float sm_scale, float *scores, float *m_out,
-                         float *l_out, float *acc) {
-    const int64_t n = t1 - t0;
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-        const int64_t o0 = ((int64_t)slots[t0 + t] * Hkv + g) * D;
-        const int64_t o1 = ((int64_t)slots[t0 + t + 1] * Hkv + g) * D;
-        const int64_t o2 = ((int64_t)slots[t0 + t + 2] * Hkv + g) * D;
-        const int64_t o3 = ((int64_t)slots[t0 + t + 3] * Hkv + g) * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qv, load8(k_pool, bf16, o0 + d), a0);
-            a1 = _mm256_fmadd_ps(qv, load8(k_pool, bf16, o1 + d), a1);
-            a2 = _mm256_fmadd_ps(qv, load8(k_pool, bf16, o2 + d), a2);
-            a3 = _mm256_fmadd_ps(qv, load8(k_pool, bf16, o3 + d), a3);
-        }
-        _mm_storeu_ps(scores + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(sm_scale)));
-    }
-    for (; t < n; t++) {
-        const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D;
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k_pool, bf16, o + d), a);
-        const __m128 h = hsum4(a, a, a, a);
-        scores[t] = _mm_cvtss_f32(h) * sm_scale;
-    }
-    float mx = -INFINITY;
-    for (t = 0; t < n; t++) mx = scores[t] > mx ? scores[t] : mx;
-    *m_out = mx;
-    *l_out = exp_shift_sum(scores, n, mx);
-    if (D == 64) {  // the common head size: the accumulator stays in registers
-        __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0, v4 = v0, v5 = v0, v6 = v0,
-               v7 = v0;
-        for (t = 0; t < n; t++) {
-            const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D;
-            const __m256 p = _mm256_set1_ps(scores[t]);
-            v0 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o), v0);
-            v1 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 8), v1);
-            v2 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 16), v2);
-            v3 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 24), v3);
-            v4 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 32), v4);
-            v5 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 40), v5);
-            v6 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 48), v6);
-            v7 = _mm256_fmadd_ps(p, load8(v_pool, bf16, o + 56), v7);
-        }
-        _mm256_storeu_ps(acc, v0); _mm256_storeu_ps(acc + 8, v1);
-        _mm256_storeu_ps(acc + 16, v2); _mm256_storeu_ps(acc + 24, v3);
-        _mm256_storeu_ps(acc + 32, v4); _mm256_storeu_ps(acc + 40, v5);
-        _mm256_storeu_ps(acc + 48, v6); _mm256_storeu_ps(acc + 56, v7);
-        return;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)D);
-    for (t = 0; t < n; t++) {
-        const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D;
-        const __m256 p = _mm256_set1_ps(scores[t]);
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load8(v_pool, bf16, o + d),
-                                                      _mm256_loadu_ps(acc + d)));
-    }
-}
-
-// The G query heads that read kv head g (GQA), over keys [t0, t1): for each head, what
-// attend_chunk writes (max score, sum of exp(score - max), acc [D]) with the very same sums in
-// the same order, but each key and value row is loaded (and widened from bf16) once for the
-// G heads instead of once per head. q: the G heads' queries [G, D]; scores [G, KV_CHUNK];
-// part: head j's partial at part + j * part_stride. D a multiple of 32.
+// Attention of the G query heads that read kv head g (GQA) over keys [t0, t1): for each head,
+// its chunk's max score, sum of exp(score - max) and acc [D] = sum exp(score - max) * v, with
+// each key and value row loaded (and widened from bf16) once for the G heads. Every head's
+// sums run in the same order whatever G is. q: the G heads' queries [G, D]; scores
+// [G, KV_CHUNK]; part: head j's (max, sum, acc) at part + j * part_stride. D a multiple of 8.
 #define ATTEND_GROUP(G)                                                                        \
     static void attend_group_##G(const float *q, const int32_t *slots, int64_t t0, int64_t t1,  \
                                  const void *k_pool, const void *v_pool, int bf16, int64_t Hkv, \
@@ -277,7 +211,8 @@ static void attend_chunk(const float *q, const int32_t *slots, int64_t t0, int64
             part[j * part_stride] = mx;                                                         \
             part[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                               \
         }                                                                                       \
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {                                                \
+        int64_t d0 = 0;                                                                         \
+        for (; d0 + 32 <= D; d0 += 32) {                                                        \
             __m256 acc[G][4];                                                                   \
             for (int j = 0; j < G; j++)                                                         \
                 acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = _mm256_setzero_ps();            \
@@ -296,6 +231,16 @@ static void attend_chunk(const float *q, const int32_t *slots, int64_t t0, int64
             for (int j = 0; j < G; j++)                                                         \
                 for (int i = 0; i < 4; i++)                                                     \
                     _mm256_storeu_ps(part + j * part_stride + 2 + d0 + 8 * i, acc[j][i]);       \
+        }                                                                                       \
+        for (; d0 < D; d0 += 8) { /* a head size not a multiple of 32 */                       \
+            __m256 acc[G];                                                                      \
+            for (int j = 0; j < G; j++) acc[j] = _mm256_setzero_ps();                           \
+            for (t = 0; t < n; t++) {                                                           \
+                const __m256 v = load8(v_pool, bf16, ((int64_t)slots[t0 + t] * Hkv + g) * D + d0); \
+                for (int j = 0; j < G; j++)                                                     \
+                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(scores[j * KV_CHUNK + t]), v, acc[j]); \
+            }                                                                                   \
+            for (int j = 0; j < G; j++) _mm256_storeu_ps(part + j * part_stride + 2 + d0, acc[j]); \
         }                                                                                       \
     }
 ATTEND_GROUP(1)
@@ -348,7 +293,7 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
     int64_t *kv_item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
     const int64_t group_heads = Hq / Hkv;
-    const int64_t set_size = D % 32 == 0 ? (group_heads < 4 ? group_heads : 4) : 1;
+    const int64_t set_size = group_heads < 4 ? group_heads : 4;
     const int64_t sets = Hkv * ((group_heads + set_size - 1) / set_size);  // per request
     int64_t total_items = 0, total_kv_items = 0;
     if (num_chunks && item_start && kv_item_start) {
@@ -387,7 +332,6 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
         }
         // (the implicit barrier: every new k/v is in the pool before any query reads it)
         // the query heads of one kv head go through attend_group together, up to 4 at a time
-        // (keys and values read once for them) where D allows; else one per attend_chunk
         const int64_t group = group_heads, sub = set_size, subs = sets / Hkv;
         float *scores = (float *)malloc(sizeof(float) * KV_CHUNK * (size_t)sub);
         if (!buf || !scores) {
@@ -409,13 +353,8 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
             float *part = partials + (item_start[b] + h0 * nch + c) * (D + 2);
             const int32_t *slots = req_to_token + req_pool_indices[b] * ld_r2t;
             const float *q = q_all + (b * Hq + h0) * D;
-            if (sub == 1) {
-                attend_chunk(q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D, sm_scale,
-                             scores, part, part + 1, part + 2);
-            } else {
-                attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
-                             sm_scale, scores, part, nch * (D + 2));
-            }
+            attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
+                         sm_scale, scores, part, nch * (D + 2));
         }
         // merge each head's chunks
 #pragma omp for schedule(static)

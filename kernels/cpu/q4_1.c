@@ -218,10 +218,11 @@ const char *q4_1_isa(void) {
 #endif
 }
 
-// One weight row (nb blocks of 32 int8 codes, a float scale each) against R activation rows:
-// each block is widened to float and scaled once for all R rows, then each row takes two
-// FMAs a 16-lane half (two accumulators a row, summed at the end). Every row's sums run in
-// the same order whatever R is, so a row's result does not depend on the rows beside it.
+// A weight row (nb blocks of 32 int8 codes, a float scale each) against R activation rows:
+// each block is widened to float and scaled once for all R rows, then FMAs into per-row
+// accumulators (AVX-512: two weight rows per call, one accumulator per pair of rows; AVX2:
+// one weight row, two accumulators per activation row). Every row's sums run in the same
+// order whatever R is, so a row's result does not depend on the rows beside it.
 #ifdef Q4_VNNI
 #define Q8_MAX_ROWS 8
 #define Q8_WEIGHT_ROWS 2

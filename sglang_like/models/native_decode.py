@@ -27,11 +27,11 @@ if TYPE_CHECKING:
     from sglang_like.mem_pool import KVPool
     from sglang_like.models.llama import LlamaDecoderLayer, RMSNorm
 
-# Query rows up to which a decode or verify batch runs natively; larger ones (and any batch
-# with a prefill chunk) keep the torch path. Measured here at int4 (2 cores, AVX-512), decode
-# tok/s torch -> native: 16 requests 418 -> 525, 32: 484 -> 559 (short prompts); 16 / 32 / 64
-# requests sharing a 1,000-token cached prefix, where the torch path's cascade attention
-# reads the shared keys once: 331 -> 448, 391 -> 411, 469 -> 449.
+# Query rows up to which a decode or masked (verify) batch runs natively; larger ones, and
+# plain extends (prefill chunks without masks), keep the torch path. Measured here at int4
+# (2 cores, AVX-512), decode tok/s torch -> native: 16 requests 418 -> 525, 32: 484 -> 559
+# (short prompts); 16 / 32 / 64 requests sharing a 1,000-token cached prefix, where the torch
+# path's cascade attention reads the shared keys once: 331 -> 448, 391 -> 411, 469 -> 449.
 MAX_ROWS = 64
 
 Linear = Callable[[torch.Tensor], torch.Tensor]

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import kernels.cpu
-from sglang_like.quant.base import LinearMethod, WeightSource
-from sglang_like.quant.int8 import EMBED_BLOCK, embed_block_rows, quantize_blocks_int8
+from sglang_like.quant.base import WeightSource
+from sglang_like.quant.int8 import EMBED_BLOCK, Int8EmbeddingMethod, quantize_blocks_int8
 
 
 @functools.cache
@@ -19,10 +19,10 @@ def q8_head_available() -> bool:
     return kernels.cpu.available()
 
 
-class Q8HeadMethod(LinearMethod):
-    """int8 codes [N, K] with a float32 scale per 32 columns (a GGUF Q8_0 matrix kept exactly,
-    anything else quantized at load); `apply` runs `kernels.cpu.q8_0_matmul_f32` whatever the
-    row count, `embed` gathers rows.
+class Q8HeadMethod(Int8EmbeddingMethod):
+    """The embedding's block-int8 rows (a GGUF Q8_0 matrix kept exactly, anything else
+    quantized at load; `embed` and `dequantize` as there), multiplied by
+    `kernels.cpu.q8_0_matmul_f32` whatever the row count.
 
     Why one copy at int8: the head is the model's largest matrix (49152x576 on the default
     model). An fp16 copy for fbgemm's GEMM besides the rows the embedding gathers took 96 MB
@@ -35,16 +35,11 @@ class Q8HeadMethod(LinearMethod):
     moved by about 1e-3 across a cut between the two).
     """
 
-    input_dtype = torch.float32
-
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
-        if len(sources) == 1:
-            codes, scale = quantize_blocks_int8(sources[0])
-        else:
-            parts = [quantize_blocks_int8(s) for s in sources]
-            codes = torch.cat([c for c, _ in parts])
-            scale = torch.cat([s for _, s in parts])
+        parts = [quantize_blocks_int8(s) for s in sources]  # a fused linear's partitions too
+        codes = torch.cat([c for c, _ in parts]) if len(parts) > 1 else parts[0][0]
+        scale = torch.cat([s for _, s in parts]) if len(parts) > 1 else parts[0][1]
         if codes.shape[1] % EMBED_BLOCK != 0:
             raise ValueError(f"the Q8_0 head needs in_features % {EMBED_BLOCK} == 0")
         layer.register_buffer("weight", codes.contiguous().to(device))
@@ -53,15 +48,5 @@ class Q8HeadMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return kernels.cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        ids = torch.arange(layer.weight.shape[0], device=layer.weight.device)
-        return embed_block_rows(layer.weight, layer.block_scale, ids)
-
-    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return embed_block_rows(layer.weight, layer.block_scale, ids)
-
-    def weight_bytes(self, layer: nn.Module) -> int:
-        return layer.weight.numel() + layer.block_scale.numel() * 4
-
     def decode_bytes(self, layer: nn.Module) -> int:
-        return self.weight_bytes(layer)
+        return self.weight_bytes(layer)  # every step reads the whole head

@@ -41,12 +41,12 @@ _EXPLORE_STEPS = 256
 # kept: drafting is a few lookups a request, but at batch 32 that was 1.2 ms of a 66 ms step
 # for trees the step could not afford
 _IDLE_MIN_BATCH = 8
+_IDLE_STEPS = 16
+_IDLE_PERIOD = 8
 # a cheap drafter's evidence whose trees have not been verified for this many steps is
 # expected to do as well as an untried one, once (the text changes: the bench's code-editing
 # prompts after chat found their match lengths priced by chat's trees and never drafted)
 _STALE_EVIDENCE_STEPS = 256
-_IDLE_STEPS = 16
-_IDLE_PERIOD = 8
 
 
 @dataclass

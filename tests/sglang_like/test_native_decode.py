@@ -53,10 +53,9 @@ def _assert_same(got, want):
             assert abs(a - b) < LOGPROB_TOL, (i, a, b)
 
 
-def test_native_decode_matches_the_torch_path(make_engine):
-    engine = make_engine(quantization="int4")
-    model = engine.runner.model
-    assert model.native_decode
+def _native_then_torch(model, run):
+    """(run() on the native path, run() on the torch path, the batch size of every native
+    forward during the first, the native forwards during the second)."""
     calls = []
     native = model._decode_layers_native
 
@@ -66,14 +65,22 @@ def test_native_decode_matches_the_torch_path(make_engine):
 
     model._decode_layers_native = counted
     try:
-        got = _runs(engine, PROMPTS[:4])
+        got = run()
+        native_calls = list(calls)
         model.native_decode = False
-        n_native = len(calls)
-        want = _runs(engine, PROMPTS[:4])
+        want = run()
     finally:
         model.native_decode = True
         del model._decode_layers_native
-    assert n_native > 0 and len(calls) == n_native  # the native path ran, then it did not
+    return got, want, native_calls, len(calls) - len(native_calls)
+
+
+def test_native_decode_matches_the_torch_path(make_engine):
+    engine = make_engine(quantization="int4")
+    model = engine.runner.model
+    assert model.native_decode
+    got, want, calls, after = _native_then_torch(model, lambda: _runs(engine, PROMPTS[:4]))
+    assert calls and after == 0  # the native path ran, then it did not
     assert {1, 4} <= set(calls)
     _assert_same(got, want)
 
@@ -81,25 +88,13 @@ def test_native_decode_matches_the_torch_path(make_engine):
 def test_native_decode_of_a_large_batch(make_engine):
     """A batch of 16 (above the old cut of 8) runs natively, with the torch path's tokens."""
     engine = make_engine(quantization="int4")
-    model = engine.runner.model
-    calls = []
-    native = model._decode_layers_native
 
-    def counted(*args, **kwargs):
-        calls.append(args[1].batch_size)
-        return native(*args, **kwargs)
+    def run():
+        engine.flush_cache()
+        return engine.generate(list(PROMPTS[:16]), GREEDY, return_logprob=True,
+                               top_logprobs_num=2)
 
-    model._decode_layers_native = counted
-    prompts = list(PROMPTS[:16])
-    try:
-        engine.flush_cache()
-        got = engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
-        model.native_decode = False
-        engine.flush_cache()
-        want = engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
-    finally:
-        model.native_decode = True
-        del model._decode_layers_native
+    got, want, calls, _ = _native_then_torch(engine.runner.model, run)
     assert 16 in calls
     _assert_same(got, want)
 
