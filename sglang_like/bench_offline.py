@@ -34,6 +34,7 @@ FORMATS = {
     "int4": {"quantization": "int4"},
     # int4 with the native CPU kernels off: torch's ops only (the path before kernels/cpu)
     "int4-torch-ops": {"quantization": "int4", "env": {"SGLANG_LIKE_CPU_KERNELS": "off"}},
+    "int4-no-amx": {"quantization": "int4", "env": {"SGLANG_LIKE_AMX": "off"}},
     # what an AVX2-only machine runs: torch's AVX2 kernels, the AVX2 build of ours (which
     # then takes int4's matmuls, see sglang_like/quant/q4_native.py)
     "int4-avx2": {"quantization": "int4",

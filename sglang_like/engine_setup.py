@@ -46,7 +46,8 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         server_args.quantization, device=device, dtype_is_explicit=server_args.dtype != "auto",
         source_has_int4_blocks=all_int4_blocks(loaded.weights),
     )
-    quant = QuantConfig(quantization, dtype)
+    quant = QuantConfig(quantization, dtype,
+                        deterministic=server_args.enable_deterministic_inference)
     # `auto` KV: the dtype K and V come out of their projection in. A quantized CPU model's
     # int kernels return bf16, so V is bf16 already and only K's RoPE rounds again: an fp32
     # pool would double the KV memory for nothing (llama.cpp keeps f16 KV by default)

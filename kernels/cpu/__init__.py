@@ -86,16 +86,19 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(variant: str) -> Path:
-    """The variant's shared library, compiled unless the cache has it (atomic: concurrent
-    builders each write a temporary file and rename it into place)."""
+def _build(variant: str, sources: list[Path] | None = None,
+           flags: list[str] | None = None) -> Path:
+    """A shared library (by default the variant's, of q4_1.c and ops.c), compiled unless the
+    cache has it (atomic: concurrent builders each write a temporary file and rename it into
+    place)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
-    flags = _COMMON + _FLAGS[variant]
-    texts = [src.read_text() for src in _SOURCES]
+    sources = _SOURCES if sources is None else sources
+    flags = _COMMON + (_FLAGS[variant] if flags is None else flags)
+    texts = [src.read_text() for src in sources]
     key = hashlib.sha256("\0".join([*texts, *flags, *version]).encode())
     out = cache_dir() / f"cpu_kernels_{variant}_{key.hexdigest()[:16]}.so"
     if out.exists():
@@ -104,7 +107,7 @@ def _build(variant: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build the CPU kernels ({variant}):\n"

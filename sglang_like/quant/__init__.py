@@ -98,6 +98,8 @@ class QuantConfig:
 
     name: str  # "none" | "int8" | "int4" | "fp16"
     dtype: torch.dtype  # dense dtype: unquantized weights and the `none` path's activations
+    # one int4 kernel at every row count (`--enable-deterministic-inference`)
+    deterministic: bool = False
 
     @property
     def is_quantized(self) -> bool:
@@ -111,7 +113,8 @@ class QuantConfig:
         if self.name == "int4" and in_features % 32 == 0 and prefer_native_q4():
             return _Q4_NATIVE  # torch's int4 kernel would run its AVX2 code (see q4_native)
         if self.name == "int4" and in_features % 32 == 0 and out_features % 16 == 0:
-            return _INT4 if in_features % 64 == 0 else _INT4_G32
+            group = 64 if in_features % 64 == 0 else 32
+            return _INT4_METHODS[group, self.deterministic]
         if self.name in ("int4", "int8"):
             return _INT8
         return DenseMethod(self.dtype)
@@ -147,6 +150,6 @@ _INT8_EMBED = Int8EmbeddingMethod()
 _FP16 = Fp16FbgemmMethod(embed_rows=False)
 _FP16_TIED = Fp16FbgemmMethod(embed_rows=True)
 _Q8_HEAD = Q8HeadMethod()
-_INT4 = Int4Method(64)
-_INT4_G32 = Int4Method(32)
+_INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
+                 for det in (False, True)}
 _Q4_NATIVE = Q4NativeMethod()

@@ -43,7 +43,8 @@ def _build_runner(spec: dict, slot: AllReduceSlot, device: torch.device):  # noq
     return ModelRunner(
         loaded.config, loaded.weights, dtype=dtype, device=device,
         num_kv_slots=sa.max_total_tokens, context_len=sa.context_length,
-        max_running_requests=sa.max_running_requests, quant=QuantConfig(sa.quantization, dtype),
+        max_running_requests=sa.max_running_requests, quant=QuantConfig(
+            sa.quantization, dtype, deterministic=sa.enable_deterministic_inference),
         kv_dtype=getattr(torch, sa.kv_cache_dtype),
         tp=TPShard(plan, slot.all_reduce),
     )

@@ -261,15 +261,19 @@ def test_quantized_default_model_tracks_fp32(engines) -> None:
 
 
 @pytest.mark.slow
-def test_quantized_greedy_is_batch_invariant(engines) -> None:
-    """The int kernels are row-independent: a request's tokens do not depend on the requests
-    decoding beside it (same prefill, same KV; only the batch differs)."""
-    engine = engines["int4"]
+def test_quantized_greedy_is_batch_invariant(make_engine) -> None:
+    """With --enable-deterministic-inference the int4 linears run one kernel at every row
+    count (AMX from one row on AMX CPUs, torch's elsewhere), so a request's tokens do not
+    depend on the requests prefilled and decoding beside it: 8 prompts, so a batch crosses
+    the 5 rows from which the default picks AMX."""
+    engine = make_engine(quantization="int4", max_total_tokens=8192,
+                         enable_deterministic_inference=True)
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    prompts = PROMPTS[:8]
+    assert len(prompts) == 8
+    alone = [engine.generate(p, params)["output_ids"] for p in prompts]
     engine.flush_cache()
-    alone = [engine.generate(p, params)["output_ids"] for p in PROMPTS[:4]]
-    engine.flush_cache()
-    batched = [o["output_ids"] for o in engine.generate(PROMPTS[:4], params)]
+    batched = [o["output_ids"] for o in engine.generate(prompts, params)]
     assert batched == alone
 
 

@@ -1,0 +1,85 @@
+"""int4 x bf16 matmul on Intel AMX tiles (amx.c), for batches of rows.
+
+Built like the other CPU kernels (`kernels.cpu._build`, cached by source hash) but as its
+own library, only on CPUs with AMX-BF16 (Sapphire Rapids and later): `available()` is False
+elsewhere (AMD, older Intel, AVX2-only machines) and callers keep torch's kernel. Linux gives
+a process the AMX tile state only on request; loading the library asks for it, and a kernel
+that refuses (an old kernel, a hypervisor that hides it) leaves AMX unavailable.
+`SGLANG_LIKE_CPU_KERNELS=off` turns it off with the other native kernels, `SGLANG_LIKE_AMX=off`
+alone (read once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from kernels.cpu import _build, _cpu_flags, _requested
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["available", "q4_matmul"]
+
+_SOURCE = "amx.c"
+_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+          "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+_CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+
+
+def cpu_supports() -> bool:
+    return _CPU_FLAGS <= _cpu_flags()
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    amx = os.environ.get("SGLANG_LIKE_AMX", "").strip().lower() or "auto"
+    if amx not in ("auto", "off"):
+        raise ValueError(f"SGLANG_LIKE_AMX={amx!r}: expected auto or off")
+    if amx == "off" or _requested() == "off" or not cpu_supports():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build("amx_bf16", [Path(__file__).with_name(_SOURCE)], _FLAGS)))
+    except (RuntimeError, OSError) as exc:
+        logger.warning("AMX kernels unavailable, using torch's: %s", exc)
+        return None
+    lib.amx_init.restype = ctypes.c_int
+    if lib.amx_init() != 0:
+        logger.warning("the OS refused this process AMX tile state; using torch's kernels")
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.q4_amx_matmul.argtypes = [p, p, i64, i64, i64, p, i64, i64, p, i64]
+    lib.q4_amx_matmul.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
+              group_size: int) -> torch.Tensor:
+    """x [M, K] bf16 @ W.T -> [M, N] bf16, W held as torch packs it for
+    `_weight_int4pack_mm_for_cpu` on AVX-512: `codes` uint8 [N, K/2] in 64-row blocks
+    (quant/int4.py `_unpack_blocked`), `scale_zero` bf16 [K/group, N, 2]."""
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("AMX kernels are unavailable on this machine")
+        rc = lib.q4_amx_matmul(codes.data_ptr(), scale_zero.data_ptr(), n, k, group_size,
+                               x.data_ptr(), x.stride(0), m, y.data_ptr(), n)
+        if rc != 0:
+            raise RuntimeError(f"q4_amx_matmul: N={n} must divide by 64, K={k} and group "
+                               f"{group_size} by 32")
+    return y
