@@ -284,21 +284,28 @@ def _attend_one(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     slots: torch.Tensor,
-    allowed: torch.Tensor,
+    allowed: torch.Tensor | None,
     sm_scale: float,
 ) -> torch.Tensor:
-    """q [N, Hq, D] over keys at slots [L] where allowed [N, L]; returns fp32 [N, Hq, D]."""
+    """q [N, Hq, D] over keys at slots [L] where allowed [N, L] (None: causal, N == L);
+    returns fp32 [N, Hq, D].
+
+    The operands are 4-D: given 3-D ones, torch's CPU SDPA takes its unfused math path, which
+    measured 48 ms for 1024 queries x 1024 keys (9 query heads over 3) against 10.5 with the
+    mask through the fused kernel and 6.7 causal.
+    """
     keys = k_pool.index_select(0, slots).float().transpose(0, 1)  # [Hkv, L, D]
     values = v_pool.index_select(0, slots).float().transpose(0, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1),
-        keys,
-        values,
+        q.float().transpose(0, 1)[None],
+        keys[None],
+        values[None],
         attn_mask=allowed,
+        is_causal=allowed is None,
         scale=sm_scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def extend_attention(
@@ -334,9 +341,10 @@ def _extend_plan(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     device: torch.device,
-) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """(row start, row end, key slots, causal mask) per request with new tokens, built once
-    per forward and memoized like the decode plan (every layer asks with the same tensors)."""
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+    """(row start, row end, key slots, causal mask: None without a prefix) per request with
+    new tokens, built once per forward and memoized like the decode plan (every layer asks
+    with the same tensors)."""
     key = (req_to_token, req_pool_indices, prefix_lens, extend_lens)
     memo = _extend_memo.get(key)
     if memo is not None:
@@ -349,7 +357,8 @@ def _extend_plan(
             total = prefix_len + extend_len
             slots = req_to_token[row, :total].to(device=device, dtype=torch.long)
             query_pos = torch.arange(prefix_len, total, device=device)
-            allowed = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
+            allowed = (torch.arange(total, device=device)[None, :] <= query_pos[:, None]
+                       if prefix_len else None)
             plan.append((start, start + extend_len, slots, allowed))
         start += extend_len
     return _extend_memo.put(key, plan)

@@ -23,7 +23,7 @@ from kernels.cpu import _build, _cpu_flags, _requested
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "q4_matmul"]
+__all__ = ["available", "q4_matmul", "q8_matmul"]
 
 _SOURCE = "amx.c"
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -54,11 +54,20 @@ def _library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.q4_amx_matmul.argtypes = [p, p, i64, i64, i64, p, i64, i64, p, i64]
     lib.q4_amx_matmul.restype = ctypes.c_int
+    lib.q8_amx_matmul.argtypes = [p, p, i64, i64, p, i64, i64, p, i64]
+    lib.q8_amx_matmul.restype = ctypes.c_int
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("AMX kernels are unavailable on this machine")
+    return lib
 
 
 def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
@@ -74,12 +83,28 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:
-        lib = _library()
-        if lib is None:
-            raise RuntimeError("AMX kernels are unavailable on this machine")
-        rc = lib.q4_amx_matmul(codes.data_ptr(), scale_zero.data_ptr(), n, k, group_size,
+        rc = _lib().q4_amx_matmul(codes.data_ptr(), scale_zero.data_ptr(), n, k, group_size,
                                x.data_ptr(), x.stride(0), m, y.data_ptr(), n)
         if rc != 0:
             raise RuntimeError(f"q4_amx_matmul: N={n} must divide by 64, K={k} and group "
                                f"{group_size} by 32")
+    return y
+
+
+def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32 with W = codes int8 [N, K] times scales
+    float32 [N, K/32] (kernels.cpu.q8_0_matmul_f32's operands); x and the weights meet as
+    bf16 on the tiles."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        rc = _lib().q8_amx_matmul(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(),
+                                  x.stride(0), m, y.data_ptr(), n)
+        if rc != 0:
+            raise RuntimeError(f"q8_amx_matmul: N={n} and K={k} must divide by 32")
     return y

@@ -129,7 +129,7 @@ class QuantConfig:
         if not self.is_quantized:
             return DenseMethod(self.dtype)
         if in_features % 32 == 0 and q8_head_available():
-            return _Q8_HEAD
+            return _Q8_HEADS[self.deterministic]
         if fbgemm_fp16_available():
             return _FP16_TIED if embeds else _FP16
         return _INT8
@@ -149,7 +149,7 @@ _INT8 = Int8Method()
 _INT8_EMBED = Int8EmbeddingMethod()
 _FP16 = Fp16FbgemmMethod(embed_rows=False)
 _FP16_TIED = Fp16FbgemmMethod(embed_rows=True)
-_Q8_HEAD = Q8HeadMethod()
+_Q8_HEADS = {det: Q8HeadMethod(batch_invariant=det) for det in (False, True)}
 _INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
                  for det in (False, True)}
 _Q4_NATIVE = Q4NativeMethod()

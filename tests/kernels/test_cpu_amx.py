@@ -1,4 +1,4 @@
-"""The AMX int4 kernel (kernels/cpu/amx.c) against float64 math on the weights it defines.
+"""The AMX kernels (kernels/cpu/amx.c) against float64 math on the weights they define.
 
 It runs only where the CPU has AMX-BF16 and the OS grants tile state (Intel Sapphire Rapids
 and later); elsewhere these tests skip and int4 runs torch's kernel, which
@@ -15,8 +15,11 @@ import pytest
 import torch
 from torch import nn
 
+import kernels.cpu as kc
 import kernels.cpu.amx as amx
 from sglang_like.quant.int4 import Int4Method
+from sglang_like.quant.int8 import quantize_blocks_int8
+from sglang_like.quant.q8_head import Q8HeadMethod
 
 pytestmark = pytest.mark.skipif(not amx.available(), reason="needs AMX-BF16 (and a C compiler)")
 
@@ -97,3 +100,46 @@ def test_env_var_turns_amx_off_and_rejects_unknown_values():
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "SGLANG_LIKE_AMX": "fast"})
     assert bad.returncode != 0 and "expected auto or off" in bad.stderr
+
+
+def _q8_matrix(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, the float matrix they hold)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    codes, scales = quantize_blocks_int8(w)
+    return codes, scales, (codes.float().view(n, -1, 32) * scales[..., None]).view(n, k)
+
+
+@pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (256, 576)])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64])
+def test_q8_matmul_is_the_bf16_weights_times_bf16_activations(n, k, m):
+    codes, scales, w = _q8_matrix(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    y = amx.q8_matmul(x, codes, scales)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    ref = x.bfloat16().double() @ w.bfloat16().double().T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # the roundings to bf16 are all it adds to the int8 kernel's float product
+    native = kc.q8_0_matmul_f32(x, codes, scales)
+    assert ((y - native).norm() / native.norm()).item() < 0.005
+
+
+def test_q8_rows_do_not_depend_on_the_batch_and_bad_shapes_are_refused():
+    codes, scales, _ = _q8_matrix(64, 96, seed=0)
+    wide = torch.randn(37, 128, generator=torch.Generator().manual_seed(4))
+    x = wide[:, :96]  # row stride 128
+    batch = amx.q8_matmul(x, codes, scales)
+    for rows in (slice(0, 1), slice(5, 21), slice(30, 37)):
+        assert torch.equal(amx.q8_matmul(x[rows].contiguous(), codes, scales), batch[rows])
+    with pytest.raises(RuntimeError, match="must divide by 32"):
+        amx.q8_matmul(x, codes[:48], scales[:48])
+
+
+def test_q8_head_picks_amx_from_five_rows_unless_batch_invariant():
+    codes, scales, w = _q8_matrix(128, 64, seed=1)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5))
+    for invariant in (False, True):
+        layer, method = nn.Module(), Q8HeadMethod(batch_invariant=invariant)
+        method.create_weights(layer, [w], torch.device("cpu"))
+        assert torch.equal(method.apply(layer, x[:4]), kc.q8_0_matmul_f32(x[:4], codes, scales))
+        want = kc.q8_0_matmul_f32 if invariant else amx.q8_matmul
+        assert torch.equal(method.apply(layer, x), want(x, codes, scales))
