@@ -27,8 +27,8 @@ __all__ = ["available", "q4_matmul", "q8_matmul"]
 
 _SOURCE = "amx.c"
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
-_CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+          "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+_CPU_FLAGS = {"amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 
 
 def cpu_supports() -> bool:
@@ -54,6 +54,8 @@ def _library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.q4_amx_matmul.argtypes = [p, p, i64, i64, i64, p, i64, i64, p, i64]
     lib.q4_amx_matmul.restype = ctypes.c_int
+    lib.q4_amx_matmul_i8.argtypes = lib.q4_amx_matmul.argtypes
+    lib.q4_amx_matmul_i8.restype = ctypes.c_int
     lib.q8_amx_matmul.argtypes = [p, p, i64, i64, p, i64, i64, p, i64]
     lib.q8_amx_matmul.restype = ctypes.c_int
     return lib
@@ -71,7 +73,7 @@ def _lib() -> ctypes.CDLL:
 
 
 def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
-              group_size: int) -> torch.Tensor:
+              group_size: int, int8: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ W.T -> [M, N] bf16, W held as torch packs it for
     `_weight_int4pack_mm_for_cpu` on AVX-512: `codes` uint8 [N, K/2] in 64-row blocks
     (quant/int4.py `_unpack_blocked`), `scale_zero` bf16 [K/group, N, 2]."""
@@ -83,7 +85,9 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:
-        rc = _lib().q4_amx_matmul(codes.data_ptr(), scale_zero.data_ptr(), n, k, group_size,
+        lib = _lib()
+        fn = lib.q4_amx_matmul_i8 if int8 else lib.q4_amx_matmul
+        rc = fn(codes.data_ptr(), scale_zero.data_ptr(), n, k, group_size,
                                x.data_ptr(), x.stride(0), m, y.data_ptr(), n)
         if rc != 0:
             raise RuntimeError(f"q4_amx_matmul: N={n} must divide by 64, K={k} and group "

@@ -69,18 +69,27 @@ class Int4Method(LinearMethod):
     it is the blocked one torch uses on x86 (see `_blocked_layout`); where it is not, a
     portable nibble copy is kept (+0.5 byte per weight).
 
-    On CPUs with AMX-BF16, forwards of `amx_min_rows` rows or more (verify trees, batches,
-    prefill) run kernels/cpu/amx.c on the same bytes instead: it dequantizes each weight once
-    to bf16 and multiplies on the tile unit. For 3072x576 at 32 rows that measured 0.14 ms
-    against torch's 0.64; at 1024 rows 1.9 ms against 7.5 through the dense path. Below 5
-    rows torch's kernel is the faster (1 row: 0.05 vs 0.10 ms), and a row's float sums are
-    not the same on the two kernels (the weights round to bf16 on AMX): outputs can differ
-    by a bf16 rounding between a lone decode and a batch, as between the native and torch
-    decode paths.
+    On CPUs with AMX (Sapphire Rapids and later), forwards of `amx_min_rows` rows or more
+    (verify trees, batches, prefill) run kernels/cpu/amx.c on the same bytes instead, as
+    measured for 3072x576 (ms, torch's kernel / AMX):
+
+        rows     1      2       4      8      16     32     64     1024
+        torch    0.044  0.055   0.082  0.16   0.32   0.64   1.3    7.5 (dense path)
+        AMX      -      0.053   0.061  0.069  0.100  0.142  0.18   1.9
+
+    Up to `amx_int8_max_rows` the integer kernel (codes as they are, activations as two int8
+    parts per block: as accurate as torch's kernel, 1.7e-3 relative error on the default
+    model's layers, which is the bf16 output's rounding); above, the bf16 one (each weight
+    dequantized to bf16 once per call: 2.2e-3). One row stays on torch's kernel (0.044 ms
+    against 0.054: the integer kernel regroups every code for one row). A row's sums are not
+    the same on the three, so a lone decode and a batch can differ by a bf16 rounding, as the
+    native and torch decode paths do; `batch_invariant` runs the integer kernel at every row
+    count.
     """
 
     dense_min_rows = 256
-    amx_min_rows = 5
+    amx_min_rows = 2
+    amx_int8_max_rows = 16
 
     input_dtype = torch.bfloat16
 
@@ -88,10 +97,10 @@ class Int4Method(LinearMethod):
         if group_size not in (32, 64, 128, 256):
             raise ValueError(f"int4 group size must be 32, 64, 128 or 256; got {group_size}")
         self.group_size = group_size
-        # one kernel at every row count: AMX from 1 row where the layer runs on AMX
+        # one kernel at every row count: AMX's integer one where the layer runs on AMX
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            self.amx_min_rows = 1
+            self.amx_min_rows, self.amx_int8_max_rows = 1, 1 << 62
 
     def group_size_for(self, sources: list[WeightSource]) -> int:
         """32 when any partition comes as GGUF 4-bit blocks (kept exact), else the default."""
@@ -128,8 +137,12 @@ class Int4Method(LinearMethod):
         op, w, group, sz = (torch._weight_int4pack_mm_for_cpu, layer.weight, layer.group_size,
                             layer.scale_zero)
         if layer.amx:
-            amx, amx_rows = kernels.cpu.amx.q4_matmul, self.amx_min_rows
-            return lambda x: amx(x, w, sz, group) if x.shape[0] >= amx_rows else op(x, w, group, sz)
+            amx, lo, hi = kernels.cpu.amx.q4_matmul, self.amx_min_rows, self.amx_int8_max_rows
+
+            def matmul_amx(x: torch.Tensor) -> torch.Tensor:
+                m = x.shape[0]
+                return op(x, w, group, sz) if m < lo else amx(x, w, sz, group, m <= hi)
+            return matmul_amx
         dense_rows = self.dense_min_rows
 
         def matmul(x: torch.Tensor) -> torch.Tensor:

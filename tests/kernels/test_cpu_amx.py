@@ -56,12 +56,35 @@ def test_q4_matmul_is_the_bf16_weights_times_the_activations(n, k, group, m):
     assert ((y.float() - theirs.float()).norm() / theirs.float().norm()).item() < 0.01
 
 
-def test_a_rows_result_does_not_depend_on_the_batch():
+@pytest.mark.parametrize("n,k,group", [(64, 32, 32), (128, 96, 32), (192, 576, 32),
+                                       (128, 256, 64), (64, 1536, 128)])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 33])
+def test_q4_integer_kernel_is_as_exact_as_the_bf16_output(n, k, group, m):
+    """Codes times activations split into two int8 parts per block: what is left of the
+    float64 product is the bf16 output's rounding (relative error ~2^-9), as for torch's
+    kernel."""
+    layer, method = _int4_layer(n, k, group, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    y = amx.q4_matmul(x, layer.weight, layer.scale_zero, group, int8=True)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    exact = x.double() @ method.dequantize(layer).double().T
+    torch.testing.assert_close(y.double(), exact, rtol=2 ** -7, atol=1e-4)
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 2.5e-3
+    # a block whose values span 2^12 keeps its small ones (one int8 part would zero them)
+    spiky = x.clone()
+    spiky[:, ::32] = 1000.0
+    y = amx.q4_matmul(spiky, layer.weight, layer.scale_zero, group, int8=True)
+    exact = spiky.double() @ method.dequantize(layer).double().T
+    torch.testing.assert_close(y.double(), exact, rtol=2 ** -7, atol=0.05)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_rows_result_does_not_depend_on_the_batch(int8):
     layer, _ = _int4_layer(192, 576, 32)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
-    batch = amx.q4_matmul(x, layer.weight, layer.scale_zero, 32)
+    batch = amx.q4_matmul(x, layer.weight, layer.scale_zero, 32, int8)
     for rows in (slice(0, 1), slice(7, 12), slice(33, 40), slice(3, 36)):
-        assert torch.equal(amx.q4_matmul(x[rows], layer.weight, layer.scale_zero, 32),
+        assert torch.equal(amx.q4_matmul(x[rows], layer.weight, layer.scale_zero, 32, int8),
                            batch[rows])
 
 
@@ -77,18 +100,24 @@ def test_strided_rows_float_input_and_bad_shapes():
         amx.q4_matmul(x, layer.weight[:96], layer.scale_zero, 32)
 
 
-def test_int4_method_picks_amx_from_five_rows_and_everywhere_when_batch_invariant():
+def test_int4_method_picks_its_kernel_by_row_count():
+    """One row: torch's kernel; 2..16: the integer kernel; more: the bf16 one. Batch
+    invariant: the integer kernel at every row count."""
     layer, method = _int4_layer(128, 192, 32)
-    x = torch.randn(8, 192, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(40, 192, generator=torch.Generator().manual_seed(3)).bfloat16()
     w, sz = layer.weight, layer.scale_zero
-    torch_op = torch._weight_int4pack_mm_for_cpu
-    assert torch.equal(method.apply(layer, x), amx.q4_matmul(x, w, sz, 32))
-    assert torch.equal(method.apply(layer, x[:4]), torch_op(x[:4], w, 32, sz))
+    assert torch.equal(method.apply(layer, x[:1]),
+                       torch._weight_int4pack_mm_for_cpu(x[:1], w, 32, sz))
+    for rows in (2, 16):
+        assert torch.equal(method.apply(layer, x[:rows]), amx.q4_matmul(x[:rows], w, sz, 32, True))
+    assert torch.equal(method.apply(layer, x[:17]), amx.q4_matmul(x[:17], w, sz, 32))
     invariant = nn.Module()
     det = Int4Method(32, batch_invariant=True)
     det.create_weights(invariant, [method.dequantize(layer)], torch.device("cpu"))
-    assert torch.equal(det.apply(invariant, x[:1]),
-                       amx.q4_matmul(x[:1], invariant.weight, invariant.scale_zero, 32))
+    for rows in (1, 40):
+        assert torch.equal(det.apply(invariant, x[:rows]),
+                           amx.q4_matmul(x[:rows], invariant.weight, invariant.scale_zero, 32,
+                                         True))
 
 
 def test_env_var_turns_amx_off_and_rejects_unknown_values():
