@@ -87,10 +87,10 @@ def _compiler() -> str | None:
 
 
 def _build(variant: str, sources: list[Path] | None = None,
-           flags: list[str] | None = None) -> Path:
-    """A shared library (by default the variant's, of q4_1.c and ops.c), compiled unless the
-    cache has it (atomic: concurrent builders each write a temporary file and rename it into
-    place)."""
+           flags: list[str] | None = None, headers: tuple[Path, ...] = ()) -> Path:
+    """A shared library (by default the variant's, of q4_1.c and ops.c; `headers` count in
+    its cache key), compiled unless the cache has it (atomic: concurrent builders each write
+    a temporary file and rename it into place)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -98,7 +98,7 @@ def _build(variant: str, sources: list[Path] | None = None,
                              check=False).stdout.splitlines()[:1]
     sources = _SOURCES if sources is None else sources
     flags = _COMMON + (_FLAGS[variant] if flags is None else flags)
-    texts = [src.read_text() for src in sources]
+    texts = [src.read_text() for src in (*sources, *headers)]
     key = hashlib.sha256("\0".join([*texts, *flags, *version]).encode())
     out = cache_dir() / f"cpu_kernels_{variant}_{key.hexdigest()[:16]}.so"
     if out.exists():

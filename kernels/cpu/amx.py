@@ -1,4 +1,4 @@
-"""int4 x bf16 matmul on Intel AMX tiles (amx.c), for batches of rows.
+"""Matmuls on Intel AMX tiles (amx.c, amx_q4.c, amx_q8.c): int4 linears and the int8 LM head.
 
 Built like the other CPU kernels (`kernels.cpu._build`, cached by source hash) but as its
 own library, only on CPUs with AMX-BF16 (Sapphire Rapids and later): `available()` is False
@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["available", "q4_matmul", "q8_matmul"]
 
-_SOURCE = "amx.c"
+_SOURCES = ("amx.c", "amx_q4.c", "amx_q8.c")
+_HEADERS = ("amx.h",)
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 _CPU_FLAGS = {"amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
@@ -43,7 +44,9 @@ def _library() -> ctypes.CDLL | None:
     if amx == "off" or _requested() == "off" or not cpu_supports():
         return None
     try:
-        lib = ctypes.CDLL(str(_build("amx_bf16", [Path(__file__).with_name(_SOURCE)], _FLAGS)))
+        here = Path(__file__).parent
+        lib = ctypes.CDLL(str(_build("amx_bf16", [here / s for s in _SOURCES], _FLAGS,
+                                     tuple(here / h for h in _HEADERS))))
     except (RuntimeError, OSError) as exc:
         logger.warning("AMX kernels unavailable, using torch's: %s", exc)
         return None

@@ -70,26 +70,29 @@ class Int4Method(LinearMethod):
     portable nibble copy is kept (+0.5 byte per weight).
 
     On CPUs with AMX (Sapphire Rapids and later), forwards of `amx_min_rows` rows or more
-    (verify trees, batches, prefill) run kernels/cpu/amx.c on the same bytes instead, as
-    measured for 3072x576 (ms, torch's kernel / AMX):
+    (verify trees, batches, prefill) run kernels/cpu/amx_q4.c on the same bytes instead, as
+    measured for 3072x576 (ms):
 
-        rows     1      2       4      8      16     32     64     1024
-        torch    0.044  0.055   0.082  0.16   0.32   0.64   1.3    7.5 (dense path)
-        AMX      -      0.053   0.061  0.069  0.100  0.142  0.18   1.9
+        rows              1      2      4      8      16     32     64     1024
+        torch's kernel    0.044  0.055  0.082  0.16   0.32   0.64   1.3    7.5 (dense path)
+        AMX integer       0.052  0.053  0.058  0.069  0.100  0.168  0.32
+        AMX bf16          0.10   0.10   0.10   0.11   0.13   0.14   0.18   1.9
 
-    Up to `amx_int8_max_rows` the integer kernel (codes as they are, activations as two int8
-    parts per block: as accurate as torch's kernel, 1.7e-3 relative error on the default
-    model's layers, which is the bf16 output's rounding); above, the bf16 one (each weight
-    dequantized to bf16 once per call: 2.2e-3). One row stays on torch's kernel (0.044 ms
-    against 0.054: the integer kernel regroups every code for one row). A row's sums are not
-    the same on the three, so a lone decode and a batch can differ by a bf16 rounding, as the
-    native and torch decode paths do; `batch_invariant` runs the integer kernel at every row
-    count.
+    Up to `amx_int8_max_rows` (every decode batch of the native path) the integer kernel:
+    codes as they are, activations as two int8 parts per block, as exact as torch's kernel
+    (1.7e-3 relative error on the default model's layers: the bf16 output's rounding). Above
+    (prefill chunks), the bf16 one: each weight dequantized to bf16 once per call, the same
+    rounding as the dense bf16 prefill GEMM it replaces (2.2e-3; that rounding is fixed per
+    weight, so it adds up over layers: on a flat next-token distribution it moved the top-2
+    gap by 0.4 nats where the exact kernels agree to 0.1). One row stays on torch's kernel
+    (the integer kernel regroups every code for one row). A row's sums are not the same on
+    the three, so a lone decode and a batch can differ by a bf16 rounding, as the native and
+    torch decode paths do; `batch_invariant` runs the integer kernel at every row count.
     """
 
     dense_min_rows = 256
     amx_min_rows = 2
-    amx_int8_max_rows = 16
+    amx_int8_max_rows = 64
 
     input_dtype = torch.bfloat16
 
