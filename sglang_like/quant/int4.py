@@ -74,25 +74,25 @@ class Int4Method(LinearMethod):
     measured for 3072x576 (ms):
 
         rows              1      2      4      8      16     32     64     1024
-        torch's kernel    0.044  0.055  0.082  0.16   0.32   0.64   1.3    7.5 (dense path)
-        AMX integer       0.052  0.053  0.058  0.069  0.100  0.168  0.32
-        AMX bf16          0.10   0.10   0.10   0.11   0.13   0.14   0.18   1.9
+        torch's kernel    0.049  0.062  0.093  0.18   0.36   0.71   1.4    7.5 (dense path)
+        AMX integer       0.060  0.066  0.067  0.081  0.11   0.20   0.39   7.3
+        AMX bf16          0.22   0.22   0.22   0.22   0.22   0.25   0.37   2.0
 
-    Up to `amx_int8_max_rows` (every decode batch of the native path) the integer kernel:
-    codes as they are, activations as two int8 parts per block, as exact as torch's kernel
-    (1.7e-3 relative error on the default model's layers: the bf16 output's rounding). Above
-    (prefill chunks), the bf16 one: each weight dequantized to bf16 once per call, the same
-    rounding as the dense bf16 prefill GEMM it replaces (2.2e-3; that rounding is fixed per
-    weight, so it adds up over layers: on a flat next-token distribution it moved the top-2
-    gap by 0.4 nats where the exact kernels agree to 0.1). One row stays on torch's kernel
-    (the integer kernel regroups every code for one row). A row's sums are not the same on
-    the three, so a lone decode and a batch can differ by a bf16 rounding, as the native and
-    torch decode paths do; `batch_invariant` runs the integer kernel at every row count.
+    Up to `amx_int8_max_rows` the integer kernel (codes as they are, activations as two int8
+    parts per block); above, the bf16 one (each weight dequantized once per call into two
+    bf16 parts). Both multiply the exact weights, as torch's kernel does: 1.7e-3 relative
+    error on the default model's layers, the bf16 output's rounding. (With one bf16 part the
+    weights' fixed rounding added up over the layers: it moved a flat next-token
+    distribution's top-2 gap by 0.4 nats, and cached against uncached prompt logprobs by
+    1e-2.) One row stays on torch's kernel, the fastest there. A row's float sums are not
+    the same on the three, so a lone decode and a batch can differ by a bf16 rounding, as
+    the native and torch decode paths do; `batch_invariant` runs the integer kernel at every
+    row count.
     """
 
     dense_min_rows = 256
     amx_min_rows = 2
-    amx_int8_max_rows = 64
+    amx_int8_max_rows = 32
 
     input_dtype = torch.bfloat16
 

@@ -16,11 +16,17 @@ pytestmark = pytest.mark.slow
 SHARED = " ".join(f"Item {i} costs {3 * i + 1} dollars." for i in range(10))
 PROMPT = SHARED + " The cheapest item is"
 OTHER = SHARED + " Which item costs the most? It is"
-# fp32 ("none"): a warm run equals a cold one to 1e-4. The default int4 path feeds forwards of
-# fewer than 256 rows to a bf16 kernel whose rounding depends on the row count, so a cache hit
-# (a shorter extend) moves a logprob by up to 5.4e-3 (measured): the entries are all there and
-# the same tokens, the values within that kernel's rounding.
-TOL = {"none": 1e-4, "auto": 1e-2}
+# fp32 ("none"): a warm run equals a cold one to 1e-4. The default int4 path runs bf16
+# activations through kernels chosen by row count (and attention by path), so a cache hit (a
+# shorter extend) can flip a bf16 rounding that 30 layers carry to the logprobs: the entries
+# are all there and the same tokens, the values within that rounding. Measured over 4 prompts
+# sharing this prefix x 3 hit lengths (1104 top-2 entries): 99% of them equal to the cold
+# run's, the largest difference 2.8e-2 before the AMX kernels and the fused SDPA path came in
+# and 2.8e-2 / 3.4e-2 (AMX on / off) after; OTHER after PROMPT, 5.0e-2, where the hit and the
+# cold run each stand within 0.04 of fp32 (int4's own distance). The bound is that noise
+# with a 2x margin, test_invariance's TIE_NATS. (PROMPT alone had measured 5.4e-3, the old
+# bound's basis.)
+TOL = {"none": 1e-4, "auto": 0.1}
 
 
 @pytest.fixture(scope="module", params=[("none", None), ("none", 16), ("auto", None)],
