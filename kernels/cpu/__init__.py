@@ -7,6 +7,9 @@ from one source, one per instruction set; `isa()` is the variant this CPU runs, 
 run time. `SGLANG_LIKE_CPU_KERNELS` overrides it (read once): `auto` (default), `avx2`,
 `avx512_vnni` or `off` (torch's kernels only).
 
+Intel AMX kernels (int4 linears and the LM head for batches) are a library of their own:
+`kernels.cpu.amx`, built only where the CPU has AMX.
+
 The shared library goes to `$SGLANG_LIKE_CACHE_DIR/kernels` (default
 `~/.cache/sglang_like/kernels`) under a name that hashes the source, the flags and the
 compiler, so a second start loads it at once; a failed build (no compiler) leaves the

@@ -28,8 +28,9 @@ __all__ = ["available", "q4_matmul", "q8_matmul"]
 _SOURCES = ("amx.c", "amx_q4.c", "amx_q8.c")
 _HEADERS = ("amx.h",)
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
-_CPU_FLAGS = {"amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+          "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+_CPU_FLAGS = {"amx_tile", "amx_bf16", "amx_int8", "avx512_vnni", "avx512f", "avx512bw",
+              "avx512vl", "avx512_bf16"}
 
 
 def cpu_supports() -> bool:
@@ -75,24 +76,27 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the kernels read it: `dtype` with contiguous rows (a row stride is allowed)."""
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
               group_size: int, int8: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ W.T -> [M, N] bf16, W held as torch packs it for
     `_weight_int4pack_mm_for_cpu` on AVX-512: `codes` uint8 [N, K/2] in 64-row blocks
-    (quant/int4.py `_unpack_blocked`), `scale_zero` bf16 [K/group, N, 2]."""
-    if x.dtype != torch.bfloat16:
-        x = x.to(torch.bfloat16)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n = codes.shape[0]
+    (quant/int4.py `_unpack_blocked`), `scale_zero` bf16 [K/group, N, 2]. `int8`: the
+    integer kernel, else the bf16 one (amx_q4.c)."""
+    x = _rows(x, torch.bfloat16)
+    (m, k), n = x.shape, codes.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:
         lib = _lib()
         fn = lib.q4_amx_matmul_i8 if int8 else lib.q4_amx_matmul
-        rc = fn(codes.data_ptr(), scale_zero.data_ptr(), n, k, group_size,
-                               x.data_ptr(), x.stride(0), m, y.data_ptr(), n)
-        if rc != 0:
+        if fn(codes.data_ptr(), scale_zero.data_ptr(), n, k, group_size, x.data_ptr(),
+              x.stride(0), m, y.data_ptr(), n) != 0:
             raise RuntimeError(f"q4_amx_matmul: N={n} must divide by 64, K={k} and group "
                                f"{group_size} by 32")
     return y
@@ -100,18 +104,11 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
 
 def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ W.T -> [M, N] float32 with W = codes int8 [N, K] times scales
-    float32 [N, K/32] (kernels.cpu.q8_0_matmul_f32's operands); x and the weights meet as
-    bf16 on the tiles."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n = codes.shape[0]
+    float32 [N, K/32] (kernels.cpu.q8_0_matmul_f32's operands)."""
+    x = _rows(x, torch.float32)
+    (m, k), n = x.shape, codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    if m:
-        rc = _lib().q8_amx_matmul(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(),
-                                  x.stride(0), m, y.data_ptr(), n)
-        if rc != 0:
-            raise RuntimeError(f"q8_amx_matmul: N={n} and K={k} must divide by 32")
+    if m and _lib().q8_amx_matmul(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(),
+                                  x.stride(0), m, y.data_ptr(), n) != 0:
+        raise RuntimeError(f"q8_amx_matmul: N={n} and K={k} must divide by 32")
     return y

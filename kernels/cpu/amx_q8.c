@@ -66,15 +66,7 @@ static void dequantize_rows_q8(const int8_t *codes, const float *scales, int64_t
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), d);
             const __m512 hi = _mm512_mul_ps(
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), d);
-            const __m512i top = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-            const __m512 top_lo = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(top)), 16));
-            const __m512 top_hi = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(top, 1)), 16));
-            _mm512_storeu_si512(dst + s * 2048, top);
-            _mm512_storeu_si512(dst + s * 2048 + 1024,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(hi, top_hi),
-                                                             _mm512_sub_ps(lo, top_lo)));
+            store_bf16_split(lo, hi, dst + s * 2048, dst + s * 2048 + 1024);
         }
     }
 }

@@ -78,21 +78,23 @@ class Int4Method(LinearMethod):
         AMX integer       0.060  0.066  0.067  0.081  0.11   0.20   0.39   7.3
         AMX bf16          0.22   0.22   0.22   0.22   0.22   0.25   0.37   2.0
 
-    Up to `amx_int8_max_rows` the integer kernel (codes as they are, activations as two int8
-    parts per block); above, the bf16 one (each weight dequantized once per call into two
-    bf16 parts). Both multiply the exact weights, as torch's kernel does: 1.7e-3 relative
-    error on the default model's layers, the bf16 output's rounding. (With one bf16 part the
-    weights' fixed rounding added up over the layers: it moved a flat next-token
-    distribution's top-2 gap by 0.4 nats, and cached against uncached prompt logprobs by
-    1e-2.) One row stays on torch's kernel, the fastest there. A row's float sums are not
-    the same on the three, so a lone decode and a batch can differ by a bf16 rounding, as
-    the native and torch decode paths do; `batch_invariant` runs the integer kernel at every
-    row count.
+    Below `dense_min_rows` (decode, verify, prompts of up to 255 tokens) the integer kernel:
+    codes as they are, activations as two int8 parts per block. From there (long prefill
+    chunks, where the dense GEMM ran before) the bf16 one: each weight dequantized once per
+    call into two bf16 parts. Both multiply the exact weights, as torch's kernel does (1.7e-3
+    relative error on the default model's layers: the bf16 output's rounding). One kernel
+    for every row count below 256, even one row where torch's kernel is faster (0.049 against
+    0.060 ms), because the int4 path's bf16 activations amplify a single rounding flip over
+    30 layers (0.6 in a residual feature, 0.1 nats in a logprob): with a kernel per row
+    count a lone decode, a batch, a speculative verify and a cached prompt's extend all
+    answered slightly differently. Row for row, the integer kernel gives the same sums in any
+    batch, as torch's kernel did below 256 rows; `batch_invariant` runs it at every row
+    count.
     """
 
     dense_min_rows = 256
-    amx_min_rows = 2
-    amx_int8_max_rows = 32
+    amx_min_rows = 1
+    amx_int8_max_rows = dense_min_rows - 1
 
     input_dtype = torch.bfloat16
 
