@@ -69,9 +69,8 @@ class Int4Method(LinearMethod):
     it is the blocked one torch uses on x86 (see `_blocked_layout`); where it is not, a
     portable nibble copy is kept (+0.5 byte per weight).
 
-    On CPUs with AMX (Sapphire Rapids and later), forwards of `amx_min_rows` rows or more
-    (verify trees, batches, prefill) run kernels/cpu/amx_q4.c on the same bytes instead, as
-    measured for 3072x576 (ms):
+    On CPUs with AMX (Sapphire Rapids and later), every forward runs kernels/cpu/amx_q4.c on
+    the same bytes instead, as measured for 3072x576 (ms):
 
         rows              1      2      4      8      16     32     64     1024
         torch's kernel    0.049  0.062  0.093  0.18   0.36   0.71   1.4    7.5 (dense path)
@@ -93,7 +92,6 @@ class Int4Method(LinearMethod):
     """
 
     dense_min_rows = 256
-    amx_min_rows = 1
     amx_int8_max_rows = dense_min_rows - 1
 
     input_dtype = torch.bfloat16
@@ -105,7 +103,7 @@ class Int4Method(LinearMethod):
         # one kernel at every row count: AMX's integer one where the layer runs on AMX
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            self.amx_min_rows, self.amx_int8_max_rows = 1, 1 << 62
+            self.amx_int8_max_rows = 1 << 62
 
     def group_size_for(self, sources: list[WeightSource]) -> int:
         """32 when any partition comes as GGUF 4-bit blocks (kept exact), else the default."""
@@ -142,12 +140,8 @@ class Int4Method(LinearMethod):
         op, w, group, sz = (torch._weight_int4pack_mm_for_cpu, layer.weight, layer.group_size,
                             layer.scale_zero)
         if layer.amx:
-            amx, lo, hi = kernels.cpu.amx.q4_matmul, self.amx_min_rows, self.amx_int8_max_rows
-
-            def matmul_amx(x: torch.Tensor) -> torch.Tensor:
-                m = x.shape[0]
-                return op(x, w, group, sz) if m < lo else amx(x, w, sz, group, m <= hi)
-            return matmul_amx
+            amx, int8_rows = kernels.cpu.amx.q4_matmul, self.amx_int8_max_rows
+            return lambda x: amx(x, w, sz, group, x.shape[0] <= int8_rows)
         dense_rows = self.dense_min_rows
 
         def matmul(x: torch.Tensor) -> torch.Tensor:
