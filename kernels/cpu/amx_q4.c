@@ -37,7 +37,7 @@ static void configure(int rows0, int rows1) {
 
 // Dequantize one 32-row half (rows `half * 32 ..` of 64-row block `blk`) over all K into
 // buf: for each 32-column step s, two B tiles of 16 rows x 64 bytes (tile t = output rows
-// 16t..16t+15).
+// 16t..16t+15) of the weights' bf16 tops, then the two of their rests (2048 values a step).
 static void dequantize_half(const uint8_t *codes, const uint16_t *sz, int64_t N, int64_t K,
                             int64_t group, int64_t blk, int half, uint16_t *buf) {
     const uint8_t *base = codes + blk * K * 32;

@@ -98,7 +98,7 @@ class QuantConfig:
 
     name: str  # "none" | "int8" | "int4" | "fp16"
     dtype: torch.dtype  # dense dtype: unquantized weights and the `none` path's activations
-    # one int4 kernel at every row count (`--enable-deterministic-inference`)
+    # one int4 kernel and one head kernel at every row count (`--enable-deterministic-inference`)
     deterministic: bool = False
 
     @property
