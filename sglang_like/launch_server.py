@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=d.random_seed)
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    default=d.enable_deterministic_inference,
-                   help="outputs that do not depend on the batch: int4 linears run one kernel "
-                        "at every row count (slower alone on AMX CPUs)")
+                   help="outputs that do not depend on the batch: int4 linears and the LM head "
+                        "run one kernel at every row count (slower in large batches on AMX "
+                        "CPUs)")
     p.add_argument("--tool-call-parser", default=d.tool_call_parser,
                    choices=list(TOOL_CALL_PARSERS),
                    help="the model's tool-call format; auto: by its chat template (Hermes "

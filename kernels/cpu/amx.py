@@ -62,6 +62,8 @@ def _library() -> ctypes.CDLL | None:
     lib.q4_amx_matmul_i8.restype = ctypes.c_int
     lib.q8_amx_matmul.argtypes = [p, p, i64, i64, p, i64, i64, p, i64]
     lib.q8_amx_matmul.restype = ctypes.c_int
+    lib.q8_amx_matmul_i8.argtypes = lib.q8_amx_matmul.argtypes
+    lib.q8_amx_matmul_i8.restype = ctypes.c_int
     return lib
 
 
@@ -102,13 +104,17 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
     return y
 
 
-def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+              int8: bool = False) -> torch.Tensor:
     """x [M, K] float32 @ W.T -> [M, N] float32 with W = codes int8 [N, K] times scales
-    float32 [N, K/32] (kernels.cpu.q8_0_matmul_f32's operands)."""
+    float32 [N, K/32] (kernels.cpu.q8_0_matmul_f32's operands). `int8`: the integer kernel,
+    else the bf16 one (amx_q8.c)."""
     x = _rows(x, torch.float32)
     (m, k), n = x.shape, codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    if m and _lib().q8_amx_matmul(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(),
-                                  x.stride(0), m, y.data_ptr(), n) != 0:
+    lib = _lib()
+    fn = lib.q8_amx_matmul_i8 if int8 else lib.q8_amx_matmul
+    if m and fn(codes.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
+                y.data_ptr(), n) != 0:
         raise RuntimeError(f"q8_amx_matmul: N={n} and K={k} must divide by 32")
     return y

@@ -172,34 +172,15 @@ static void quantize_activations(const uint16_t *x, int64_t ldx, int64_t M, int6
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             const uint16_t *xb = x + m * ldx + b * 32;
-            __m512 v[2];
-            v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xb)), 16));
-            v[1] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + 16))), 16));
-            const float amax = _mm512_reduce_max_ps(
-                _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-            const float scale = amax / 127.0f;
-            const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-            __m128i qb[2], rb[2];
-            __m512i sum = _mm512_setzero_si512(), rsum = _mm512_setzero_si512();
-            for (int h = 0; h < 2; h++) {
-                // x / e, its nearest integer, and the remainder in 256ths
-                const __m512 u = _mm512_mul_ps(v[h], _mm512_set1_ps(inv));
-                const __m512i qi = _mm512_cvtps_epi32(u);
-                const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(u, _mm512_cvtepi32_ps(qi)),
-                                                  _mm512_set1_ps(256.0f));
-                const __m512i ri = _mm512_cvtps_epi32(rest);
-                qb[h] = _mm512_cvtsepi32_epi8(qi);
-                rb[h] = _mm512_cvtsepi32_epi8(ri);
-                sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(qb[h]));
-                rsum = _mm512_add_epi32(rsum, _mm512_cvtepi8_epi32(rb[h]));
-            }
-            _mm256_storeu_si256((__m256i *)(q + m * K + b * 32), _mm256_set_m128i(qb[1], qb[0]));
-            _mm256_storeu_si256((__m256i *)(r + m * K + b * 32), _mm256_set_m128i(rb[1], rb[0]));
+            int32_t sum, rsum;
+            const float scale = split_int8_block(v0, v1, q + m * K + b * 32, r + m * K + b * 32,
+                                                 &sum, &rsum);
             e[m * nb + b] = scale;
-            X[m * nb + b] = scale * ((float)_mm512_reduce_add_epi32(sum) +
-                                     (float)_mm512_reduce_add_epi32(rsum) / 256.0f);
+            X[m * nb + b] = scale * ((float)sum + (float)rsum / 256.0f);
         }
     }
 }
@@ -230,41 +211,6 @@ static void regroup_half(const uint8_t *codes, int64_t K, int64_t blk, int half,
         _mm256_storeu_si256((__m256i *)(row + 512), _mm256_permute2x128_si256(r0, r1, 0x31));
         _mm256_storeu_si256((__m256i *)(row + 544), _mm256_permute2x128_si256(r2, r3, 0x31));
     }
-}
-
-// A few rows: the same integer dots with AVX-512 VNNI on the regrouped B tiles (a B row is
-// 16 output columns x 4 codes, a vpdpbusd operand as it is), into c as the tiles store
-// them. Integer sums are exact, so the results are bit for bit the tiles'; one row through
-// the tiles waited on each block's tdp -> store -> epilogue chain (0.060 ms for 3072x576
-// against torch's 0.049), here the blocks overlap.
-#define VNNI_MAX_ROWS 4
-
-static inline void dots_vnni(const uint8_t *b_tiles, const int8_t *q, const int8_t *r,
-                             int64_t K, int rows, int32_t c[4][256]) {
-    for (int i = 0; i < rows; i++) {
-        for (int t = 0; t < 2; t++) {
-            const uint8_t *bt = b_tiles + t * 512;
-            __m512i dq = _mm512_setzero_si512(), dr = _mm512_setzero_si512();
-            for (int kq = 0; kq < 8; kq++) {
-                const __m512i w = _mm512_load_si512(bt + kq * 64);
-                int32_t q4, r4;
-                memcpy(&q4, q + i * K + 4 * kq, 4);
-                memcpy(&r4, r + i * K + 4 * kq, 4);
-                dq = _mm512_dpbusd_epi32(dq, w, _mm512_set1_epi32(q4));
-                dr = _mm512_dpbusd_epi32(dr, w, _mm512_set1_epi32(r4));
-            }
-            _mm512_store_si512(c[t] + 16 * i, dq);
-            _mm512_store_si512(c[2 + t] + 16 * i, dr);
-        }
-    }
-}
-
-// tmm0, 1: C of q (output tile 0 / 1), tmm6, 7: C of r, tmm2, 5: A (q, r: rows activation
-// rows x 32 bytes), tmm3, 4: B
-static void configure_i8(int rows) {
-    const int r[8] = {rows, rows, rows, 8, 8, rows, rows, rows};
-    const int colsb[8] = {64, 64, 32, 64, 64, 32, 64, 64};
-    amx_configure(r, colsb);
 }
 
 // y[M, N] (bf16, row stride ldy) = x[M, K] (bf16, row stride ldx) @ W.T, W as for
@@ -309,27 +255,8 @@ int q4_amx_matmul_i8(const uint8_t *codes, const uint16_t *sz, int64_t N, int64_
                         const uint8_t *line = next_codes + ((h % 2) * nb + b) * 8 * 64;
                         for (int l = 0; l < 8; l++) _mm_prefetch((const char *)(line + 64 * l), _MM_HINT_T0);
                     }
-                    if (tiles) {
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(6);
-                        _tile_zero(7);
-                        _tile_loadd(2, q + m0 * K + b * 32, K);
-                        _tile_loadd(5, r + m0 * K + b * 32, K);
-                        _tile_loadd(3, buf + b * 1024, 64);
-                        _tile_loadd(4, buf + b * 1024 + 512, 64);
-                        _tile_dpbsud(0, 2, 3);
-                        _tile_dpbsud(1, 2, 4);
-                        _tile_dpbsud(6, 5, 3);
-                        _tile_dpbsud(7, 5, 4);
-                        _tile_stored(0, c[0], 64);
-                        _tile_stored(1, c[1], 64);
-                        _tile_stored(6, c[2], 64);
-                        _tile_stored(7, c[3], 64);
-                    } else {
-                        dots_vnni(buf + b * 1024, q + m0 * K + b * 32, r + m0 * K + b * 32, K,
-                                  rows, c);
-                    }
+                    block_dots_i8(buf + b * 1024, q + m0 * K + b * 32, r + m0 * K + b * 32, K,
+                                  rows, tiles, c);
                     const int64_t g = b * 32 / group;
                     __m512 s[2], z[2];
                     for (int t = 0; t < 2; t++) {

@@ -140,3 +140,128 @@ int q8_amx_matmul(const int8_t *codes, const float *scales, int64_t N, int64_t K
     amx_scratch_put(xt);
     return 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// The same int8 matrix x integer activations (AMX-INT8; amx.h's two-part activations), for up
+// to a few hundred rows: the decode steps, verifies and prompt ends of a quantized model. The
+// kernel above streams the weights as four bf16 products and rounds every activation in two
+// on each call; here the codes go to the tile unit as they are, with one scaling per block of
+// 32 columns (w = code * s, no zero point):
+//     sum_k w_k x_k ~= s * e * (sum_k code_k q_k + sum_k code_k r_k / 256)
+// Per 32 output rows, each block's codes are regrouped into two B tiles (a 16 x 8 transpose of
+// 4-byte groups) as unsigned bytes code + 128, so tiles (tdpbsud) and VNNI (vpdpbusd) take
+// them as they are; the 128 * sum(q) they add is taken off in integers. Every row's sums are
+// the same whatever the batch, on tiles or VNNI, so the logits do not depend on the batch.
+
+// rows n0..n0+31 (row-major codes, row stride K) -> buf: per block b, the two B tiles (t:
+// rows n0 + 16t ..) at buf + 1024 b; their scales to sbuf[b * 32 + j]
+static void regroup_rows_q8(const int8_t *codes, const float *scales, int64_t K, int64_t n0,
+                            uint8_t *buf, float *sbuf) {
+    const int64_t nb = K / 32;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int t = 0; t < 2; t++) {
+            const int8_t *src = codes + (n0 + 16 * t) * K + b * 32;
+            // z[i]: rows i (low half) and i + 8 (high half), 8 groups of 4 bytes each
+            __m512i z[8];
+            for (int i = 0; i < 8; i++)
+                z[i] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(src + i * K))),
+                    _mm256_loadu_si256((const __m256i *)(src + (i + 8) * K)), 1);
+            // per 128-bit lane, 4 x 4 transposes: u[g][d] holds group d (lanes 0, 2) and
+            // d + 4 (lanes 1, 3) of rows 4g .. 4g + 3 (and 8 + 4g ..)
+            __m512i u[2][4];
+            for (int g = 0; g < 2; g++) {
+                const __m512i *w = z + 4 * g;
+                const __m512i t0 = _mm512_unpacklo_epi32(w[0], w[1]);
+                const __m512i t1 = _mm512_unpackhi_epi32(w[0], w[1]);
+                const __m512i t2 = _mm512_unpacklo_epi32(w[2], w[3]);
+                const __m512i t3 = _mm512_unpackhi_epi32(w[2], w[3]);
+                u[g][0] = _mm512_unpacklo_epi64(t0, t2);
+                u[g][1] = _mm512_unpackhi_epi64(t0, t2);
+                u[g][2] = _mm512_unpacklo_epi64(t1, t3);
+                u[g][3] = _mm512_unpackhi_epi64(t1, t3);
+            }
+            uint8_t *dst = buf + b * 1024 + t * 512;
+            for (int d = 0; d < 4; d++) {
+                const __m512i a = _mm512_permutex2var_epi64(u[0][d], lo_idx, u[1][d]);
+                const __m512i c = _mm512_permutex2var_epi64(u[0][d], hi_idx, u[1][d]);
+                _mm512_store_si512(dst + d * 64, _mm512_xor_si512(a, flip));
+                _mm512_store_si512(dst + (d + 4) * 64, _mm512_xor_si512(c, flip));
+            }
+        }
+        for (int j = 0; j < 32; j++) sbuf[b * 32 + j] = scales[(n0 + j) * nb + b];
+    }
+}
+
+// y[M, N] float32 (row stride ldy) = x[M, K] float32 (row stride ldx) @ W.T, W as for
+// q8_amx_matmul. Returns -1 unless N % 32 == 0 and K % 32 == 0.
+int q8_amx_matmul_i8(const int8_t *codes, const float *scales, int64_t N, int64_t K,
+                     const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy) {
+    if (N % 32 || K % 32 || M <= 0) return -1;
+    const int64_t nb = K / 32;
+    // q, r int8 [M, K] each, e float [M, nb], then the sums of q and r int32 [M, nb] each
+    int8_t *q = amx_scratch_get(1, (size_t)(2 * M * K) + sizeof(float) * 3 * M * nb);
+    if (!q) return -1;
+    int8_t *r = q + M * K;
+    float *e = (float *)(q + 2 * M * K);
+    int32_t *qs = (int32_t *)(e + M * nb), *rs = qs + M * nb;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * 32;
+            e[m * nb + b] = split_int8_block(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16),
+                                             q + m * K + b * 32, r + m * K + b * 32,
+                                             qs + m * nb + b, rs + m * nb + b);
+        }
+    const __m512 fine = _mm512_set1_ps(1.0f / 256.0f);
+#pragma omp parallel
+    {
+        uint8_t *buf = amx_scratch_get(0, (size_t)K * 32 + sizeof(float) * nb * 32);
+        float *sbuf = (float *)(buf + K * 32);
+        int32_t c[4][256] __attribute__((aligned(64)));
+        __m512 acc[16][2];
+        int configured = -1;
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += 32) {
+            regroup_rows_q8(codes, scales, K, n0, buf, sbuf);
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+                const int tiles = rows > VNNI_MAX_ROWS;
+                if (tiles && rows != configured) {
+                    configure_i8(rows);
+                    configured = rows;
+                }
+                for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; b++) {
+                    block_dots_i8(buf + b * 1024, q + m0 * K + b * 32, r + m0 * K + b * 32, K,
+                                  rows, tiles, c);
+                    const __m512 s[2] = {_mm512_loadu_ps(sbuf + b * 32),
+                                         _mm512_loadu_ps(sbuf + b * 32 + 16)};
+                    for (int i = 0; i < rows; i++) {
+                        const int64_t at = (m0 + i) * nb + b;
+                        const __m512i q128 = _mm512_set1_epi32(128 * qs[at]);
+                        const __m512i r128 = _mm512_set1_epi32(128 * rs[at]);
+                        const __m512 er = _mm512_set1_ps(e[at]);
+                        for (int t = 0; t < 2; t++) {
+                            const __m512i dq = _mm512_sub_epi32(
+                                _mm512_load_si512(c[t] + 16 * i), q128);
+                            const __m512i dr = _mm512_sub_epi32(
+                                _mm512_load_si512(c[2 + t] + 16 * i), r128);
+                            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dr), fine,
+                                                               _mm512_cvtepi32_ps(dq));
+                            acc[i][t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s[t], er), acc[i][t]);
+                        }
+                    }
+                }
+                for (int i = 0; i < rows; i++)
+                    for (int t = 0; t < 2; t++)
+                        _mm512_storeu_ps(y + (m0 + i) * ldy + n0 + 16 * t, acc[i][t]);
+            }
+        }
+        amx_scratch_put(buf);
+    }
+    amx_scratch_put(q);
+    return 0;
+}

@@ -23,7 +23,7 @@ def q8_head_available() -> bool:
 class Q8HeadMethod(Int8EmbeddingMethod):
     """The embedding's block-int8 rows (a GGUF Q8_0 matrix kept exactly, anything else
     quantized at load; `embed` and `dequantize` as there), multiplied by
-    `kernels.cpu.q8_0_matmul_f32` whatever the row count.
+    `kernels.cpu.q8_0_matmul_f32` whatever the row count (on AMX, the tile kernels below).
 
     Why one copy at int8: the head is the model's largest matrix (49152x576 on the default
     model). An fp16 copy for fbgemm's GEMM besides the rows the embedding gathers took 96 MB
@@ -35,15 +35,19 @@ class Q8HeadMethod(Int8EmbeddingMethod):
     logits do not depend on the batch (fbgemm's fp16 copy rounds otherwise: a row's logprobs
     moved by about 1e-3 across a cut between the two).
 
-    On CPUs with AMX, forwards of `amx_min_rows` rows or more run kernels/cpu/amx_q8.c
-    instead: weights (code x scale) and activations each as two bf16 parts on the tile unit,
-    which keeps the float product (4e-6 relative): 4.7 ms against 10.8 at 32 rows, 7.4
-    against 22 at 64, 3.5 against 5.6 at 16 (3.3 against 0.9 at one row, where the int8 kernel
-    stays). Their sums differ in the last bits, so `batch_invariant` keeps the int8 kernel at
-    every row count.
+    On CPUs with AMX, kernels/cpu/amx_q8.c runs instead. Below `amx_min_rows` rows (decode
+    steps, speculative verifies) its integer kernel: the codes as they are on the tile unit
+    (VNNI up to 4 rows, the same integer sums), activations as two int8 parts per 32 columns
+    (about 15 bits: 2e-5 of the logits' norm), one scaling per block; cold, 2.6 ms against
+    3.7 at 8 rows, 1.6 against 2.6 at 2, the same at one (the matrix streams either way).
+    From `amx_min_rows` its bf16 kernel: weights (code x scale) and activations each as two
+    bf16 parts, the float product (4e-6 relative), which the integer kernel's per-block
+    scaling falls behind from about 24 rows: 4.7 ms against 10.8 native at 32 rows, 7.4
+    against 22 at 64. The two round differently, so `batch_invariant` keeps the integer
+    kernel at every row count: every row's logits are then the same bits in any batch.
     """
 
-    amx_min_rows = 12
+    amx_min_rows = 24
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
@@ -58,12 +62,13 @@ class Q8HeadMethod(Int8EmbeddingMethod):
         layer.register_buffer("weight", codes.contiguous().to(device))
         layer.register_buffer("block_scale", scale.contiguous().to(device))
         n, k = codes.shape
-        layer.amx = (not self.batch_invariant and n % 32 == 0 and k % 32 == 0
-                     and device.type == "cpu" and kernels.cpu.amx.available())
+        layer.amx = (n % 32 == 0 and k % 32 == 0 and device.type == "cpu"
+                     and kernels.cpu.amx.available())
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if layer.amx and x.shape[0] >= self.amx_min_rows:
-            return kernels.cpu.amx.q8_matmul(x, layer.weight, layer.block_scale)
+        if layer.amx:
+            bf16 = not self.batch_invariant and x.shape[0] >= self.amx_min_rows
+            return kernels.cpu.amx.q8_matmul(x, layer.weight, layer.block_scale, int8=not bf16)
         return kernels.cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
 
     def decode_bytes(self, layer: nn.Module) -> int:
