@@ -148,6 +148,18 @@ static inline __m256 load8(const void *base, int bf16, int64_t off) {
     return _mm256_loadu_ps((const float *)base + off);
 }
 
+// Keys are gathered by slot: a request's slots are scattered over the pool once requests come
+// and go, so the hardware prefetchers do not see them coming. Each key's K and V rows (one kv
+// head's D values) are prefetched this many keys ahead of its dot product: at batch 32 over
+// 30 layers' pools with scattered slots, 189 -> 130 us a call for 60 keys, 477 -> 199 for
+// 100; a batch-32 decode step of the default model spent 6.9 ms in attention, now 4.0.
+#define KV_PREFETCH 8
+
+static inline void prefetch_row(const void *base, int bf16, int64_t off, int64_t D) {
+    const char *p = (const char *)base + off * (bf16 ? 2 : 4);
+    for (int64_t b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 // the four lane sums of a, b, c, d
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -169,6 +181,11 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
         const int64_t n = t1 - t0;                                                              \
         int64_t t = 0;                                                                          \
         for (; t + 4 <= n; t += 4) {                                                            \
+            for (int64_t u = t + KV_PREFETCH; u < t + KV_PREFETCH + 4 && u < n; u++) {          \
+                const int64_t ou = ((int64_t)slots[t0 + u] * Hkv + g) * D;                      \
+                prefetch_row(k_pool, bf16, ou, D);                                              \
+                prefetch_row(v_pool, bf16, ou, D);                                              \
+            }                                                                                   \
             const int64_t o0 = ((int64_t)slots[t0 + t] * Hkv + g) * D;                          \
             const int64_t o1 = ((int64_t)slots[t0 + t + 1] * Hkv + g) * D;                      \
             const int64_t o2 = ((int64_t)slots[t0 + t + 2] * Hkv + g) * D;                      \
@@ -296,9 +313,11 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
     const int64_t set_size = group_heads < 4 ? group_heads : 4;
     const int64_t sets = Hkv * ((group_heads + set_size - 1) / set_size);  // per request
     int64_t total_items = 0, total_kv_items = 0;
+    int multi_chunk = 0;
     if (num_chunks && item_start && kv_item_start) {
         for (int64_t b = 0; b < B; b++) {
             num_chunks[b] = seq_lens[b] > 0 ? (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK : 1;
+            multi_chunk |= num_chunks[b] > 1;
             item_start[b] = total_items;  // partials: (request, query head, chunk)
             total_items += Hq * num_chunks[b];
             kv_item_start[b] = total_kv_items;  // work: (request, head set, chunk)
@@ -355,11 +374,22 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
             const float *q = q_all + (b * Hq + h0) * D;
             attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
                          sm_scale, scores, part, nch * (D + 2));
+            if (nch == 1 && buf) {  // one chunk: its sums are the head's (the merge below
+                                    // would scale by exp(0) = 1 and add to zero: the same bits)
+                for (int64_t j = 0; j < nh; j++) {
+                    const float *pj = part + j * (D + 2);
+                    const float inv = 1.0f / pj[1];
+                    float *o = buf + row;  // [D] past the qkv row (room for 2 D floats)
+                    for (int64_t d = 0; d < D; d++) o[d] = pj[2 + d] * inv;
+                    store_row(out, out_bf16, (b * Hq + h0 + j) * D, (int)D, o);
+                }
+            }
         }
-        // merge each head's chunks
+        // merge each head's chunks (requests of more than KV_CHUNK keys)
+        if (multi_chunk)
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * Hq; bh++) {
-            if (!buf) continue;
+            if (!buf || num_chunks[bh / Hq] == 1) continue;
             const int64_t b = bh / Hq, h = bh % Hq, nch = num_chunks[b];
             const float *first = partials + (item_start[b] + h * nch) * (D + 2);
             float mx = -INFINITY;
