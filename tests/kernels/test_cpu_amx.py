@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-import kernels.cpu as kc
 import kernels.cpu.amx as amx
 from sglang_like.quant.int4 import Int4Method
 from sglang_like.quant.int8 import quantize_blocks_int8
