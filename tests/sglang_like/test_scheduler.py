@@ -277,3 +277,26 @@ def test_random_workloads_with_speculation_keep_pool_accounting(tokenizer, seed)
     run_random_workload(sched, rng)
     assert drafter.num_proposed > 0
     assert sum(sched.spec_accept_lengths.values()) > 0
+
+
+def test_controller_prices_a_step_with_its_drafting_and_the_drafts_extend(tokenizer):
+    """What speculation costs is more than the verify forward: the controller's price of a
+    step's rows includes drafting (before the batch forms) and the drafter's extend after
+    it, so a drafter too slow to pay is seen to be (here: 20 ms to draft, 10 to extend,
+    around a scripted forward of well under a millisecond)."""
+    import time
+
+    class SlowDrafter(ScriptedDrafter):
+        def propose(self, reqs, max_depths, sched):
+            time.sleep(0.02)
+            return super().propose(reqs, max_depths, sched)
+
+        def after_forward(self, batch, walks, sched):
+            time.sleep(0.01)
+
+    sched, _ = make_spec(tokenizer, SlowDrafter(depth=2, right=2, branch=False))
+    sched.add_request(req("r0", list(range(300, 310)), max_new=12))
+    run(sched)
+    cost = sched.spec_controller.cost
+    tree_rows = 3  # the root and two drafts
+    assert cost[tree_rows] >= 0.03, cost
