@@ -81,6 +81,18 @@ static inline void configure_i8(int rows) {
     amx_configure(r, colsb);
 }
 
+// Activation rows m0.. of M as one chunk of at most 16: its row count, and in *tiles whether
+// it runs on the tiles (loading their configuration when the row count changed) or on VNNI
+static inline int i8_chunk_rows(int64_t M, int64_t m0, int *configured, int *tiles) {
+    const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+    *tiles = rows > VNNI_MAX_ROWS;
+    if (*tiles && rows != *configured) {
+        configure_i8(rows);
+        *configured = rows;
+    }
+    return rows;
+}
+
 // One block of 32 columns: c[t] (q) and c[2 + t] (r), rows x 16 int32 each (ld 16), of
 // `rows` activation rows (q, r at row stride K) against the two B tiles at b_tiles (output
 // tile t at b_tiles + 512 t); on tiles when `tiles` (configure_i8(rows) loaded), else VNNI.

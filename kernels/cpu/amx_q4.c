@@ -240,12 +240,8 @@ int q4_amx_matmul_i8(const uint8_t *codes, const uint16_t *sz, int64_t N, int64_
             const int64_t n0 = h * 32;
             const uint8_t *next_codes = h / 2 + 1 < N / 64 ? codes + (h / 2 + 1) * K * 32 : NULL;
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
-                const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
-                const int tiles = rows > VNNI_MAX_ROWS;
-                if (tiles && rows != configured) {
-                    configure_i8(rows);
-                    configured = rows;
-                }
+                int tiles;
+                const int rows = i8_chunk_rows(M, m0, &configured, &tiles);
                 for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
                     // the next block's codes, K / 2 cache lines over both halves' blocks, so

@@ -227,12 +227,8 @@ int q8_amx_matmul_i8(const int8_t *codes, const float *scales, int64_t N, int64_
         for (int64_t n0 = 0; n0 < N; n0 += 32) {
             regroup_rows_q8(codes, scales, K, n0, buf, sbuf);
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
-                const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
-                const int tiles = rows > VNNI_MAX_ROWS;
-                if (tiles && rows != configured) {
-                    configure_i8(rows);
-                    configured = rows;
-                }
+                int tiles;
+                const int rows = i8_chunk_rows(M, m0, &configured, &tiles);
                 for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
                     block_dots_i8(buf + b * 1024, q + m0 * K + b * 32, r + m0 * K + b * 32, K,

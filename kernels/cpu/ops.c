@@ -313,11 +313,9 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
     const int64_t set_size = group_heads < 4 ? group_heads : 4;
     const int64_t sets = Hkv * ((group_heads + set_size - 1) / set_size);  // per request
     int64_t total_items = 0, total_kv_items = 0;
-    int multi_chunk = 0;
     if (num_chunks && item_start && kv_item_start) {
         for (int64_t b = 0; b < B; b++) {
             num_chunks[b] = seq_lens[b] > 0 ? (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK : 1;
-            multi_chunk |= num_chunks[b] > 1;
             item_start[b] = total_items;  // partials: (request, query head, chunk)
             total_items += Hq * num_chunks[b];
             kv_item_start[b] = total_kv_items;  // work: (request, head set, chunk)
@@ -374,22 +372,11 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
             const float *q = q_all + (b * Hq + h0) * D;
             attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
                          sm_scale, scores, part, nch * (D + 2));
-            if (nch == 1 && buf) {  // one chunk: its sums are the head's (the merge below
-                                    // would scale by exp(0) = 1 and add to zero: the same bits)
-                for (int64_t j = 0; j < nh; j++) {
-                    const float *pj = part + j * (D + 2);
-                    const float inv = 1.0f / pj[1];
-                    float *o = buf + row;  // [D] past the qkv row (room for 2 D floats)
-                    for (int64_t d = 0; d < D; d++) o[d] = pj[2 + d] * inv;
-                    store_row(out, out_bf16, (b * Hq + h0 + j) * D, (int)D, o);
-                }
-            }
         }
-        // merge each head's chunks (requests of more than KV_CHUNK keys)
-        if (multi_chunk)
+        // merge each head's chunks
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * Hq; bh++) {
-            if (!buf || num_chunks[bh / Hq] == 1) continue;
+            if (!buf) continue;
             const int64_t b = bh / Hq, h = bh % Hq, nch = num_chunks[b];
             const float *first = partials + (item_start[b] + h * nch) * (D + 2);
             float mx = -INFINITY;

@@ -67,8 +67,8 @@ class Q8HeadMethod(Int8EmbeddingMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.amx:
-            bf16 = not self.batch_invariant and x.shape[0] >= self.amx_min_rows
-            return kernels.cpu.amx.q8_matmul(x, layer.weight, layer.block_scale, int8=not bf16)
+            int8 = self.batch_invariant or x.shape[0] < self.amx_min_rows
+            return kernels.cpu.amx.q8_matmul(x, layer.weight, layer.block_scale, int8=int8)
         return kernels.cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
 
     def decode_bytes(self, layer: nn.Module) -> int:
