@@ -69,30 +69,36 @@ class Int4Method(LinearMethod):
     it is the blocked one torch uses on x86 (see `_blocked_layout`); where it is not, a
     portable nibble copy is kept (+0.5 byte per weight).
 
-    On CPUs with AMX (Sapphire Rapids and later), every forward runs kernels/cpu/amx_q4.c on
-    the same bytes instead, as measured for 3072x576 (ms):
+    On CPUs with AMX (Sapphire Rapids and later), every forward runs an AMX kernel on the
+    same bytes instead (kernels/cpu/amx_q4.c, amx_q4_codes.c), chosen by row count. A decode
+    step's 120 int4 matmuls on the default model, weights streamed as in a real step (ms):
 
-        rows              1      2      4      8      16     32     64     1024
-        torch's kernel    0.049  0.062  0.093  0.18   0.36   0.71   1.4    7.5 (dense path)
-        AMX integer       0.060  0.066  0.067  0.081  0.11   0.20   0.39   7.3
-        AMX bf16          0.22   0.22   0.22   0.22   0.22   0.25   0.37   2.0
+        rows                  1      8      12     16     32     64     112
+        integer               2.8    5.9    7.3    8.6    14.1   28.1   -
+        codes as bf16         5.2    5.5    5.9    6.2    9.2    15.1   23.8
+        bf16 (dequantized)    -      12.2   -      -      13.2   16.9   24.5
 
-    Below `dense_min_rows` (decode, verify, prompts of up to 255 tokens) the integer kernel:
-    codes as they are, activations as two int8 parts per block. From there (long prefill
-    chunks, where the dense GEMM ran before) the bf16 one: each weight dequantized once per
-    call into two bf16 parts. Both multiply the exact weights, as torch's kernel does (1.7e-3
-    relative error on the default model's layers: the bf16 output's rounding). One kernel
-    for every row count below 256, even one row where torch's kernel is faster (0.049 against
-    0.060 ms), because the int4 path's bf16 activations amplify a single rounding flip over
-    30 layers (0.6 in a residual feature, 0.1 nats in a logprob): with a kernel per row
-    count a lone decode, a batch, a speculative verify and a cached prompt's extend all
-    answered slightly differently. Row for row, the integer kernel gives the same sums in any
-    batch, as torch's kernel did below 256 rows; `batch_invariant` runs it at every row
-    count.
+    - Below `amx_codes_min_rows` (decode of a few streams, speculative verifies of one
+      tree) the integer kernel: codes as they are, activations as two int8 parts per
+      block, its dots exact integers, so a row's result is the same bits in any batch of
+      those sizes: a lone decode, its verify and a small batch agree.
+    - From there to `amx_bf16_min_rows` the codes kernel: each code as an exact bf16
+      integer on the tiles against the activations as they are, one tile product per
+      block, scales applied in two fused multiply-adds. A row's result is the same in any
+      batch it runs in, but its float sums are not the integer kernel's.
+    - From `amx_bf16_min_rows` (prefill chunks) the bf16 one: each weight dequantized once
+      per call into two bf16 parts.
+    All three multiply the exact weights, as torch's kernel does (1.7e-3 relative error on
+    the default model's layers: the bf16 output's rounding). A kernel switch can still move
+    a near-tie: the int4 path's bf16 activations amplify a single rounding flip over 30
+    layers (0.6 in a residual feature, 0.1 nats in a logprob), which is what
+    test_invariance allows for. `batch_invariant` runs the integer kernel at every row
+    count, so a request's tokens do not depend on the batch at all.
     """
 
     dense_min_rows = 256
-    amx_int8_max_rows = dense_min_rows - 1
+    amx_codes_min_rows = 12
+    amx_bf16_min_rows = 128
 
     input_dtype = torch.bfloat16
 
@@ -103,7 +109,7 @@ class Int4Method(LinearMethod):
         # one kernel at every row count: AMX's integer one where the layer runs on AMX
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            self.amx_int8_max_rows = 1 << 62
+            self.amx_codes_min_rows = self.amx_bf16_min_rows = 1 << 62
 
     def group_size_for(self, sources: list[WeightSource]) -> int:
         """32 when any partition comes as GGUF 4-bit blocks (kept exact), else the default."""
@@ -140,8 +146,15 @@ class Int4Method(LinearMethod):
         op, w, group, sz = (torch._weight_int4pack_mm_for_cpu, layer.weight, layer.group_size,
                             layer.scale_zero)
         if layer.amx:
-            amx, int8_rows = kernels.cpu.amx.q4_matmul, self.amx_int8_max_rows
-            return lambda x: amx(x, w, sz, group, x.shape[0] <= int8_rows)
+            amx, codes_rows, bf16_rows = (kernels.cpu.amx.q4_matmul, self.amx_codes_min_rows,
+                                          self.amx_bf16_min_rows)
+
+            def amx_matmul(x: torch.Tensor) -> torch.Tensor:
+                rows = x.shape[0]
+                kernel = ("int8" if rows < codes_rows else
+                          "codes" if rows < bf16_rows else "bf16")
+                return amx(x, w, sz, group, kernel)
+            return amx_matmul
         dense_rows = self.dense_min_rows
 
         def matmul(x: torch.Tensor) -> torch.Tensor:
