@@ -226,7 +226,6 @@ int q4_amx_matmul_i8(const uint8_t *codes, const uint16_t *sz, int64_t N, int64_
     int8_t *r = q + M * K;
     float *e = (float *)(q + 2 * M * K), *X = e + M * nb;
     quantize_activations(x, ldx, M, K, q, r, e, X);
-    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
     const __m512 fine = _mm512_set1_ps(1.0f / 256.0f);
 #pragma omp parallel
     {
@@ -244,23 +243,14 @@ int q4_amx_matmul_i8(const uint8_t *codes, const uint16_t *sz, int64_t N, int64_
                 const int rows = i8_chunk_rows(M, m0, &configured, &tiles);
                 for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nb; b++) {
-                    // the next block's codes, K / 2 cache lines over both halves' blocks, so
-                    // that streaming the weights overlaps the tile work (one row measured 6.5
-                    // ms a 120-matmul step without, against torch's 3.5)
-                    if (m0 == 0 && next_codes) {
-                        const uint8_t *line = next_codes + ((h % 2) * nb + b) * 8 * 64;
-                        for (int l = 0; l < 8; l++) _mm_prefetch((const char *)(line + 64 * l), _MM_HINT_T0);
-                    }
+                    if (m0 == 0) prefetch_next_codes(next_codes, (int)(h % 2), nb, b);
                     block_dots_i8(buf + b * 1024, q + m0 * K + b * 32, r + m0 * K + b * 32, K,
                                   rows, tiles, c);
                     const int64_t g = b * 32 / group;
                     __m512 s[2], z[2];
-                    for (int t = 0; t < 2; t++) {
-                        const __m512i p = _mm512_loadu_si512(sz + (g * N + n0 + 16 * t) * 2);
-                        s[t] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-                        z[t] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[t],
-                                                _mm512_castsi512_ps(_mm512_and_si512(p, hi16)));
-                    }
+                    load_scale_zero(sz, g, N, n0, s, z);
+                    for (int t = 0; t < 2; t++)  // w = code s + (z - 8 s)
+                        z[t] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[t], z[t]);
                     for (int i = 0; i < rows; i++) {
                         const __m512 er = _mm512_set1_ps(e[(m0 + i) * nb + b]);
                         const __m512 xr = _mm512_set1_ps(X[(m0 + i) * nb + b]);
@@ -273,10 +263,7 @@ int q4_amx_matmul_i8(const uint8_t *codes, const uint16_t *sz, int64_t N, int64_
                         }
                     }
                 }
-                for (int i = 0; i < rows; i++)
-                    for (int t = 0; t < 2; t++)
-                        _mm256_storeu_si256((__m256i *)(y + (m0 + i) * ldy + n0 + 16 * t),
-                                            (__m256i)_mm512_cvtneps_pbh(acc[i][t]));
+                store_rows_bf16(acc, rows, y + m0 * ldy, ldy, n0);
             }
         }
         amx_scratch_put(buf);

@@ -109,7 +109,6 @@ int q4_amx_matmul_codes(const uint8_t *codes, const uint16_t *sz, int64_t N, int
     float *X = amx_scratch_get(1, sizeof(float) * M * nb);
     if (!X) return -1;
     block_sums(x, ldx, M, K, X);
-    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
     const __m512i table = code_table();
 #pragma omp parallel
     {
@@ -133,12 +132,7 @@ int q4_amx_matmul_codes(const uint8_t *codes, const uint16_t *sz, int64_t N, int
                 // pair of C tiles and buffers, so that the two overlap
                 for (int64_t b = 0; b <= nb; b++) {
                     if (b < nb) {
-                        // the next block's codes (as the integer kernel does)
-                        if (m0 == 0 && next_codes) {
-                            const uint8_t *line = next_codes + ((h % 2) * nb + b) * 8 * 64;
-                            for (int l = 0; l < 8; l++)
-                                _mm_prefetch((const char *)(line + 64 * l), _MM_HINT_T0);
-                        }
+                        if (m0 == 0) prefetch_next_codes(next_codes, (int)(h % 2), nb, b);
                         const uint16_t *xa = x + m0 * ldx + b * 32, *bt = buf + b * 1024;
                         if (b & 1)
                             BLOCK_DOTS(5, 6, xa, ldx, bt, c[1]);
@@ -149,12 +143,7 @@ int q4_amx_matmul_codes(const uint8_t *codes, const uint16_t *sz, int64_t N, int
                     const int64_t bp = b - 1, g = bp * 32 / group;
                     float(*cp)[256] = c[bp & 1];
                     __m512 s[2], z[2];
-                    for (int t = 0; t < 2; t++) {
-                        // 16 (scale, zero) bf16 pairs: dword j = scale_j | zero_j << 16
-                        const __m512i p = _mm512_loadu_si512(sz + (g * N + n0 + 16 * t) * 2);
-                        s[t] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-                        z[t] = _mm512_castsi512_ps(_mm512_and_si512(p, hi16));
-                    }
+                    load_scale_zero(sz, g, N, n0, s, z);
                     for (int i = 0; i < rows; i++) {
                         const __m512 xr = _mm512_set1_ps(X[(m0 + i) * nb + bp]);
                         for (int t = 0; t < 2; t++)
@@ -162,10 +151,7 @@ int q4_amx_matmul_codes(const uint8_t *codes, const uint16_t *sz, int64_t N, int
                                                         _mm512_fmadd_ps(z[t], xr, acc[i][t]));
                     }
                 }
-                for (int i = 0; i < rows; i++)
-                    for (int t = 0; t < 2; t++)
-                        _mm256_storeu_si256((__m256i *)(y + (m0 + i) * ldy + n0 + 16 * t),
-                                            (__m256i)_mm512_cvtneps_pbh(acc[i][t]));
+                store_rows_bf16(acc, rows, y + m0 * ldy, ldy, n0);
             }
         }
         amx_scratch_put(buf);
