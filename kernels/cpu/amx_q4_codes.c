@@ -1,25 +1,32 @@
-// int4 weights x bf16 activations on AMX tiles, the codes going in as exact bf16 integers:
-// the kernel for mid-sized batches (decode batches of a dozen rows and up, verifies of many
-// trees, short prompts), between the integer kernel (a few rows) and the bf16 one (long
-// prefill chunks), both in amx_q4.c, whose weight layout this one reads too.
+// int4 weights x bf16 activations below 64 rows (decode steps, speculative verifies, short
+// prompts); the bf16 kernel in amx_q4.c, whose weight layout this one reads too, takes
+// prefill chunks.
 //
-// Each code c (0..15) is exactly representable in bf16, so per block of 32 columns one
-// tdpbf16ps of the activations as they come (bf16) against the codes gives
-//     D = sum_k x_k (c_k - 8)
-// with exact products and fp32 sums, and with w = (c - 8) * scale + zero in a group,
-//     sum_k w_k x_k = scale * D + zero * X,    X = sum_k x_k over the block.
-// Against the integer kernel this is one tile product per block and output tile instead of
-// two (the activations need no second part to keep their bits: they go in whole), no
-// activation quantization, and an epilogue of two fused multiply-adds per row and 16
-// outputs instead of nine operations. Against the bf16 kernel the weights are only
-// regrouped (a table lookup per code), not converted and split in two. At 32 rows a
-// decode step's 120 int4 matmuls took 9.2 ms here against the integer kernel's 14.1 and
-// the bf16 kernel's 13.2; below a dozen rows the integer kernel's VNNI path is faster
-// (one row: 2.8 ms against 5.0, the tiles' fixed cost per block).
-//
-// A row's result does not depend on the other rows (the tiles compute each row alone), but
-// it is not bit-equal to the integer kernel's: callers that need one result whatever the
-// batch keep the integer kernel at every row count.
+// The activations are first put on a grid per block of 32 columns: with the block's
+// amax in [2^E, 2^(E+1)), each x becomes x' = Q * 2^(E-14), Q an integer (|Q| <= 32640).
+// Values from 2^(E-7) up are on that grid already (bf16 keeps 8 bits); smaller ones keep an
+// absolute 2^(E-15), about the precision of llama.cpp's int8 activations times 256. Then
+// with c the int4 code (0..15) and w = (c - 8) * scale + zero in a group,
+//     sum_k w_k x_k = scale * D + zero * X,   D = sum_k x'_k (c_k - 8),   X = sum_k x'_k,
+// and D is a multiple of 2^(E-14) below 2^(E+9): 23 bits, so every way of adding it up,
+// in any order and rounding, gives the same number. Two ways do:
+// - tiles (more than VNNI_MAX_ROWS rows): each code as an exact bf16 integer, one
+//   tdpbf16ps per block and 16 outputs against the x' as bf16;
+// - VNNI (up to VNNI_MAX_ROWS rows, where the tiles' fixed cost per block dominates): Q as
+//   256 Qh + Ql (Qh signed, Ql unsigned bytes), D = 2^(E-14) (256 sum Qh c + sum Ql c -
+//   8 sum Q), vpdpbusd over the codes as bytes.
+// Both then scale D in the same two fused multiply-adds, so a row's result is the same bits
+// alone or in any batch, whichever path its batch took (a lone decode, its speculative
+// verify and a batch of 32 agree). A decode step's 120 int4 matmuls on the default model
+// (ms, weights streamed as in a real step, old and new in the same runs):
+//     rows                               1     4     8     32    64
+//     this kernel                        3.2   5.2   6.2   11.3  19.7
+//     before: activations as two int8    3.2   5.0   6.5   16.5  28.1
+//     parts, two tile products and nine
+//     vector operations a block
+//     bf16 kernel (amx_q4.c)             -     -     12.2  13.2  19.6
+// Putting the activations on the grid costs about 1 ms of the 11.3 at 32 rows (without it,
+// the tiles' sums are not the VNNI path's: not batch invariant).
 
 #include "amx.h"
 
@@ -70,18 +77,126 @@ static void regroup_half(const uint8_t *codes, int64_t K, int64_t blk, int half,
     }
 }
 
-// Block sums X[m, b] of the activations, in fp32 (the same order for every row)
-static void block_sums(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *X) {
-    const int64_t nb = K / 32;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            const uint16_t *xb = x + m * ldx + b * 32;
-            const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xb)), 16));
-            const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + 16))), 16));
-            X[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+// The VNNI path's B: one 32-row half over all K -> buf: per block b of 32 columns, two
+// 8 rows x 64 bytes (t = output rows 16t..): row kq holds, for each of 16 output rows j,
+// the codes at k = 4kq .. 4kq + 3.
+static void regroup_half_bytes(const uint8_t *codes, int64_t K, int64_t blk, int half, uint8_t *buf) {
+    const uint8_t *base = codes + blk * K * 32;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int64_t k = 0; k < K; k += 4) {
+        __m256i v[4];
+        for (int i = 0; i < 4; i++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(base + (k + i) * 32));
+            if (half) raw = _mm256_srli_epi16(raw, 4);
+            v[i] = _mm256_and_si256(raw, nibble);
         }
+        // per 128-bit lane (rows j and j + 16): bytes of k, k+1 interleaved, then of k+2, k+3
+        const __m256i a01l = _mm256_unpacklo_epi8(v[0], v[1]), a01h = _mm256_unpackhi_epi8(v[0], v[1]);
+        const __m256i a23l = _mm256_unpacklo_epi8(v[2], v[3]), a23h = _mm256_unpackhi_epi8(v[2], v[3]);
+        const __m256i r0 = _mm256_unpacklo_epi16(a01l, a23l);  // rows 0-3 | 16-19
+        const __m256i r1 = _mm256_unpackhi_epi16(a01l, a23l);  // rows 4-7 | 20-23
+        const __m256i r2 = _mm256_unpacklo_epi16(a01h, a23h);  // rows 8-11 | 24-27
+        const __m256i r3 = _mm256_unpackhi_epi16(a01h, a23h);  // rows 12-15 | 28-31
+        uint8_t *row = buf + (k / 32) * 1024 + ((k % 32) / 4) * 64;
+        _mm256_storeu_si256((__m256i *)row, _mm256_permute2x128_si256(r0, r1, 0x20));
+        _mm256_storeu_si256((__m256i *)(row + 32), _mm256_permute2x128_si256(r2, r3, 0x20));
+        _mm256_storeu_si256((__m256i *)(row + 512), _mm256_permute2x128_si256(r0, r1, 0x31));
+        _mm256_storeu_si256((__m256i *)(row + 544), _mm256_permute2x128_si256(r2, r3, 0x31));
+    }
+}
+
+// Per block of 32 columns of one activation row: x' as bf16 (tiles) or Q as Qh, Ql bytes
+// (VNNI), and the block's G = 2^(E-14), X = G sum Q and S = sum Q
+typedef struct {
+    float G, X;
+    int32_t S;
+} block_grid;
+
+// Row-major x [M, K] (row stride ldx) onto the grid: xr bf16 [M, K] when xr, else qh, ql
+// [M, K]; g[M, K/32]. A block below 2^-100 is zeros; one with an infinity or NaN gives NaN.
+static void grid_activations(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
+                             uint16_t *xr, int8_t *qh, uint8_t *ql, block_grid *g) {
+    const int64_t nb = K / 32;
+    // a few rows are not worth a parallel region (120 calls a decode step)
+#pragma omp parallel for schedule(static) if (M > VNNI_MAX_ROWS)
+    for (int64_t mb = 0; mb < M * nb; mb++) {
+        const int64_t m = mb / nb, b = mb % nb;
+        const uint16_t *xb = x + m * ldx + b * 32;
+        __m512 v[2];
+        for (int h = 0; h < 2; h++)
+            v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)(xb + 16 * h))), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]),
+                                                              _mm512_abs_ps(v[1])));
+        uint32_t bits;
+        memcpy(&bits, &amax, sizeof bits);
+        const int e = (int)(bits >> 23);  // biased exponent of amax (E + 127)
+        // (max_ps passes a NaN over: found apart)
+        const int nan = (_mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
+                         _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q)) != 0;
+        const int finite = e < 255 && !nan, ok = finite && e >= 27;
+        // G = 2^(E-14), 1/G, and 1.5 * 2^(E+9), whose float spacing is G: x + that - that
+        // is x rounded to the grid (to nearest even, as Q is)
+        const uint32_t gbits = ok ? (uint32_t)(e - 14) << 23 : 0;
+        const uint32_t ibits = ok ? (uint32_t)(268 - e) << 23 : 0;
+        const uint32_t mbits = ok ? (uint32_t)(e + 9) << 23 | 0x400000u : 0;
+        float G, inv, magic;
+        memcpy(&G, &gbits, sizeof G);
+        memcpy(&inv, &ibits, sizeof inv);
+        memcpy(&magic, &mbits, sizeof magic);
+        const int64_t at = m * K + b * 32;
+        int32_t S = 0;
+        float X;
+        if (xr) {
+            const __m512 mg = _mm512_set1_ps(magic);
+            __m512 r[2];
+            for (int h = 0; h < 2; h++) {
+                r[h] = ok ? _mm512_sub_ps(_mm512_add_ps(v[h], mg), mg) : _mm512_setzero_ps();
+                _mm256_storeu_si256((__m256i *)(xr + at + 16 * h),
+                                    (__m256i)_mm512_cvtneps_pbh(r[h]));
+            }
+            X = _mm512_reduce_add_ps(_mm512_add_ps(r[0], r[1]));  // exact: on the grid
+        } else {
+            __m512i sum = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+                sum = _mm512_add_epi32(sum, q);
+                _mm_storeu_si128((__m128i *)(qh + at + 16 * h),
+                                 _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
+                _mm_storeu_si128((__m128i *)(ql + at + 16 * h),
+                                 _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255))));
+            }
+            S = _mm512_reduce_add_epi32(sum);
+            X = (float)S * G;
+        }
+        g[mb] = (block_grid){G, finite ? X : __builtin_nanf(""), S};
+    }
+}
+
+// One block's D for `rows` (<= VNNI_MAX_ROWS) rows on VNNI: out[t][16 i ..] as the tiles
+// would store them (b_bytes: regroup_half_bytes's block; qh, ql at the block, row stride K)
+static inline void block_dots_vnni(const uint8_t *b_bytes, const int8_t *qh, const uint8_t *ql,
+                                   const block_grid *g, int64_t nb, int64_t K, int rows,
+                                   float out[2][256]) {
+    for (int i = 0; i < rows; i++) {
+        for (int t = 0; t < 2; t++) {
+            const uint8_t *bt = b_bytes + t * 512;
+            __m512i dh = _mm512_setzero_si512(), dl = _mm512_setzero_si512();
+            for (int kq = 0; kq < 8; kq++) {
+                const __m512i w = _mm512_load_si512(bt + kq * 64);
+                int32_t h4, l4;
+                memcpy(&h4, qh + i * K + 4 * kq, 4);
+                memcpy(&l4, ql + i * K + 4 * kq, 4);
+                dh = _mm512_dpbusd_epi32(dh, w, _mm512_set1_epi32(h4));  // codes x Qh
+                dl = _mm512_dpbusd_epi32(dl, _mm512_set1_epi32(l4), w);  // Ql x codes
+            }
+            // 256 sum Qh c + sum Ql c - 8 sum Q: below 2^23 in magnitude, exact in a float
+            const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl),
+                                               _mm512_set1_epi32(8 * g[i * nb].S));
+            _mm512_store_ps(out[t] + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(d),
+                                                           _mm512_set1_ps(g[i * nb].G)));
+        }
+    }
 }
 
 // One block's tile products for the configured rows of xa (row stride ldx) into out[0],
@@ -106,49 +221,65 @@ int q4_amx_matmul_codes(const uint8_t *codes, const uint16_t *sz, int64_t N, int
                         int64_t ldy) {
     if (N % 64 || K % 32 || group % 32 || group <= 0 || M <= 0) return -1;
     const int64_t nb = K / 32, halves = N / 32;
-    float *X = amx_scratch_get(1, sizeof(float) * M * nb);
-    if (!X) return -1;
-    block_sums(x, ldx, M, K, X);
+    const int tiles = M > VNNI_MAX_ROWS;
+    // the grid per block, then x' bf16 [M, K] (tiles) or Qh, Ql [M, K] (VNNI)
+    block_grid *g = amx_scratch_get(1, sizeof(block_grid) * M * nb + (size_t)(2 * M * K));
+    if (!g) return -1;
+    uint8_t *act = (uint8_t *)(g + M * nb);
+    uint16_t *xr = tiles ? (uint16_t *)act : NULL;
+    int8_t *qh = (int8_t *)act;
+    uint8_t *ql = act + M * K;
+    grid_activations(x, ldx, M, K, xr, qh, ql, g);
     const __m512i table = code_table();
 #pragma omp parallel
     {
-        uint16_t *buf = amx_scratch_get(0, (size_t)K * 64);
+        void *buf = amx_scratch_get(0, (size_t)K * (tiles ? 64 : 32));
         float c[2][2][256] __attribute__((aligned(64)));
         __m512 acc[16][2];
         int configured = -1;
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < halves; h++) {
-            regroup_half(codes, K, h / 2, (int)(h % 2), table, buf);
+            if (tiles)
+                regroup_half(codes, K, h / 2, (int)(h % 2), table, buf);
+            else
+                regroup_half_bytes(codes, K, h / 2, (int)(h % 2), buf);
             const int64_t n0 = h * 32;
             const uint8_t *next_codes = h / 2 + 1 < N / 64 ? codes + (h / 2 + 1) * K * 32 : NULL;
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
                 const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
-                if (rows != configured) {
+                if (tiles && rows != configured) {
                     configure(rows);
                     configured = rows;
                 }
                 for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-                // block b's tile work goes out before block b - 1's epilogue, into the other
-                // pair of C tiles and buffers, so that the two overlap
+                // block b's dots go out before block b - 1's epilogue, into the other pair of
+                // C tiles and buffers, so that the two overlap
                 for (int64_t b = 0; b <= nb; b++) {
                     if (b < nb) {
                         if (m0 == 0) prefetch_next_codes(next_codes, (int)(h % 2), nb, b);
-                        const uint16_t *xa = x + m0 * ldx + b * 32, *bt = buf + b * 1024;
-                        if (b & 1)
-                            BLOCK_DOTS(5, 6, xa, ldx, bt, c[1]);
-                        else
-                            BLOCK_DOTS(0, 1, xa, ldx, bt, c[0]);
+                        if (!tiles) {
+                            block_dots_vnni((const uint8_t *)buf + b * 1024, qh + m0 * K + b * 32,
+                                            ql + m0 * K + b * 32, g + m0 * nb + b, nb, K, rows,
+                                            c[b & 1]);
+                        } else {
+                            const uint16_t *xa = xr + m0 * K + b * 32;
+                            const uint16_t *bt = (const uint16_t *)buf + b * 1024;
+                            if (b & 1)
+                                BLOCK_DOTS(5, 6, xa, K, bt, c[1]);
+                            else
+                                BLOCK_DOTS(0, 1, xa, K, bt, c[0]);
+                        }
                     }
                     if (b == 0) continue;
-                    const int64_t bp = b - 1, g = bp * 32 / group;
+                    const int64_t bp = b - 1;
                     float(*cp)[256] = c[bp & 1];
                     __m512 s[2], z[2];
-                    load_scale_zero(sz, g, N, n0, s, z);
+                    load_scale_zero(sz, bp * 32 / group, N, n0, s, z);
                     for (int i = 0; i < rows; i++) {
-                        const __m512 xr = _mm512_set1_ps(X[(m0 + i) * nb + bp]);
+                        const __m512 xs = _mm512_set1_ps(g[(m0 + i) * nb + bp].X);
                         for (int t = 0; t < 2; t++)
                             acc[i][t] = _mm512_fmadd_ps(_mm512_load_ps(cp[t] + 16 * i), s[t],
-                                                        _mm512_fmadd_ps(z[t], xr, acc[i][t]));
+                                                        _mm512_fmadd_ps(z[t], xs, acc[i][t]));
                     }
                 }
                 store_rows_bf16(acc, rows, y + m0 * ldy, ldy, n0);
@@ -156,6 +287,6 @@ int q4_amx_matmul_codes(const uint8_t *codes, const uint16_t *sz, int64_t N, int
         }
         amx_scratch_put(buf);
     }
-    amx_scratch_put(X);
+    amx_scratch_put(g);
     return 0;
 }

@@ -70,35 +70,32 @@ class Int4Method(LinearMethod):
     portable nibble copy is kept (+0.5 byte per weight).
 
     On CPUs with AMX (Sapphire Rapids and later), every forward runs an AMX kernel on the
-    same bytes instead (kernels/cpu/amx_q4.c, amx_q4_codes.c), chosen by row count. A decode
-    step's 120 int4 matmuls on the default model, weights streamed as in a real step (ms):
+    same bytes instead, chosen by row count. A decode step's 120 int4 matmuls on the default
+    model, weights streamed as in a real step (ms; the machine moved 10-20% between runs):
 
-        rows                  1      8      12     16     32     64     112
-        integer               2.8    5.9    7.3    8.6    14.1   28.1   -
-        codes as bf16         5.2    5.5    5.9    6.2    9.2    15.1   23.8
-        bf16 (dequantized)    -      12.2   -      -      13.2   16.9   24.5
+        rows                    1      4      8      32     48     64     96
+        codes (amx_q4_codes.c)  3.2    5.2    6.2    11.3   16.1   19.7   28.2
+        before: integer         3.2    5.0    6.5    16.5   -      28.1   -
+        bf16 (amx_q4.c)         -      -      12.2   13.2   19.4   19.6   25.0
 
-    - Below `amx_codes_min_rows` (decode of a few streams, speculative verifies of one
-      tree) the integer kernel: codes as they are, activations as two int8 parts per
-      block, its dots exact integers, so a row's result is the same bits in any batch of
-      those sizes: a lone decode, its verify and a small batch agree.
-    - From there to `amx_bf16_min_rows` the codes kernel: each code as an exact bf16
-      integer on the tiles against the activations as they are, one tile product per
-      block, scales applied in two fused multiply-adds. A row's result is the same in any
-      batch it runs in, but its float sums are not the integer kernel's.
-    - From `amx_bf16_min_rows` (prefill chunks) the bf16 one: each weight dequantized once
-      per call into two bf16 parts.
-    All three multiply the exact weights, as torch's kernel does (1.7e-3 relative error on
-    the default model's layers: the bf16 output's rounding). A kernel switch can still move
-    a near-tie: the int4 path's bf16 activations amplify a single rounding flip over 30
-    layers (0.6 in a residual feature, 0.1 nats in a logprob), which is what
-    test_invariance allows for. `batch_invariant` runs the integer kernel at every row
-    count, so a request's tokens do not depend on the batch at all.
+    - Below `amx_bf16_min_rows` (decode, speculative verifies, short prompts) the codes
+      kernel: the activations rounded onto a grid per 32 columns on which every dot is an
+      exact float, then the codes as exact bf16 integers on the tiles (or, up to 4 rows,
+      integer dots on VNNI: the same numbers). So a row's result is the same bits alone or
+      in any batch below that size: a lone decode, its verify, a batch of 32 and a cached
+      prompt's extend all agree.
+    - From there (prefill chunks) the bf16 kernel: each weight dequantized once per call
+      into two bf16 parts.
+    Both multiply the exact weights, as torch's kernel does (1.7e-3 relative error on the
+    default model's layers: the bf16 output's rounding). One kernel for every row count
+    below 64, because the int4 path's bf16 activations amplify a single rounding flip over
+    30 layers (0.6 in a residual feature, 0.1 nats in a logprob): with a kernel per row
+    count a lone decode, a batch, a speculative verify and a cached prompt's extend would
+    answer slightly differently. `batch_invariant` runs the codes kernel at every row count.
     """
 
     dense_min_rows = 256
-    amx_codes_min_rows = 12
-    amx_bf16_min_rows = 128
+    amx_bf16_min_rows = 64
 
     input_dtype = torch.bfloat16
 
@@ -109,7 +106,7 @@ class Int4Method(LinearMethod):
         # one kernel at every row count: AMX's integer one where the layer runs on AMX
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            self.amx_codes_min_rows = self.amx_bf16_min_rows = 1 << 62
+            self.amx_bf16_min_rows = 1 << 62
 
     def group_size_for(self, sources: list[WeightSource]) -> int:
         """32 when any partition comes as GGUF 4-bit blocks (kept exact), else the default."""
@@ -146,15 +143,8 @@ class Int4Method(LinearMethod):
         op, w, group, sz = (torch._weight_int4pack_mm_for_cpu, layer.weight, layer.group_size,
                             layer.scale_zero)
         if layer.amx:
-            amx, codes_rows, bf16_rows = (kernels.cpu.amx.q4_matmul, self.amx_codes_min_rows,
-                                          self.amx_bf16_min_rows)
-
-            def amx_matmul(x: torch.Tensor) -> torch.Tensor:
-                rows = x.shape[0]
-                kernel = ("int8" if rows < codes_rows else
-                          "codes" if rows < bf16_rows else "bf16")
-                return amx(x, w, sz, group, kernel)
-            return amx_matmul
+            amx, bf16_rows = kernels.cpu.amx.q4_matmul, self.amx_bf16_min_rows
+            return lambda x: amx(x, w, sz, group, "codes" if x.shape[0] < bf16_rows else "bf16")
         dense_rows = self.dense_min_rows
 
         def matmul(x: torch.Tensor) -> torch.Tensor:
