@@ -1,4 +1,4 @@
-// int4 weights x bf16 activations below 64 rows (decode steps, speculative verifies, short
+// int4 weights x bf16 activations below 256 rows (decode steps, speculative verifies, short
 // prompts); the bf16 kernel in amx_q4.c, whose weight layout this one reads too, takes
 // prefill chunks.
 //

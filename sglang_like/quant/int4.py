@@ -78,6 +78,11 @@ class Int4Method(LinearMethod):
         before: integer         3.2    5.0    6.5    16.5   -      28.1   -
         bf16 (amx_q4.c)         -      -      12.2   13.2   19.4   19.6   25.0
 
+    From about 64 rows the bf16 kernel is as fast or faster (at 96, 25.0 against 28.2), but
+    the codes kernel keeps every forward below 256 rows on one kernel, as before (verifies
+    of a batch of 20 run 120 rows; a prompt's first prefill and its cached re-extend run
+    different row counts): with the switch at 64, those answered up to 0.14 nats apart.
+
     - Below `amx_bf16_min_rows` (decode, speculative verifies, short prompts) the codes
       kernel: the activations rounded onto a grid per 32 columns on which every dot is an
       exact float, then the codes as exact bf16 integers on the tiles (or, up to 4 rows,
@@ -88,14 +93,14 @@ class Int4Method(LinearMethod):
       into two bf16 parts.
     Both multiply the exact weights, as torch's kernel does (1.7e-3 relative error on the
     default model's layers: the bf16 output's rounding). One kernel for every row count
-    below 64, because the int4 path's bf16 activations amplify a single rounding flip over
+    below 256, because the int4 path's bf16 activations amplify a single rounding flip over
     30 layers (0.6 in a residual feature, 0.1 nats in a logprob): with a kernel per row
     count a lone decode, a batch, a speculative verify and a cached prompt's extend would
     answer slightly differently. `batch_invariant` runs the codes kernel at every row count.
     """
 
     dense_min_rows = 256
-    amx_bf16_min_rows = 64
+    amx_bf16_min_rows = dense_min_rows
 
     input_dtype = torch.bfloat16
 

@@ -106,13 +106,13 @@ def test_strided_rows_float_input_and_bad_shapes():
 
 
 def test_int4_method_picks_its_kernel_by_row_count():
-    """The codes kernel below 64 rows (one row included), the bf16 one from there; batch
+    """The codes kernel below 256 rows (one row included), the bf16 one from there; batch
     invariant: the codes kernel at every row count."""
     layer, method = _int4_layer(128, 192, 32)
     x = torch.randn(300, 192, generator=torch.Generator().manual_seed(3)).bfloat16()
     w, sz = layer.weight, layer.scale_zero
-    for rows, kernel in ((1, "codes"), (2, "codes"), (33, "codes"), (63, "codes"),
-                         (64, "bf16"), (256, "bf16")):
+    for rows, kernel in ((1, "codes"), (2, "codes"), (33, "codes"), (64, "codes"),
+                         (255, "codes"), (256, "bf16"), (300, "bf16")):
         want = amx.q4_matmul(x[:rows], w, sz, 32, kernel)
         assert torch.equal(method.apply(layer, x[:rows]), want), (rows, kernel)
     # the kernels' float sums differ: a switch is visible in the last bits
