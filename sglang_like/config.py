@@ -83,7 +83,7 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
     enable_jump_forward: bool = True
     # SGLang's switch: a request's output does not depend on the batch it ran in. Here: on AMX
-    # CPUs the int4 linears keep their codes kernel past 255 rows and the LM head its
+    # CPUs the int4 linears keep their integer kernel past 255 rows and the LM head its
     # integer kernel past 23 (the bf16 tile kernels there round otherwise in the last bits)
     enable_deterministic_inference: bool = False
     random_seed: int = 0

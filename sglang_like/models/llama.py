@@ -251,14 +251,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
         """The key rows of a batch the native path runs (a decode batch, or a masked one such
-        as a verify, of up to native.MAX_ROWS / MAX_MASKED_ROWS query rows); None: the torch path. A verify
+        as a verify, of up to native.MAX_ROWS query rows); None: the torch path. A verify
         and the plain decode of the same requests take the same path (the same float sums
         for the rows they share)."""
-        limit = native.MAX_ROWS if fb.custom_masks is None else native.MAX_MASKED_ROWS
         if (not self.native_decode or fb.tree_mask is not None
                 or fb.input_ids.device.type != "cpu"
                 or pool.k_buffers[0].dtype not in (torch.float32, torch.bfloat16)
-                or fb.num_tokens > limit):
+                or fb.num_tokens > native.MAX_ROWS):
             return None
         if fb.custom_masks is not None:
             return native.masked_rows(fb)

@@ -417,29 +417,24 @@ def _ids_and_gaps(runs: list[dict]) -> tuple[list[list[int]], list[list[float]]]
 
 
 @pytest.fixture(scope="module")
-def baseline(off_engine, make_engine, chat_prompts):
+def baseline(off_engine, chat_prompts):
     """Spec off: (prompts, (ids, gaps) of all prompts in one batch, (ids, gaps) of every 3rd
-    prompt alone, (ids, gaps) of the batch in 16-token prefill chunks). Speculation is
-    compared with the same batch shape without it: a batch of 20 decodes on the torch path
-    and a lone request on the native kernels, whose float sums differ by up to 0.1 nats over
-    a long output (test_native_decode), and the batch's one 600-row prefill runs the int4
-    bf16 kernel where 16-token chunks run the codes kernel (a near-tie 0.12 nats apart
-    flipped), which is batch invariance without speculation (test_invariance's), not
-    speculation's."""
+    prompt alone). Speculation is compared with the same batch shape without it: a batch of
+    20 decodes on the torch path and a lone request on the native kernels, whose float sums
+    differ by up to 0.1 nats over a long output (test_native_decode), which is batch
+    invariance without speculation (test_invariance's), not speculation's."""
     prompts = PROMPTS + chat_prompts
-    kw = dict(return_logprob=True, top_logprobs_num=2)
-    together = off_engine.generate(prompts, GREEDY, **kw)
-    alone = [off_engine.generate(p, GREEDY, **kw) for p in prompts[::3]]
-    chunked = make_engine(chunked_prefill_size=16, disable_radix_cache=True,
-                          quantization=SPEC_QUANT).generate(prompts, GREEDY, **kw)
-    return (prompts, _ids_and_gaps(together), _ids_and_gaps(alone), _ids_and_gaps(chunked))
+    together = off_engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+    alone = [off_engine.generate(p, GREEDY, return_logprob=True, top_logprobs_num=2)
+             for p in prompts[::3]]
+    return prompts, _ids_and_gaps(together), _ids_and_gaps(alone)
 
 
-def _assert_same(outputs, ids, gaps, label: str = "") -> None:
+def _assert_same(outputs, ids, gaps) -> None:
     for k, (got, want, gap) in enumerate(zip(outputs, ids, gaps, strict=True)):
         diverge = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b),
                        None)
-        assert diverge is None or gap[diverge] < TIE_NATS, (label, k, diverge, gap[diverge])
+        assert diverge is None or gap[diverge] < TIE_NATS, (k, diverge, gap[diverge])
         assert len(got) == len(want)
 
 
@@ -470,7 +465,7 @@ def test_ngram_drafts_from_an_earlier_request(make_engine, off_engine, chat_prom
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["NGRAM", "EAGLE3"])
 def test_greedy_equals_spec_off(make_engine, baseline, name, tmp_path_factory) -> None:
-    prompts, (ids, gaps), (alone_ids, alone_gaps), (chunked_ids, chunked_gaps) = baseline
+    prompts, (ids, gaps), (alone_ids, alone_gaps) = baseline
     kw = _spec_kwargs(name, tmp_path_factory)
     # alone (radix cold: every prompt is new to this engine; every 3rd prompt, to bound the
     # time), then all 20 in one batch (radix warm), then in a chunked-prefill engine without
@@ -478,14 +473,13 @@ def test_greedy_equals_spec_off(make_engine, baseline, name, tmp_path_factory) -
     engine = make_engine(quantization=SPEC_QUANT, **kw)
     assert engine.server_args.quantization == SPEC_QUANT
     alone = [engine.generate(p, GREEDY)["output_ids"] for p in prompts[::3]]
-    _assert_same(alone, alone_ids, alone_gaps, "alone")
+    _assert_same(alone, alone_ids, alone_gaps)
     batched = engine.generate(prompts, GREEDY)
-    _assert_same([o["output_ids"] for o in batched], ids, gaps, "batched")
+    _assert_same([o["output_ids"] for o in batched], ids, gaps)
     assert sum(o["meta_info"]["cached_tokens"] for o in batched) > 0
     chunked = make_engine(chunked_prefill_size=16, disable_radix_cache=True,
                           quantization=SPEC_QUANT, **kw)
-    _assert_same([o["output_ids"] for o in chunked.generate(prompts, GREEDY)], chunked_ids,
-                 chunked_gaps, "chunked")
+    _assert_same([o["output_ids"] for o in chunked.generate(prompts, GREEDY)], ids, gaps)
     hist = engine.get_server_info()["spec_accept_lengths"]
     assert sum(v for k, v in hist.items() if k > 1) > 0, hist  # some verify committed drafts
     # acceptance length as SGLang's clients compute it
