@@ -142,8 +142,8 @@ int q8_amx_matmul(const int8_t *codes, const float *scales, int64_t N, int64_t K
 }
 
 // ---------------------------------------------------------------------------------------------
-// The same int8 matrix x integer activations (AMX-INT8; amx.h's two-part activations), for up
-// to a few hundred rows: the decode steps, verifies and prompt ends of a quantized model. The
+// The same int8 matrix x integer activations (AMX-INT8; amx.h's two-part activations), below
+// Q8HeadMethod.amx_min_rows (24): the decode steps and verifies of a quantized model. The
 // kernel above streams the weights as four bf16 products and rounds every activation in two
 // on each call; here the codes go to the tile unit as they are, with one scaling per block of
 // 32 columns (w = code * s, no zero point):

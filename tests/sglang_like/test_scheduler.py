@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -284,8 +285,6 @@ def test_controller_prices_a_step_with_its_drafting_and_the_drafts_extend(tokeni
     step's rows includes drafting (before the batch forms) and the drafter's extend after
     it, so a drafter too slow to pay is seen to be (here: 20 ms to draft, 10 to extend,
     around a scripted forward of well under a millisecond)."""
-    import time
-
     class SlowDrafter(ScriptedDrafter):
         def propose(self, reqs, max_depths, sched):
             time.sleep(0.02)
