@@ -96,7 +96,8 @@ class Int4Method(LinearMethod):
     below 256, because the int4 path's bf16 activations amplify a single rounding flip over
     30 layers (0.6 in a residual feature, 0.1 nats in a logprob): with a kernel per row
     count a lone decode, a batch, a speculative verify and a cached prompt's extend would
-    answer slightly differently. `batch_invariant` runs the codes kernel at every row count.
+    answer slightly differently. `batch_invariant` runs the codes kernel (off AMX, torch's)
+    at every row count.
     """
 
     dense_min_rows = 256
@@ -110,8 +111,8 @@ class Int4Method(LinearMethod):
         self.group_size = group_size
         # one kernel at every row count: AMX's integer one where the layer runs on AMX
         self.batch_invariant = batch_invariant
-        if batch_invariant:
-            self.amx_bf16_min_rows = 1 << 62
+        if batch_invariant:  # torch's int4 kernel too: its rows are the same in any batch
+            self.amx_bf16_min_rows = self.dense_min_rows = 1 << 62
 
     def group_size_for(self, sources: list[WeightSource]) -> int:
         """32 when any partition comes as GGUF 4-bit blocks (kept exact), else the default."""
