@@ -83,8 +83,9 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
     enable_jump_forward: bool = True
     # SGLang's switch: a request's output does not depend on the batch it ran in. Here: on AMX
-    # CPUs the int4 linears keep their integer kernel past 255 rows and the LM head its
-    # integer kernel past 23 (the bf16 tile kernels there round otherwise in the last bits)
+    # CPUs the int4 linears keep their codes kernel past 255 rows and the LM head its
+    # integer kernel past 23 (the bf16 tile kernels there round otherwise in the last bits),
+    # and every CPU batch of a quantized model runs the native per-row path (models/llama.py)
     enable_deterministic_inference: bool = False
     random_seed: int = 0
     # /health fails (503) while one scheduler step has run longer than this (SGLang's name)

@@ -127,7 +127,7 @@ class _Library:
         self.variant = variant
         lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.q4_1_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.q4_1_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
         lib.q4_1_matmul.restype = ctypes.c_int
         lib.q4_1_dequantize.argtypes = [ptr, i64, i64, ptr]
         lib.q4_1_dequantize.restype = None
@@ -214,15 +214,17 @@ def _check(rc: int, name: str, x: torch.Tensor) -> None:
 
 
 def q4_1_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
-                variant: str | None = None) -> torch.Tensor:
+                variant: str | None = None, invariant: bool = False) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) @ W.T -> [M, N] float32; W [N, K] as Q4_1 blocks
-    `blocks` uint8 [N, K/32*20]."""
+    `blocks` uint8 [N, K/32*20]. `invariant`: a lone row summed as in a batch (same bits;
+    slower at one row)."""
     x = _float_rows(x)
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
     if m:
         _check(_lib(variant).matmul(blocks.data_ptr(), out_features, k, x.data_ptr(),
-                                    x.stride(0), m, y.data_ptr(), out_features),
+                                    x.stride(0), m, y.data_ptr(), out_features,
+                                    int(invariant)),
                "q4_1_matmul", x)
     return y
 

@@ -1,6 +1,7 @@
-// Matmuls on Intel AMX tiles (Sapphire Rapids and later), in three files:
-//   amx_q4.c  int4 weights in torch's own x86 pack (the int4 linears): an integer kernel
-//             below 256 rows, a bf16 one for long prefill chunks
+// Matmuls on Intel AMX tiles (Sapphire Rapids and later), in four files:
+//   amx_q4_codes.c  int4 weights in torch's own x86 pack (the int4 linears) below 256 rows:
+//             the codes as exact bf16 integers against activations put on a grid
+//   amx_q4.c  the same weights for prefill chunks: a bf16 kernel
 //   amx_q8.c  block-int8 weights (the LM head)
 //   amx.c     (this file) what they share: the OS permission, tile configuration, scratch
 //

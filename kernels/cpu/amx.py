@@ -1,4 +1,5 @@
-"""Matmuls on Intel AMX tiles (amx.c, amx_q4.c, amx_q8.c): int4 linears and the int8 LM head.
+"""Matmuls on Intel AMX tiles (amx.c, amx_q4.c, amx_q4_codes.c, amx_q8.c): int4 linears and
+the int8 LM head.
 
 Built like the other CPU kernels (`kernels.cpu._build`, cached by source hash) but as its
 own library, only on CPUs with AMX-BF16 (Sapphire Rapids and later): `available()` is False
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["available", "q4_matmul", "q8_matmul"]
 
-_SOURCES = ("amx.c", "amx_q4.c", "amx_q8.c")
+_SOURCES = ("amx.c", "amx_q4.c", "amx_q4_codes.c", "amx_q8.c")
 _HEADERS = ("amx.h",)
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
@@ -58,8 +59,8 @@ def _library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.q4_amx_matmul.argtypes = [p, p, i64, i64, i64, p, i64, i64, p, i64]
     lib.q4_amx_matmul.restype = ctypes.c_int
-    lib.q4_amx_matmul_i8.argtypes = lib.q4_amx_matmul.argtypes
-    lib.q4_amx_matmul_i8.restype = ctypes.c_int
+    lib.q4_amx_matmul_codes.argtypes = lib.q4_amx_matmul.argtypes
+    lib.q4_amx_matmul_codes.restype = ctypes.c_int
     lib.q8_amx_matmul.argtypes = [p, p, i64, i64, p, i64, i64, p, i64]
     lib.q8_amx_matmul.restype = ctypes.c_int
     lib.q8_amx_matmul_i8.argtypes = lib.q8_amx_matmul.argtypes
@@ -85,18 +86,24 @@ def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+Q4_KERNELS = ("codes", "bf16")
+
+
 def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
-              group_size: int, int8: bool = False) -> torch.Tensor:
+              group_size: int, kernel: str = "bf16") -> torch.Tensor:
     """x [M, K] bf16 @ W.T -> [M, N] bf16, W held as torch packs it for
     `_weight_int4pack_mm_for_cpu` on AVX-512: `codes` uint8 [N, K/2] in 64-row blocks
-    (quant/int4.py `_unpack_blocked`), `scale_zero` bf16 [K/group, N, 2]. `int8`: the
-    integer kernel, else the bf16 one (amx_q4.c)."""
+    (quant/int4.py `_unpack_blocked`), `scale_zero` bf16 [K/group, N, 2]. `kernel`: "codes"
+    (amx_q4_codes.c: a row's result the same bits in any batch; decode, verifies, short
+    prompts) or "bf16" (amx_q4.c: weights dequantized once per call; prefill chunks)."""
+    if kernel not in Q4_KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {Q4_KERNELS}")
     x = _rows(x, torch.bfloat16)
     (m, k), n = x.shape, codes.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:
         lib = _lib()
-        fn = lib.q4_amx_matmul_i8 if int8 else lib.q4_amx_matmul
+        fn = lib.q4_amx_matmul_codes if kernel == "codes" else lib.q4_amx_matmul
         if fn(codes.data_ptr(), scale_zero.data_ptr(), n, k, group_size, x.data_ptr(),
               x.stride(0), m, y.data_ptr(), n) != 0:
             raise RuntimeError(f"q4_amx_matmul: N={n} must divide by 64, K={k} and group "

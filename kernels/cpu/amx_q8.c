@@ -18,6 +18,106 @@
 #include <stdlib.h>
 #include <string.h>
 
+// ---- the integer kernel's pieces: activations as two int8 parts ------------------------------
+//
+// A block of 32 activations is taken as e * (q + r / 256) with one scale e = amax / 127:
+// q = round(x / e) (|q| <= 127, llama.cpp's activation rounding) and r the rounded rest in
+// 256ths of e, so the activations keep about 15 bits. The weights go in as unsigned bytes,
+// regrouped into B tiles of 8 rows x 64 bytes (row kq: for each of 16 output columns, the
+// bytes at k = 4kq .. 4kq + 3), and each block's two integer dots (q and r against the
+// weights) come out as int32 C rows of 16 output columns, which the caller scales.
+
+// 32 floats (v0: the first 16) -> q[0..32), r[0..32); returns e, and the sums of q and r
+static inline float split_int8_block(__m512 v0, __m512 v1, int8_t *q, int8_t *r,
+                                     int32_t *qsum, int32_t *rsum) {
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float scale = amax / 127.0f;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    const __m512 v[2] = {v0, v1};
+    __m128i qb[2], rb[2];
+    __m512i sum = _mm512_setzero_si512(), rs = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        // x / e, its nearest integer, and the remainder in 256ths
+        const __m512 u = _mm512_mul_ps(v[h], _mm512_set1_ps(inv));
+        const __m512i qi = _mm512_cvtps_epi32(u);
+        const __m512 rest = _mm512_mul_ps(_mm512_sub_ps(u, _mm512_cvtepi32_ps(qi)),
+                                          _mm512_set1_ps(256.0f));
+        const __m512i ri = _mm512_cvtps_epi32(rest);
+        qb[h] = _mm512_cvtsepi32_epi8(qi);
+        rb[h] = _mm512_cvtsepi32_epi8(ri);
+        sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(qb[h]));
+        rs = _mm512_add_epi32(rs, _mm512_cvtepi8_epi32(rb[h]));
+    }
+    _mm256_storeu_si256((__m256i *)q, _mm256_set_m128i(qb[1], qb[0]));
+    _mm256_storeu_si256((__m256i *)r, _mm256_set_m128i(rb[1], rb[0]));
+    *qsum = _mm512_reduce_add_epi32(sum);
+    *rsum = _mm512_reduce_add_epi32(rs);
+    return scale;
+}
+
+
+// tmm0, 1: C of q (output tile 0 / 1), tmm6, 7: C of r, tmm2, 5: A (q, r: rows activation
+// rows x 32 bytes), tmm3, 4: B
+static inline void configure_i8(int rows) {
+    const int r[8] = {rows, rows, rows, 8, 8, rows, rows, rows};
+    const int colsb[8] = {64, 64, 32, 64, 64, 32, 64, 64};
+    amx_configure(r, colsb);
+}
+
+// Activation rows m0.. of M as one chunk of at most 16: its row count, and in *tiles whether
+// it runs on the tiles (loading their configuration when the row count changed) or on VNNI
+static inline int i8_chunk_rows(int64_t M, int64_t m0, int *configured, int *tiles) {
+    const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+    *tiles = rows > VNNI_MAX_ROWS;
+    if (*tiles && rows != *configured) {
+        configure_i8(rows);
+        *configured = rows;
+    }
+    return rows;
+}
+
+// One block of 32 columns: c[t] (q) and c[2 + t] (r), rows x 16 int32 each (ld 16), of
+// `rows` activation rows (q, r at row stride K) against the two B tiles at b_tiles (output
+// tile t at b_tiles + 512 t); on tiles when `tiles` (configure_i8(rows) loaded), else VNNI.
+static inline void block_dots_i8(const uint8_t *b_tiles, const int8_t *q, const int8_t *r,
+                                 int64_t K, int rows, int tiles, int32_t c[4][256]) {
+    if (tiles) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(6);
+        _tile_zero(7);
+        _tile_loadd(2, q, K);
+        _tile_loadd(5, r, K);
+        _tile_loadd(3, b_tiles, 64);
+        _tile_loadd(4, b_tiles + 512, 64);
+        _tile_dpbsud(0, 2, 3);
+        _tile_dpbsud(1, 2, 4);
+        _tile_dpbsud(6, 5, 3);
+        _tile_dpbsud(7, 5, 4);
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(6, c[2], 64);
+        _tile_stored(7, c[3], 64);
+        return;
+    }
+    for (int i = 0; i < rows; i++) {
+        for (int t = 0; t < 2; t++) {
+            const uint8_t *bt = b_tiles + t * 512;
+            __m512i dq = _mm512_setzero_si512(), dr = _mm512_setzero_si512();
+            for (int kq = 0; kq < 8; kq++) {
+                const __m512i w = _mm512_load_si512(bt + kq * 64);
+                int32_t q4, r4;
+                memcpy(&q4, q + i * K + 4 * kq, 4);
+                memcpy(&r4, r + i * K + 4 * kq, 4);
+                dq = _mm512_dpbusd_epi32(dq, w, _mm512_set1_epi32(q4));
+                dr = _mm512_dpbusd_epi32(dr, w, _mm512_set1_epi32(r4));
+            }
+            _mm512_store_si512(c[t] + 16 * i, dq);
+            _mm512_store_si512(c[2 + t] + 16 * i, dr);
+        }
+    }
+}
+
 // bf16 rounding (nearest even) of a finite float, and of what it leaves out
 static inline void split_bf16(float v, uint16_t *hi, uint16_t *lo) {
     uint32_t u, t;

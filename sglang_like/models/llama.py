@@ -250,18 +250,26 @@ class LlamaForCausalLM(nn.Module):
         return x, features
 
     def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
-        """The key rows of a batch the native path runs (a decode batch, or a masked one such
-        as a verify, of up to native.MAX_ROWS query rows); None: the torch path. A verify
-        and the plain decode of the same requests take the same path (the same float sums
-        for the rows they share)."""
+        """The key rows of a batch the native path runs; None: the torch path.
+
+        By default: a decode batch of up to native.MAX_ROWS requests, or a masked one such as
+        a verify of up to MAX_MASKED_ROWS query rows, so that a verify and the plain decode of
+        the same requests share their float sums. With `--enable-deterministic-inference`
+        every batch, prefill chunks and mixed ones included: a token's row is then computed
+        by the same per-row sums whatever batch, chunk or verify it is in, which the int4
+        path's bf16 activations need for its output not to depend on the schedule."""
         if (not self.native_decode or fb.tree_mask is not None
                 or fb.input_ids.device.type != "cpu"
-                or pool.k_buffers[0].dtype not in (torch.float32, torch.bfloat16)
-                or fb.num_tokens > native.MAX_ROWS):
+                or pool.k_buffers[0].dtype not in (torch.float32, torch.bfloat16)):
             return None
+        every = self.quant.deterministic
         if fb.custom_masks is not None:
-            return native.masked_rows(fb)
-        return native.decode_rows(fb) if fb.is_decode else None
+            return native.masked_rows(fb) if every or fb.num_tokens <= native.MAX_MASKED_ROWS \
+                else None
+        if fb.is_decode:
+            return native.decode_rows(fb) if every or fb.num_tokens <= native.MAX_ROWS \
+                else None
+        return native.extend_rows(fb) if every else None
 
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
                               attn: AttnRows, aux_layers: tuple[int, ...]

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 # (short prompts); 16 / 32 / 64 requests sharing a 1,000-token cached prefix, where the torch
 # path's cascade attention reads the shared keys once: 331 -> 448, 391 -> 411, 469 -> 449.
 MAX_ROWS = 64
+# A masked batch (a speculative verify) runs natively up to this many rows, so that its rows
+# keep the float sums of the plain decode of the same requests: with the verify of 20
+# requests' trees (120 rows) on the torch path, greedy speculation and plain decode parted at
+# a near-tie 0.11 nats apart. 256: where the int4 linears keep one kernel (quant/int4.py).
+MAX_MASKED_ROWS = 256
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 

@@ -111,7 +111,8 @@ class QuantConfig:
         if self.name == "fp16":
             return _FP16
         if self.name == "int4" and in_features % 32 == 0 and prefer_native_q4():
-            return _Q4_NATIVE  # torch's int4 kernel would run its AVX2 code (see q4_native)
+            # torch's int4 kernel would run its AVX2 code (see q4_native)
+            return _Q4_NATIVE[self.deterministic]
         if self.name == "int4" and in_features % 32 == 0 and out_features % 16 == 0:
             group = 64 if in_features % 64 == 0 else 32
             return _INT4_METHODS[group, self.deterministic]
@@ -152,4 +153,4 @@ _FP16_TIED = Fp16FbgemmMethod(embed_rows=True)
 _Q8_HEADS = {det: Q8HeadMethod(batch_invariant=det) for det in (False, True)}
 _INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
                  for det in (False, True)}
-_Q4_NATIVE = Q4NativeMethod()
+_Q4_NATIVE = {det: Q4NativeMethod(batch_invariant=det) for det in (False, True)}

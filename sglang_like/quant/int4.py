@@ -69,30 +69,39 @@ class Int4Method(LinearMethod):
     it is the blocked one torch uses on x86 (see `_blocked_layout`); where it is not, a
     portable nibble copy is kept (+0.5 byte per weight).
 
-    On CPUs with AMX (Sapphire Rapids and later), every forward runs kernels/cpu/amx_q4.c on
-    the same bytes instead, as measured for 3072x576 (ms):
+    On CPUs with AMX (Sapphire Rapids and later), every forward runs an AMX kernel on the
+    same bytes instead, chosen by row count. A decode step's 120 int4 matmuls on the default
+    model, weights streamed as in a real step (ms; the machine moved 10-20% between runs):
 
-        rows              1      2      4      8      16     32     64     1024
-        torch's kernel    0.049  0.062  0.093  0.18   0.36   0.71   1.4    7.5 (dense path)
-        AMX integer       0.060  0.066  0.067  0.081  0.11   0.20   0.39   7.3
-        AMX bf16          0.22   0.22   0.22   0.22   0.22   0.25   0.37   2.0
+        rows                    1      4      8      32     48     64     96
+        codes (amx_q4_codes.c)  3.2    5.2    6.2    11.3   16.1   19.7   28.2
+        before: integer         3.2    5.0    6.5    16.5   -      28.1   -
+        bf16 (amx_q4.c)         -      -      12.2   13.2   19.4   19.6   25.0
 
-    Below `dense_min_rows` (decode, verify, prompts of up to 255 tokens) the integer kernel:
-    codes as they are, activations as two int8 parts per block. From there (long prefill
-    chunks, where the dense GEMM ran before) the bf16 one: each weight dequantized once per
-    call into two bf16 parts. Both multiply the exact weights, as torch's kernel does (1.7e-3
-    relative error on the default model's layers: the bf16 output's rounding). One kernel
-    for every row count below 256, even one row where torch's kernel is faster (0.049 against
-    0.060 ms), because the int4 path's bf16 activations amplify a single rounding flip over
+    From about 64 rows the bf16 kernel is as fast or faster (at 96, 25.0 against 28.2), but
+    the codes kernel keeps every forward below 256 rows on one kernel, as before (verifies
+    of a batch of 20 run 120 rows; a prompt's first prefill and its cached re-extend run
+    different row counts): with the switch at 64, those answered up to 0.14 nats apart.
+
+    - Below `amx_bf16_min_rows` (decode, speculative verifies, short prompts) the codes
+      kernel: the activations rounded onto a grid per 32 columns on which every dot is an
+      exact float, then the codes as exact bf16 integers on the tiles (or, up to 4 rows,
+      integer dots on VNNI: the same numbers). So a row's result is the same bits alone or
+      in any batch below that size: a lone decode, its verify, a batch of 32 and a cached
+      prompt's extend all agree.
+    - From there (prefill chunks) the bf16 kernel: each weight dequantized once per call
+      into two bf16 parts.
+    Both multiply the exact weights, as torch's kernel does (1.7e-3 relative error on the
+    default model's layers: the bf16 output's rounding). One kernel for every row count
+    below 256, because the int4 path's bf16 activations amplify a single rounding flip over
     30 layers (0.6 in a residual feature, 0.1 nats in a logprob): with a kernel per row
-    count a lone decode, a batch, a speculative verify and a cached prompt's extend all
-    answered slightly differently. Row for row, the integer kernel gives the same sums in any
-    batch, as torch's kernel did below 256 rows; `batch_invariant` runs it at every row
-    count.
+    count a lone decode, a batch, a speculative verify and a cached prompt's extend would
+    answer slightly differently. `batch_invariant` runs the codes kernel (off AMX, torch's)
+    at every row count.
     """
 
     dense_min_rows = 256
-    amx_int8_max_rows = dense_min_rows - 1
+    amx_bf16_min_rows = dense_min_rows
 
     input_dtype = torch.bfloat16
 
@@ -102,8 +111,8 @@ class Int4Method(LinearMethod):
         self.group_size = group_size
         # one kernel at every row count: AMX's integer one where the layer runs on AMX
         self.batch_invariant = batch_invariant
-        if batch_invariant:
-            self.amx_int8_max_rows = 1 << 62
+        if batch_invariant:  # torch's int4 kernel too: its rows are the same in any batch
+            self.amx_bf16_min_rows = self.dense_min_rows = 1 << 62
 
     def group_size_for(self, sources: list[WeightSource]) -> int:
         """32 when any partition comes as GGUF 4-bit blocks (kept exact), else the default."""
@@ -140,8 +149,8 @@ class Int4Method(LinearMethod):
         op, w, group, sz = (torch._weight_int4pack_mm_for_cpu, layer.weight, layer.group_size,
                             layer.scale_zero)
         if layer.amx:
-            amx, int8_rows = kernels.cpu.amx.q4_matmul, self.amx_int8_max_rows
-            return lambda x: amx(x, w, sz, group, x.shape[0] <= int8_rows)
+            amx, bf16_rows = kernels.cpu.amx.q4_matmul, self.amx_bf16_min_rows
+            return lambda x: amx(x, w, sz, group, "codes" if x.shape[0] < bf16_rows else "bf16")
         dense_rows = self.dense_min_rows
 
         def matmul(x: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,13 @@ class Q4NativeMethod(LinearMethod):
     dense_min_rows = 256
     input_dtype = torch.float32
 
+    def __init__(self, batch_invariant: bool = False) -> None:
+        # `--enable-deterministic-inference`: the kernel at every row count, a lone row summed
+        # as in a batch, so a row's result does not depend on the batch
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self.dense_min_rows = 1 << 62
+
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
         if device.type != "cpu":
@@ -87,11 +94,13 @@ class Q4NativeMethod(LinearMethod):
         n = layer.blocks.shape[0]
         if x.shape[0] >= self.dense_min_rows:
             return dense_forward(x, self.dequantize(layer))
-        return kernels.cpu.q4_1_matmul(x, layer.blocks, n)
+        return kernels.cpu.q4_1_matmul(x, layer.blocks, n, invariant=self.batch_invariant)
 
     def decode_fn(self, layer: nn.Module):
         matmul, blocks, n = kernels.cpu.q4_1_matmul, layer.blocks, layer.blocks.shape[0]
-        return with_bias(lambda x: matmul(x, blocks, n), layer.bias, torch.float32)
+        inv = self.batch_invariant
+        return with_bias(lambda x: matmul(x, blocks, n, invariant=inv), layer.bias,
+                         torch.float32)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         n, row_bytes = layer.blocks.shape

@@ -56,33 +56,37 @@ def test_q4_bf16_kernel_is_as_exact_as_the_bf16_output(n, k, group, m):
 
 @pytest.mark.parametrize("n,k,group", [(64, 32, 32), (128, 96, 32), (192, 576, 32),
                                        (128, 256, 64), (64, 1536, 128)])
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 33])
-def test_q4_integer_kernel_is_as_exact_as_the_bf16_output(n, k, group, m):
-    """Codes times activations split into two int8 parts per block: what is left of the
-    float64 product is the bf16 output's rounding (relative error ~2^-9), as for torch's
-    kernel."""
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 16, 17, 33])
+def test_q4_codes_kernel_is_as_exact_as_the_bf16_output(n, k, group, m):
+    """Activations on a grid of 2^-14 of their block's power of two, codes as exact
+    integers (on VNNI up to 4 rows, on the tiles above): what is left of the float64
+    product is the bf16 output's rounding (relative error ~2^-9), as for torch's kernel."""
+    kernel = "codes"
     layer, method = _int4_layer(n, k, group, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
-    y = amx.q4_matmul(x, layer.weight, layer.scale_zero, group, int8=True)
+    y = amx.q4_matmul(x, layer.weight, layer.scale_zero, group, kernel)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     exact = _exact(layer, method, x)
     torch.testing.assert_close(y.double(), exact, rtol=2 ** -7, atol=1e-4)
     assert ((y.double() - exact).norm() / exact.norm()).item() < 2.5e-3
-    # a block whose values span 2^12 keeps its small ones (one int8 part would zero them)
+    # a block whose values span 2^12 keeps its small ones (one int8 part would zero them;
+    # here they keep 2^-15 of the block's largest)
     spiky = x.clone()
     spiky[:, ::32] = 1000.0
-    y = amx.q4_matmul(spiky, layer.weight, layer.scale_zero, group, int8=True)
+    y = amx.q4_matmul(spiky, layer.weight, layer.scale_zero, group, kernel)
     exact = _exact(layer, method, spiky)
     torch.testing.assert_close(y.double(), exact, rtol=2 ** -7, atol=0.05)
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_a_rows_result_does_not_depend_on_the_batch(int8):
+@pytest.mark.parametrize("kernel", amx.Q4_KERNELS)
+def test_a_rows_result_does_not_depend_on_the_batch(kernel):
     layer, _ = _int4_layer(192, 576, 32)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
-    batch = amx.q4_matmul(x, layer.weight, layer.scale_zero, 32, int8)
-    for rows in (slice(0, 1), slice(7, 12), slice(33, 40), slice(3, 36)):
-        assert torch.equal(amx.q4_matmul(x[rows], layer.weight, layer.scale_zero, 32, int8),
+    x[5, ::32] = 300.0  # a row whose blocks round its other values onto a coarser grid
+    batch = amx.q4_matmul(x, layer.weight, layer.scale_zero, 32, kernel)
+    for rows in (slice(0, 1), slice(3, 7), slice(4, 8), slice(7, 12), slice(33, 40),
+                 slice(3, 36), slice(38, 40)):
+        assert torch.equal(amx.q4_matmul(x[rows], layer.weight, layer.scale_zero, 32, kernel),
                            batch[rows])
 
 
@@ -94,24 +98,47 @@ def test_strided_rows_float_input_and_bad_shapes():
     assert torch.equal(y, amx.q4_matmul(x.bfloat16().contiguous(), layer.weight,
                                         layer.scale_zero, 32))
     assert amx.q4_matmul(x[:0], layer.weight, layer.scale_zero, 32).shape == (0, 128)
-    with pytest.raises(RuntimeError, match="must divide"):
-        amx.q4_matmul(x, layer.weight[:96], layer.scale_zero, 32)
+    for kernel in amx.Q4_KERNELS:
+        with pytest.raises(RuntimeError, match="must divide"):
+            amx.q4_matmul(x, layer.weight[:96], layer.scale_zero, 32, kernel)
+    with pytest.raises(ValueError, match="expected one of"):
+        amx.q4_matmul(x, layer.weight, layer.scale_zero, 32, "int4")
 
 
 def test_int4_method_picks_its_kernel_by_row_count():
-    """The integer kernel below 256 rows (one row included), the bf16 one from there; batch
-    invariant: the integer kernel at every row count."""
+    """The codes kernel below 256 rows (one row included), the bf16 one from there; batch
+    invariant: the codes kernel at every row count."""
     layer, method = _int4_layer(128, 192, 32)
     x = torch.randn(300, 192, generator=torch.Generator().manual_seed(3)).bfloat16()
     w, sz = layer.weight, layer.scale_zero
-    for rows in (1, 2, 33, 255):
-        assert torch.equal(method.apply(layer, x[:rows]), amx.q4_matmul(x[:rows], w, sz, 32, True))
-    assert torch.equal(method.apply(layer, x[:256]), amx.q4_matmul(x[:256], w, sz, 32))
+    for rows, kernel in ((1, "codes"), (2, "codes"), (33, "codes"), (64, "codes"),
+                         (255, "codes"), (256, "bf16"), (300, "bf16")):
+        want = amx.q4_matmul(x[:rows], w, sz, 32, kernel)
+        assert torch.equal(method.apply(layer, x[:rows]), want), (rows, kernel)
+    # the kernels' float sums differ: a switch is visible in the last bits
+    assert not torch.equal(amx.q4_matmul(x[:64], w, sz, 32, "codes"),
+                           amx.q4_matmul(x[:64], w, sz, 32, "bf16"))
     invariant = nn.Module()
     det = Int4Method(32, batch_invariant=True)
     det.create_weights(invariant, [method.dequantize(layer)], torch.device("cpu"))
     assert torch.equal(det.apply(invariant, x),
-                       amx.q4_matmul(x, invariant.weight, invariant.scale_zero, 32, True))
+                       amx.q4_matmul(x, invariant.weight, invariant.scale_zero, 32, "codes"))
+
+
+def test_codes_kernel_gives_nan_for_a_non_finite_block_and_zero_for_a_tiny_one():
+    layer, _ = _int4_layer(64, 64, 32)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x[1, 3] = float("inf")
+    x[2, 40] = float("nan")
+    x[3, :32] = 1e-35  # below 2^-100: taken as zeros
+    for rows in (slice(0, 6), slice(1, 4)):  # tiles, VNNI
+        y = amx.q4_matmul(x[rows], layer.weight, layer.scale_zero, 32, "codes")
+        assert torch.isnan(y[1 - rows.start]).all() and torch.isnan(y[2 - rows.start]).all()
+        assert torch.isfinite(y[3 - rows.start]).all()
+        tiny = x[3:4].clone()
+        tiny[:, :32] = 0
+        assert torch.equal(y[3 - rows.start],
+                           amx.q4_matmul(tiny, layer.weight, layer.scale_zero, 32, "codes")[0])
 
 
 def test_env_var_turns_amx_off_and_rejects_unknown_values():

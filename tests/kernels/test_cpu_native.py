@@ -58,6 +58,24 @@ def test_q4_1_matmul_is_int8_activations_times_the_blocks(variant, m):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_q4_1_matmul_invariant_rows_are_the_same_bits_in_any_batch(variant):
+    """`invariant` (deterministic inference): a lone row gives the bits it gets in a batch of
+    any size; without it a lone row takes the two-accumulator path, whose sums differ."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 576, generator=gen) * 0.05
+    blocks, _ = _blocks_of(w)
+    x = torch.randn(9, 576, generator=gen) * torch.logspace(-2, 2, 9).unsqueeze(1)
+    batch = kc.q4_1_matmul(x, blocks, 96, variant, invariant=True)
+    for m in (1, 2, 4, 5, 9):
+        part = kc.q4_1_matmul(x[:m], blocks, 96, variant, invariant=True)
+        assert torch.equal(part, batch[:m]), m
+    for r in range(9):
+        assert torch.equal(kc.q4_1_matmul(x[r:r + 1], blocks, 96, variant, invariant=True),
+                           batch[r:r + 1]), r
+    assert not torch.equal(kc.q4_1_matmul(x[:1], blocks, 96, variant), batch[:1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_q4_1_matmul_reads_strided_rows_and_refuses_bad_k(variant):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(32, 64, generator=gen)

@@ -262,10 +262,12 @@ def test_quantized_default_model_tracks_fp32(engines) -> None:
 
 @pytest.mark.slow
 def test_quantized_greedy_is_batch_invariant(make_engine) -> None:
-    """With --enable-deterministic-inference the int4 linears run one kernel at every row
-    count (AMX from one row on AMX CPUs, torch's elsewhere), so a request's tokens do not
-    depend on the requests prefilled and decoding beside it: 8 prompts, so a batch crosses
-    the 5 rows from which the default picks AMX."""
+    """With --enable-deterministic-inference a request's tokens do not depend on the batch,
+    the prefill chunks or the cache hits they were computed in: the int4 linears and the head
+    run one kernel at every row count, and every batch (prefill, mixed, decode) runs the
+    native per-row path. 8 prompts alone, in one batch (crossing the 5 rows from which AMX
+    runs tiles), in 16-token chunks beside decodes, and a 300-token prompt (past the 256 rows
+    from which the default prefills with another kernel) cold and as a cache hit."""
     engine = make_engine(quantization="int4", max_total_tokens=8192,
                          enable_deterministic_inference=True)
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -275,6 +277,16 @@ def test_quantized_greedy_is_batch_invariant(make_engine) -> None:
     engine.flush_cache()
     batched = [o["output_ids"] for o in engine.generate(prompts, params)]
     assert batched == alone
+    chunked = make_engine(quantization="int4", max_total_tokens=8192, chunked_prefill_size=16,
+                          disable_radix_cache=True, enable_deterministic_inference=True)
+    assert [o["output_ids"] for o in chunked.generate(prompts, params)] == alone
+    long = " ".join(PROMPTS) * 3
+    assert len(engine.tokenizer.encode(long)) > 300
+    engine.flush_cache()
+    cold = engine.generate(long, params)
+    hit = engine.generate(long, params)
+    assert hit["meta_info"]["cached_tokens"] > 256
+    assert hit["output_ids"] == cold["output_ids"]
 
 
 @pytest.mark.slow
