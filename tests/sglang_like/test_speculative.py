@@ -428,7 +428,7 @@ def _first_difference(outputs, ids) -> list[tuple[int, int]]:
     diffs = []
     for k, (got, want) in enumerate(zip(outputs, ids, strict=True)):
         assert len(got) == len(want), k
-        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        i = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
         if i is not None:
             diffs.append((k, i))
     return diffs
