@@ -3,15 +3,16 @@
     python -m sglang_like.bench_speculative                     # the table + PNG histogram
     python -m sglang_like.bench_speculative --batch-sizes 1 --workloads chat --max-new-tokens 64
 
-Each config runs in turn, each cell `--repeats` times (the median is kept). Three workloads
-of greedy chat requests: open chat, extracting fields of a given document as JSON
-(copy-heavy), editing a given piece of code (copy-heavy). At batch 1 each prompt runs
-alone and the column is decode tokens/s (completion tokens after the first over the time
-after the first, streamed); at batch 8 and 32 the prompts are cycled to fill the batch and
-the column is output tokens/s of the whole batch. Acceptance length is completion tokens /
-spec_verify_ct (SGLang's). Speculation runs as users get it (`auto-disable` on: the
-controller turns it off where it measured not to pay); `--always-speculate` shows the raw
-cost. The acceptance-length histogram of every verify pass is drawn to a PNG.
+Configs are measured in rounds (`--repeats`, a fresh engine per config and round, configs
+interleaved so that the machine's drift does not land in one config), each cell's median
+kept. Three workloads of greedy chat requests: open chat, extracting fields of a given
+document as JSON (copy-heavy), editing a given piece of code (copy-heavy). At batch 1 each
+prompt runs alone and the column is decode tokens/s (completion tokens after the first over
+the time after the first, streamed); at batch 8 and 32 the prompts are cycled to fill the
+batch and the column is output tokens/s of the whole batch. Acceptance length is completion
+tokens / spec_verify_ct (SGLang's). Speculation runs as users get it (`auto-disable` on:
+the controller turns it off where it measured not to pay); `--always-speculate` shows the
+raw cost. The acceptance-length histogram of every verify pass is drawn to a PNG.
 """
 
 from __future__ import annotations
@@ -131,41 +132,55 @@ def _measure(engine: Any, prompts: list[str], batch: int, params: dict) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     """One engine at a time (several engines in one process measured 35-40% slower: each
-    loop thread keeps its own OpenMP pool, and the idle ones spin against the running one);
-    each cell is measured `--repeats` times and the median kept."""
+    loop thread keeps its own OpenMP pool, and the idle ones spin against the running one).
+    `--repeats` rounds, each a fresh engine per config measuring every cell once, the configs
+    interleaved round by round (off, NGRAM, EAGLE3, off, ...): the machine's speed drifts by
+    10-20% over minutes here, and a config measured all at once after another inherits that
+    drift into its ratio. Each cell keeps its median over the rounds."""
     from sglang_like import Engine
 
-    results: dict[str, dict] = {}
-    hists: dict[str, dict] = {}
-    for name in args.configs:
-        kw = dict(CONFIGS[name], max_total_tokens=args.max_total_tokens,
-                  quantization=args.quantization)
-        if name != "off" and args.always_speculate:
-            kw["speculative_auto_disable"] = False
-        if name == "EAGLE3" and args.draft_model_path:
-            kw["speculative_draft_model_path"] = args.draft_model_path
-        if name == "EAGLE3":
-            for key in ("num_steps", "eagle_topk", "num_draft_tokens"):
-                if getattr(args, key) is not None:
-                    kw[f"speculative_{key}"] = getattr(args, key)
-        engine = Engine(**kw)
-        try:
-            params = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
-            hello = engine.apply_chat_template([{"role": "user", "content": "Hello"}])
-            engine.generate(hello, {"max_new_tokens": 8})  # warm-up
-            before = collections.Counter(engine.get_server_info()["spec_accept_lengths"])
-            cells = [(w, b) for w in args.workloads for b in args.batch_sizes]
-            for w, b in tqdm(cells, desc=name, unit="cell"):
-                prompts = [engine.apply_chat_template([{"role": "user", "content": p}])
-                           for p in WORKLOADS[w][: args.prompts]]
-                runs = sorted((_measure(engine, prompts, b, params)
-                               for _ in range(args.repeats)), key=lambda r: r["tok_s"])
-                results.setdefault(f"{w}/b{b}", {})[name] = runs[len(runs) // 2]
-            after = collections.Counter(engine.get_server_info()["spec_accept_lengths"])
-            hists[name] = dict(after - before)
-        finally:
-            engine.shutdown()
-    return {"cells": results, "hists": hists, "args": vars(args)}
+    runs: dict[str, dict[str, list[dict]]] = {}
+    hists: dict[str, collections.Counter] = {name: collections.Counter() for name in args.configs}
+    cells = [(w, b) for w in args.workloads for b in args.batch_sizes]
+    bar = tqdm(total=args.repeats * len(args.configs) * len(cells), unit="cell")
+    for _ in range(args.repeats):
+        for name in args.configs:
+            bar.set_description(name)
+            engine = Engine(**_engine_kwargs(name, args))
+            try:
+                params = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+                hello = engine.apply_chat_template([{"role": "user", "content": "Hello"}])
+                engine.generate(hello, {"max_new_tokens": 8})  # warm-up
+                before = collections.Counter(engine.get_server_info()["spec_accept_lengths"])
+                for w, b in cells:
+                    prompts = [engine.apply_chat_template([{"role": "user", "content": p}])
+                               for p in WORKLOADS[w][: args.prompts]]
+                    runs.setdefault(f"{w}/b{b}", {}).setdefault(name, []).append(
+                        _measure(engine, prompts, b, params))
+                    bar.update()
+                after = collections.Counter(engine.get_server_info()["spec_accept_lengths"])
+                hists[name] += after - before
+            finally:
+                engine.shutdown()
+    bar.close()
+    results = {cell: {name: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
+                      for name, rs in row.items()} for cell, row in runs.items()}
+    return {"cells": results, "hists": {k: dict(v) for k, v in hists.items()},
+            "args": vars(args)}
+
+
+def _engine_kwargs(name: str, args: argparse.Namespace) -> dict:
+    kw = dict(CONFIGS[name], max_total_tokens=args.max_total_tokens,
+              quantization=args.quantization)
+    if name != "off" and args.always_speculate:
+        kw["speculative_auto_disable"] = False
+    if name == "EAGLE3" and args.draft_model_path:
+        kw["speculative_draft_model_path"] = args.draft_model_path
+    if name == "EAGLE3":
+        for key in ("num_steps", "eagle_topk", "num_draft_tokens"):
+            if getattr(args, key) is not None:
+                kw[f"speculative_{key}"] = getattr(args, key)
+    return kw
 
 
 def print_table(report: dict) -> None:
@@ -223,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--prompts", type=int, default=4, help="prompts per workload")
-    p.add_argument("--repeats", type=int, default=1, help="runs per cell (median kept)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds over the configs (each cell's median kept)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--quantization", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=32768)
