@@ -18,7 +18,7 @@ from kernels import reference
 from sglang_like.config import ServerArgs
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
-from sglang_like.speculative import DraftTree, SpecController, SpecState, resolve_spec_config
+from sglang_like.speculative import DraftTree, SpecController, SpecState, ngram, resolve_spec_config
 from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head, load_eagle3_head
 from sglang_like.speculative.ngram import NgramDrafter, NgramIndex, RecentTexts
 
@@ -52,6 +52,41 @@ def test_ngram_continues_the_longest_most_recent_match() -> None:
     # "2 3 4" occurred twice before: the latest first (7 8 ...), then the earlier (5 9 ...)
     assert index.continuations(seq, 3, 2) == ([[7, 8, 2], [5, 9, 2]], 3)
     assert NgramIndex(2, 4).continuations([1, 2, 3, 4], 3, 1) == ([], 0)  # no earlier bigram
+
+
+def _continuations_by_scan(seq, length, breadth, lo, hi):
+    """NgramIndex.continuations by brute force: every earlier occurrence of each suffix
+    (longest first, its last 4 occurrences, newest first)."""
+    found, longest = [], 0
+    for n in range(min(hi, len(seq) - 1), lo - 1, -1):
+        starts = [e + 1 for e in range(n - 1, len(seq) - 1) if seq[e - n + 1 : e + 1] == seq[-n:]]
+        for start in reversed(starts[-4:]):
+            cont = seq[start : start + min(length, 2 * n)]
+            if cont and cont not in found:
+                longest = longest or n
+                found.append(cont)
+                if len(found) >= breadth:
+                    return found, longest
+    return found, longest
+
+
+def test_ngram_index_matches_a_brute_force_scan() -> None:
+    """Integer-hashed n-grams (no tuples kept) find what a scan of the text finds, grown one
+    token at a time as a decode grows it; a colliding hash is caught on read back."""
+    rng = random.Random(0)
+    for trial in range(40):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(2, 60))]
+        index = NgramIndex(1, 5)
+        for cut in range(2, len(seq) + 1):
+            want = _continuations_by_scan(seq[:cut], 6, 3, 1, 5)
+            assert index.continuations(seq[:cut], 6, 3) == want, (trial, cut)
+    index = NgramIndex(2, 3)
+    seq = [1, 2, 9, 5, 6, 7, 1, 2]
+    index.sync(seq)
+    fake = next(h for n, h in ngram._suffix_hashes(seq, 5, 2, 2))  # "6 7" ends at 5
+    real = next(h for n, h in ngram._suffix_hashes(seq, 7, 2, 2))  # "1 2": the suffix
+    index.last_end[real] = index.last_end[fake]  # as if "1 2" hashed like "6 7"
+    assert index.continuations(seq, 3, 1) == ([], 0)
 
 
 def test_ngram_drafter_builds_a_capped_trie() -> None:
