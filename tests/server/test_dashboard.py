@@ -108,8 +108,12 @@ def test_page_shows_the_shared_prefix_and_the_hit_rate_moves(server, tokenizer):
             _chat(server, question)
 
         # the tree shows one node of exactly the shared length, hit by the three later requests
+        # (the page polls: the node can first show up from a snapshot taken before the last
+        # request's hit, so wait for the hits of every request; 30 s bound as elsewhere)
         selector = f"#tree .node[data-tokens='{shared}']"
-        _wait_for(page, f"document.querySelector(\"{selector}\") !== null")
+        want = len(QUESTIONS) - 1
+        _wait_for(page, f"(() => {{ const g = document.querySelector(\"{selector}\"); "
+                        f"return g !== null && Number(g.dataset.hits) >= {want}; }})()")
         hits, node_state = page.evaluate(
             f"(() => {{ const g = document.querySelector(\"{selector}\"); "
             "return [Number(g.dataset.hits), g.dataset.state]; })()")
