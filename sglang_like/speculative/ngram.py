@@ -76,9 +76,10 @@ class NgramIndex:
                                      min(self.max_window, len(seq) - 1)))
         for n, h in reversed(hashes):
             starts = self.last_end.get(h, 0)
+            suffix = seq[-n:] if starts else None
             while starts:
                 start, starts = starts & _END_MASK, starts >> _END_BITS
-                if seq[start - n : start] != seq[-n:]:
+                if seq[start - n : start] != suffix:
                     continue  # another n-gram with the same hash
                 cont = seq[start : start + min(length, 2 * n)]
                 if cont and cont not in found:
