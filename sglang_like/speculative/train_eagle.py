@@ -126,7 +126,17 @@ def stage_vocab(args: argparse.Namespace, work: str) -> None:
     vocab_size, eos = first.get("vocab_size", 49152), set(first.get("stop_ids", (0, 2)))
     answers = [c["ids"][c["prompt_len"]:] for p in _data_shards(work)
                for c in torch.load(p)["convs"]]
-    d2t, t2d = build_draft_vocab(answers, vocab_size, args.draft_vocab_size, eos)
+    if args.init_head:
+        # a continued head keeps its draft vocabulary (its LM head's rows are those tokens)
+        from sglang_like.speculative.eagle_head import load_eagle3_head
+
+        init = load_eagle3_head(args.init_head)
+        d2t, t2d = init.d2t.clone(), init.t2d.clone()
+        if t2d.numel() != vocab_size:
+            raise ValueError(f"--init-head {args.init_head!r} has a vocab of {t2d.numel()}; "
+                             f"the data's target has {vocab_size}")
+    else:
+        d2t, t2d = build_draft_vocab(answers, vocab_size, args.draft_vocab_size, eos)
     total = sum(len(a) for a in answers)
     covered = sum(int(t2d[torch.tensor(a)].sum()) for a in answers if a)
     _save_atomic({"d2t": d2t, "t2d": t2d, "coverage": covered / max(total, 1)}, path)
@@ -262,6 +272,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="torch threads for capture and training (default: every core)")
+    ap.add_argument("--init-head", default=None,
+                    help="continue training this head folder (its weights and draft "
+                         "vocabulary) on this work dir's data, instead of a fresh head")
     g = ap.add_argument_group("data")
     g.add_argument("--num-shards", type=int, default=8)
     g.add_argument("--shard-size", type=int, default=64, help="conversations per shard")

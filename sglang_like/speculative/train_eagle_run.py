@@ -110,6 +110,9 @@ def stage_train(args: argparse.Namespace, work: str) -> None:
     cfg = _train_config(args)
     head = build_head(s["config"], s["d2t_rows"], s["vocab"]["d2t"], s["vocab"]["t2d"],
                       seed=args.seed)
+    init_eval = None
+    if args.init_head:
+        init_eval = _load_init_head(args, work, head, held, s, cfg)
     ntok = sum(int(c["ids"].numel()) for c in train)
     _log(f"train: {len(train)} conversations ({ntok} tokens) train, {len(held)} held out; "
          f"K={cfg.unroll}, {cfg.steps} steps of <= {cfg.batch_tokens} tokens")
@@ -127,10 +130,41 @@ def stage_train(args: argparse.Namespace, work: str) -> None:
         json.dump({"heldout": res, "train_conversations": len(train), "train_tokens": ntok,
                    "heldout_conversations": len(held), "config": vars(cfg) | {},
                    "approx_epochs": epochs, "final_loss": history[-1]["loss"],
-                   "segments": segments,
+                   "segments": segments, "init_head": args.init_head,
+                   "heldout_init": init_eval,
                    "first_loss": history[0]["loss"]}, f, indent=2)
     _log(f"train: {t_train:.0f}s wall; held-out top-1 per step: "
          + " ".join(f"{r['acc']:.3f}" for r in res))
+
+
+def _load_init_head(args: argparse.Namespace, work: str, head: Eagle3Head, held: list[dict],
+                    s: dict[str, Any], cfg: TrainConfig) -> list[dict[str, float]]:
+    """Start `head` from --init-head's weights (same shapes and draft vocabulary). Its card
+    is kept in the work dir (the export may overwrite that folder) and its held-out
+    accuracy on this data measured once, before any step: the figure the run improves on."""
+    init = load_eagle3_head(args.init_head)
+    if init.config != s["config"] or not torch.equal(init.d2t, head.d2t):
+        raise ValueError(f"--init-head {args.init_head!r}: its config or draft vocabulary "
+                         "differs from this run's")
+    head.load_state_dict(init.state_dict())
+    head.requires_grad_(True)
+    card = os.path.join(args.init_head, "README.md")
+    kept = os.path.join(work, "init_head_card.md")
+    if os.path.isfile(card) and not os.path.isfile(kept):
+        with open(card, encoding="utf-8") as f:
+            text = f.read()
+        with open(kept, "w", encoding="utf-8") as f:
+            f.write(text)
+    path = os.path.join(work, "heldout_init.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    res = evaluate(head, held, s["table"], s["rope"], cfg.unroll, cfg.batch_tokens)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=2)
+    _log("train: --init-head's held-out top-1 per step before this run: "
+         + " ".join(f"{r['acc']:.3f}" for r in res))
+    return res
 
 
 def stage_export(args: argparse.Namespace, work: str) -> None:
@@ -168,15 +202,46 @@ def _machine() -> str:
             f"{torch.get_num_threads()} torch threads")
 
 
+def _earlier_card(work: str, continued: bool) -> str:
+    """The continued head's own card (title dropped, headings one level down), for a card
+    whose head did not start from scratch; "" otherwise."""
+    path = os.path.join(work, "init_head_card.md")
+    if not continued or not os.path.isfile(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    body = [("#" + ln if ln.startswith("## ") else ln) for ln in lines
+            if not ln.startswith("# ")]
+    return ("\n## Earlier training: the head this run continued (HEAD above; its work dir "
+            "was another)\n" + "\n".join(body).rstrip() + "\n")
+
+
 def _write_card(args: argparse.Namespace, work: str, s: dict, done: dict) -> None:
     args = data_config(work, args)
     stats = _data_stats(work)
     t = _timings(work)
     cfg = done["config"]
-    rows = "\n".join(f"| {k} | {r['acc']:.3f} | {r['acc_full_vocab']:.3f} | {r['rows']} |"
-                     for k, r in enumerate(done["heldout"]))
+    init = done.get("heldout_init")
+    before = ([f" {r['acc']:.3f} |" for r in init] if init else [""] * len(done["heldout"]))
+    rows = "\n".join(f"| {k} | {r['acc']:.3f} | {r['acc_full_vocab']:.3f} |{b} {r['rows']} |"
+                      for k, (r, b) in enumerate(zip(done["heldout"], before, strict=True)))
+    before_col = (" before this run (draft vocab) |", "---|") if init else ("", "")
+    if init:
+        vocab_text = (f"the continued head's {s['config'].draft_vocab_size} tokens (the most "
+                      "frequent of its own data's answers, plus ids 0 and 2), covering "
+                      f"{s['vocab']['coverage']:.2%} of this data's answer tokens")
+        init_text = ("Weights and draft vocabulary continued from the head this one replaced "
+                     "(its training is under *Earlier training* below).")
+    else:
+        vocab_text = (f"{s['config'].draft_vocab_size} most frequent answer tokens (plus ids "
+                      "0 and 2, `<|endoftext|>` / `<|im_end|>`), covering "
+                      f"{s['vocab']['coverage']:.2%} of answer tokens")
+        init_text = ("LM head initialised from the target's (tied) embedding rows of the "
+                     "draft vocab, norms at one.")
     size = os.path.getsize(os.path.join(args.out, "model.safetensors")) / 1e6
     train_dtype = "bf16 autocast" if cfg.get("bf16") else "fp32"
+    cont = (f"--seed {args.seed} --work-dir DIR --init-head HEAD \\\n        "
+            if done.get("init_head") else "")
     text = f"""# SmolLM2-135M-Instruct EAGLE-3 draft head
 
 An EAGLE-3 head (SGLang / SpecForge layout, `LlamaForCausalLMEagle3`, fp16, {size:.1f} MB) for
@@ -197,16 +262,14 @@ from the default model alone by `python -m sglang_like.speculative.train_eagle`.
 - Soft labels: top-{args.label_topk} of the target's log-probabilities over the draft vocab per
   position, renormalised over those {args.label_topk}; loss only where the label predicts an
   answer token.
-- Draft vocabulary: {s['config'].draft_vocab_size} most frequent answer tokens (plus ids 0 and 2,
-  `<|endoftext|>` / `<|im_end|>`), covering {s['vocab']['coverage']:.2%} of answer tokens
+- Draft vocabulary: {vocab_text}
   (the answers hold {stats['distinct_answer_tokens']} distinct tokens; the remaining slots are
   the lowest unused target ids);
   `d2t[d] = target_id - d` (target = d + d2t[d]), draft ids sorted by target id; `t2d` mask.
 - Training: training-time-test unroll K = {cfg['unroll']} (loss weight 0.8^k), {cfg['steps']}
   AdamW steps (lr {cfg['lr']}, {cfg['warmup']} warmup, cosine to 5%, clip {cfg['clip']}) of
   <= {cfg['batch_tokens']} packed tokens: about {done['approx_epochs']:.1f} epochs over
-  {done['train_tokens']} tokens ({done['train_conversations']} conversations). LM head
-  initialised from the target's (tied) embedding rows of the draft vocab, norms at one.
+  {done['train_tokens']} tokens ({done['train_conversations']} conversations). {init_text}
   Loss {done['first_loss']:.3f} -> {done['final_loss']:.3f}. Runs (first step, last step,
   schedule length): {done.get('segments')}; a run that extends the step count continues from
   the checkpoint on the cosine of the new total.
@@ -216,8 +279,8 @@ from the default model alone by `python -m sglang_like.speculative.train_eagle`.
 Top-1 of the head at unroll step k vs the target's argmax (over the draft vocab / over the
 full vocab: the second is what greedy verification accepts, one draft at a time).
 
-| step k | acc (draft vocab) | acc (full vocab) | rows |
-|---|---|---|---|
+| step k | acc (draft vocab) | acc (full vocab) |{before_col[0]} rows |
+|---|---|---|{before_col[1]}---|
 {rows}
 
 ## Wall time on this machine ({_machine()}; training in {train_dtype})
@@ -228,7 +291,7 @@ full vocab: the second is what greedy verification accepts, one draft at a time)
 
 ## Reproduce
 
-    python -m sglang_like.speculative.train_eagle --num-shards {len(_data_shards(work))} \\
+    python -m sglang_like.speculative.train_eagle {cont}--num-shards {len(_data_shards(work))} \\
         --shard-size {args.shard_size} --user-max-tokens {args.user_max_tokens} \\
         --answer-max-tokens {args.answer_max_tokens} --rework-frac {args.rework_frac} \\
         --draft-vocab-size {args.draft_vocab_size} --label-topk {args.label_topk} \\
@@ -237,6 +300,6 @@ full vocab: the second is what greedy verification accepts, one draft at a time)
 
 Every stage checkpoints under `--work-dir` and the same command resumes where it stopped;
 `--gen-budget-min` bounds the data stage's time, `--stop-after STAGE` ends after one stage.
-"""
+""" + _earlier_card(work, bool(init))
     with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:
         f.write(text)

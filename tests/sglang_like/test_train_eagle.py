@@ -149,6 +149,49 @@ def test_training_lowers_loss_and_resume_matches(tmp_path) -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=n)
 
 
+def test_init_head_continues_from_a_saved_head(tmp_path) -> None:
+    """`--init-head`: the train stage starts from a saved head's weights (measured on the
+    held-out data before any step, the card's "before" column), keeps its card for the new
+    one, and refuses a head whose draft vocabulary differs."""
+    import argparse
+
+    import pytest
+
+    from sglang_like.speculative.eagle_head import load_eagle3_head
+    from sglang_like.speculative.train_eagle_run import _load_init_head
+
+    convs, table, d2t, t2d = _data(12)
+    rope = _rope()
+    cfg = TrainConfig(unroll=3, steps=24, batch_tokens=64, lr=3e-3, warmup=4, seed=0,
+                      ckpt_every_s=1e9)
+    trained = build_head(_config(), table[::2].clone(), d2t, t2d, seed=3)
+    train_loop(trained, convs, table, rope, cfg, str(tmp_path / "a.pt"), log=lambda m: None)
+    folder = tmp_path / "head"
+    trained.save(str(folder))
+    (folder / "README.md").write_text("# old head\n\n## Held-out accuracy\nold figures\n")
+    saved = load_eagle3_head(str(folder))  # fp16 on disk
+
+    work = tmp_path / "work"
+    work.mkdir()
+    args = argparse.Namespace(init_head=str(folder))
+    s = {"config": _config(), "table": table, "rope": rope}
+    fresh = build_head(_config(), table[::2].clone(), d2t, t2d, seed=5)
+    untrained = evaluate(fresh, convs, table, rope, 3, 64)
+    before = _load_init_head(args, str(work), fresh, convs, s, cfg)
+    for (name, a), b in zip(fresh.state_dict().items(), saved.state_dict().values(),
+                            strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    assert all(p.requires_grad for p in fresh.parameters())
+    assert before == evaluate(saved, convs, table, rope, 3, 64)
+    assert before[0]["acc"] > untrained[0]["acc"] + 0.2  # the saved head's skill
+    assert "old figures" in (work / "init_head_card.md").read_text()
+
+    other = d2t.clone()
+    other[0] += 1  # another draft vocabulary
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        _load_init_head(args, str(work), build_head(_config(), None, other, t2d), convs, s, cfg)
+
+
 def _served_logits(runner, ids: torch.Tensor) -> torch.Tensor:
     from sglang_like.forward_batch import ForwardBatch
 
