@@ -2,9 +2,10 @@
 
 A verify pass of N nodes per request costs more than a one-token decode (on CPU the int
 kernels' time grows with rows), and a request whose drafts keep failing gains nothing. The
-controller keeps what it measured: the forward's wall time per number of token rows, and per
-request the tokens each verify committed (an exponential moving average). A step speculates
-when the expected tokens per second with the trees beat those without them.
+controller keeps what it measured: the step's wall time per number of token rows, and what
+drafts committed (NGRAM: per matched length; EAGLE: accepted drafts against the head's own
+probabilities of them, which makes those probabilities expected tokens). A step verifies the
+drafts that give it the most expected tokens per second, none when plain decoding is faster.
 """
 
 from __future__ import annotations
@@ -18,24 +19,22 @@ if TYPE_CHECKING:
     from sglang_like.scheduler import Scheduler
     from sglang_like.speculative.tree import DraftTree
 
-# A request whose verifies commit fewer than this many tokens on average stops drafting for
-# a while, then tries again (text changes: a copy-heavy stretch may follow a free one).
-# Each failure in a row doubles the pause (up to _MAX_BACKOFF_DOUBLINGS times), and pauses
-# end on multiples of _BACKOFF_STEPS, so the requests of a batch retry together: one step
-# whose batch carries every retrying tree, not a tree in nearly every step (one request's
-# tree moves the whole batch onto the verify path: measured at batch 8, rows 8 -> 13 cost
-# 19.6 -> 25.9 ms, and staggered retries put a tree in 29 of 96 steps for 1.01 tokens per
-# verify: 0.85x of speculation off).
-_MIN_USEFUL_ACCEPT = 1.3
+# A confident drafter (EAGLE) gives every drafted node the head's probability of its path;
+# scaled by what was measured (accepted drafts over the probabilities of the nodes verified,
+# over every verify: `draft_calibration`), that is the node's expected share of a token.
+# A beam below _DRAFT_MIN_PROB (scaled) is not drafted deeper: at batch 1 a head step costs
+# about a twentieth of a target step, and such a node would not be verified anyway.
+_DRAFT_MIN_PROB = 0.1
+_CALIBRATION_EMA = 0.05
+_CALIBRATION_RANGE = (0.25, 2.0)
+# A request whose drafts were all turned down this many steps in a row pauses (the head
+# stops extending over it; it catches up when drafting resumes) for _BACKOFF_STEPS, doubled
+# per pause in a row (up to _MAX_BACKOFF_DOUBLINGS times); pauses end on multiples of
+# _BACKOFF_STEPS, so paused requests of a batch retry together.
+_EMPTY_STEPS = 16
 _BACKOFF_STEPS = 32
 _MAX_BACKOFF_DOUBLINGS = 4
 _EMA = 0.3
-# A request with no acceptance of its own is expected to do what the others did (a slow
-# average over every request's verifies), except on every _EXPLORE_STEPS-th step, where it
-# is expected to do well and tries: the average is refreshed, and a workload that changes
-# (a copy-heavy stretch after open chat) is noticed.
-_POPULATION_EMA = 0.1
-_EXPLORE_STEPS = 256
 # a cheap drafter in a batch of at least _IDLE_MIN_BATCH requests whose trees were all turned
 # down for _IDLE_STEPS steps in a row drafts only every _IDLE_PERIOD-th step until one is
 # kept: drafting is a few lookups a request, but at batch 32 that was 1.2 ms of a 66 ms step
@@ -57,7 +56,8 @@ class SpecState:
     accepted_drafts: int = 0  # drafted tokens the target kept
     accept_ema: float | None = None  # tokens committed per tree verify
     backoff_until: int = 0  # the controller's step count before which it does not draft
-    num_failed_tries: int = 0  # back-offs in a row since a verify last paid
+    num_failed_tries: int = 0  # pauses in a row since a tree was last verified
+    empty_steps: int = 0  # steps in a row whose drafts were all turned down (confident drafter)
     ngram: object | None = None  # NgramIndex
     eagle: object | None = None  # EAGLE drafter state: next-step candidates, feature
     eagle_pending: object | None = None  # (first position, target features) not yet drafted
@@ -93,8 +93,11 @@ class SpecController:
     # a cheap drafter's trees by their evidence (NGRAM: matched length) -> tokens committed
     # per verify (EMA over every request's trees)
     accept_by_evidence: dict[int, float] = field(default_factory=dict)
-    # a model drafter's tokens committed per verify over every request (EMA)
-    population_accept: float | None = None
+    # a confident drafter's (EAGLE) accepted drafts and the probabilities the head gave the
+    # nodes verified, per verify (EMAs over every request; equal at start: the head is taken
+    # at its word until measured)
+    drafts_accepted: float = 1.0
+    drafts_predicted: float = 1.0
     # steps in a row whose cheap trees were all turned down (see _IDLE_STEPS)
     cheap_idle_steps: int = 0
     # evidence key -> the step its trees were last verified (or last explored)
@@ -105,27 +108,41 @@ class SpecController:
         b = _bucket(num_rows)
         self.cost[b] = _ema(self.cost.get(b), seconds)
 
-    def record_verify(self, state: SpecState, committed: int, evidence: int | None = None,
-                      drafts_cheaply: bool = False) -> None:
+    def record_verify(self, state: SpecState, committed: int, tree: DraftTree) -> None:
+        """A verify of `tree` committed `committed` tokens (its root's bonus included)."""
         state.accept_ema = _ema(state.accept_ema, committed)
-        if evidence is not None:
-            key = _evidence_key(evidence)
+        if tree.evidence is not None:
+            key = _evidence_key(tree.evidence)
             self.accept_by_evidence[key] = _ema(self.accept_by_evidence.get(key), committed)
             self.evidence_step[key] = self.step
-        if not self.enabled or drafts_cheaply:
-            return  # a cheap drafter's trees are judged one by one (`choose_trees`)
-        self.population_accept = _ema(self.population_accept, committed, _POPULATION_EMA)
-        if state.accept_ema < _MIN_USEFUL_ACCEPT:
-            self._pause(state)
-            state.accept_ema = None  # the next try starts afresh
-        else:
-            state.num_failed_tries = 0
+        if tree.probs is not None:
+            w = _CALIBRATION_EMA
+            self.drafts_accepted = (1 - w) * self.drafts_accepted + w * (committed - 1)
+            self.drafts_predicted = (1 - w) * self.drafts_predicted + w * sum(tree.probs[1:])
 
-    def back_off(self, reqs: list[Req]) -> None:
-        """These requests pause drafting (as after a verify that did not pay)."""
-        if self.enabled:
-            for req in reqs:
-                self._pause(req.spec)
+    @property
+    def draft_calibration(self) -> float:
+        """Accepted drafts per unit of the head's probability, as measured (clamped)."""
+        low, high = _CALIBRATION_RANGE
+        return min(high, max(low, self.drafts_accepted / max(self.drafts_predicted, 1e-9)))
+
+    def min_draft_logprob(self) -> float:
+        """A confident drafter's beam whose log-probability is below this is not drafted
+        deeper (-inf with the controller off)."""
+        if not self.enabled:
+            return -math.inf
+        return math.log(_DRAFT_MIN_PROB / self.draft_calibration)
+
+    def record_drafted(self, state: SpecState, kept: bool) -> None:
+        """A confident drafter drafted for this request; `kept`: a node was verified. After
+        _EMPTY_STEPS in a row with none, the request pauses (see the module's constants)."""
+        if kept:
+            state.empty_steps = state.num_failed_tries = 0
+            return
+        state.empty_steps += 1
+        if self.enabled and state.empty_steps >= _EMPTY_STEPS:
+            state.empty_steps = 0
+            self._pause(state)
 
     def _pause(self, state: SpecState) -> None:
         """Pause `state` for _BACKOFF_STEPS << failures in a row, ending on a multiple of
@@ -138,24 +155,6 @@ class SpecController:
     def may_draft(self, state: SpecState, ahead: int = 0) -> bool:
         """Whether the request may draft `ahead` steps from now."""
         return not self.enabled or self.step + ahead >= state.backoff_until
-
-    def may_try(self, state: SpecState, batch_size: int, ahead: int = 0) -> bool:
-        """Whether the request may draft in a step of `batch_size` decoders: one that has
-        measured its acceptance any step; one that has not (new, or back from a pause) alone
-        in its batch, or in a batch on a multiple of _BACKOFF_STEPS steps, where every such
-        request tries together (a tree per step, each from another request, would keep the
-        whole batch on the verify path for the price of guesses); and when every request's
-        trees have not paid, only on an exploring step (so an EAGLE head does not extend
-        over requests it will not draft for). `ahead`: true if it may in any of the next
-        `ahead` + 1 steps."""
-        if not self.may_draft(state, ahead):
-            return False
-        if not self.enabled or state.accept_ema is not None:
-            return True
-        if (self.population_accept is not None and self.population_accept < _MIN_USEFUL_ACCEPT
-                and not self._on_multiple(_EXPLORE_STEPS, ahead)):
-            return False  # the others' trees did not pay: wait for an exploring step
-        return batch_size == 1 or self._on_multiple(_BACKOFF_STEPS, ahead)
 
     def _on_multiple(self, period: int, ahead: int = 0) -> bool:
         """Whether one of this step and the `ahead` after it is a multiple of `period`."""
@@ -233,19 +232,44 @@ class SpecController:
                 rows, tokens = rows + extra_rows, tokens + extra_tokens
         return keep
 
-    def expected_tokens(self, state: SpecState, num_nodes: int) -> float:
-        """Tokens a verify of this request is expected to commit: its own average; without
-        one, every request's (optimistic when nothing is measured, and on exploring steps)."""
-        if state.accept_ema is not None:
-            return state.accept_ema
-        if self.population_accept is None or self._on_multiple(_EXPLORE_STEPS):
-            return _optimistic(num_nodes)
-        return self.population_accept
+    def choose_nodes(self, base_rows: int, trees: list[DraftTree]) -> list[int]:
+        """How many nodes of each of a confident drafter's trees (root included; 1: none of
+        its drafts) a step of `base_rows` plain rows verifies. Every drafted node is expected
+        to commit its calibrated probability of a token; the nodes of all trees are taken
+        most likely first (a tree lists its nodes in that order, so its first m nodes are a
+        subtree), as many as give the step the most expected tokens per second. With
+        nothing measured above the plain step, every node is tried (its cost is then
+        known)."""
+        if not self.enabled:
+            return [t.num_nodes for t in trees]
+        c_base = self._cost_of(base_rows)
+        if c_base is None:
+            return [1] * len(trees)  # measure the plain step once, to compare
+        calib = self.draft_calibration
+        ranked = sorted(((calib * p, i) for i, t in enumerate(trees) for p in t.probs[1:]),
+                        key=lambda pi: -pi[0])
+        best, best_rate, tokens = 0, base_rows / c_base, float(base_rows)
+        for m, (p, _) in enumerate(ranked, 1):
+            tokens += p
+            cost = self._cost_of(base_rows + m)
+            if cost is None:
+                best = len(ranked)  # nothing measured from here up: try it
+                break
+            if tokens / cost > best_rate:
+                best, best_rate = m, tokens / cost
+        counts = [1] * len(trees)
+        for _, i in ranked[:best]:
+            counts[i] += 1
+        return counts
 
 
 def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]:
     """Draft trees for this step's decoders (by id of the Req); {} when speculation is
-    off, the pool is short, or the controller expects it not to pay."""
+    off, the pool is short, or the controller expects it not to pay. Every drafter drafts
+    first and the controller then keeps what is expected to pay: a cheap drafter's (NGRAM)
+    trees whole, by what trees of their evidence committed before (`choose_trees`); a
+    confident drafter's (EAGLE) nodes one by one, by the head's calibrated probabilities
+    (`choose_nodes`)."""
     if sched.drafter is None or not decoders:
         return {}
     ctl = sched.spec_controller
@@ -254,15 +278,12 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     for req in decoders:
         depth = min(req.sampling_params.max_new_tokens - len(req.output_ids),
                     sched.config.context_len - req.seq_len) - 1
-        # a cheap drafter's trees are judged one by one after drafting (`choose_trees`), on
-        # what trees with that evidence committed: no per-request pauses or guesses
-        allowed = ctl.may_draft(req.spec) if cheap else ctl.may_try(req.spec, len(decoders))
-        if req.is_decoding and depth >= 1 and allowed:
+        if req.is_decoding and depth >= 1 and ctl.may_draft(req.spec):
             eligible.append(req)
             depths.append(depth)
     if not eligible:
         return {}
-    if cheap:  # draft first, then keep the trees that are expected to pay
+    if cheap:
         if (ctl.enabled and len(decoders) >= _IDLE_MIN_BATCH
                 and ctl.cheap_idle_steps >= _IDLE_STEPS and not ctl._on_multiple(_IDLE_PERIOD)):
             return {}
@@ -272,20 +293,13 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
         trees = {id(r): t for (r, t), k in zip(pairs, keep, strict=True) if k}
         ctl.cheap_idle_steps = 0 if trees else ctl.cheap_idle_steps + 1
     else:
-        # judge with the trees' full size before drafting: an EAGLE draft costs head forwards
-        nodes = sched.drafter.num_draft_tokens
-        base = len(decoders)
-        expected = sum(ctl.expected_tokens(r.spec, nodes) for r in eligible)
-        if not ctl.worth_it(base, base, base + len(eligible) * (nodes - 1),
-                            base - len(eligible) + expected):
-            # not paying at this step's cost: these requests back off as a failed verify
-            # would, so an EAGLE head stops extending over them every step (its features
-            # wait, and it catches up when they may draft again); measured before this, a
-            # head that ran each step with nothing drafted made EAGLE3 0.54-0.59x of
-            # speculation off at batch 1
-            ctl.back_off(eligible)
-            return {}
-        proposed = sched.drafter.propose(eligible, depths, sched)
-        trees = {id(r): t for r, t in zip(eligible, proposed, strict=True) if t is not None}
+        drafted = sched.drafter.propose(eligible, depths, sched)
+        pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
+        counts = ctl.choose_nodes(len(decoders), [t for _, t in pairs])
+        trees = {}
+        for (req, tree), n in zip(pairs, counts, strict=True):
+            ctl.record_drafted(req.spec, n > 1)
+            if n > 1:
+                trees[id(req)] = tree.first(n)
     extra = sum(t.num_nodes - 1 for t in trees.values())
     return trees if len(decoders) + extra <= sched.cache.num_available_slots else {}

@@ -15,6 +15,7 @@ allocated and freed within `propose`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -164,8 +165,8 @@ class EagleDrafter:
             if pending is not None and pending.first + pending.num_rows == first:
                 chunks = [*pending.chunks, cur]  # catch up
                 first, count = pending.first, pending.num_rows + count
-            if not sched.spec_controller.may_try(state, len(batch.reqs), ahead=1):
-                # not drafting next step (the controller backed off): keep the features and
+            if not sched.spec_controller.may_draft(state, ahead=1):
+                # not drafting next step (the controller paused it): keep the features and
                 # run the head over all of them at once when drafting resumes, so its K/V
                 # have no holes and idle steps cost nothing (the chunks are joined then, once)
                 if count <= _MAX_PENDING:
@@ -222,10 +223,14 @@ class EagleDrafter:
                                                                   strict=True)]
             beams[i] = list(range(len(nodes[i])))
         depth_cap = {i: min(spec.num_steps, max_depths[i]) for i in live}
+        # beams too unlikely to be verified are not drafted deeper
+        min_lp = sched.spec_controller.min_draft_logprob()
         scratch: list[int] = []
         try:
             for depth in range(1, spec.num_steps):
-                step = [i for i in live if depth < depth_cap[i]]
+                for i in live:
+                    beams[i] = [b for b in beams[i] if nodes[i][b].score >= min_lp]
+                step = [i for i in live if depth < depth_cap[i] and beams[i]]
                 if not step:
                     break
                 need = sum(len(beams[i]) for i in step)
@@ -302,13 +307,15 @@ class EagleDrafter:
 
     @staticmethod
     def _select(req: Req, ns: list[_Node], num_nodes: int, max_depth: int) -> DraftTree:
-        """The root and the best num_nodes - 1 candidates whose parents are in too."""
+        """The root and the best num_nodes - 1 candidates whose parents are in too, most
+        likely first, with their probabilities."""
         depth = []
         for nd in ns:
             depth.append(1 if nd.parent < 0 else depth[nd.parent] + 1)
         order = sorted(range(len(ns)), key=lambda j: (-ns[j].score, depth[j]))
         picked: dict[int, int] = {}  # candidate -> tree index
         tokens, parents = [req.output_ids[-1] if req.output_ids else req.fill_ids[-1]], [-1]
+        probs = [1.0]
         for j in order:
             if len(tokens) >= num_nodes:
                 break
@@ -320,4 +327,5 @@ class EagleDrafter:
             picked[j] = len(tokens)
             tokens.append(ns[j].token)
             parents.append(0 if p < 0 else picked[p])
-        return DraftTree(tokens, parents)
+            probs.append(math.exp(ns[j].score))
+        return DraftTree(tokens, parents, probs=probs)

@@ -22,6 +22,9 @@ class DraftTree:
     # what the drafter based it on, for the controller's expectation (NGRAM: the matched
     # suffix length); None: nothing to say
     evidence: int | None = None
+    # a confident drafter's (EAGLE) probability of each node's path (root: 1), nodes listed
+    # most likely first; None: not given
+    probs: list[float] | None = None
     depth: list[int] = field(init=False)
     _children: list[dict[int, int]] = field(init=False, repr=False)
 
@@ -64,6 +67,13 @@ class DraftTree:
                 m[i, j] = True
                 j = self.parents[j]
         return m
+
+    def first(self, num_nodes: int) -> DraftTree:
+        """The first `num_nodes` nodes (a subtree: parents precede children)."""
+        if num_nodes >= self.num_nodes:
+            return self
+        return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], self.evidence,
+                         None if self.probs is None else self.probs[:num_nodes])
 
     def truncated(self, max_depth: int) -> DraftTree:
         """The nodes at depth <= max_depth (parents stay before children)."""

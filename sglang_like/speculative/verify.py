@@ -70,14 +70,13 @@ def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
                 w.node = child
                 still.append(w)
         active = still
-    cheap = getattr(sched.drafter, "drafts_cheaply", False)
     for w in walks:
         used = set(w.committed)
         sched.cache.allocator.free([s for j, s in enumerate(w.slots) if j not in used])
         state = w.req.spec
         state.verify_ct += 1
         state.accepted_drafts += len(w.committed) - 1
-        sched.spec_controller.record_verify(state, len(w.committed), w.tree.evidence, cheap)
+        sched.spec_controller.record_verify(state, len(w.committed), w.tree)
         sched.spec_accept_lengths[len(w.committed)] += 1
         if w.req.is_finished:
             sched._end(w.req, w.req.finished_reason, touched)

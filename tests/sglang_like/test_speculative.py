@@ -167,8 +167,11 @@ def test_controller_compares_measured_rates_and_backs_off() -> None:
     assert ctl.worth_it(1, 1, 4, 2.5)  # 83 vs 50 tokens/s
     assert not ctl.worth_it(1, 1, 4, 1.2)  # 40 vs 50
     state = SpecState()
-    ctl.record_verify(state, 1)
-    assert not ctl.may_draft(state)  # nothing accepted: drafting pauses
+    for _ in range(15):
+        ctl.record_drafted(state, kept=False)
+    assert ctl.may_draft(state)
+    ctl.record_drafted(state, kept=False)
+    assert not ctl.may_draft(state)  # 16 steps of drafts turned down: drafting pauses
     ctl.step += 100
     assert ctl.may_draft(state)
     assert SpecController(enabled=False).worth_it(1, 1, 64, 0.1)
@@ -201,39 +204,54 @@ def test_cheap_drafter_trees_are_chosen_by_their_evidence() -> None:
     ctl.record_forward(6, 0.014)
     ctl.record_forward(10, 0.018)
     state = SpecState()
-    ctl.record_verify(state, 5, evidence=6, drafts_cheaply=True)  # long matches pay
-    ctl.record_verify(state, 1, evidence=1, drafts_cheaply=True)  # one-token matches do not
-    assert ctl.may_draft(state)  # a cheap drafter's request is never paused
     long_match = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], evidence=6)
     short_match = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], evidence=1)
+    ctl.record_verify(state, 5, long_match)  # long matches pay
+    ctl.record_verify(state, 1, short_match)  # one-token matches do not
+    assert ctl.may_draft(state)  # a cheap drafter's request is never paused
     assert ctl.choose_trees(2, [short_match, long_match]) == [False, True]
     assert SpecController(enabled=False).choose_trees(2, [short_match]) == [True]
 
 
-def test_controller_expects_new_requests_to_do_what_others_did() -> None:
-    """Without an average of its own a request is expected to commit what every request's
-    verifies did, except on every 256th step, where it is expected to do well (explores)."""
+def _eagle_tree(probs: list[float]) -> DraftTree:
+    """A chain with the head's path probabilities `probs` (most likely first)."""
+    n = len(probs) + 1
+    return DraftTree(list(range(n)), list(range(-1, n - 1)), probs=[1.0, *probs])
+
+
+def test_confident_drafts_are_kept_by_calibrated_probability_per_row_cost() -> None:
+    """EAGLE's nodes are expected to commit their (calibrated) probability of a token; the
+    step keeps the most likely nodes of all trees, as many as maximize its expected tokens
+    per second; the calibration follows what verifies accepted against what the head
+    predicted."""
     ctl = SpecController()
-    fresh = SpecState()
-    assert ctl.expected_tokens(fresh, 4) == 2.5  # nothing measured: optimistic
-    for _ in range(20):
-        ctl.record_verify(SpecState(), 1)
-    ctl.step = 255
-    assert ctl.expected_tokens(fresh, 4) == pytest.approx(1.0)
-    ctl.step = 256
-    assert ctl.expected_tokens(fresh, 4) == 2.5
-    own = SpecState()
-    ctl.record_verify(own, 3)
-    assert ctl.expected_tokens(own, 4) == 3  # its own average first
-    ctl.record_verify(SpecState(), 2, evidence=2, drafts_cheaply=True)
-    assert ctl.population_accept < 1.3  # a cheap drafter's trees are not in it
-    # the others' trees did not pay: a new request waits for an exploring step to try
-    ctl.step = 300
-    assert not ctl.may_try(fresh, 1) and not ctl.may_try(fresh, 8)
-    ctl.step = 511
-    assert ctl.may_try(fresh, 1, ahead=1) and not ctl.may_try(fresh, 1)
-    ctl.step = 512
-    assert ctl.may_try(fresh, 8) and ctl.may_try(own, 8)
+    likely, unlikely = _eagle_tree([0.9, 0.8, 0.6]), _eagle_tree([0.2, 0.1])
+    assert ctl.choose_nodes(2, [likely, unlikely]) == [1, 1]  # nothing measured: plain first
+    ctl.record_forward(2, 0.020)
+    assert ctl.choose_nodes(2, [likely, unlikely]) == [4, 3]  # no cost known above: try all
+    for rows, ms in ((3, 21), (4, 22), (5, 25), (6, 30), (7, 31)):
+        ctl.record_forward(rows, ms / 1000)
+    # expected tokens per ms with the m most likely nodes (0.9, 0.8, 0.6, 0.2, 0.1):
+    # 2/20, 2.9/21, 3.7/22, 4.3/25 (the best: 0.172), 4.5/30, 4.6/31
+    assert ctl.choose_nodes(2, [likely, unlikely]) == [4, 1]
+    # the head turns out to be overconfident by half (1 accepted where it gave 2.0)
+    for _ in range(200):
+        ctl.record_verify(SpecState(), 2, _eagle_tree([0.8, 0.6, 0.4, 0.2]))
+    assert ctl.draft_calibration == pytest.approx(0.5, rel=0.01)
+    # now 0.45, 0.4, 0.3, ...: 2.45/21, 2.85/22 (the best: 0.130), 3.15/25 (0.126), ...
+    assert ctl.choose_nodes(2, [likely, unlikely]) == [3, 1]
+    assert ctl.min_draft_logprob() == pytest.approx(math.log(0.2), abs=1e-3)
+    off = SpecController(enabled=False)
+    assert off.choose_nodes(2, [likely, unlikely]) == [4, 3]
+    assert off.min_draft_logprob() == -math.inf
+
+
+def test_tree_first_nodes_are_a_subtree_with_their_probabilities() -> None:
+    tree = DraftTree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 2], probs=[1.0, 0.7, 0.2, 0.5, 0.1])
+    sub = tree.first(4)
+    assert sub.tokens == [9, 1, 2, 3] and sub.parents == [-1, 0, 0, 1]
+    assert sub.probs == [1.0, 0.7, 0.2, 0.5] and sub.depth == [0, 1, 1, 2]
+    assert tree.first(9) is tree
 
 
 def test_cheap_drafter_evidence_gone_stale_is_explored_once() -> None:
@@ -242,8 +260,8 @@ def test_cheap_drafter_evidence_gone_stale_is_explored_once() -> None:
     ctl = SpecController()
     ctl.record_forward(1, 0.010)
     ctl.record_forward(6, 0.016)
-    ctl.record_verify(SpecState(), 1, evidence=4, drafts_cheaply=True)  # at step 2
     trees = [DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 3, 4], evidence=4) for _ in range(2)]
+    ctl.record_verify(SpecState(), 1, trees[0])  # at step 2
     assert ctl.choose_trees(1, trees[:1]) == [False]  # 1 token for 6 rows: no
     ctl.step = 2 + 257
     assert ctl.choose_trees(1, trees[:1]) == [True]  # stale: explored
@@ -291,30 +309,33 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
 
 
 def test_controller_pauses_grow_and_end_together() -> None:
-    """Failures in a row double a request's pause; pauses end on multiples of 32 steps, so
-    requests that failed at different steps retry in the same step; a verify that pays
-    resets the doubling."""
+    """Pauses in a row (16 drafting steps with every draft turned down) double a request's
+    pause; pauses end on multiples of 32 steps, so requests that paused at different steps
+    retry in the same step; a step with a draft verified resets the doubling."""
     ctl = SpecController()
     a, b = SpecState(), SpecState()
+
+    def turned_down(state: SpecState) -> None:
+        for _ in range(16):
+            ctl.record_drafted(state, kept=False)
+
     ctl.step = 5
-    ctl.record_verify(a, 1)
+    turned_down(a)
     ctl.step = 17
-    ctl.record_verify(b, 1)
+    turned_down(b)
     assert a.backoff_until == b.backoff_until == 64  # 5 + 32 and 17 + 32, rounded up
     ctl.step = 64
     assert ctl.may_draft(a) and ctl.may_draft(b)
-    ctl.record_verify(a, 1)  # second failure in a row: 64 steps
+    turned_down(a)  # second pause in a row: 64 steps
     assert a.backoff_until == 128
     ctl.step = 128
-    ctl.record_verify(a, 1)  # third: 128
+    turned_down(a)  # third: 128
     assert a.backoff_until == 256
     ctl.step = 256
-    ctl.record_verify(a, 4)  # pays: the next pause is 32 steps again
-    assert a.num_failed_tries == 0 and ctl.may_draft(a)
-    ctl.back_off([type("R", (), {"spec": a})()])
+    ctl.record_drafted(a, kept=True)  # a draft verified: the next pause is 32 steps again
+    assert a.num_failed_tries == 0 and a.empty_steps == 0 and ctl.may_draft(a)
+    turned_down(a)
     assert a.backoff_until == 288
-    ctl.back_off([type("R", (), {"spec": b})()])  # judged not to pay this step: same rule
-    assert b.backoff_until == 256 + 64
 
 
 # ---- the attention a verify runs ---------------------------------------------------------------
