@@ -232,16 +232,22 @@ def _write_card(args: argparse.Namespace, work: str, s: dict, done: dict) -> Non
                       f"{s['vocab']['coverage']:.2%} of this data's answer tokens")
         init_text = ("Weights and draft vocabulary continued from the head this one replaced "
                      "(its training is under *Earlier training* below).")
+        distinct_text = (f"this data's answers hold {stats['distinct_answer_tokens']} "
+                         "distinct tokens")
     else:
         vocab_text = (f"{s['config'].draft_vocab_size} most frequent answer tokens (plus ids "
                       "0 and 2, `<|endoftext|>` / `<|im_end|>`), covering "
                       f"{s['vocab']['coverage']:.2%} of answer tokens")
         init_text = ("LM head initialised from the target's (tied) embedding rows of the "
                      "draft vocab, norms at one.")
+        distinct_text = (f"the answers hold {stats['distinct_answer_tokens']} distinct tokens; "
+                         "the remaining slots are the lowest unused target ids")
     size = os.path.getsize(os.path.join(args.out, "model.safetensors")) / 1e6
     train_dtype = "bf16 autocast" if cfg.get("bf16") else "fp32"
     cont = (f"--seed {args.seed} --work-dir DIR --init-head HEAD \\\n        "
             if done.get("init_head") else "")
+    cont_note = ("\nwhere HEAD is the head the command under *Earlier training* builds (in "
+                 "another work dir).\n" if cont else "")
     text = f"""# SmolLM2-135M-Instruct EAGLE-3 draft head
 
 An EAGLE-3 head (SGLang / SpecForge layout, `LlamaForCausalLMEagle3`, fp16, {size:.1f} MB) for
@@ -263,8 +269,7 @@ from the default model alone by `python -m sglang_like.speculative.train_eagle`.
   position, renormalised over those {args.label_topk}; loss only where the label predicts an
   answer token.
 - Draft vocabulary: {vocab_text}
-  (the answers hold {stats['distinct_answer_tokens']} distinct tokens; the remaining slots are
-  the lowest unused target ids);
+  ({distinct_text});
   `d2t[d] = target_id - d` (target = d + d2t[d]), draft ids sorted by target id; `t2d` mask.
 - Training: training-time-test unroll K = {cfg['unroll']} (loss weight 0.8^k), {cfg['steps']}
   AdamW steps (lr {cfg['lr']}, {cfg['warmup']} warmup, cosine to 5%, clip {cfg['clip']}) of
@@ -297,7 +302,7 @@ full vocab: the second is what greedy verification accepts, one draft at a time)
         --draft-vocab-size {args.draft_vocab_size} --label-topk {args.label_topk} \\
         --unroll {cfg['unroll']} --steps {cfg['steps']} --lr {cfg['lr']} --warmup {cfg['warmup']} \\
         --batch-tokens {cfg['batch_tokens']} --train-dtype {args.train_dtype}
-
+{cont_note}
 Every stage checkpoints under `--work-dir` and the same command resumes where it stopped;
 `--gen-budget-min` bounds the data stage's time, `--stop-after STAGE` ends after one stage.
 """ + _earlier_card(work, bool(init))

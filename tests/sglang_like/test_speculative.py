@@ -752,12 +752,14 @@ HELD_OUT = [  # written for this test; the head trained on conversations the mod
     "What is the difference between a lake and a sea?",
 ]
 # Measured with the committed head (greedy, 64 new tokens, every step drafting a 3-token
-# chain): 1.41 tokens per verify on an Intel Xeon (the previous head, trained on 1/17 of the
-# data, measured 1.31; a random head gives 1.00). The floor is that less a margin for another
-# CPU's rounding in a different batch; the old head (1.31) would fail it.
+# chain): 1.48 tokens per verify on an Intel Xeon; the head it was continued from measured
+# 1.42 in the same run, the one before that (trained on 1/17 of the data) 1.31, and a random
+# head gives 1.00. The floor is that less a margin for another CPU's rounding in a different
+# batch: it catches a broken, untrained or much weaker head, not this run's small gain.
 # These human-written prompts are harder for the head than its own held-out conversations
-# (top-1 0.31 here against 0.46): its data's questions were written by the 135M model itself.
-SHIPPED_HEAD_ACCEPT_FLOOR = 1.33
+# (the head before measured top-1 0.31 here against 0.46): its data's questions were
+# written by the 135M model itself.
+SHIPPED_HEAD_ACCEPT_FLOOR = 1.40
 
 
 @pytest.mark.slow
