@@ -94,6 +94,7 @@ class Scheduler:
         # prefill/decode disaggregation (sglang_like.disaggregation): None on a regular worker
         self.disagg: Any = None
         self.spec_controller = SpecController(enabled=config.speculative_auto_disable)
+        self._drafting_s, self._num_decoders = 0.0, 0  # this step's drafting (the controller's)
         self.spec_accept_lengths: collections.Counter[int] = collections.Counter()
         # statistics
         self.num_prompt_tokens = 0
@@ -210,7 +211,11 @@ class Scheduler:
             self.disagg.after_process(batch)
         after = getattr(self.drafter, "after_forward", None)
         if after is not None:
+            t0 = time.perf_counter()
             after(batch, walks, self)
+            if self._num_decoders:
+                self.spec_controller.record_drafting(
+                    self._num_decoders, self._drafting_s + time.perf_counter() - t0)
         # what the speculation controller prices a step by: everything speculation adds to
         # it (drafting, the verify rows, the walks, the draft head's extend), not the forward
         # alone (at batch 1 an EAGLE-3 draft and extend were 3 of a 19 ms verify step)
@@ -250,7 +255,10 @@ class Scheduler:
             if not self._retract_one(batch, touched):
                 break
             decoders = [r for r in self.running if r.num_uncomputed == 1]
+        t0 = time.perf_counter()
         trees = self._propose_trees(decoders)
+        self._drafting_s = time.perf_counter() - t0
+        self._num_decoders = len(decoders)
         budget = self.config.prefill_budget
         # decodes first: the next prefill chunks are sized by what they leave
         for req in sorted(self.running, key=lambda r: r.num_uncomputed != 1):

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 _DRAFT_MIN_PROB = 0.1
 _CALIBRATION_EMA = 0.05
 _CALIBRATION_RANGE = (0.25, 2.0)
-# A request whose drafts were all turned down this many steps in a row pauses (the head
+# A request whose drafts were all turned down (or did not pay for the drafting: the head's
+# extend and draft steps, measured per batch size) this many steps in a row pauses (the head
 # stops extending over it; it catches up when drafting resumes) for _BACKOFF_STEPS, doubled
 # per pause in a row (up to _MAX_BACKOFF_DOUBLINGS times); pauses end on multiples of
 # _BACKOFF_STEPS, so paused requests of a batch retry together.
@@ -98,6 +99,10 @@ class SpecController:
     # at its word until measured)
     drafts_accepted: float = 1.0
     drafts_predicted: float = 1.0
+    # batch-size bucket -> seconds a step spent drafting (EAGLE: the head's extend after the
+    # forward and its draft steps; EMA): sunk in every step's measured cost, it is what a
+    # step without speculation would not pay
+    drafting: dict[int, float] = field(default_factory=dict)
     # steps in a row whose cheap trees were all turned down (see _IDLE_STEPS)
     cheap_idle_steps: int = 0
     # evidence key -> the step its trees were last verified (or last explored)
@@ -107,6 +112,10 @@ class SpecController:
         self.step += 1
         b = _bucket(num_rows)
         self.cost[b] = _ema(self.cost.get(b), seconds)
+
+    def record_drafting(self, batch_size: int, seconds: float) -> None:
+        b = _bucket(batch_size)
+        self.drafting[b] = _ema(self.drafting.get(b), seconds)
 
     def record_verify(self, state: SpecState, committed: int, tree: DraftTree) -> None:
         """A verify of `tree` committed `committed` tokens (its root's bonus included)."""
@@ -232,19 +241,21 @@ class SpecController:
                 rows, tokens = rows + extra_rows, tokens + extra_tokens
         return keep
 
-    def choose_nodes(self, base_rows: int, trees: list[DraftTree]) -> list[int]:
+    def choose_nodes(self, base_rows: int, trees: list[DraftTree]) -> tuple[list[int], bool]:
         """How many nodes of each of a confident drafter's trees (root included; 1: none of
-        its drafts) a step of `base_rows` plain rows verifies. Every drafted node is expected
-        to commit its calibrated probability of a token; the nodes of all trees are taken
-        most likely first (a tree lists its nodes in that order, so its first m nodes are a
-        subtree), as many as give the step the most expected tokens per second. With
-        nothing measured above the plain step, every node is tried (its cost is then
-        known)."""
+        its drafts) a step of `base_rows` plain rows verifies, and whether drafting pays.
+        Every drafted node is expected to commit its calibrated probability of a token; the
+        nodes of all trees are taken most likely first (a tree lists its nodes in that
+        order, so its first m nodes are a subtree), as many as give the step the most
+        expected tokens per second, its drafting being spent already. Drafting pays when
+        that beats a step that neither drafted nor verified (the measured step less its
+        drafting). With nothing measured above the plain step, every node is tried (its
+        cost is then known)."""
         if not self.enabled:
-            return [t.num_nodes for t in trees]
+            return [t.num_nodes for t in trees], True
         c_base = self._cost_of(base_rows)
         if c_base is None:
-            return [1] * len(trees)  # measure the plain step once, to compare
+            return [1] * len(trees), True  # measure the plain step once, to compare
         calib = self.draft_calibration
         ranked = sorted(((calib * p, i) for i, t in enumerate(trees) for p in t.probs[1:]),
                         key=lambda pi: -pi[0])
@@ -260,7 +271,9 @@ class SpecController:
         counts = [1] * len(trees)
         for _, i in ranked[:best]:
             counts[i] += 1
-        return counts
+        drafting = self.drafting.get(_bucket(base_rows), 0.0)
+        undrafted = base_rows / max(c_base - drafting, 0.5 * c_base)
+        return counts, best_rate > undrafted
 
 
 def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]:
@@ -295,10 +308,12 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     else:
         drafted = sched.drafter.propose(eligible, depths, sched)
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
-        counts = ctl.choose_nodes(len(decoders), [t for _, t in pairs])
+        counts, pays = ctl.choose_nodes(len(decoders), [t for _, t in pairs])
         trees = {}
         for (req, tree), n in zip(pairs, counts, strict=True):
-            ctl.record_drafted(req.spec, n > 1)
+            # its drafting is spent: verify what is worth its rows, but pause a request
+            # whose drafting keeps not paying for itself
+            ctl.record_drafted(req.spec, n > 1 and pays)
             if n > 1:
                 trees[id(req)] = tree.first(n)
     extra = sum(t.num_nodes - 1 for t in trees.values())

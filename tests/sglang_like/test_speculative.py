@@ -226,23 +226,30 @@ def test_confident_drafts_are_kept_by_calibrated_probability_per_row_cost() -> N
     predicted."""
     ctl = SpecController()
     likely, unlikely = _eagle_tree([0.9, 0.8, 0.6]), _eagle_tree([0.2, 0.1])
-    assert ctl.choose_nodes(2, [likely, unlikely]) == [1, 1]  # nothing measured: plain first
+    assert ctl.choose_nodes(2, [likely, unlikely])[0] == [1, 1]  # nothing measured: plain first
     ctl.record_forward(2, 0.020)
-    assert ctl.choose_nodes(2, [likely, unlikely]) == [4, 3]  # no cost known above: try all
+    assert ctl.choose_nodes(2, [likely, unlikely])[0] == [4, 3]  # no cost known above: try all
     for rows, ms in ((3, 21), (4, 22), (5, 25), (6, 30), (7, 31)):
         ctl.record_forward(rows, ms / 1000)
     # expected tokens per ms with the m most likely nodes (0.9, 0.8, 0.6, 0.2, 0.1):
     # 2/20, 2.9/21, 3.7/22, 4.3/25 (the best: 0.172), 4.5/30, 4.6/31
-    assert ctl.choose_nodes(2, [likely, unlikely]) == [4, 1]
+    assert ctl.choose_nodes(2, [likely, unlikely])[0] == [4, 1]
     # the head turns out to be overconfident by half (1 accepted where it gave 2.0)
     for _ in range(200):
         ctl.record_verify(SpecState(), 2, _eagle_tree([0.8, 0.6, 0.4, 0.2]))
     assert ctl.draft_calibration == pytest.approx(0.5, rel=0.01)
     # now 0.45, 0.4, 0.3, ...: 2.45/21, 2.85/22 (the best: 0.130), 3.15/25 (0.126), ...
-    assert ctl.choose_nodes(2, [likely, unlikely]) == [3, 1]
+    assert ctl.choose_nodes(2, [likely, unlikely])[0] == [3, 1]
     assert ctl.min_draft_logprob() == pytest.approx(math.log(0.2), abs=1e-3)
+    # whether drafting pays: the best (2.85 tokens in 22 ms) against a step that neither
+    # drafts nor verifies: the 20 ms plain step less its drafting
+    assert ctl.choose_nodes(2, [likely, unlikely])[1]  # nothing known of drafting: 2 / 20
+    ctl.record_drafting(2, 0.003)
+    assert ctl.choose_nodes(2, [likely, unlikely])[1]  # 0.1295 > 2 / 17 = 0.118
+    ctl.record_drafting(2, 0.010)  # EMA: 3 -> 5.1 ms
+    assert not ctl.choose_nodes(2, [likely, unlikely])[1]  # 2 / 14.9 = 0.134
     off = SpecController(enabled=False)
-    assert off.choose_nodes(2, [likely, unlikely]) == [4, 3]
+    assert off.choose_nodes(2, [likely, unlikely])[0] == [4, 3]
     assert off.min_draft_logprob() == -math.inf
 
 
