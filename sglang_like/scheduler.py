@@ -210,16 +210,17 @@ class Scheduler:
         if sender is not None:
             self.disagg.after_process(batch)
         after = getattr(self.drafter, "after_forward", None)
+        drafting = self._drafting_s
         if after is not None:
             t0 = time.perf_counter()
             after(batch, walks, self)
-            if self._num_decoders:
-                self.spec_controller.record_drafting(
-                    self._num_decoders, self._drafting_s + time.perf_counter() - t0)
-        # what the speculation controller prices a step by: everything speculation adds to
-        # it (drafting, the verify rows, the walks, the draft head's extend), not the forward
-        # alone (at batch 1 an EAGLE-3 draft and extend were 3 of a 19 ms verify step)
-        self.spec_controller.record_forward(batch.num_tokens, time.perf_counter() - start)
+            drafting += time.perf_counter() - t0
+        ctl = self.spec_controller
+        if ctl.drafted_step == ctl.step:
+            ctl.record_drafting(self._num_decoders, drafting)
+        # the speculation controller prices rows by the step without its drafting (the
+        # verify rows and the walks stay in): drafting is priced on its own, per batch size
+        ctl.record_forward(batch.num_tokens, time.perf_counter() - start - drafting)
 
     def _recover(self, batch: ScheduleBatch, touched: list[Req], exc: Exception) -> None:
         """After a fault: end the batch's requests (all of them if the fault came before a

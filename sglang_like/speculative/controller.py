@@ -103,6 +103,7 @@ class SpecController:
     # forward and its draft steps; EMA): sunk in every step's measured cost, it is what a
     # step without speculation would not pay
     drafting: dict[int, float] = field(default_factory=dict)
+    drafted_step: int = -1  # the last step a confident drafter drafted a tree in
     # steps in a row whose cheap trees were all turned down (see _IDLE_STEPS)
     cheap_idle_steps: int = 0
     # evidence key -> the step its trees were last verified (or last explored)
@@ -116,6 +117,16 @@ class SpecController:
     def record_drafting(self, batch_size: int, seconds: float) -> None:
         b = _bucket(batch_size)
         self.drafting[b] = _ema(self.drafting.get(b), seconds)
+
+    def _drafting_of(self, batch_size: int) -> float:
+        """A step's drafting at this batch size: measured, or the nearest measured size's
+        scaled by the number of requests (a batch that shrinks as requests finish meets a
+        new size every step; unmeasured, it would look free)."""
+        b = _bucket(batch_size)
+        if b in self.drafting or not self.drafting:
+            return self.drafting.get(b, 0.0)
+        near = min(self.drafting, key=lambda k: abs(k - b))
+        return self.drafting[near] * b / near
 
     def record_verify(self, state: SpecState, committed: int, tree: DraftTree) -> None:
         """A verify of `tree` committed `committed` tokens (its root's bonus included)."""
@@ -264,16 +275,22 @@ class SpecController:
             tokens += p
             cost = self._cost_of(base_rows + m)
             if cost is None:
-                best = len(ranked)  # nothing measured from here up: try it
+                best = len(ranked)  # nothing measured from here up: try it (not "paying")
+                best_rate = 0.0
                 break
             if tokens / cost > best_rate:
                 best, best_rate = m, tokens / cost
         counts = [1] * len(trees)
         for _, i in ranked[:best]:
             counts[i] += 1
-        drafting = self.drafting.get(_bucket(base_rows), 0.0)
-        undrafted = base_rows / max(c_base - drafting, 0.5 * c_base)
-        return counts, best_rate > undrafted
+        # the step's drafting is spent: the best above is read without it; whether drafting
+        # pays is the same with it, against the plain step
+        cost_best = base_rows + sum(counts) - len(counts)
+        tokens_best = base_rows + sum(p for p, _ in ranked[:best])
+        c_best = self._cost_of(cost_best)
+        if c_best is None or best_rate == 0.0:
+            return counts, False
+        return counts, tokens_best / (c_best + self._drafting_of(base_rows)) > base_rows / c_base
 
 
 def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]:
@@ -308,6 +325,8 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     else:
         drafted = sched.drafter.propose(eligible, depths, sched)
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
+        if pairs:
+            ctl.drafted_step = ctl.step  # this step's drafting is worth measuring
         counts, pays = ctl.choose_nodes(len(decoders), [t for _, t in pairs])
         trees = {}
         for (req, tree), n in zip(pairs, counts, strict=True):

@@ -241,13 +241,16 @@ def test_confident_drafts_are_kept_by_calibrated_probability_per_row_cost() -> N
     # now 0.45, 0.4, 0.3, ...: 2.45/21, 2.85/22 (the best: 0.130), 3.15/25 (0.126), ...
     assert ctl.choose_nodes(2, [likely, unlikely])[0] == [3, 1]
     assert ctl.min_draft_logprob() == pytest.approx(math.log(0.2), abs=1e-3)
-    # whether drafting pays: the best (2.85 tokens in 22 ms) against a step that neither
-    # drafts nor verifies: the 20 ms plain step less its drafting
-    assert ctl.choose_nodes(2, [likely, unlikely])[1]  # nothing known of drafting: 2 / 20
+    # whether drafting pays: the best (2.85 tokens in 22 ms) with the step's drafting added
+    # against the plain step (2 tokens in 20 ms; costs are recorded without drafting)
+    assert ctl.choose_nodes(2, [likely, unlikely])[1]  # nothing known of drafting
     ctl.record_drafting(2, 0.003)
-    assert ctl.choose_nodes(2, [likely, unlikely])[1]  # 0.1295 > 2 / 17 = 0.118
-    ctl.record_drafting(2, 0.010)  # EMA: 3 -> 5.1 ms
-    assert not ctl.choose_nodes(2, [likely, unlikely])[1]  # 2 / 14.9 = 0.134
+    assert ctl.choose_nodes(2, [likely, unlikely])[1]  # 2.85 / 25 = 0.114 > 0.1
+    ctl.record_drafting(4, 0.020)  # EMA of another size: 2 is still read off its own
+    assert ctl.choose_nodes(2, [likely, unlikely])[1]
+    ctl.record_drafting(2, 0.020)  # EMA: 3 -> 8.1 ms
+    assert not ctl.choose_nodes(2, [likely, unlikely])[1]  # 2.85 / 30.1 = 0.095 < 0.1
+    assert ctl._drafting_of(3) == pytest.approx(0.0081 * 3 / 2)  # the nearest size, scaled
     off = SpecController(enabled=False)
     assert off.choose_nodes(2, [likely, unlikely])[0] == [4, 3]
     assert off.min_draft_logprob() == -math.inf
