@@ -258,10 +258,11 @@ class SpecController:
         Every drafted node is expected to commit its calibrated probability of a token; the
         nodes of all trees are taken most likely first (a tree lists its nodes in that
         order, so its first m nodes are a subtree), as many as give the step the most
-        expected tokens per second, its drafting being spent already. Drafting pays when
-        that beats a step that neither drafted nor verified (the measured step less its
-        drafting). With nothing measured above the plain step, every node is tried (its
-        cost is then known)."""
+        expected tokens per second, its drafting being spent already (row costs are
+        recorded without drafting). Drafting pays when that choice, with the drafting a step
+        of this batch size spends added, beats the plain step. With nothing measured above
+        the plain step, every node is tried (its cost is then known; that step does not
+        count as paying)."""
         if not self.enabled:
             return [t.num_nodes for t in trees], True
         c_base = self._cost_of(base_rows)
