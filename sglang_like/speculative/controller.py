@@ -269,8 +269,9 @@ class SpecController:
         if c_base is None:
             return [1] * len(trees), True  # measure the plain step once, to compare
         calib = self.draft_calibration
-        ranked = sorted(((calib * p, i) for i, t in enumerate(trees) for p in t.probs[1:]),
-                        key=lambda pi: -pi[0])
+        # a drafter that gives no probabilities: each node is expected to commit half a token
+        ranked = sorted(((calib * p, i) for i, t in enumerate(trees)
+                         for p in (t.probs or [0.5] * t.num_nodes)[1:]), key=lambda pi: -pi[0])
         best, best_rate, tokens = 0, base_rows / c_base, float(base_rows)
         for m, (p, _) in enumerate(ranked, 1):
             tokens += p
