@@ -55,7 +55,6 @@ class SpecState:
 
     verify_ct: int = 0  # decode forwards of this request (plain or tree): SGLang's spec_verify_ct
     accepted_drafts: int = 0  # drafted tokens the target kept
-    accept_ema: float | None = None  # tokens committed per tree verify
     backoff_until: int = 0  # the controller's step count before which it does not draft
     num_failed_tries: int = 0  # pauses in a row since a tree was last verified
     empty_steps: int = 0  # steps in a row whose drafts were all turned down (confident drafter)
@@ -130,7 +129,6 @@ class SpecController:
 
     def record_verify(self, state: SpecState, committed: int, tree: DraftTree) -> None:
         """A verify of `tree` committed `committed` tokens (its root's bonus included)."""
-        state.accept_ema = _ema(state.accept_ema, committed)
         if tree.evidence is not None:
             key = _evidence_key(tree.evidence)
             self.accept_by_evidence[key] = _ema(self.accept_by_evidence.get(key), committed)
