@@ -48,11 +48,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     )
     quant = QuantConfig(quantization, dtype,
                         deterministic=server_args.enable_deterministic_inference)
-    # `auto` KV: the dtype K and V come out of their projection in. A quantized CPU model's
-    # int kernels return bf16, so V is bf16 already and only K's RoPE rounds again: an fp32
-    # pool would double the KV memory for nothing (llama.cpp keeps f16 KV by default)
-    kv_default = quant.activation_dtype if quant.is_quantized else dtype
-    kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, device, default=kv_default)
+    kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, device, default=quant.kv_dtype)
     tokenizer = loaded.tokenizer
     if server_args.tokenizer_path is not None:
         from sglang_like.model_loader import load_tokenizer

@@ -32,9 +32,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q8_0_matmul_f32"]
+__all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequantize",
+           "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32"]
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("q4_1.c", "ops.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("q4_1.c", "q4_rows.c", "ops.c")]
 _ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
 _FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -129,6 +130,12 @@ class _Library:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.q4_1_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
         lib.q4_1_matmul.restype = ctypes.c_int
+        lib.q4_x16_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.q4_x16_matmul.restype = ctypes.c_int
+        lib.q4_x16_pack.argtypes = [ptr, i64, i64, ptr]
+        lib.q4_x16_pack.restype = None
+        lib.q4_x16_dequantize.argtypes = [ptr, i64, i64, ptr]
+        lib.q4_x16_dequantize.restype = None
         lib.q4_1_dequantize.argtypes = [ptr, i64, i64, ptr]
         lib.q4_1_dequantize.restype = None
         lib.q4_1_isa.restype = ctypes.c_char_p
@@ -146,6 +153,9 @@ class _Library:
         if built != variant:
             raise RuntimeError(f"{path} is the {built} build, not {variant}")
         self.matmul = lib.q4_1_matmul
+        self.x16_matmul = lib.q4_x16_matmul
+        self.x16_pack = lib.q4_x16_pack
+        self.x16_dequantize = lib.q4_x16_dequantize
         self.dequantize = lib.q4_1_dequantize
         self.q8_0_matmul_f32 = lib.q8_0_matmul_f32
         self.add_rmsnorm = lib.add_rmsnorm
@@ -227,6 +237,46 @@ def q4_1_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
                                     int(invariant)),
                "q4_1_matmul", x)
     return y
+
+
+X16_ROWS = 16  # output rows per group of the x16 layout
+X16_RECORD_BYTES = 320  # per group and block of 32 columns
+
+
+def q4_x16_pack(blocks: torch.Tensor, out_features: int, in_features: int,
+                variant: str | None = None) -> torch.Tensor:
+    """Q4_1 blocks uint8 [N, K/32*20] -> the x16 layout uint8 [N/16, K/32*320] (q4_rows.c:
+    16 output rows interleaved per block, so one vector holds every row's codes)."""
+    if out_features % X16_ROWS or in_features % 32:
+        raise ValueError(f"x16 needs N % {X16_ROWS} == 0 and K % 32 == 0; got "
+                         f"{out_features}x{in_features}")
+    blocks = blocks.contiguous()
+    out = torch.empty(out_features // X16_ROWS, in_features // 32 * X16_RECORD_BYTES,
+                      dtype=torch.uint8)
+    _lib(variant).x16_pack(blocks.data_ptr(), out_features, in_features, out.data_ptr())
+    return out
+
+
+def q4_x16_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32, W in the x16 layout (`q4_x16_pack`);
+    activations quantized to int8 per block of 32. A row's result does not depend on M."""
+    x = _float_rows(x)
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        _check(_lib(variant).x16_matmul(packed.data_ptr(), out_features, k, x.data_ptr(),
+                                        x.stride(0), m, y.data_ptr(), out_features),
+               "q4_x16_matmul", x)
+    return y
+
+
+def q4_x16_dequantize(packed: torch.Tensor, out_features: int, in_features: int,
+                      variant: str | None = None) -> torch.Tensor:
+    """The float32 [N, K] matrix an x16-packed tensor holds."""
+    out = torch.empty(out_features, in_features, dtype=torch.float32)
+    _lib(variant).x16_dequantize(packed.data_ptr(), out_features, in_features, out.data_ptr())
+    return out
 
 
 def q8_0_matmul_f32(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

@@ -52,8 +52,8 @@ static inline __m256i dot_u8s8(__m256i codes, __m256i q) {
 #endif
 }
 
-// One activation row [K] -> q int8 [K], e, S float [K/32].
-static void quantize_row_q8(const float *x, int K, int8_t *q, float *e, float *S) {
+// One activation row [K] -> q int8 [K], e, S float [K/32] (q4_rows.c's kernel too).
+void q4_1_quantize_row_q8(const float *x, int K, int8_t *q, float *e, float *S) {
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         __m256 v[4];
@@ -163,7 +163,7 @@ int q4_1_matmul(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t 
         return -1;
     }
     for (int64_t r = 0; r < M; r++) {
-        quantize_row_q8(x + r * ldx, (int)K, q + r * K, e + r * nb, S + r * nb);
+        q4_1_quantize_row_q8(x + r * ldx, (int)K, q + r * K, e + r * nb, S + r * nb);
     }
     const int64_t row_bytes = (int64_t)nb * BLOCK_BYTES;
     if (M == 1 && !invariant) {

@@ -27,7 +27,13 @@ from sglang_like.quant.int8 import (
     quantize_rows_int8,
 )
 from sglang_like.quant.linear import QuantLinear
-from sglang_like.quant.q4_native import Q4NativeMethod, prefer_native_q4, q4_1_blocks
+from sglang_like.quant.q4_native import (
+    Q4NativeMethod,
+    Q4X16Method,
+    int4_kernel,
+    prefer_native_q4,
+    q4_1_blocks,
+)
 from sglang_like.quant.q8_head import Q8HeadMethod, q8_head_available
 
 __all__ = [
@@ -41,7 +47,9 @@ __all__ = [
     "Int8Method",
     "LinearMethod",
     "Q4NativeMethod",
+    "Q4X16Method",
     "Q8HeadMethod",
+    "int4_kernel",
     "prefer_native_q4",
     "q8_head_available",
     "QuantConfig",
@@ -110,8 +118,10 @@ class QuantConfig:
         out_features % 16 == 0 and groups that divide in_features; else int8)."""
         if self.name == "fp16":
             return _FP16
-        if self.name == "int4" and in_features % 32 == 0 and prefer_native_q4():
-            # torch's int4 kernel would run its AVX2 code (see q4_native)
+        kernel = int4_kernel() if self.name == "int4" and in_features % 32 == 0 else None
+        if kernel == "x16" and out_features % 16 == 0:
+            return _Q4_X16[self.deterministic]  # see q4_native
+        if kernel in ("x16", "native"):
             return _Q4_NATIVE[self.deterministic]
         if self.name == "int4" and in_features % 32 == 0 and out_features % 16 == 0:
             group = 64 if in_features % 64 == 0 else 32
@@ -143,7 +153,21 @@ class QuantConfig:
     def activation_dtype(self) -> torch.dtype:
         if self.name == "fp16":
             return torch.float32  # fbgemm's fp16 GEMM takes and returns fp32
+        if self.name == "int4" and int4_kernel() != "torch":
+            # this project's Q4_1 kernels take fp32 and round it to int8 per 32 columns: a
+            # bf16 rounding before that would be a second one, which the native decode path
+            # (norms straight into the kernel) does not do
+            return torch.float32
         return torch.bfloat16 if self.is_quantized else self.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool's dtype under `--kv-cache-dtype auto`: the dtype K and V come out of
+        their projection in, but bf16 for every int kernel (an fp32 pool would double the KV
+        memory for a rounding that is lost in attention's noise; llama.cpp keeps f16 KV)."""
+        if not self.is_quantized:
+            return self.dtype
+        return torch.float32 if self.name == "fp16" else torch.bfloat16
 
 
 _INT8 = Int8Method()
@@ -154,3 +178,4 @@ _Q8_HEADS = {det: Q8HeadMethod(batch_invariant=det) for det in (False, True)}
 _INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
                  for det in (False, True)}
 _Q4_NATIVE = {det: Q4NativeMethod(batch_invariant=det) for det in (False, True)}
+_Q4_X16 = {det: Q4X16Method(batch_invariant=det) for det in (False, True)}

@@ -89,6 +89,44 @@ def test_q4_1_matmul_reads_strided_rows_and_refuses_bad_k(variant):
         kc.q4_1_matmul(torch.randn(1, 48), blocks, 32, variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 13, 17, 33])
+def test_q4_x16_matmul_is_the_q4_1_kernels_numbers_in_any_batch(variant, m):
+    """The x16 layout holds the same blocks: its product is q4_1_matmul's (the same int8
+    activations; sums in another order), and a row's result is the same bits alone and in a
+    batch of m (passes of up to 8 / 4 rows, so 9, 13, 17 and 33 cross pass boundaries)."""
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(96, 576, generator=gen) * 0.05
+    blocks, wq = _blocks_of(w)
+    packed = kc.q4_x16_pack(blocks, 96, 576, variant)
+    assert packed.numel() == blocks.numel()  # 20 bytes per 32 weights, as Q4_1
+    assert torch.equal(kc.q4_x16_dequantize(packed, 96, 576, variant), wq)
+    x = torch.randn(m, 576, generator=gen) * torch.logspace(-2, 2, m).unsqueeze(1)
+    y = kc.q4_x16_matmul(x, packed, 96, variant)
+    torch.testing.assert_close(y, kc.q4_1_matmul(x, blocks, 96, variant), rtol=1e-5,
+                               atol=1e-5 * x.abs().max())
+    exact = x @ wq.T
+    assert ((y - exact).norm() / exact.norm()).item() < 0.01
+    for r in range(m):
+        assert torch.equal(kc.q4_x16_matmul(x[r:r + 1], packed, 96, variant), y[r:r + 1]), r
+    wide = torch.randn(m, 640, generator=gen)
+    strided = wide[:, 32:608]  # rows with a stride of 640
+    torch.testing.assert_close(kc.q4_x16_matmul(strided, packed, 96, variant),
+                               kc.q4_1_matmul(strided, blocks, 96, variant), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_q4_x16_refuses_shapes_it_cannot_hold(variant):
+    blocks, _ = _blocks_of(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="N % 16"):
+        kc.q4_x16_pack(blocks, 40, 64, variant)
+    packed = kc.q4_x16_pack(*_blocks_of(torch.randn(32, 64))[:1], 32, 64, variant)
+    assert kc.q4_x16_matmul(torch.empty(0, 64), packed, 32, variant).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kc.q4_x16_matmul(torch.randn(1, 48), packed, 32, variant)
+
+
 def _gguf_tensor(name: str) -> GGUFBlockWeight:
     from sglang_like.model_loader import default_model_path
 

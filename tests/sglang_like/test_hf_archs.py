@@ -13,7 +13,7 @@ from sglang_like import Engine
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.model_loader import load_model, load_tokenizer
 from sglang_like.model_loader.hf_loader import hf_model_config
-from sglang_like.quant import prefer_native_q4
+from sglang_like.quant import int4_kernel
 
 transformers = pytest.importorskip("transformers")
 
@@ -321,7 +321,8 @@ def test_quantized_folder_tracks_transformers(built: Built, quantization: str) -
                         quantization=quantization, engine_in_process=True)
     try:
         method = engine.runner.model.model.layers[0].mlp.down_proj.method
-        int4 = "Q4NativeMethod" if prefer_native_q4() else "Int4Method"  # by this CPU's ISA
+        int4 = {"x16": "Q4X16Method", "native": "Q4NativeMethod", "torch": "Int4Method"}[
+            int4_kernel()]  # by this CPU (AMX or not)
         assert type(method).__name__ == {"int8": "Int8Method", "int4": int4}[quantization]
         worst = 0.0
         for prompt in PROMPTS:
