@@ -33,9 +33,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequantize",
-           "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32"]
+           "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32", "q8_x16_matmul", "q8_x16_pack",
+           "q8_x16_rows"]
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("q4_1.c", "q4_rows.c", "ops.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c")]
 _ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
 _FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -132,6 +133,8 @@ class _Library:
         lib.q4_1_matmul.restype = ctypes.c_int
         lib.q4_x16_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64]
         lib.q4_x16_matmul.restype = ctypes.c_int
+        lib.q8_x16_matmul.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.q8_x16_matmul.restype = ctypes.c_int
         lib.q4_x16_pack.argtypes = [ptr, i64, i64, ptr]
         lib.q4_x16_pack.restype = None
         lib.q4_x16_dequantize.argtypes = [ptr, i64, i64, ptr]
@@ -155,6 +158,7 @@ class _Library:
         self.matmul = lib.q4_1_matmul
         self.x16_matmul = lib.q4_x16_matmul
         self.x16_pack = lib.q4_x16_pack
+        self.q8_x16_matmul = lib.q8_x16_matmul
         self.x16_dequantize = lib.q4_x16_dequantize
         self.dequantize = lib.q4_1_dequantize
         self.q8_0_matmul_f32 = lib.q8_0_matmul_f32
@@ -277,6 +281,40 @@ def q4_x16_dequantize(packed: torch.Tensor, out_features: int, in_features: int,
     out = torch.empty(out_features, in_features, dtype=torch.float32)
     _lib(variant).x16_dequantize(packed.data_ptr(), out_features, in_features, out.data_ptr())
     return out
+
+
+def q8_x16_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-int8 rows (codes int8 [N, K], scales float32 [N, K/32]) -> the q8 x16 layout
+    (q8_rows.c): codes [N/16, K/32, 8, 16, 4], scales [N/16, K/32, 16]."""
+    n, k = codes.shape
+    if n % X16_ROWS or k % 32:
+        raise ValueError(f"x16 needs N % {X16_ROWS} == 0 and K % 32 == 0; got {n}x{k}")
+    g, nb = n // X16_ROWS, k // 32
+    packed = codes.view(g, X16_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return packed, scales.view(g, X16_ROWS, nb).permute(0, 2, 1).contiguous()
+
+
+def q8_x16_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `ids` of a q8 x16 matrix as (codes int8 [T, K], scales [T, K/32])."""
+    g, r = ids // X16_ROWS, ids % X16_ROWS
+    codes = packed[g, :, :, r, :]  # [T, K/32, 8, 4]
+    return codes.reshape(ids.shape[0], -1), scales[g, :, r]
+
+
+def q8_x16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                  variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32, W in the q8 x16 layout (`q8_x16_pack`);
+    activations quantized to int8 per block of 32. A row's result does not depend on M."""
+    x = _float_rows(x)
+    m, k = x.shape
+    n = packed.shape[0] * X16_ROWS
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _check(_lib(variant).q8_x16_matmul(packed.data_ptr(), scales.data_ptr(), n, k,
+                                           x.data_ptr(), x.stride(0), m, y.data_ptr(), n),
+               "q8_x16_matmul", x)
+    return y
 
 
 def q8_0_matmul_f32(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

@@ -127,6 +127,30 @@ def test_q4_x16_refuses_shapes_it_cannot_hold(variant):
         kc.q4_x16_matmul(torch.randn(1, 48), packed, 32, variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m", [1, 4, 9, 33])
+def test_q8_x16_head_is_int8_activations_times_the_rows(variant, m):
+    """The LM head's x16 layout (q8_rows.c): the same block-int8 rows (gathered back out of
+    it exactly), multiplied with activations in two int8 parts per 32 columns (about 15
+    bits: logits within 1e-4 of the float product's norm); a row's logits are the same bits
+    alone and in a batch."""
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(96, 576, generator=gen) * 0.05
+    codes, scales = quantize_blocks_int8(w)
+    codes[0, :32] = torch.arange(-128, 128, 8, dtype=torch.int8)  # the extremes too
+    packed, pscales = kc.q8_x16_pack(codes, scales)
+    ids = torch.tensor([0, 15, 16, 95, 7])
+    got_codes, got_scales = kc.q8_x16_rows(packed, pscales, ids)
+    assert torch.equal(got_codes, codes[ids]) and torch.equal(got_scales, scales[ids])
+    wq = (codes.double().view(96, 18, 32) * scales.double().unsqueeze(-1)).view(96, 576)
+    x = torch.randn(m, 576, generator=gen) * torch.logspace(-2, 2, m).unsqueeze(1)
+    y = kc.q8_x16_matmul(x, packed, pscales, variant)
+    exact = x.double() @ wq.T
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-4
+    for r in range(m):
+        assert torch.equal(kc.q8_x16_matmul(x[r:r + 1], packed, pscales, variant), y[r:r + 1])
+
+
 def _gguf_tensor(name: str) -> GGUFBlockWeight:
     from sglang_like.model_loader import default_model_path
 

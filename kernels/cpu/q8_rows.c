@@ -1,0 +1,182 @@
+// Q8_0 weights (int8 codes, one scale per 32 columns) repacked 16 output rows at a time, x
+// int8 activations: the LM head of a quantized model at decode and verify sizes.
+//
+// As q4_rows.c: one 512-bit register holds 4 consecutive codes of each of 16 rows, so 8
+// integer dot instructions against a broadcast of 4 activation bytes give the 16 rows' dots
+// over one block, scaled once per 16 rows. q8_0_matmul_f32 (q4_1.c) widens every block to
+// float and spends 2 FMAs per 32 weights per activation row; here a row costs 8 integer dots
+// per 16 x 32 weights.
+//
+// Logits stay near float32's: each activation block is rounded to two int8 parts, x ~ e * (254
+// q1 + q2) with e = amax / (127 * 254) (about 15 bits; the second part is the first's
+// rounding error), so a block costs 16 dots per row, and the sum 254 * dot(w, q1) + dot(w, q2)
+// is exact in int32.
+//
+// Layout: codes int8 [N/16, K/32, 8, 16, 4] (vector t of block b, row r: codes 4t..4t+3) and
+// scales float32 [N/16, K/32, 16]. The integer dot of AVX-512 VNNI is unsigned x signed: the
+// codes are flipped to unsigned (xor 0x80 = +128) and 128 * sum(q) taken off again, exactly;
+// AVX2's `vpmaddubsw` gets |code| and q with the code's sign (no int16 overflow: 128 * 127 * 2).
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define Q8X_QK 32
+#define Q8X_ROWS 16
+
+// One activation row [K] -> two int8 parts q1, q2 [K], the scale e of the second per block
+// (x ~ e * (254 q1 + q2)), and corr = 128 * (254 sum(q1) + sum(q2)) per block.
+static void quantize_row_2x8(const float *x, int K, int8_t *q1, int8_t *q2, float *e,
+                             int32_t *corr) {
+    for (int b = 0; b < K / Q8X_QK; b++) {
+        const float *xb = x + b * Q8X_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < Q8X_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float e1 = amax / 127.0f, inv1 = e1 > 0.0f ? 1.0f / e1 : 0.0f;
+        const float inv2 = inv1 * 254.0f;
+        int32_t s1 = 0, s2 = 0;
+        for (int j = 0; j < Q8X_QK; j++) {
+            const float a = nearbyintf(xb[j] * inv1);
+            float r = nearbyintf((xb[j] - a * e1) * inv2);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            q1[b * Q8X_QK + j] = (int8_t)a;
+            q2[b * Q8X_QK + j] = (int8_t)r;
+            s1 += (int32_t)a;
+            s2 += (int32_t)r;
+        }
+        e[b] = e1 / 254.0f;
+        corr[b] = 128 * (254 * s1 + s2);
+    }
+}
+
+#ifdef Q4_VNNI
+#define Q8X_MAX_ACT 8
+
+#define Q8X_PASS(R)                                                                            \
+    static void q8x_pass_##R(const int8_t *codes, const float *scales, int nb,                 \
+                             const int8_t *q1, const int8_t *q2, const float *e,              \
+                             const int32_t *corr, int K, float *y, int64_t ldy) {             \
+        __m512 sum[R];                                                                         \
+        for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();                              \
+        const __m512i flip = _mm512_set1_epi8((char)0x80);                                     \
+        for (int b = 0; b < nb; b++) {                                                         \
+            const int8_t *blk = codes + (int64_t)b * 512;                                      \
+            __m512i c[8];                                                                      \
+            for (int t = 0; t < 8; t++)                                                        \
+                c[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 64 * t)), flip);\
+            const __m512 d = _mm512_loadu_ps(scales + b * Q8X_ROWS);                           \
+            for (int i = 0; i < R; i++) {                                                      \
+                const int64_t at = (int64_t)i * K + b * Q8X_QK;                                \
+                const int32_t *qa = (const int32_t *)(q1 + at), *qb = (const int32_t *)(q2 + at);\
+                __m512i a1 = _mm512_setzero_si512(), a2 = _mm512_setzero_si512();              \
+                for (int t = 0; t < 8; t++) {                                                  \
+                    a1 = _mm512_dpbusd_epi32(a1, c[t], _mm512_set1_epi32(qa[t]));              \
+                    a2 = _mm512_dpbusd_epi32(a2, c[t], _mm512_set1_epi32(qb[t]));              \
+                }                                                                              \
+                const int nbk = i * nb + b;                                                    \
+                /* 254 * a1 + a2 - corr, exact in int32 */                                     \
+                const __m512i a = _mm512_sub_epi32(                                            \
+                    _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(a1, 8),                \
+                                                      _mm512_slli_epi32(a1, 1)), a2),         \
+                    _mm512_set1_epi32(corr[nbk]));                                             \
+                sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a),                                \
+                                         _mm512_mul_ps(d, _mm512_set1_ps(e[nbk])), sum[i]);    \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < R; i++) _mm512_storeu_ps(y + i * ldy, sum[i]);                     \
+    }
+#else
+#define Q8X_MAX_ACT 4
+
+#define Q8X_PASS(R)                                                                            \
+    static void q8x_pass_##R(const int8_t *codes, const float *scales, int nb,                 \
+                             const int8_t *q1, const int8_t *q2, const float *e,              \
+                             const int32_t *corr, int K, float *y, int64_t ldy) {             \
+        (void)corr;                                                                            \
+        __m256 sum[R][2];                                                                      \
+        for (int i = 0; i < R; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();               \
+        const __m256i ones = _mm256_set1_epi16(1);                                             \
+        for (int b = 0; b < nb; b++) {                                                         \
+            const int8_t *blk = codes + (int64_t)b * 512;                                      \
+            for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */                              \
+                __m256i c[8], a[8];                                                            \
+                for (int t = 0; t < 8; t++) {                                                  \
+                    c[t] = _mm256_loadu_si256((const __m256i *)(blk + 64 * t + 32 * h));       \
+                    a[t] = _mm256_abs_epi8(c[t]);                                              \
+                }                                                                              \
+                const __m256 d = _mm256_loadu_ps(scales + b * Q8X_ROWS + 8 * h);               \
+                for (int i = 0; i < R; i++) {                                                  \
+                    const int64_t at = (int64_t)i * K + b * Q8X_QK;                            \
+                    const int32_t *qa = (const int32_t *)(q1 + at);                            \
+                    const int32_t *qb = (const int32_t *)(q2 + at);                            \
+                    __m256i a1 = _mm256_setzero_si256(), a2 = _mm256_setzero_si256();          \
+                    for (int t = 0; t < 8; t++) {                                              \
+                        const __m256i v1 = _mm256_sign_epi8(_mm256_set1_epi32(qa[t]), c[t]);   \
+                        const __m256i v2 = _mm256_sign_epi8(_mm256_set1_epi32(qb[t]), c[t]);   \
+                        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_maddubs_epi16(a[t], v1), ones));\
+                        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_maddubs_epi16(a[t], v2), ones));\
+                    }                                                                          \
+                    const __m256i acc = _mm256_add_epi32(                                      \
+                        _mm256_sub_epi32(_mm256_slli_epi32(a1, 8), _mm256_slli_epi32(a1, 1)), a2);\
+                    sum[i][h] = _mm256_fmadd_ps(                                               \
+                        _mm256_cvtepi32_ps(acc),                                               \
+                        _mm256_mul_ps(d, _mm256_set1_ps(e[i * nb + b])), sum[i][h]);           \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < R; i++) {                                                          \
+            _mm256_storeu_ps(y + i * ldy, sum[i][0]);                                          \
+            _mm256_storeu_ps(y + i * ldy + 8, sum[i][1]);                                      \
+        }                                                                                      \
+    }
+#endif
+
+Q8X_PASS(1)
+Q8X_PASS(2)
+Q8X_PASS(3)
+Q8X_PASS(4)
+#if Q8X_MAX_ACT > 4
+Q8X_PASS(5)
+Q8X_PASS(6)
+Q8X_PASS(7)
+Q8X_PASS(8)
+#endif
+
+typedef void (*q8x_pass_fn)(const int8_t *, const float *, int, const int8_t *, const int8_t *,
+                            const float *, const int32_t *, int, float *, int64_t);
+static const q8x_pass_fn Q8X_PASSES[Q8X_MAX_ACT + 1] = {
+    0, q8x_pass_1, q8x_pass_2, q8x_pass_3, q8x_pass_4,
+#if Q8X_MAX_ACT > 4
+    q8x_pass_5, q8x_pass_6, q8x_pass_7, q8x_pass_8,
+#endif
+};
+
+// y [M, N] (row stride ldy) = x [M, K] float32 @ W.T, W in the q8 x16 layout (codes, scales;
+// N a multiple of 16), activations in two int8 parts. Returns 0, or -1 for a bad shape or failed scratch.
+int q8_x16_matmul(const int8_t *codes, const float *scales, int64_t N, int64_t K,
+                  const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy) {
+    if (K % Q8X_QK != 0 || N % Q8X_ROWS != 0 || M <= 0 || N <= 0) return -1;
+    const int nb = (int)(K / Q8X_QK);
+    int8_t *q1 = (int8_t *)malloc((size_t)(M * K)), *q2 = (int8_t *)malloc((size_t)(M * K));
+    float *e = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+    if (!q1 || !q2 || !e || !corr) {
+        free(q1); free(q2); free(e); free(corr);
+        return -1;
+    }
+    for (int64_t r = 0; r < M; r++)
+        quantize_row_2x8(x + r * ldx, (int)K, q1 + r * K, q2 + r * K, e + r * nb, corr + r * nb);
+    const int64_t groups = N / Q8X_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t r = 0; r < M; r += Q8X_MAX_ACT) {
+            const int rows = (int)(M - r < Q8X_MAX_ACT ? M - r : Q8X_MAX_ACT);
+            Q8X_PASSES[rows](codes + g * nb * 512, scales + g * nb * Q8X_ROWS, nb, q1 + r * K,
+                             q2 + r * K, e + r * nb, corr + r * nb, (int)K,
+                             y + r * ldy + g * Q8X_ROWS, ldy);
+        }
+    }
+    free(q1); free(q2); free(e); free(corr);
+    return 0;
+}
