@@ -33,6 +33,11 @@ _CALIBRATION_RANGE = (0.25, 2.0)
 # per pause in a row (up to _MAX_BACKOFF_DOUBLINGS times); pauses end on multiples of
 # _BACKOFF_STEPS, so paused requests of a batch retry together.
 _EMPTY_STEPS = 16
+# ... and in a batch of at least _IDLE_MIN_BATCH requests a step whose drafting did not pay
+# for itself as a whole (measured drafting cost) counts _UNPAID_WEIGHT such steps: there a
+# step's drafting costs 15-40% of the step (the head over every request), and 16 of them
+# before a pause cost a 96-token batch 20% (bench_speculative, batch 32: 0.77x of off)
+_UNPAID_WEIGHT = 4
 _BACKOFF_STEPS = 32
 _MAX_BACKOFF_DOUBLINGS = 4
 _EMA = 0.3
@@ -151,13 +156,17 @@ class SpecController:
             return -math.inf
         return math.log(_DRAFT_MIN_PROB / self.draft_calibration)
 
-    def record_drafted(self, state: SpecState, kept: bool) -> None:
-        """A confident drafter drafted for this request; `kept`: a node was verified. After
-        _EMPTY_STEPS in a row with none, the request pauses (see the module's constants)."""
+    def record_drafted(self, state: SpecState, kept: bool, batch_pays: bool = True,
+                       batch_size: int = 1) -> None:
+        """A confident drafter drafted for this request; `kept`: a node was verified and the
+        step's drafting paid (`batch_pays`: it did, for the batch of `batch_size` requests
+        as a whole). After _EMPTY_STEPS in a row without, the request pauses (see the
+        module's constants)."""
         if kept:
             state.empty_steps = state.num_failed_tries = 0
             return
-        state.empty_steps += 1
+        unpaid = not batch_pays and batch_size >= _IDLE_MIN_BATCH
+        state.empty_steps += _UNPAID_WEIGHT if unpaid else 1
         if self.enabled and state.empty_steps >= _EMPTY_STEPS:
             state.empty_steps = 0
             self._pause(state)
@@ -332,7 +341,7 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
         for (req, tree), n in zip(pairs, counts, strict=True):
             # its drafting is spent: verify what is worth its rows, but pause a request
             # whose drafting keeps not paying for itself
-            ctl.record_drafted(req.spec, n > 1 and pays)
+            ctl.record_drafted(req.spec, n > 1 and pays, pays, len(decoders))
             if n > 1:
                 trees[id(req)] = tree.first(n)
     extra = sum(t.num_nodes - 1 for t in trees.values())

@@ -177,6 +177,25 @@ def test_controller_compares_measured_rates_and_backs_off() -> None:
     assert SpecController(enabled=False).worth_it(1, 1, 64, 0.1)
 
 
+def test_controller_pauses_a_batch_whose_drafting_does_not_pay_sooner() -> None:
+    """In a batch of 8 or more, a step whose drafting did not pay as a whole counts 4: the
+    batch pauses after 4 such steps (16 at batch 1, where a step's drafting costs little)."""
+    ctl = SpecController()
+    big, small = SpecState(), SpecState()
+    for _ in range(3):
+        ctl.record_drafted(big, kept=False, batch_pays=False, batch_size=32)
+        ctl.record_drafted(small, kept=False, batch_pays=False, batch_size=1)
+    assert ctl.may_draft(big) and ctl.may_draft(small)
+    ctl.record_drafted(big, kept=False, batch_pays=False, batch_size=32)
+    ctl.record_drafted(small, kept=False, batch_pays=False, batch_size=1)
+    assert not ctl.may_draft(big) and ctl.may_draft(small)
+    # a request whose drafts were turned down in a batch where drafting paid counts 1
+    other = SpecState()
+    for _ in range(15):
+        ctl.record_drafted(other, kept=False, batch_pays=True, batch_size=32)
+    assert ctl.may_draft(other)
+
+
 def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
     """A row count never run is priced from the measured ones around it (linear), or above
     the largest by the average row cost over the measured range; with nothing to go on it is
