@@ -298,8 +298,9 @@ def q8_x16_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `ids` of a q8 x16 matrix as (codes int8 [T, K], scales [T, K/32])."""
     g, r = ids // X16_ROWS, ids % X16_ROWS
-    codes = packed[g, :, :, r, :]  # [T, K/32, 8, 4]
-    return codes.reshape(ids.shape[0], -1), scales[g, :, r]
+    # views with (group, row) leading: one gather of T rows (K bytes each) per tensor
+    codes = packed.permute(0, 3, 1, 2, 4)[g, r]  # [T, K/32, 8, 4]
+    return codes.reshape(ids.shape[0], -1), scales.permute(0, 2, 1)[g, r]
 
 
 def q8_x16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
