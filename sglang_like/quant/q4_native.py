@@ -60,6 +60,17 @@ def prefer_native_q4() -> bool:
     return int4_kernel() != "torch"
 
 
+def int8_blocks_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float32 on the grid the Q4_1 kernels round activations to: per 32 columns,
+    int8 codes times amax / 127 (as q4_1_quantize_row_q8: times the reciprocal, to nearest
+    even), so a prefill chunk's dense GEMM multiplies what the kernel would."""
+    t, k = x.shape
+    xb = x.float().reshape(t, k // BLOCK, BLOCK)
+    scale = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (torch.round(xb * inv) * scale).reshape(t, k)
+
+
 def q4_1_blocks(source: WeightSource) -> torch.Tensor:
     """The matrix as Q4_1 blocks uint8 [out, in / 32 * 20]: a GGUF Q4_1 file's own bytes,
     Q4_0 with m = -8 d (exact in fp16), anything else quantized per block of 32 (min/max)."""
@@ -93,7 +104,10 @@ def q4_1_blocks(source: WeightSource) -> torch.Tensor:
 class Q4NativeMethod(LinearMethod):
     """Weights as Q4_1 blocks (one copy: the decode kernel reads them, prefill dequantizes
     them); float32 activations in and out. Forwards of `dense_min_rows` rows or more
-    dequantize the layer (native, threaded) and run fp32 GEMM, as Int4Method does."""
+    dequantize the layer (native, threaded) and run a dense GEMM, as Int4Method does, on the
+    activations rounded as the kernel rounds them (`int8_blocks_rounded`): without that, a
+    prompt prefilled in a batch (a chunk of 256+ rows) and alone (the kernel) answered
+    differently in 10 of 16 greedy 64-token outputs, with it in 2 (bf16 GEMM) or 1 (fp32)."""
 
     dense_min_rows = 256
     input_dtype = torch.float32
@@ -116,7 +130,7 @@ class Q4NativeMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         n = layer.blocks.shape[0]
         if x.shape[0] >= self.dense_min_rows:
-            return dense_forward(x, self.dequantize(layer))
+            return dense_forward(int8_blocks_rounded(x), self.dequantize(layer))
         return kernels.cpu.q4_1_matmul(x, layer.blocks, n, invariant=self.batch_invariant)
 
     def decode_fn(self, layer: nn.Module):
@@ -137,7 +151,8 @@ class Q4X16Method(Q4NativeMethod):
     """Weights in the x16 layout (kernels/cpu/q4_rows.c: 16 output rows interleaved per
     block of 32 columns, 20 bytes per 32 weights as Q4_1); float32 activations in and out.
     Every row count below `dense_min_rows` runs the kernel (a row's result is the same
-    alone, in a batch or in a verify); from there the layer is dequantized for a GEMM."""
+    alone, in a batch or in a verify); from there the layer is dequantized for a GEMM on the
+    activations rounded as the kernel rounds them (see Q4NativeMethod)."""
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
@@ -152,7 +167,7 @@ class Q4X16Method(Q4NativeMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
-            return dense_forward(x, self.dequantize(layer))
+            return dense_forward(int8_blocks_rounded(x), self.dequantize(layer))
         return kernels.cpu.q4_x16_matmul(x, layer.x16, layer.x16_shape[0])
 
     def decode_fn(self, layer: nn.Module):

@@ -329,6 +329,24 @@ def test_default_model_loads_packed(engines) -> None:
     assert model.weight_bytes() < 0.4 * fp32.weight_bytes()
 
 
+@pytest.mark.skipif(not kernels.cpu.available(), reason="needs the native CPU kernels")
+@pytest.mark.parametrize("method", [Q4X16Method(), Q4NativeMethod()])
+def test_q4_prefill_path_multiplies_what_the_kernel_does(method, monkeypatch) -> None:
+    """A prefill chunk of 256+ rows runs a dense GEMM on the dequantized blocks, with the
+    activations rounded to the kernel's int8 grid first: under an fp32 GEMM it equals the
+    kernel's product (activation rounding ties aside) to float order."""
+    monkeypatch.setenv("SGLANG_LIKE_PREFILL_GEMM", "fp32")
+    gen = torch.Generator().manual_seed(8)
+    lin = _linear(method, [torch.randn(96, 576, generator=gen) * 0.05])
+    x = torch.randn(method.dense_min_rows, 576, generator=gen)
+    dense = lin(x)
+    kernel = torch.cat([lin(x[i:i + 64]) for i in range(0, x.shape[0], 64)])  # < 256 rows
+    assert ((dense - kernel).norm() / kernel.norm()).item() < 1e-5
+    # and not the GEMM of the unrounded activations, which the kernel would differ from
+    plain = x @ lin.method.dequantize(lin).T
+    assert ((plain - kernel).norm() / kernel.norm()).item() > 1e-3
+
+
 @pytest.mark.parametrize("rows", [96, 128])
 def test_int4_prefill_path_equals_the_kernel(rows: int) -> None:
     """Chunks of `dense_min_rows` rows and more run fp32 GEMM on the dequantized codes; it is
