@@ -335,11 +335,18 @@ def test_q4_prefill_path_multiplies_what_the_kernel_does(method, monkeypatch) ->
     """A prefill chunk of 256+ rows runs a dense GEMM on the dequantized blocks, with the
     activations rounded to the kernel's int8 grid first: under an fp32 GEMM it equals the
     kernel's product (activation rounding ties aside) to float order."""
+    from sglang_like.quant.base import prefill_gemm_dtype
+
     monkeypatch.setenv("SGLANG_LIKE_PREFILL_GEMM", "fp32")
+    prefill_gemm_dtype.cache_clear()  # read once per process: again under fp32, and after
     gen = torch.Generator().manual_seed(8)
     lin = _linear(method, [torch.randn(96, 576, generator=gen) * 0.05])
     x = torch.randn(method.dense_min_rows, 576, generator=gen)
-    dense = lin(x)
+    try:
+        dense = lin(x)
+    finally:
+        monkeypatch.undo()
+        prefill_gemm_dtype.cache_clear()
     kernel = torch.cat([lin(x[i:i + 64]) for i in range(0, x.shape[0], 64)])  # < 256 rows
     assert ((dense - kernel).norm() / kernel.norm()).item() < 1e-5
     # and not the GEMM of the unrounded activations, which the kernel would differ from

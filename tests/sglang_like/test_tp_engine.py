@@ -21,6 +21,19 @@ from .prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_int4_kernel() -> Any:
+    """TP's equalities are asserted on torch's int4 kernel (bf16 activations), which the
+    bounds below were measured for. This project's x16 kernel rounds activations to int8 per
+    32 columns, which turns the ranks' reordered sums (torch layer path, partial sums
+    all-reduced) against TP=1's native path into code flips: TP=2 then parted from TP=1 at a
+    0.18-nat gap, and once took TP=1's third token at a 0.10 gap. The x16 kernel's accuracy
+    is checked against fp32 in test_native_decode.py and test_quantization.py."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SGLANG_LIKE_INT4_KERNEL", "torch")  # read at load, by every rank
+        yield
+
 NEW_TOKENS = 32
 GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 # A first difference between TP=1 and TP=2 must sit where TP=1's top two tokens were this close
