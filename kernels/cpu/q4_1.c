@@ -91,6 +91,21 @@ void q4_1_quantize_row_q8(const float *x, int K, int8_t *q, float *e, float *S) 
     }
 }
 
+// M activation rows (row stride ldx) quantized as above into one allocation: q [M, K], e and
+// S [M, K/32]. Returns the block to free, NULL when it could not be allocated.
+void *q4_1_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t **q,
+                         float **e, float **S) {
+    const int64_t nb = K / QK;
+    float *block = (float *)malloc(sizeof(float) * (size_t)(2 * M * nb) + (size_t)(M * K));
+    if (!block) return NULL;
+    *e = block;
+    *S = block + M * nb;
+    *q = (int8_t *)(block + 2 * M * nb);
+    for (int64_t r = 0; r < M; r++)
+        q4_1_quantize_row_q8(x + r * ldx, (int)K, *q + r * K, *e + r * nb, *S + r * nb);
+    return block;
+}
+
 // y[r, n] for rows r in [0, mt) of the tile and one weight row n.
 static inline void row_tile(const uint8_t *w, int nb, const int8_t *q, const float *e,
                             const float *S, int K, int mt, float *y, int64_t ldy) {
@@ -155,16 +170,10 @@ int q4_1_matmul(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t 
                 int64_t M, float *y, int64_t ldy, int invariant) {
     if (K % QK != 0 || M <= 0 || N <= 0) return -1;
     const int nb = (int)(K / QK);
-    int8_t *q = (int8_t *)malloc((size_t)(M * K));
-    float *e = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    float *S = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    if (!q || !e || !S) {
-        free(q); free(e); free(S);
-        return -1;
-    }
-    for (int64_t r = 0; r < M; r++) {
-        q4_1_quantize_row_q8(x + r * ldx, (int)K, q + r * K, e + r * nb, S + r * nb);
-    }
+    int8_t *q;
+    float *e, *S;
+    void *scratch = q4_1_quantize_rows(x, ldx, M, K, &q, &e, &S);
+    if (!scratch) return -1;
     const int64_t row_bytes = (int64_t)nb * BLOCK_BYTES;
     if (M == 1 && !invariant) {
 #pragma omp parallel for schedule(static)
@@ -182,7 +191,7 @@ int q4_1_matmul(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t 
             }
         }
     }
-    free(q); free(e); free(S);
+    free(scratch);
     return 0;
 }
 

@@ -30,7 +30,8 @@
 #define X16_ROWS 16
 #define X16_RECORD 320  // bytes per (group, block)
 
-void q4_1_quantize_row_q8(const float *x, int K, int8_t *q, float *e, float *S);
+void *q4_1_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t **q,
+                         float **e, float **S);
 
 // ---- the 16-lane dot: AVX-512 VNNI, or AVX2 on two halves --------------------------------
 #ifdef Q4_VNNI
@@ -146,15 +147,10 @@ int q4_x16_matmul(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_
                   int64_t M, float *y, int64_t ldy) {
     if (K % XQK != 0 || N % X16_ROWS != 0 || M <= 0 || N <= 0) return -1;
     const int nb = (int)(K / XQK);
-    int8_t *q = (int8_t *)malloc((size_t)(M * K));
-    float *e = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    float *S = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    if (!q || !e || !S) {
-        free(q); free(e); free(S);
-        return -1;
-    }
-    for (int64_t r = 0; r < M; r++)
-        q4_1_quantize_row_q8(x + r * ldx, (int)K, q + r * K, e + r * nb, S + r * nb);
+    int8_t *q;
+    float *e, *S;
+    void *scratch = q4_1_quantize_rows(x, ldx, M, K, &q, &e, &S);
+    if (!scratch) return -1;
     const int64_t groups = N / X16_ROWS, group_bytes = (int64_t)nb * X16_RECORD;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
@@ -164,7 +160,7 @@ int q4_x16_matmul(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_
                              (int)K, y + r * ldy + g * X16_ROWS, ldy);
         }
     }
-    free(q); free(e); free(S);
+    free(scratch);
     return 0;
 }
 
