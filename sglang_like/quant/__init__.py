@@ -31,7 +31,6 @@ from sglang_like.quant.q4_native import (
     Q4NativeMethod,
     Q4X16Method,
     int4_kernel,
-    prefer_native_q4,
     q4_1_blocks,
 )
 from sglang_like.quant.q8_head import Q8HeadMethod, q8_head_available
@@ -50,7 +49,6 @@ __all__ = [
     "Q4X16Method",
     "Q8HeadMethod",
     "int4_kernel",
-    "prefer_native_q4",
     "q8_head_available",
     "QuantConfig",
     "QuantLinear",

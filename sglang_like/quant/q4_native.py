@@ -55,11 +55,6 @@ def int4_kernel() -> str:
     return "x16" if kernels.cpu.available() and not kernels.cpu.amx.available() else "torch"
 
 
-def prefer_native_q4() -> bool:
-    """Whether `int4` linears run one of this project's Q4_1 kernels (x16 or native)."""
-    return int4_kernel() != "torch"
-
-
 def int8_blocks_rounded(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] float32 on the grid the Q4_1 kernels round activations to: per 32 columns,
     int8 codes times amax / 127 (as q4_1_quantize_row_q8: times the reciprocal, to nearest
@@ -121,11 +116,14 @@ class Q4NativeMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
-        if device.type != "cpu":
-            raise ValueError("Q4NativeMethod runs on CPU only")
-        blocks = torch.cat([q4_1_blocks(s) for s in sources]).contiguous()
-        layer.register_buffer("blocks", blocks)
+        layer.register_buffer("blocks", self._blocks(sources, device))
         layer.group_size = BLOCK
+
+    def _blocks(self, sources: list[WeightSource], device: torch.device) -> torch.Tensor:
+        """The partitions' Q4_1 blocks, one matrix (CPU only)."""
+        if device.type != "cpu":
+            raise ValueError(f"{type(self).__name__} runs on CPU only")
+        return torch.cat([q4_1_blocks(s) for s in sources]).contiguous()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         n = layer.blocks.shape[0]
@@ -156,9 +154,7 @@ class Q4X16Method(Q4NativeMethod):
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
-        if device.type != "cpu":
-            raise ValueError("Q4X16Method runs on CPU only")
-        blocks = torch.cat([q4_1_blocks(s) for s in sources]).contiguous()
+        blocks = self._blocks(sources, device)
         n = blocks.shape[0]
         k = blocks.shape[1] // Q4_1_BLOCK_BYTES * BLOCK
         layer.register_buffer("x16", kernels.cpu.q4_x16_pack(blocks, n, k))
