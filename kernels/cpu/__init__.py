@@ -36,7 +36,9 @@ __all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequant
            "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32", "q8_x16_matmul", "q8_x16_pack",
            "q8_x16_rows"]
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c")]
+_SOURCES = [Path(__file__).with_name(n)
+            for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "decode_step.c")]
+_HEADERS = (Path(__file__).with_name("ops.h"),)
 _ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
 _FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -93,7 +95,7 @@ def _compiler() -> str | None:
 
 def _build(variant: str, sources: list[Path] | None = None,
            flags: list[str] | None = None, headers: tuple[Path, ...] = ()) -> Path:
-    """A shared library (by default the variant's, of q4_1.c and ops.c; `headers` count in
+    """A shared library (by default the variant's, of `_SOURCES`; `headers` count in
     its cache key), compiled unless the cache has it (atomic: concurrent builders each write
     a temporary file and rename it into place)."""
     cc = _compiler()
@@ -152,6 +154,10 @@ class _Library:
         lib.decode_attention_rope.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
                                               ptr, i32, ptr, ptr, i64, ptr, ptr, f32, ptr, i32]
         lib.decode_attention_rope.restype = ctypes.c_int
+        lib.decode_step_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, i32,
+                                        ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, i64,
+                                        ptr]
+        lib.decode_step_x16.restype = ctypes.c_int
         built = lib.q4_1_isa().decode()
         if built != variant:
             raise RuntimeError(f"{path} is the {built} build, not {variant}")
@@ -165,12 +171,13 @@ class _Library:
         self.add_rmsnorm = lib.add_rmsnorm
         self.silu_mul = lib.silu_mul
         self.decode_attention_rope = lib.decode_attention_rope
+        self.decode_step_x16 = lib.decode_step_x16
 
 
 @functools.cache
 def _library(variant: str) -> _Library | None:
     try:
-        return _Library(variant, _build(variant))
+        return _Library(variant, _build(variant, headers=_HEADERS))
     except (RuntimeError, OSError) as exc:
         logger.warning("native CPU kernels (%s) unavailable, using torch's: %s", variant, exc)
         return None

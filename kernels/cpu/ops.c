@@ -8,9 +8,12 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "ops.h"
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -92,6 +95,26 @@ static inline void store_row(void *dst, int bf16, int64_t off, int n, const floa
     }
 }
 
+// One row of add_rmsnorm (below), `row` a scratch of H floats: x_out_row = x_row + delta_row
+// (when delta is given), out_row = rmsnorm(x_out_row) * w. The fused decode step
+// (decode_step.c) calls it too, so both paths give the same bits.
+void add_rmsnorm_row(const float *xr, const void *delta, int delta_bf16, int64_t t,
+                     float *x_out, const float *w, int64_t H, float eps, void *out,
+                     int out_bf16, float *row) {
+    if (delta) {
+        load_row(delta, delta_bf16, t * H, (int)H, row);
+        for (int64_t i = 0; i < H; i++) row[i] += xr[i];
+    } else {
+        memcpy(row, xr, sizeof(float) * (size_t)H);
+    }
+    double ss = 0.0;
+    for (int64_t i = 0; i < H; i++) ss += (double)row[i] * row[i];
+    if (delta && x_out) memcpy(x_out + t * H, row, sizeof(float) * (size_t)H);
+    const float inv = 1.0f / sqrtf((float)(ss / (double)H) + eps);
+    for (int64_t i = 0; i < H; i++) row[i] = (row[i] * inv) * w[i];
+    store_row(out, out_bf16, t * H, (int)H, row);
+}
+
 // x, x_out fp32 [T, H], delta [T, H] fp32 or bf16 (`delta_bf16`: a bf16 matmul's output as it
 // comes); delta and x_out may be NULL: no add, norm of x. w fp32 [H]; out [T, H] in bf16 or
 // fp32. Same formula as the model's RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
@@ -100,20 +123,23 @@ void add_rmsnorm(const float *x, const void *delta, int delta_bf16, float *x_out
 #pragma omp parallel for schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++) {
         float *row = (float *)malloc(sizeof(float) * (size_t)H);
-        const float *xr = x + t * H;
-        if (delta) {
-            load_row(delta, delta_bf16, t * H, (int)H, row);
-            for (int64_t i = 0; i < H; i++) row[i] += xr[i];
-        } else {
-            memcpy(row, xr, sizeof(float) * (size_t)H);
-        }
-        double ss = 0.0;
-        for (int64_t i = 0; i < H; i++) ss += (double)row[i] * row[i];
-        if (delta && x_out) memcpy(x_out + t * H, row, sizeof(float) * (size_t)H);
-        const float inv = 1.0f / sqrtf((float)(ss / (double)H) + eps);
-        for (int64_t i = 0; i < H; i++) row[i] = (row[i] * inv) * w[i];
-        store_row(out, out_bf16, t * H, (int)H, row);
+        add_rmsnorm_row(x + t * H, delta, delta_bf16, t, x_out, w, H, eps, out, out_bf16, row);
         free(row);
+    }
+}
+
+// in place over a fused row [2I]: row[i] = silu(row[i]) * row[I + i] for i < I
+void silu_mul_row(float *row, int64_t I) {
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+        const __m256 g = _mm256_loadu_ps(row + i);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
+        _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(row + I + i)));
+    }
+    for (; i < I; i++) {
+        const float g = row[i];
+        row[i] = g / (1.0f + expf(-g)) * row[I + i];
     }
 }
 
@@ -123,17 +149,7 @@ void silu_mul(const void *gate_up, int in_bf16, int64_t T, int64_t I, void *out,
     for (int64_t t = 0; t < T; t++) {
         float *row = (float *)malloc(sizeof(float) * (size_t)(2 * I));
         load_row(gate_up, in_bf16, t * 2 * I, (int)(2 * I), row);
-        int64_t i = 0;
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-        for (; i + 8 <= I; i += 8) {
-            const __m256 g = _mm256_loadu_ps(row + i);
-            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
-            _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(row + I + i)));
-        }
-        for (; i < I; i++) {
-            const float g = row[i];
-            row[i] = g / (1.0f + expf(-g)) * row[I + i];
-        }
+        silu_mul_row(row, I);
         store_row(out, out_bf16, t * I, (int)I, row);
         free(row);
     }
@@ -293,6 +309,125 @@ static inline void rope_head(const float *x, const float *cos_row, const float *
     }
 }
 
+// The shape of one step's attention (ops.h): work items and partials, by request. The same
+// for every layer of a step, so the fused step (decode_step.c) builds it once.
+int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                   const int64_t *seq_lens) {
+    memset(p, 0, sizeof(*p));
+    p->B = B; p->Hq = Hq; p->Hkv = Hkv; p->D = D;
+    p->group = Hq / Hkv;
+    p->sub = p->group < 4 ? p->group : 4;
+    p->subs = (p->group + p->sub - 1) / p->sub;
+    const int64_t sets = Hkv * p->subs;  // per request
+    p->q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
+    p->num_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
+    p->item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    p->kv_item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!p->q_all || !p->num_chunks || !p->item_start || !p->kv_item_start) {
+        attn_plan_free(p);
+        return -1;
+    }
+    int64_t total_items = 0;
+    for (int64_t b = 0; b < B; b++) {
+        p->num_chunks[b] = seq_lens[b] > 0 ? (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK : 1;
+        p->item_start[b] = total_items;  // partials: (request, query head, chunk)
+        total_items += Hq * p->num_chunks[b];
+        p->kv_item_start[b] = p->total_kv_items;  // work: (request, head set, chunk)
+        p->total_kv_items += sets * p->num_chunks[b];
+    }
+    p->item_start[B] = total_items;
+    p->kv_item_start[B] = p->total_kv_items;
+    p->partials = (float *)malloc(sizeof(float) * (size_t)(total_items * (D + 2) + 1));
+    if (!p->partials) {
+        attn_plan_free(p);
+        return -1;
+    }
+    return 0;
+}
+
+void attn_plan_free(attn_plan *p) {
+    free(p->q_all); free(p->num_chunks); free(p->item_start); free(p->kv_item_start);
+    free(p->partials);
+    memset(p, 0, sizeof(*p));
+}
+
+size_t attn_thread_floats(const attn_plan *p) {
+    const int64_t row = (p->Hq + 2 * p->Hkv) * p->D;
+    return (size_t)(row + 2 * p->D) + (size_t)KV_CHUNK * (size_t)p->sub;
+}
+
+// RoPE on each row's q and k heads, k/v stored at its slot (`omp for`; ends at its barrier,
+// so every new k/v is in the pool before any query reads it). tmp: attn_thread_floats.
+void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16,
+                          const float *cos_tab, const float *sin_tab, const int64_t *positions,
+                          void *k_pool, void *v_pool, int pool_bf16, const int64_t *out_slots,
+                          float *tmp) {
+    const int64_t Hq = p->Hq, Hkv = p->Hkv, D = p->D, row = (Hq + 2 * Hkv) * D;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < p->B; b++) {
+        float *buf = tmp;
+        load_row(qkv, qkv_bf16, b * row, (int)row, buf);
+        const float *c = cos_tab + positions[b] * D, *s = sin_tab + positions[b] * D;
+        for (int64_t h = 0; h < Hq; h++)
+            rope_head(buf + h * D, c, s, (int)D, p->q_all + (b * Hq + h) * D);
+        float *rot = buf + row;
+        const int64_t slot = out_slots[b];
+        for (int64_t h = 0; h < Hkv; h++) {
+            rope_head(buf + (Hq + h) * D, c, s, (int)D, rot);
+            store_row(k_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, rot);
+            store_row(v_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, buf + (Hq + Hkv + h) * D);
+        }
+    }
+}
+
+// Each query head over its row's first seq_len keys of table[rows[b]], in chunks of
+// KV_CHUNK keys (`omp for` items: request, kv head, set of up to 4 of its query heads,
+// chunk), then each head's chunks merged into out [B, Hq * D].
+void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool,
+                      int pool_bf16, const int32_t *table, int64_t ld_table,
+                      const int64_t *rows, const int64_t *seq_lens, float sm_scale, void *out,
+                      int out_bf16, float *tmp) {
+    const int64_t Hq = p->Hq, Hkv = p->Hkv, D = p->D, row = (Hq + 2 * Hkv) * D;
+    const int64_t group = p->group, sub = p->sub, subs = p->subs;
+    float *scores = tmp + row + 2 * D;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < p->total_kv_items; item++) {
+        int64_t b = 0;
+        while (item >= p->kv_item_start[b + 1]) b++;
+        const int64_t within = item - p->kv_item_start[b], nch = p->num_chunks[b];
+        const int64_t gs = within / nch, c = within % nch;
+        const int64_t g = gs / subs, h0 = g * group + (gs % subs) * sub;
+        const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
+        const int64_t len = seq_lens[b];
+        const int64_t t0 = c * KV_CHUNK, t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
+        float *part = p->partials + (p->item_start[b] + h0 * nch + c) * (D + 2);
+        const int32_t *slots = table + rows[b] * ld_table;
+        const float *q = p->q_all + (b * Hq + h0) * D;
+        attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
+                     sm_scale, scores, part, nch * (D + 2));
+    }
+    // merge each head's chunks
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < p->B * Hq; bh++) {
+        const int64_t b = bh / Hq, h = bh % Hq, nch = p->num_chunks[b];
+        const float *first = p->partials + (p->item_start[b] + h * nch) * (D + 2);
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < nch; c++) mx = first[c * (D + 2)] > mx ? first[c * (D + 2)] : mx;
+        float *merged = tmp;  // [D]
+        memset(merged, 0, sizeof(float) * (size_t)D);
+        float denom = 0.0f;
+        for (int64_t c = 0; c < nch; c++) {
+            const float *part = first + c * (D + 2);
+            const float w = expf(part[0] - mx);
+            denom += w * part[1];
+            for (int64_t d = 0; d < D; d++) merged[d] += w * part[2 + d];
+        }
+        const float inv = 1.0f / denom;
+        for (int64_t d = 0; d < D; d++) merged[d] *= inv;
+        store_row(out, out_bf16, (b * Hq + h) * D, (int)D, merged);
+    }
+}
+
 // qkv [B, (Hq + 2 Hkv) * D] (q heads, k heads, v heads); cos/sin fp32 [P, D]; positions [B];
 // k_pool/v_pool [S, Hkv, D]; req_to_token int32 [R, ld_r2t]; req_pool_indices, seq_lens,
 // out_slots int64 [B]. Stores request b's k/v at slot out_slots[b], then its query heads
@@ -304,99 +439,24 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
                           const int64_t *out_slots, const int32_t *req_to_token, int64_t ld_r2t,
                           const int64_t *req_pool_indices, const int64_t *seq_lens,
                           float sm_scale, void *out, int out_bf16) {
-    const int64_t row = (Hq + 2 * Hkv) * D;
-    float *q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
-    int64_t *num_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
-    int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
-    int64_t *kv_item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
-    const int64_t group_heads = Hq / Hkv;
-    const int64_t set_size = group_heads < 4 ? group_heads : 4;
-    const int64_t sets = Hkv * ((group_heads + set_size - 1) / set_size);  // per request
-    int64_t total_items = 0, total_kv_items = 0;
-    if (num_chunks && item_start && kv_item_start) {
-        for (int64_t b = 0; b < B; b++) {
-            num_chunks[b] = seq_lens[b] > 0 ? (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK : 1;
-            item_start[b] = total_items;  // partials: (request, query head, chunk)
-            total_items += Hq * num_chunks[b];
-            kv_item_start[b] = total_kv_items;  // work: (request, head set, chunk)
-            total_kv_items += sets * num_chunks[b];
-        }
-        item_start[B] = total_items;
-        kv_item_start[B] = total_kv_items;
-    }
-    float *partials = (float *)malloc(sizeof(float) * (size_t)(total_items * (D + 2) + 1));
-    if (!q_all || !num_chunks || !item_start || !kv_item_start || !partials) {
-        free(q_all); free(num_chunks); free(item_start); free(kv_item_start); free(partials);
+    attn_plan plan;
+    if (attn_plan_init(&plan, B, Hq, Hkv, D, seq_lens) != 0) return -1;
+    const int threads = omp_get_max_threads();
+    const size_t per_thread = attn_thread_floats(&plan);
+    float *tmp = (float *)malloc(sizeof(float) * per_thread * (size_t)threads);
+    if (!tmp) {
+        attn_plan_free(&plan);
         return -1;
     }
-    int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(row + 2 * D));
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            if (!buf) continue;
-            load_row(qkv, qkv_bf16, b * row, (int)row, buf);
-            const float *c = cos_tab + positions[b] * D, *s = sin_tab + positions[b] * D;
-            for (int64_t h = 0; h < Hq; h++) rope_head(buf + h * D, c, s, (int)D, q_all + (b * Hq + h) * D);
-            float *rot = buf + row;
-            const int64_t slot = out_slots[b];
-            for (int64_t h = 0; h < Hkv; h++) {
-                rope_head(buf + (Hq + h) * D, c, s, (int)D, rot);
-                store_row(k_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, rot);
-                store_row(v_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, buf + (Hq + Hkv + h) * D);
-            }
-        }
-        // (the implicit barrier: every new k/v is in the pool before any query reads it)
-        // the query heads of one kv head go through attend_group together, up to 4 at a time
-        const int64_t group = group_heads, sub = set_size, subs = sets / Hkv;
-        float *scores = (float *)malloc(sizeof(float) * KV_CHUNK * (size_t)sub);
-        if (!buf || !scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        // work items: (request, kv head, set of its query heads, chunk of KV_CHUNK keys)
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < total_kv_items; item++) {
-            if (!scores) continue;
-            int64_t b = 0;
-            while (item >= kv_item_start[b + 1]) b++;
-            const int64_t within = item - kv_item_start[b], nch = num_chunks[b];
-            const int64_t gs = within / nch, c = within % nch;
-            const int64_t g = gs / subs, h0 = g * group + (gs % subs) * sub;
-            const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
-            const int64_t len = seq_lens[b];
-            const int64_t t0 = c * KV_CHUNK, t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
-            float *part = partials + (item_start[b] + h0 * nch + c) * (D + 2);
-            const int32_t *slots = req_to_token + req_pool_indices[b] * ld_r2t;
-            const float *q = q_all + (b * Hq + h0) * D;
-            attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
-                         sm_scale, scores, part, nch * (D + 2));
-        }
-        // merge each head's chunks
-#pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * Hq; bh++) {
-            if (!buf) continue;
-            const int64_t b = bh / Hq, h = bh % Hq, nch = num_chunks[b];
-            const float *first = partials + (item_start[b] + h * nch) * (D + 2);
-            float mx = -INFINITY;
-            for (int64_t c = 0; c < nch; c++) mx = first[c * (D + 2)] > mx ? first[c * (D + 2)] : mx;
-            float *merged = buf;  // [D] (row + 2 D floats: room to spare)
-            memset(merged, 0, sizeof(float) * (size_t)D);
-            float denom = 0.0f;
-            for (int64_t c = 0; c < nch; c++) {
-                const float *part = first + c * (D + 2);
-                const float w = expf(part[0] - mx);
-                denom += w * part[1];
-                for (int64_t d = 0; d < D; d++) merged[d] += w * part[2 + d];
-            }
-            const float inv = 1.0f / denom;
-            for (int64_t d = 0; d < D; d++) merged[d] *= inv;
-            store_row(out, out_bf16, (b * Hq + h) * D, (int)D, merged);
-        }
-        free(scores); free(buf);
+        float *mine = tmp + per_thread * (size_t)omp_get_thread_num();
+        attn_rope_store_team(&plan, qkv, qkv_bf16, cos_tab, sin_tab, positions, k_pool, v_pool,
+                             pool_bf16, out_slots, mine);
+        attn_attend_team(&plan, k_pool, v_pool, pool_bf16, req_to_token, ld_r2t,
+                         req_pool_indices, seq_lens, sm_scale, out, out_bf16, mine);
     }
-    free(partials); free(item_start); free(kv_item_start); free(num_chunks);
-    free(q_all);
-    return failed ? -1 : 0;
+    free(tmp);
+    attn_plan_free(&plan);
+    return 0;
 }

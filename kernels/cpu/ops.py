@@ -11,7 +11,7 @@ import torch
 
 from kernels.cpu import _lib
 
-__all__ = ["add_rmsnorm", "decode_attention_rope", "rmsnorm", "silu_mul"]
+__all__ = ["add_rmsnorm", "decode_attention_rope", "decode_step_x16", "rmsnorm", "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -81,3 +81,46 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
     if rc != 0:
         raise MemoryError("decode_attention_rope could not allocate its scratch memory")
     return out
+
+
+def _int64(name: str, t: torch.Tensor) -> int:
+    if t.dtype != torch.int64 or not t.is_contiguous():
+        raise TypeError(f"{name} must be a contiguous int64 tensor")
+    return t.data_ptr()
+
+
+def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: float,
+                    pool_dtype: torch.dtype, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                    positions: torch.Tensor, out_slots: torch.Tensor, table: torch.Tensor,
+                    rows: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
+                    num_kv_heads: int, head_dim: int, intermediate: int, sm_scale: float,
+                    aux_slot: torch.Tensor, features: torch.Tensor | None) -> None:
+    """Every layer of a decode or verify step (decode_step.c), x float32 [T, H] updated in
+    place from the embedded rows to the residual stream after the last layer. `ptrs` int64
+    [L, 8]: addresses of each layer's x16 qkv, o, gate_up and down weights, its two float32
+    norm weights, its K and V pool buffers (of `pool_dtype`). Query row t attends to the first
+    seq_lens[t] slots of table[rows[t]] (int32 table) and stores its k/v at out_slots[t].
+    aux_slot int64 [L]: -1 or the column block of `features` [T, n * H] that receives the
+    residual stream entering that layer."""
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise TypeError("x must be a contiguous float32 tensor")
+    if table.dtype != torch.int32 or table.stride(-1) != 1:
+        raise TypeError("the key table must be int32 with contiguous rows")
+    if tuple(ptrs.shape) != (num_layers, 8):
+        raise ValueError(f"ptrs must be [{num_layers}, 8]")
+    t, h = x.shape
+    if t == 0:
+        return
+    n_aux = 0 if features is None else features.shape[1] // h
+    rc = _lib(None).decode_step_x16(
+        num_layers, t, h, num_heads, num_kv_heads, head_dim, intermediate, x.data_ptr(),
+        _int64("ptrs", ptrs), eps, _flag(pool_dtype), cos_table.data_ptr(),
+        sin_table.data_ptr(), _int64("positions", positions), _int64("out_slots", out_slots),
+        table.data_ptr(), table.stride(0), _int64("rows", rows), _int64("seq_lens", seq_lens),
+        sm_scale, _int64("aux_slot", aux_slot), n_aux,
+        None if features is None else features.data_ptr())
+    if rc == -2:
+        raise ValueError(f"decode_step_x16 cannot take these shapes (H={h}, heads {num_heads}/"
+                         f"{num_kv_heads}x{head_dim}, intermediate {intermediate})")
+    if rc != 0:
+        raise MemoryError("decode_step_x16 could not allocate its scratch memory")

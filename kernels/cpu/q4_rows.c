@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "ops.h"
+
 #define XQK 32
 #define X16_ROWS 16
 #define X16_RECORD 320  // bytes per (group, block)
@@ -124,10 +126,6 @@ X16_PASS(5)
 X16_PASS(6)
 X16_PASS(7)
 X16_PASS(8)
-X16_PASS(9)
-X16_PASS(10)
-X16_PASS(11)
-X16_PASS(12)
 #endif
 
 typedef void (*x16_pass_fn)(const uint8_t *, int, const int8_t *, const float *, const float *,
@@ -135,24 +133,17 @@ typedef void (*x16_pass_fn)(const uint8_t *, int, const int8_t *, const float *,
 static const x16_pass_fn X16_PASSES[X16_MAX_ACT + 1] = {
     0, x16_pass_1, x16_pass_2, x16_pass_3, x16_pass_4,
 #if X16_MAX_ACT > 4
-    x16_pass_5, x16_pass_6, x16_pass_7, x16_pass_8, x16_pass_9, x16_pass_10, x16_pass_11,
-    x16_pass_12,
+    x16_pass_5, x16_pass_6, x16_pass_7, x16_pass_8,
 #endif
 };
 
-// y [M, N] (row stride ldy) = x [M, K] float32 (row stride ldx) @ W.T, W [N, K] in the x16
-// layout (N a multiple of 16). Returns 0, or -1 when K is not a multiple of 32, N not of 16,
-// or scratch could not be allocated.
-int q4_x16_matmul(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,
-                  int64_t M, float *y, int64_t ldy) {
-    if (K % XQK != 0 || N % X16_ROWS != 0 || M <= 0 || N <= 0) return -1;
+// y [M, N] (row stride ldy) = activation rows already quantized (q [M, K], e/S [M, K/32])
+// @ W.T: the groups of 16 output rows split over the team (ops.h)
+void q4_x16_matmul_team(const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
+                        const float *e, const float *S, int64_t M, float *y, int64_t ldy) {
     const int nb = (int)(K / XQK);
-    int8_t *q;
-    float *e, *S;
-    void *scratch = q4_1_quantize_rows(x, ldx, M, K, &q, &e, &S);
-    if (!scratch) return -1;
     const int64_t groups = N / X16_ROWS, group_bytes = (int64_t)nb * X16_RECORD;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t r = 0; r < M; r += X16_MAX_ACT) {
             const int rows = (int)(M - r < X16_MAX_ACT ? M - r : X16_MAX_ACT);
@@ -160,6 +151,20 @@ int q4_x16_matmul(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_
                              (int)K, y + r * ldy + g * X16_ROWS, ldy);
         }
     }
+}
+
+// y [M, N] (row stride ldy) = x [M, K] float32 (row stride ldx) @ W.T, W [N, K] in the x16
+// layout (N a multiple of 16). Returns 0, or -1 when K is not a multiple of 32, N not of 16,
+// or scratch could not be allocated.
+int q4_x16_matmul(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,
+                  int64_t M, float *y, int64_t ldy) {
+    if (K % XQK != 0 || N % X16_ROWS != 0 || M <= 0 || N <= 0) return -1;
+    int8_t *q;
+    float *e, *S;
+    void *scratch = q4_1_quantize_rows(x, ldx, M, K, &q, &e, &S);
+    if (!scratch) return -1;
+#pragma omp parallel
+    q4_x16_matmul_team(w, N, K, q, e, S, M, y, ldy);
     free(scratch);
     return 0;
 }

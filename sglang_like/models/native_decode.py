@@ -11,16 +11,24 @@ to `MAX_ROWS` token rows runs the same calls: the attention kernel reads, for ea
 query row, one row of a key table, so `masked_rows` builds a table with one row per query
 (the request's prefix slots, then the slots of the tree nodes its mask lets it see) once per
 forward, and every layer reads it.
+
+Where every linear is x16-packed int4 (`Q4X16Method`, `auto`'s int4 kernel without AMX), the
+whole step is one native call instead (`kernels.cpu.decode_step_x16`, decode_step.c): the same
+phases in one OpenMP team, the same bits. At one row the 240 calls a step of the default
+model made cost about as much as its matmuls. `SGLANG_LIKE_FUSED_DECODE=0` keeps the per-op
+calls (the tests compare the two).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kernels.cpu import ops
+from sglang_like.quant.q4_native import Q4X16Method
 
 if TYPE_CHECKING:
     from sglang_like.forward_batch import ForwardBatch
@@ -40,6 +48,7 @@ MAX_ROWS = 64
 MAX_MASKED_ROWS = 256
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+FUSED_ENV = "SGLANG_LIKE_FUSED_DECODE"
 
 
 class AttnRows(NamedTuple):
@@ -147,12 +156,15 @@ class NativeDecodePlan:
                    layer.mlp.down_proj.method.input_dtype, _linear(layer.mlp.down_proj))
             for layer in layers for a in (layer.self_attn,)
         ]
+        self.fused = _FusedX16.build(layers, cos_table, sin_table)
 
     def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
             aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(residual stream after the last layer, EAGLE-3 features or None), as
         `LlamaForCausalLM.forward_layers`; x is the embedded batch, float32 [T, hidden], one
         row per query of `attn`."""
+        if self.fused is not None and fb.on_layer is None:
+            return self.fused.run(x, fb, pool, attn, aux_layers)
         attend, add_rmsnorm, silu_mul = ops.decode_attention_rope, ops.add_rmsnorm, ops.silu_mul
         cos, sin = self.cos, self.sin
         positions, out_slots, on_layer = fb.positions, fb.out_slots, fb.on_layer
@@ -178,3 +190,91 @@ class NativeDecodePlan:
                 on_layer(i)
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return x, features
+
+
+class _FusedX16:
+    """A whole decode step as one `decode_step_x16` call: the layers' addresses gathered once
+    into an int64 table [L, 8] (qkv, o, gate_up, down weights; the two norms; the layer's K and
+    V pools, refreshed when the pool's buffers change)."""
+
+    def __init__(self, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> None:
+        a0 = layers[0].self_attn
+        self.cos, self.sin = cos_table, sin_table
+        self.shape = (len(layers), a0.num_heads, a0.num_kv_heads, a0.head_dim,
+                      layers[0].mlp.intermediate_size)
+        self.eps = layers[0].input_layernorm.eps
+        self.sm_scale = a0.sm_scale
+        self.layer_ids = [layer.self_attn.layer_id for layer in layers]
+        self.ptrs = torch.tensor([
+            [lin.x16.data_ptr() for lin in _linears(layer)]
+            + [layer.input_layernorm.weight.data_ptr(),
+               layer.post_attention_layernorm.weight.data_ptr(), 0, 0]
+            for layer in layers], dtype=torch.int64)
+        # what the addresses point into, kept alive with them
+        self._held = [t for layer in layers for t in (
+            *(lin.x16 for lin in _linears(layer)), layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight)]
+        self._pool_buffers: list[torch.Tensor] = []
+        self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @classmethod
+    def build(cls, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+              sin_table: torch.Tensor) -> _FusedX16 | None:
+        """The fused step of these layers, or None where it does not apply: the env switch
+        off, a linear not x16 or with a bias, a norm not float32 out, layers that differ."""
+        if os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers:
+            return None
+        first = layers[0]
+        for layer in layers:
+            a = layer.self_attn
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (any(not isinstance(lin.method, Q4X16Method) or lin.bias is not None
+                    for lin in _linears(layer))
+                    or any(n.out_dtype != torch.float32 or n.eps != first.input_layernorm.eps
+                           or n.weight.dtype != torch.float32 for n in norms)
+                    or (a.num_heads, a.num_kv_heads, a.head_dim, layer.mlp.intermediate_size)
+                    != (first.self_attn.num_heads, first.self_attn.num_kv_heads,
+                        first.self_attn.head_dim, first.mlp.intermediate_size)):
+                return None
+        return cls(layers, cos_table.float().contiguous(), sin_table.float().contiguous())
+
+    def _refresh_pool(self, pool: KVPool) -> None:
+        bufs = [*(pool.k_buffers[i] for i in self.layer_ids),
+                *(pool.v_buffers[i] for i in self.layer_ids)]
+        if len(bufs) == len(self._pool_buffers) and all(
+                a is b for a, b in zip(bufs, self._pool_buffers, strict=True)):
+            return
+        n = len(self.layer_ids)
+        for j, buf in enumerate(bufs):
+            if not buf.is_contiguous():
+                raise ValueError("the fused decode step needs contiguous KV pool buffers")
+            self.ptrs[j % n, 6 + j // n] = buf.data_ptr()
+        self._pool_buffers = bufs
+
+    def _aux_slot(self, aux_layers: tuple[int, ...]) -> torch.Tensor:
+        slots = self._aux_slots.get(aux_layers)
+        if slots is None:
+            slots = torch.full((len(self.layer_ids),), -1, dtype=torch.int64)
+            for j, i in enumerate(aux_layers):
+                slots[i] = j
+            self._aux_slots[aux_layers] = slots
+        return slots
+
+    def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
+            aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._refresh_pool(pool)
+        x = x.to(torch.float32, copy=True).contiguous()  # updated in place, layer by layer
+        t, h = x.shape
+        features = torch.empty(t, len(aux_layers) * h) if aux_layers else None
+        num_layers, hq, hkv, d, inter = self.shape
+        table, rows, seq_lens = attn
+        ops.decode_step_x16(num_layers, x, self.ptrs, self.eps, pool.k_buffers[0].dtype,
+                        self.cos, self.sin, fb.positions, fb.out_slots, table, rows, seq_lens,
+                        hq, hkv, d, inter, self.sm_scale, self._aux_slot(aux_layers), features)
+        return x, features
+
+
+def _linears(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
+    a, m = layer.self_attn, layer.mlp
+    return a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj

@@ -277,6 +277,74 @@ def test_decode_attention_rope_matches_rope_store_and_reference_attention(pool_d
     torch.testing.assert_close(got.view(3, hq, dim), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3, 11])  # 11: more rows than one x16 pass holds
+def test_decode_step_x16_is_the_per_op_calls_bit_for_bit(pool_dtype, t):
+    """The fused step (decode_step.c: every layer in one call) against the per-op calls it
+    replaces (norms, x16 matmuls, RoPE + store + attention, silu): the same residual stream,
+    the same captured features and the same K/V written, bit for bit."""
+    layers, hidden, hq, hkv, dim, inter, eps = 2, 64, 4, 2, 16, 96, 1e-5
+    gen = torch.Generator().manual_seed(3)
+    nqkv = (hq + 2 * hkv) * dim
+
+    def packed(n, k):
+        w = torch.randn(n, k, generator=gen) * 0.1
+        return kc.q4_x16_pack(q4_1_blocks(w), n, k)
+
+    weights = [[packed(nqkv, hidden), packed(hidden, hq * dim), packed(2 * inter, hidden),
+                packed(hidden, inter)] for _ in range(layers)]
+    norms = [[torch.rand(hidden, generator=gen) + 0.5 for _ in range(2)] for _ in range(layers)]
+    slots = 700
+    pools = [(torch.randn(slots, hkv, dim, generator=gen).to(pool_dtype),
+              torch.randn(slots, hkv, dim, generator=gen).to(pool_dtype)) for _ in range(layers)]
+    rope = RotaryEmbedding(dim, 512, 10000.0, None, "cpu")
+    lens = [(1, 37, 300)[i % 3] + i for i in range(t)]  # a chunk of 256 keys and a tail too
+    table = torch.zeros(t + 1, 320, dtype=torch.int32)
+    perm = torch.randperm(slots - 1, generator=gen) + 1
+    rows = torch.arange(t, 0, -1)
+    for r, n in zip(rows.tolist(), lens, strict=True):
+        table[r, :n] = perm[torch.randperm(slots - 1, generator=gen)[:n]].int()
+    seq_lens = torch.tensor(lens)
+    positions = seq_lens - 1
+    out_slots = torch.stack([table[r, n - 1].long() for r, n in zip(rows, lens, strict=True)])
+    x0 = torch.randn(t, hidden, generator=gen)
+
+    # the per-op calls (native_decode.NativeDecodePlan.run without the fused step)
+    ref_pools = [(k.clone(), v.clone()) for k, v in pools]
+    x, f32 = x0.clone(), torch.float32
+    h = ops.rmsnorm(x, norms[0][0], eps, f32)
+    aux_want = None
+    for i, (w_qkv, w_o, w_gu, w_down) in enumerate(weights):
+        if i == 1:
+            aux_want = x.clone()
+        a = ops.decode_attention_rope(kc.q4_x16_matmul(h, w_qkv, nqkv), hq, hkv, dim,
+                                      rope.cos_table, rope.sin_table, positions, *ref_pools[i],
+                                      out_slots, table, rows, seq_lens, dim**-0.5, f32)
+        x, h = ops.add_rmsnorm(x, kc.q4_x16_matmul(a, w_o, hidden), norms[i][1], eps, f32)
+        act = ops.silu_mul(kc.q4_x16_matmul(h, w_gu, 2 * inter), f32)
+        down = kc.q4_x16_matmul(act, w_down, hidden)
+        if i + 1 < layers:
+            x, h = ops.add_rmsnorm(x, down, norms[i + 1][0], eps, f32)
+        else:
+            x = x + down
+
+    ptrs = torch.tensor([[*(w.data_ptr() for w in weights[i]), norms[i][0].data_ptr(),
+                          norms[i][1].data_ptr(), pools[i][0].data_ptr(), pools[i][1].data_ptr()]
+                         for i in range(layers)], dtype=torch.int64)
+    got, features = x0.clone(), torch.empty(t, hidden)
+    ops.decode_step_x16(layers, got, ptrs, eps, pool_dtype, rope.cos_table, rope.sin_table,
+                        positions, out_slots, table, rows, seq_lens, hq, hkv, dim, inter,
+                        dim**-0.5, torch.tensor([-1, 0]), features)
+    assert torch.equal(got, x)
+    assert torch.equal(features, aux_want)
+    for (k, v), (k_ref, v_ref) in zip(pools, ref_pools, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    with pytest.raises(ValueError, match="cannot take these shapes"):
+        ops.decode_step_x16(layers, got, ptrs, eps, pool_dtype, rope.cos_table, rope.sin_table,
+                            positions, out_slots, table, rows, seq_lens, hq, hkv, dim, 40,
+                            dim**-0.5, torch.tensor([-1, -1]), None)
+
+
 def test_env_var_turns_the_kernels_off_and_rejects_unknown_values():
     code = ("import kernels.cpu as kc, torch; from sglang_like.quant import QuantConfig;"
             "print(kc.available(), kc.isa())")

@@ -198,3 +198,56 @@ def test_native_verify_matches_the_torch_path(make_engine):
     _assert_same(got, want)
     hist = engine.get_server_info()["spec_accept_lengths"]
     assert sum(v for k, v in hist.items() if k > 1) > 0, hist
+
+
+def test_fused_step_is_the_per_op_path_bit_for_bit(make_engine, monkeypatch):
+    """With every linear x16-packed (`auto`'s int4 off AMX), a decode or verify step is one
+    native call (native_decode._FusedX16); the per-op path (`SGLANG_LIKE_FUSED_DECODE=0`)
+    runs the same code a call at a time. Alone, in a batch and under EAGLE-3 (its verify
+    trees read the captured features): the same tokens and logprobs, exactly."""
+    from sglang_like.models import native_decode
+
+    monkeypatch.setenv("SGLANG_LIKE_INT4_KERNEL", "x16")
+    plain = make_engine(quantization="int4")
+    eagle = make_engine(quantization="int4", speculative_algorithm="EAGLE3",
+                        speculative_num_steps=3, speculative_eagle_topk=2,
+                        speculative_num_draft_tokens=6, speculative_auto_disable=False)
+
+    def run(engine):
+        outs = _runs(engine, PROMPTS[:4])
+        return [(o["output_ids"], o["meta_info"]["spec_verify_ct"],
+                 [t[0] for t in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+    fused_rows, fused_calls = [], []
+    fused_run = native_decode._FusedX16.run
+
+    def counted(self, x, fb, *args):
+        fused_calls.append(fb.custom_masks is not None)
+        return fused_run(self, x, fb, *args)
+
+    monkeypatch.setattr(native_decode._FusedX16, "run", counted)
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv(native_decode.FUSED_ENV, fused)
+        for name, engine in (("plain", plain), ("eagle", eagle)):
+            model = engine.runner.model
+            model._native_plan = None  # rebuilt under the switch at the next step
+            results[name, fused] = run(engine)
+            plan = model._native_plan
+            assert (plan.fused is not None) == (fused == "1")
+            if fused == "1":
+                rows = plan.fused.ptrs.shape[0]
+                fused_rows.append(rows)
+    assert fused_rows == [30, 30]  # every layer of the default model in the fused table
+    assert fused_calls.count(False) > 100 and fused_calls.count(True) > 10  # decodes, verifies
+    assert results["plain", "1"] == results["plain", "0"]
+    # tokens and logprobs exactly; verify counts where the drafts cannot differ: the batch
+    # of 4 may be admitted over different steps (the requests arrive one at a time), and the
+    # draft head's torch matmuls are not batch-invariant, so its trees there may differ
+    for i, (got, want) in enumerate(zip(results["eagle", "1"], results["eagle", "0"],
+                                        strict=True)):
+        assert got[0] == want[0] and got[2] == want[2]
+        if i < 4:  # alone
+            assert got[1] == want[1]
+    # the EAGLE runs verified trees (more than one token accepted somewhere)
+    assert any(len(ids) > ct for ids, ct, _ in results["eagle", "1"] if ct)

@@ -1,0 +1,46 @@
+// What the fused decode step (decode_step.c) shares with the single ops (ops.c, q4_1.c,
+// q4_rows.c): the per-row bodies and the `team` phases, which hold orphaned `omp for`
+// loops: called by every thread of a parallel region they split its work; called outside
+// one they run it on the calling thread. Either way a row's numbers are the same bits.
+#ifndef SGLANG_LIKE_CPU_OPS_H
+#define SGLANG_LIKE_CPU_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+void add_rmsnorm_row(const float *xr, const void *delta, int delta_bf16, int64_t t,
+                     float *x_out, const float *w, int64_t H, float eps, void *out,
+                     int out_bf16, float *row);
+void silu_mul_row(float *row, int64_t I);
+
+// activations: one row [K] -> int8 codes q [K], scale e and sum S [K/32] per block of 32
+void q4_1_quantize_row_q8(const float *x, int K, int8_t *q, float *e, float *S);
+// y [M, N] (row stride ldy) = quantized rows (q [M, K], e/S [M, K/32]) @ W.T, W x16-packed
+void q4_x16_matmul_team(const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
+                        const float *e, const float *S, int64_t M, float *y, int64_t ldy);
+
+typedef struct {
+    int64_t B, Hq, Hkv, D;
+    int64_t group, sub, subs;  // query heads per kv head; per attend call; calls per kv head
+    float *q_all;              // [B, Hq, D] the rotated queries
+    int64_t *num_chunks;       // [B] chunks of KV_CHUNK keys per request
+    int64_t *item_start;       // [B + 1] first partial of each request
+    int64_t *kv_item_start;    // [B + 1] first work item of each request
+    int64_t total_kv_items;
+    float *partials;           // per (request, head, chunk): max, sum, acc [D]
+} attn_plan;
+
+int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                   const int64_t *seq_lens);
+void attn_plan_free(attn_plan *p);
+size_t attn_thread_floats(const attn_plan *p);  // scratch floats each thread brings
+void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16,
+                          const float *cos_tab, const float *sin_tab, const int64_t *positions,
+                          void *k_pool, void *v_pool, int pool_bf16, const int64_t *out_slots,
+                          float *tmp);
+void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool,
+                      int pool_bf16, const int32_t *table, int64_t ld_table,
+                      const int64_t *rows, const int64_t *seq_lens, float sm_scale, void *out,
+                      int out_bf16, float *tmp);
+
+#endif
