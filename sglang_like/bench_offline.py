@@ -37,6 +37,8 @@ FORMATS = {
     "int4-no-amx": {"quantization": "int4", "env": {"SGLANG_LIKE_AMX": "off"}},
     # int4 on torch's int4 kernel (bf16 activations) rather than this project's x16 kernel
     "int4-torch": {"quantization": "int4", "env": {"SGLANG_LIKE_INT4_KERNEL": "torch"}},
+    # int4 with a native call per op rather than one per decode step (decode_step.c)
+    "int4-per-op": {"quantization": "int4", "env": {"SGLANG_LIKE_FUSED_DECODE": "0"}},
     # int4 with the shipped EAGLE-3 head (the controller decides where it drafts)
     "int4-eagle3": {"quantization": "int4", "speculative_algorithm": "EAGLE3"},
     # what an AVX2-only machine runs: torch's AVX2 kernels, the AVX2 build of ours (which

@@ -11,6 +11,8 @@ drafts that give it the most expected tokens per second, none when plain decodin
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,10 +35,10 @@ _CALIBRATION_RANGE = (0.25, 2.0)
 # per pause in a row (up to _MAX_BACKOFF_DOUBLINGS times); pauses end on multiples of
 # _BACKOFF_STEPS, so paused requests of a batch retry together.
 _EMPTY_STEPS = 16
-# ... and in a batch of at least _IDLE_MIN_BATCH requests a step whose drafting did not pay
-# for itself as a whole (measured drafting cost) counts _UNPAID_WEIGHT such steps: there a
-# step's drafting costs 15-40% of the step (the head over every request), and 16 of them
-# before a pause cost a 96-token batch 20% (bench_speculative, batch 32: 0.77x of off)
+# ... and a step whose drafting did not pay for itself (measured drafting cost; in a batch, as
+# a whole) counts _UNPAID_WEIGHT such steps: in a batch of 32 a step's drafting is 15-40% of
+# the step (16 of them before a pause cost a 96-token batch 20%: 0.77x of off), and since the
+# fused decode step at batch 1 the head's extend and draft steps are ~2.4 ms of a ~6 ms step
 _UNPAID_WEIGHT = 4
 _BACKOFF_STEPS = 32
 _MAX_BACKOFF_DOUBLINGS = 4
@@ -52,6 +54,16 @@ _IDLE_PERIOD = 8
 # expected to do as well as an untried one, once (the text changes: the bench's code-editing
 # prompts after chat found their match lengths priced by chat's trees and never drafted)
 _STALE_EVIDENCE_STEPS = 256
+# the plain step of a batch size is measured again when its last measurement is this many
+# steps old: every tree is priced against it, and a drafter that drafts at every step never
+# runs one otherwise (measured: the batch-1 plain step kept the 8.7 ms of a step just after
+# start while it ran in 5.8, and EAGLE drafted at 0.85x of plain decoding)
+_REMEASURE_STEPS = 32
+# a row count's cost is the median of its last _COST_SAMPLES steps: an EMA started from the
+# first step after start (12 ms where the step runs in 5.8: plans and buffers built) and fed
+# a plain step every _REMEASURE_STEPS kept the plain step's price 30-40% high for a hundred
+# steps, and EAGLE verified trees that did not pay
+_COST_SAMPLES = 5
 
 
 @dataclass
@@ -94,7 +106,9 @@ def _evidence_key(evidence: int) -> int:
 class SpecController:
     enabled: bool = True  # False: always speculate where a draft exists (tests, benchmarks)
     step: int = 0
-    cost: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds (EMA)
+    cost: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds (median)
+    cost_step: dict[int, int] = field(default_factory=dict)  # rows bucket -> step measured
+    _cost_samples: dict[int, deque] = field(default_factory=dict)
     # a cheap drafter's trees by their evidence (NGRAM: matched length) -> tokens committed
     # per verify (EMA over every request's trees)
     accept_by_evidence: dict[int, float] = field(default_factory=dict)
@@ -116,7 +130,16 @@ class SpecController:
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self.step += 1
         b = _bucket(num_rows)
-        self.cost[b] = _ema(self.cost.get(b), seconds)
+        samples = self._cost_samples.setdefault(b, deque(maxlen=_COST_SAMPLES))
+        samples.append(seconds)
+        self.cost[b] = statistics.median(samples)
+        self.cost_step[b] = self.step
+
+    def plain_step_stale(self, base_rows: int) -> bool:
+        """Whether this step should run plain, to measure again the step of `base_rows`
+        rows that every tree is priced against (see _REMEASURE_STEPS)."""
+        last = self.cost_step.get(_bucket(base_rows))
+        return self.enabled and last is not None and self.step - last > _REMEASURE_STEPS
 
     def record_drafting(self, batch_size: int, seconds: float) -> None:
         b = _bucket(batch_size)
@@ -156,17 +179,15 @@ class SpecController:
             return -math.inf
         return math.log(_DRAFT_MIN_PROB / self.draft_calibration)
 
-    def record_drafted(self, state: SpecState, kept: bool, batch_pays: bool = True,
-                       batch_size: int = 1) -> None:
+    def record_drafted(self, state: SpecState, kept: bool, batch_pays: bool = True) -> None:
         """A confident drafter drafted for this request; `kept`: a node was verified and the
-        step's drafting paid (`batch_pays`: it did, for the batch of `batch_size` requests
-        as a whole). After _EMPTY_STEPS in a row without, the request pauses (see the
-        module's constants)."""
+        step's drafting paid (`batch_pays`: it did, for the step's batch as a whole; a step
+        that did not counts _UNPAID_WEIGHT). After _EMPTY_STEPS in a row without, the
+        request pauses (see the module's constants)."""
         if kept:
             state.empty_steps = state.num_failed_tries = 0
             return
-        unpaid = not batch_pays and batch_size >= _IDLE_MIN_BATCH
-        state.empty_steps += _UNPAID_WEIGHT if unpaid else 1
+        state.empty_steps += 1 if batch_pays else _UNPAID_WEIGHT
         if self.enabled and state.empty_steps >= _EMPTY_STEPS:
             state.empty_steps = 0
             self._pause(state)
@@ -312,6 +333,8 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     if sched.drafter is None or not decoders:
         return {}
     ctl = sched.spec_controller
+    if ctl.plain_step_stale(len(decoders)):
+        return {}
     cheap = getattr(sched.drafter, "drafts_cheaply", False)
     eligible, depths = [], []
     for req in decoders:
@@ -341,7 +364,7 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
         for (req, tree), n in zip(pairs, counts, strict=True):
             # its drafting is spent: verify what is worth its rows, but pause a request
             # whose drafting keeps not paying for itself
-            ctl.record_drafted(req.spec, n > 1 and pays, pays, len(decoders))
+            ctl.record_drafted(req.spec, n > 1 and pays, pays)
             if n > 1:
                 trees[id(req)] = tree.first(n)
     extra = sum(t.num_nodes - 1 for t in trees.values())

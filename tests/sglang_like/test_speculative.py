@@ -178,22 +178,25 @@ def test_controller_compares_measured_rates_and_backs_off() -> None:
 
 
 def test_controller_pauses_a_batch_whose_drafting_does_not_pay_sooner() -> None:
-    """In a batch of 8 or more, a step whose drafting did not pay as a whole counts 4: the
-    batch pauses after 4 such steps (16 at batch 1, where a step's drafting costs little)."""
+    """A step whose drafting did not pay (for its batch as a whole) counts 4: the request
+    pauses after 4 such steps, at any batch size; a draft turned down in a step whose
+    drafting paid counts 1 (16 before a pause)."""
     ctl = SpecController()
     big, small = SpecState(), SpecState()
     for _ in range(3):
-        ctl.record_drafted(big, kept=False, batch_pays=False, batch_size=32)
-        ctl.record_drafted(small, kept=False, batch_pays=False, batch_size=1)
+        ctl.record_drafted(big, kept=False, batch_pays=False)
+        ctl.record_drafted(small, kept=False, batch_pays=False)
     assert ctl.may_draft(big) and ctl.may_draft(small)
-    ctl.record_drafted(big, kept=False, batch_pays=False, batch_size=32)
-    ctl.record_drafted(small, kept=False, batch_pays=False, batch_size=1)
+    ctl.record_drafted(big, kept=False, batch_pays=False)
     assert not ctl.may_draft(big) and ctl.may_draft(small)
-    # a request whose drafts were turned down in a batch where drafting paid counts 1
+    ctl.record_drafted(small, kept=False, batch_pays=False)
+    assert not ctl.may_draft(small)
     other = SpecState()
     for _ in range(15):
-        ctl.record_drafted(other, kept=False, batch_pays=True, batch_size=32)
+        ctl.record_drafted(other, kept=False, batch_pays=True)
     assert ctl.may_draft(other)
+    ctl.record_drafted(other, kept=False, batch_pays=True)
+    assert not ctl.may_draft(other)
 
 
 def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
@@ -325,16 +328,41 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
     sched = SimpleNamespace(drafter=Drafter(), spec_controller=ctl,
                             config=SimpleNamespace(context_len=1000),
                             cache=SimpleNamespace(num_available_slots=1000))
+    def step_to(step):  # the plain steps of 8 rows the scheduler would have recorded
+        ctl.step = step - 1
+        ctl.record_forward(8, 0.02)
+
     for step in range(1, 49):
-        ctl.step = step
+        step_to(step)
         assert propose_trees(sched, reqs) == {}
     assert calls == [*range(1, 17), 24, 32, 40, 48]
     ctl.accept_by_evidence[1] = 3.0  # now they pay: kept on the next drafting step
-    ctl.step = 56
+    step_to(56)
     assert len(propose_trees(sched, reqs)) == 8 and ctl.cheap_idle_steps == 0
-    ctl.step = 57
+    step_to(57)
     propose_trees(sched, reqs)
     assert calls[-1] == 57
+    # the plain step of 8 rows, last measured more than 32 steps ago, runs again before
+    # any drafting (every tree is priced against it)
+    n = len(calls)
+    ctl.step = 57 + 33
+    assert propose_trees(sched, reqs) == {} and len(calls) == n
+    ctl.record_forward(8, 0.02)
+    assert len(propose_trees(sched, reqs)) == 8 and len(calls) == n + 1
+
+
+def test_controller_prices_rows_by_the_median_of_recent_steps() -> None:
+    """A row count's price is the median of its last 5 steps: the slow first step after start
+    does not hold it up for long (an average fed rarely did, and EAGLE drafted at a loss)."""
+    ctl = SpecController()
+    ctl.record_forward(1, 0.012)  # the first step: plans and buffers built
+    assert ctl.cost[1] == 0.012
+    for _ in range(2):
+        ctl.record_forward(1, 0.006)
+    assert ctl.cost[1] == 0.006
+    for _ in range(5):
+        ctl.record_forward(1, 0.005)
+    assert ctl.cost[1] == 0.005
 
 
 def test_controller_pauses_grow_and_end_together() -> None:
