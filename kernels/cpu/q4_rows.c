@@ -31,6 +31,11 @@
 #define XQK 32
 #define X16_ROWS 16
 #define X16_RECORD 320  // bytes per (group, block)
+// each record's cache lines are prefetched this far ahead of its use: a thread streams its
+// groups' records in order, and the prefetch keeps more of them in flight than the hardware
+// prefetcher does (120 matmuls of a decode step at 1 / 4 / 8 rows, 3 runs interleaved on a
+// noisy 2-core AMD EPYC, ms: 3.0-4.5 / 3.2-5.4 / 4.8-7.8 against 4.0-4.2 / 4.5-6.3 / 7.7-10.7)
+#define X16_PREFETCH (4 * X16_RECORD)
 
 void *q4_1_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t **q,
                          float **e, float **S);
@@ -47,6 +52,8 @@ void *q4_1_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8
         const __m512i low = _mm512_set1_epi8(0x0F);                                            \
         for (int b = 0; b < nb; b++) {                                                         \
             const uint8_t *rec = grp + (int64_t)b * X16_RECORD;                                \
+            for (int l = 0; l < X16_RECORD; l += 64)                                           \
+                _mm_prefetch((const char *)rec + X16_PREFETCH + l, _MM_HINT_T0);               \
             __m512i c[8];                                                                      \
             for (int t = 0; t < 4; t++) {                                                      \
                 const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * t));            \
@@ -88,6 +95,8 @@ static inline __m256i x16_dot8(__m256i codes, __m256i qv) {
         const __m256i low = _mm256_set1_epi8(0x0F);                                            \
         for (int b = 0; b < nb; b++) {                                                         \
             const uint8_t *rec = grp + (int64_t)b * X16_RECORD;                                \
+            for (int l = 0; l < X16_RECORD; l += 64)                                           \
+                _mm_prefetch((const char *)rec + X16_PREFETCH + l, _MM_HINT_T0);               \
             for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */                              \
                 __m256i c[8];                                                                  \
                 for (int t = 0; t < 4; t++) {                                                  \
