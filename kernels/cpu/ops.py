@@ -94,14 +94,15 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
                     positions: torch.Tensor, out_slots: torch.Tensor, table: torch.Tensor,
                     rows: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
                     num_kv_heads: int, head_dim: int, intermediate: int, sm_scale: float,
-                    aux_slot: torch.Tensor, features: torch.Tensor | None) -> None:
+                    aux_slot: torch.Tensor, features: torch.Tensor | None,
+                    variant: str | None = None) -> None:
     """Every layer of a decode or verify step (decode_step.c), x float32 [T, H] updated in
     place from the embedded rows to the residual stream after the last layer. `ptrs` int64
     [L, 8]: addresses of each layer's x16 qkv, o, gate_up and down weights, its two float32
     norm weights, its K and V pool buffers (of `pool_dtype`). Query row t attends to the first
     seq_lens[t] slots of table[rows[t]] (int32 table) and stores its k/v at out_slots[t].
     aux_slot int64 [L]: -1 or the column block of `features` [T, n * H] that receives the
-    residual stream entering that layer."""
+    residual stream entering that layer. `variant`: the build to run (default: this CPU's)."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError("x must be a contiguous float32 tensor")
     if table.dtype != torch.int32 or table.stride(-1) != 1:
@@ -112,7 +113,7 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     if t == 0:
         return
     n_aux = 0 if features is None else features.shape[1] // h
-    rc = _lib(None).decode_step_x16(
+    rc = _lib(variant).decode_step_x16(
         num_layers, t, h, num_heads, num_kv_heads, head_dim, intermediate, x.data_ptr(),
         _int64("ptrs", ptrs), eps, _flag(pool_dtype), cos_table.data_ptr(),
         sin_table.data_ptr(), _int64("positions", positions), _int64("out_slots", out_slots),

@@ -277,12 +277,14 @@ def test_decode_attention_rope_matches_rope_store_and_reference_attention(pool_d
     torch.testing.assert_close(got.view(3, hq, dim), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 3, 11])  # 11: more rows than one x16 pass holds
-def test_decode_step_x16_is_the_per_op_calls_bit_for_bit(pool_dtype, t):
+def test_decode_step_x16_is_the_per_op_calls_bit_for_bit(variant, pool_dtype, t):
     """The fused step (decode_step.c: every layer in one call) against the per-op calls it
     replaces (norms, x16 matmuls, RoPE + store + attention, silu): the same residual stream,
-    the same captured features and the same K/V written, bit for bit."""
+    the same captured features and the same K/V written, bit for bit, on each build (the
+    norms, RoPE and attention are the same plain C in both, no FMA contraction)."""
     layers, hidden, hq, hkv, dim, inter, eps = 2, 64, 4, 2, 16, 96, 1e-5
     gen = torch.Generator().manual_seed(3)
     nqkv = (hq + 2 * hkv) * dim
@@ -317,12 +319,12 @@ def test_decode_step_x16_is_the_per_op_calls_bit_for_bit(pool_dtype, t):
     for i, (w_qkv, w_o, w_gu, w_down) in enumerate(weights):
         if i == 1:
             aux_want = x.clone()
-        a = ops.decode_attention_rope(kc.q4_x16_matmul(h, w_qkv, nqkv), hq, hkv, dim,
+        a = ops.decode_attention_rope(kc.q4_x16_matmul(h, w_qkv, nqkv, variant), hq, hkv, dim,
                                       rope.cos_table, rope.sin_table, positions, *ref_pools[i],
                                       out_slots, table, rows, seq_lens, dim**-0.5, f32)
-        x, h = ops.add_rmsnorm(x, kc.q4_x16_matmul(a, w_o, hidden), norms[i][1], eps, f32)
-        act = ops.silu_mul(kc.q4_x16_matmul(h, w_gu, 2 * inter), f32)
-        down = kc.q4_x16_matmul(act, w_down, hidden)
+        x, h = ops.add_rmsnorm(x, kc.q4_x16_matmul(a, w_o, hidden, variant), norms[i][1], eps, f32)
+        act = ops.silu_mul(kc.q4_x16_matmul(h, w_gu, 2 * inter, variant), f32)
+        down = kc.q4_x16_matmul(act, w_down, hidden, variant)
         if i + 1 < layers:
             x, h = ops.add_rmsnorm(x, down, norms[i + 1][0], eps, f32)
         else:
@@ -334,7 +336,7 @@ def test_decode_step_x16_is_the_per_op_calls_bit_for_bit(pool_dtype, t):
     got, features = x0.clone(), torch.empty(t, hidden)
     ops.decode_step_x16(layers, got, ptrs, eps, pool_dtype, rope.cos_table, rope.sin_table,
                         positions, out_slots, table, rows, seq_lens, hq, hkv, dim, inter,
-                        dim**-0.5, torch.tensor([-1, 0]), features)
+                        dim**-0.5, torch.tensor([-1, 0]), features, variant)
     assert torch.equal(got, x)
     assert torch.equal(features, aux_want)
     for (k, v), (k_ref, v_ref) in zip(pools, ref_pools, strict=True):
