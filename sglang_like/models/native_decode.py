@@ -195,7 +195,7 @@ class NativeDecodePlan:
 class _FusedX16:
     """A whole decode step as one `decode_step_x16` call: the layers' addresses gathered once
     into an int64 table [L, 8] (qkv, o, gate_up, down weights; the two norms; the layer's K and
-    V pools, refreshed when the pool's buffers change)."""
+    V pools, filled in for each pool it runs over)."""
 
     def __init__(self, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
                  sin_table: torch.Tensor) -> None:
@@ -215,7 +215,7 @@ class _FusedX16:
         self._held = [t for layer in layers for t in (
             *(lin.x16 for lin in _linears(layer)), layer.input_layernorm.weight,
             layer.post_attention_layernorm.weight)]
-        self._pool_buffers: list[torch.Tensor] = []
+        self._pool: KVPool | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
@@ -240,17 +240,16 @@ class _FusedX16:
         return cls(layers, cos_table.float().contiguous(), sin_table.float().contiguous())
 
     def _refresh_pool(self, pool: KVPool) -> None:
-        bufs = [*(pool.k_buffers[i] for i in self.layer_ids),
-                *(pool.v_buffers[i] for i in self.layer_ids)]
-        if len(bufs) == len(self._pool_buffers) and all(
-                a is b for a, b in zip(bufs, self._pool_buffers, strict=True)):
+        """The pool's K/V buffer addresses into the table, once per pool (a pool makes its
+        buffers when it is built and keeps them; holding it keeps them alive)."""
+        if pool is self._pool:
             return
-        n = len(self.layer_ids)
-        for j, buf in enumerate(bufs):
-            if not buf.is_contiguous():
-                raise ValueError("the fused decode step needs contiguous KV pool buffers")
-            self.ptrs[j % n, 6 + j // n] = buf.data_ptr()
-        self._pool_buffers = bufs
+        for j, i in enumerate(self.layer_ids):
+            for col, buf in ((6, pool.k_buffers[i]), (7, pool.v_buffers[i])):
+                if not buf.is_contiguous():
+                    raise ValueError("the fused decode step needs contiguous KV pool buffers")
+                self.ptrs[j, col] = buf.data_ptr()
+        self._pool = pool
 
     def _aux_slot(self, aux_layers: tuple[int, ...]) -> torch.Tensor:
         slots = self._aux_slots.get(aux_layers)
