@@ -50,6 +50,18 @@ _EMA = 0.3
 _IDLE_MIN_BATCH = 8
 _IDLE_STEPS = 16
 _IDLE_PERIOD = 8
+# A cheap drafter's (NGRAM) trees are priced by how often a draft at each depth was accepted
+# (its parent accepted) after trees of the same evidence: counts decayed by _RATE_DECAY per
+# verify of that evidence, each depth's rate smoothed towards the rate of the depth above it
+# (depth 1: towards _PRIOR_RATE) with _PRIOR_WEIGHT verifies' weight, so a failure or two does
+# not price an evidence out (its rate falls 0.6, 0.4, 0.3, 0.25, ...). A tree is then cut to
+# the nodes that pay. (An EMA of tokens per tree, started at the first verify of a match
+# length, priced a length by one unlucky tree for good: on the bench's extraction prompts
+# one-token matches committed nothing once and were never drafted again, 1.73 tokens per
+# verify where drafting every tree gave 2.24.)
+_PRIOR_RATE = 0.6
+_PRIOR_WEIGHT = 2.0
+_RATE_DECAY = 0.95
 # a cheap drafter's evidence whose trees have not been verified for this many steps is
 # expected to do as well as an untried one, once (the text changes: the bench's code-editing
 # prompts after chat found their match lengths priced by chat's trees and never drafted)
@@ -84,11 +96,6 @@ def _ema(old: float | None, value: float, weight: float = _EMA) -> float:
     return value if old is None else (1 - weight) * old + weight * value
 
 
-def _optimistic(num_nodes: int) -> float:
-    """Tokens a tree of `num_nodes` is expected to commit before anything is measured."""
-    return 1.0 + 0.5 * (num_nodes - 1)
-
-
 def _bucket(num_rows: int) -> int:
     return num_rows if num_rows <= 64 else 1 << math.ceil(math.log2(num_rows))
 
@@ -109,9 +116,11 @@ class SpecController:
     cost: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds (median)
     cost_step: dict[int, int] = field(default_factory=dict)  # rows bucket -> step measured
     _cost_samples: dict[int, deque] = field(default_factory=dict)
-    # a cheap drafter's trees by their evidence (NGRAM: matched length) -> tokens committed
-    # per verify (EMA over every request's trees)
-    accept_by_evidence: dict[int, float] = field(default_factory=dict)
+    # a cheap drafter's trees by their evidence key (NGRAM: matched length) -> per depth d
+    # (index d - 1): decayed counts of verifies that tried a draft at depth d, and that
+    # accepted one (see _PRIOR_RATE)
+    depth_tried: dict[int, list[float]] = field(default_factory=dict)
+    depth_accepted: dict[int, list[float]] = field(default_factory=dict)
     # a confident drafter's (EAGLE) accepted drafts and the probabilities the head gave the
     # nodes verified, per verify (EMAs over every request; equal at start: the head is taken
     # at its word until measured)
@@ -159,7 +168,19 @@ class SpecController:
         """A verify of `tree` committed `committed` tokens (its root's bonus included)."""
         if tree.evidence is not None:
             key = _evidence_key(tree.evidence)
-            self.accept_by_evidence[key] = _ema(self.accept_by_evidence.get(key), committed)
+            depth = tree.max_depth
+            tried = self.depth_tried.setdefault(key, [])
+            accepted = self.depth_accepted.setdefault(key, [])
+            for counts in (tried, accepted):
+                counts.extend([0.0] * (depth - len(counts)))
+                counts[:] = [c * _RATE_DECAY for c in counts]
+            # drafts at depths 1 .. committed - 1 were accepted; the next depth (if drafted)
+            # was tried and turned down; deeper ones were not tried
+            for d in range(min(committed, depth + 1) - 1):
+                tried[d] += 1.0
+                accepted[d] += 1.0
+            if committed <= depth:
+                tried[committed - 1] += 1.0
             self.evidence_step[key] = self.step
         if tree.probs is not None:
             w = _CALIBRATION_EMA
@@ -208,19 +229,6 @@ class SpecController:
         """Whether one of this step and the `ahead` after it is a multiple of `period`."""
         return any((self.step + a) % period == 0 for a in range(ahead + 1))
 
-    def worth_it(self, base_rows: int, base_tokens: float, tree_rows: int,
-                 tree_tokens: float) -> bool:
-        """base: the step without trees (rows run, tokens it commits); tree: with them."""
-        if not self.enabled:
-            return True
-        # the base read off measured sizes too: choose_trees grows it by each tree it keeps
-        c_base, c_tree = self._cost_of(base_rows), self._cost_of(tree_rows)
-        if c_tree is None:
-            return True  # nothing above the base measured yet: try it
-        if c_base is None:
-            return False  # measure the plain step once, to compare
-        return tree_tokens / c_tree > base_tokens / c_base
-
     def _cost_of(self, rows: int) -> float | None:
         """The measured cost of that many rows, or one read off the nearest measured sizes
         (linear between the two around it; above the largest, growing from it by the average
@@ -247,38 +255,82 @@ class SpecController:
             return self.cost[hi] + slope * (b - hi)
         return None
 
-    def choose_trees(self, base_rows: int, trees: list[DraftTree]) -> list[bool]:
-        """Which of a cheap drafter's trees to verify in a step of `base_rows` plain rows: by
-        the tokens trees with that evidence committed so far (optimistic when none has been
-        tried, and for one tree of an evidence not verified for _STALE_EVIDENCE_STEPS), the
-        most promising per extra row first, each kept while the step's expected tokens per
-        second grow."""
+    def depth_rates(self, key: int | None, depth: int) -> list[float]:
+        """For depths 1 .. `depth`: how often a draft there was accepted (its parent
+        accepted) in trees of evidence `key`, smoothed (see _PRIOR_RATE); the prior's for a
+        key with nothing measured (None: none)."""
+        tried = self.depth_tried.get(key, [])
+        accepted = self.depth_accepted.get(key, [])
+        rates, prior = [], _PRIOR_RATE
+        for d in range(depth):
+            t, a = (tried[d], accepted[d]) if d < len(tried) else (0.0, 0.0)
+            prior = (a + prior * _PRIOR_WEIGHT) / (t + _PRIOR_WEIGHT)
+            rates.append(prior)
+        return rates
+
+    def _cheap_node_probs(self, tree: DraftTree, key: int | None) -> list[float]:
+        """A cheap drafter's nodes' chances of being accepted: the product of the depth rates
+        down to the node, shared by the nodes of one depth (one of them at most is
+        accepted), kept non-increasing in the tree's order (its first m nodes are then the
+        m most likely: a subtree)."""
+        rates = self.depth_rates(key, tree.max_depth)
+        path = [1.0]
+        for r in rates:
+            path.append(path[-1] * r)
+        at_depth = [0] * (tree.max_depth + 1)
+        for d in tree.depth:
+            at_depth[d] += 1
+        probs = [1.0]
+        for d in tree.depth[1:]:
+            probs.append(min(probs[-1], path[d] / at_depth[d]))
+        return probs
+
+    def choose_trees(self, base_rows: int, trees: list[DraftTree]) -> list[int]:
+        """How many nodes of each of a cheap drafter's trees (root included; 1: none of its
+        drafts) a step of `base_rows` plain rows verifies: every node is expected to commit
+        its chance of acceptance, read off the depth rates of its tree's evidence (the
+        prior's for one tree of an evidence not verified for _STALE_EVIDENCE_STEPS), and the
+        nodes of all trees are taken most likely first, as many as give the step the most
+        expected tokens per second (a tree's deep drafts are cut where their rows cost more
+        than they are expected to commit)."""
         if not self.enabled:
-            return [True] * len(trees)
-
+            return [t.num_nodes for t in trees]
+        if self._cost_of(base_rows) is None:
+            return [1] * len(trees)  # measure the plain step once, to compare
         explore: set[int] = set()  # stale keys explored at this step (one tree each)
-        expected = []
+        node_probs = []
         for t in trees:
-            known = None
-            if t.evidence is not None:
-                key = _evidence_key(t.evidence)
-                known = self.accept_by_evidence.get(key)
-                if (known is not None and key not in explore and self.step
-                        - self.evidence_step.get(key, self.step) > _STALE_EVIDENCE_STEPS):
-                    explore.add(key)
-                    self.evidence_step[key] = self.step  # once; its next verify decides
-                    known = None
-            expected.append(known if known is not None else _optimistic(t.num_nodes))
+            key = None if t.evidence is None else _evidence_key(t.evidence)
+            if (key is not None and key not in explore and key in self.evidence_step
+                    and self.step - self.evidence_step[key] > _STALE_EVIDENCE_STEPS):
+                explore.add(key)
+                self.evidence_step[key] = self.step  # once; its next verify decides
+                key = None
+            node_probs.append(self._cheap_node_probs(t, key))
+        return self._most_tokens_per_second(base_rows, node_probs)[0]
 
-        gains = [(e - 1.0) / (t.num_nodes - 1) for t, e in zip(trees, expected, strict=True)]
-        keep = [False] * len(trees)
-        rows, tokens = base_rows, float(base_rows)
-        for j in sorted(range(len(trees)), key=lambda j: -gains[j]):
-            extra_rows, extra_tokens = trees[j].num_nodes - 1, expected[j] - 1.0
-            if self.worth_it(rows, tokens, rows + extra_rows, tokens + extra_tokens):
-                keep[j] = True
-                rows, tokens = rows + extra_rows, tokens + extra_tokens
-        return keep
+    def _most_tokens_per_second(self, base_rows: int, node_probs: list[list[float]]
+                                ) -> tuple[list[int], float]:
+        """Nodes per tree (root included) and the expected tokens per second of the choice
+        that maximizes it, each node expected to commit its probability (a tree's nodes
+        listed most likely first; root first); the rate is 0.0 when nothing is measured
+        above the plain step (every node is then tried, and its cost is known next). The
+        plain step of `base_rows` must be measured."""
+        ranked = sorted(((p, i) for i, probs in enumerate(node_probs) for p in probs[1:]),
+                        key=lambda pi: -pi[0])
+        best, best_rate, tokens = 0, base_rows / self._cost_of(base_rows), float(base_rows)
+        for m, (p, _) in enumerate(ranked, 1):
+            tokens += p
+            cost = self._cost_of(base_rows + m)
+            if cost is None:
+                best, best_rate = len(ranked), 0.0  # nothing measured from here up: try it
+                break
+            if tokens / cost > best_rate:
+                best, best_rate = m, tokens / cost
+        counts = [1] * len(node_probs)
+        for _, i in ranked[:best]:
+            counts[i] += 1
+        return counts, best_rate
 
     def choose_nodes(self, base_rows: int, trees: list[DraftTree]) -> tuple[list[int], bool]:
         """How many nodes of each of a confident drafter's trees (root included; 1: none of
@@ -298,38 +350,25 @@ class SpecController:
             return [1] * len(trees), True  # measure the plain step once, to compare
         calib = self.draft_calibration
         # a drafter that gives no probabilities: each node is expected to commit half a token
-        ranked = sorted(((calib * p, i) for i, t in enumerate(trees)
-                         for p in (t.probs or [0.5] * t.num_nodes)[1:]), key=lambda pi: -pi[0])
-        best, best_rate, tokens = 0, base_rows / c_base, float(base_rows)
-        for m, (p, _) in enumerate(ranked, 1):
-            tokens += p
-            cost = self._cost_of(base_rows + m)
-            if cost is None:
-                best = len(ranked)  # nothing measured from here up: try it (not "paying")
-                best_rate = 0.0
-                break
-            if tokens / cost > best_rate:
-                best, best_rate = m, tokens / cost
-        counts = [1] * len(trees)
-        for _, i in ranked[:best]:
-            counts[i] += 1
+        node_probs = [[calib * p for p in (t.probs or [0.5] * t.num_nodes)] for t in trees]
+        counts, best_rate = self._most_tokens_per_second(base_rows, node_probs)
+        if best_rate == 0.0:
+            return counts, False
         # the step's drafting is spent: the best above is read without it; whether drafting
         # pays is the same with it, against the plain step
-        cost_best = base_rows + sum(counts) - len(counts)
-        tokens_best = base_rows + sum(p for p, _ in ranked[:best])
-        c_best = self._cost_of(cost_best)
-        if c_best is None or best_rate == 0.0:
-            return counts, False
-        return counts, tokens_best / (c_best + self._drafting_of(base_rows)) > base_rows / c_base
+        rows_best = base_rows + sum(counts) - len(counts)
+        tokens_best = best_rate * self._cost_of(rows_best)
+        return counts, tokens_best / (self._cost_of(rows_best)
+                                      + self._drafting_of(base_rows)) > base_rows / c_base
 
 
 def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]:
     """Draft trees for this step's decoders (by id of the Req); {} when speculation is
     off, the pool is short, or the controller expects it not to pay. Every drafter drafts
     first and the controller then keeps what is expected to pay: a cheap drafter's (NGRAM)
-    trees whole, by what trees of their evidence committed before (`choose_trees`); a
-    confident drafter's (EAGLE) nodes one by one, by the head's calibrated probabilities
-    (`choose_nodes`)."""
+    trees cut by the depth rates measured for their evidence (`choose_trees`); a confident
+    drafter's (EAGLE) nodes one by one, by the head's calibrated probabilities
+    (`choose_nodes`): both keep the most likely nodes, as many as pay their rows."""
     if sched.drafter is None or not decoders:
         return {}
     ctl = sched.spec_controller
@@ -351,8 +390,8 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
             return {}
         drafted = sched.drafter.propose(eligible, depths, sched)
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
-        keep = ctl.choose_trees(len(decoders), [t for _, t in pairs])
-        trees = {id(r): t for (r, t), k in zip(pairs, keep, strict=True) if k}
+        counts = ctl.choose_trees(len(decoders), [t for _, t in pairs])
+        trees = {id(r): t.first(n) for (r, t), n in zip(pairs, counts, strict=True) if n > 1}
         ctl.cheap_idle_steps = 0 if trees else ctl.cheap_idle_steps + 1
     else:
         drafted = sched.drafter.propose(eligible, depths, sched)

@@ -160,12 +160,18 @@ def test_spec_config_defaults_and_errors() -> None:
 
 def test_controller_compares_measured_rates_and_backs_off() -> None:
     ctl = SpecController()
-    assert ctl.worth_it(1, 1, 4, 2.5)  # nothing measured: try the tree
-    ctl.record_forward(4, 0.030)
-    assert not ctl.worth_it(1, 1, 4, 2.5)  # measure the plain step before judging
+    tree = DraftTree.chain(0, [1, 2, 3])  # no evidence: each draft expected at the prior 0.6
+    assert ctl.choose_trees(1, [tree]) == [1]  # measure the plain step before judging
     ctl.record_forward(1, 0.020)
-    assert ctl.worth_it(1, 1, 4, 2.5)  # 83 vs 50 tokens/s
-    assert not ctl.worth_it(1, 1, 4, 1.2)  # 40 vs 50
+    assert ctl.choose_trees(1, [tree]) == [4]  # nothing measured above it: try the tree
+    ctl.record_forward(4, 0.030)
+    # 1 token in 20 ms (50/s); 1.6 in 23.3 (69), 1.96 in 26.7 (73.5), 2.18 in 30 (72.5):
+    # the third draft costs more than it is expected to commit
+    assert ctl.choose_trees(1, [tree]) == [3]
+    ctl.record_forward(4, 0.070)  # 4 rows now cost 50 ms (the median of 30 and 70)
+    assert ctl.choose_trees(1, [tree]) == [2]  # one draft: 1.6 tokens in 30 ms (53/s)
+    ctl.record_forward(4, 0.070)  # 70 ms: 1.6 in 36.7 ms (44/s) is slower than plain
+    assert ctl.choose_trees(1, [tree]) == [1]
     state = SpecState()
     for _ in range(15):
         ctl.record_drafted(state, kept=False)
@@ -174,7 +180,7 @@ def test_controller_compares_measured_rates_and_backs_off() -> None:
     assert not ctl.may_draft(state)  # 16 steps of drafts turned down: drafting pauses
     ctl.step += 100
     assert ctl.may_draft(state)
-    assert SpecController(enabled=False).worth_it(1, 1, 64, 0.1)
+    assert SpecController(enabled=False).choose_trees(1, [tree]) == [4]
 
 
 def test_controller_pauses_a_batch_whose_drafting_does_not_pay_sooner() -> None:
@@ -205,12 +211,10 @@ def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
     tried."""
     ctl = SpecController()
     ctl.record_forward(8, 0.020)
-    assert ctl.worth_it(8, 8, 12, 8.1)  # only the base measured: try 12 rows
+    assert ctl._cost_of(12) is None  # only the base measured: 12 rows are tried
     ctl.record_forward(16, 0.030)
     assert ctl._cost_of(12) == pytest.approx(0.025)
     assert ctl._cost_of(20) == pytest.approx(0.035)
-    assert not ctl.worth_it(8, 8, 12, 10.0)  # 400 tokens/s < 400 at 8 rows: no gain
-    assert ctl.worth_it(8, 8, 12, 10.5)
     # a staircase (rows in blocks of 4): 17 and 18 rows cost the same, and 24 rows are priced
     # by the average row cost from 8 to 18 (1.8 ms), not as free
     ctl.record_forward(17, 0.045)
@@ -218,21 +222,46 @@ def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
     assert ctl._cost_of(24) == pytest.approx(0.045 + 6 * 0.025 / 10)
 
 
-def test_cheap_drafter_trees_are_chosen_by_their_evidence() -> None:
-    """NGRAM's trees are kept by what trees of the same match length committed before, the
-    most promising per extra row first, while the step's tokens per second grow."""
+def test_cheap_drafter_trees_are_cut_where_their_depth_rates_stop_paying() -> None:
+    """NGRAM's trees are priced by how often drafts at each depth were accepted after trees
+    of the same evidence (match length), and cut to the nodes that pay; one unlucky tree
+    does not price an evidence out."""
     ctl = SpecController()
-    ctl.record_forward(2, 0.010)
-    ctl.record_forward(6, 0.014)
-    ctl.record_forward(10, 0.018)
+    for rows in range(1, 7):
+        ctl.record_forward(rows, 0.009 + 0.001 * rows)
     state = SpecState()
-    long_match = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], evidence=6)
-    short_match = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], evidence=1)
-    ctl.record_verify(state, 5, long_match)  # long matches pay
-    ctl.record_verify(state, 1, short_match)  # one-token matches do not
+    def chain(evidence):
+        return DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 3, 4], evidence=evidence)
+    for _ in range(20):
+        ctl.record_verify(state, 6, chain(6))  # long matches: every draft accepted
+        ctl.record_verify(state, 2, chain(2))  # two-token matches: the first draft only
     assert ctl.may_draft(state)  # a cheap drafter's request is never paused
-    assert ctl.choose_trees(2, [short_match, long_match]) == [False, True]
-    assert SpecController(enabled=False).choose_trees(2, [short_match]) == [True]
+    rates = ctl.depth_rates(2, 3)
+    assert rates[0] > 0.9 and rates[1] < 0.15
+    assert all(r > 0.9 for r in ctl.depth_rates(6, 5))
+    # long: 5.4 tokens in 15 ms; two-token: 1.95 tokens in 11 ms, a second draft 0.12 more
+    assert ctl.choose_trees(1, [chain(2)]) == [2]
+    assert ctl.choose_trees(1, [chain(6)]) == [6]
+    assert ctl.choose_trees(1, [chain(6), chain(2)]) == [6, 2]
+    # a one-token match that failed once is still tried (its first draft 0.4 of a token for
+    # 1 ms more; the second, untried, 0.4 of that)
+    ctl.record_verify(state, 1, chain(1))
+    assert ctl.depth_rates(1, 2) == [pytest.approx(0.4), pytest.approx(0.4)]
+    assert ctl.choose_trees(1, [chain(1)]) == [3]
+    for _ in range(30):
+        ctl.record_verify(state, 1, chain(1))
+    # ... until it keeps failing: 0.07 of a token is not worth a row at 10% of the step
+    assert ctl.choose_trees(1, [chain(1)]) == [1]
+    assert SpecController(enabled=False).choose_trees(1, [chain(1)]) == [6]
+
+
+def test_cheap_drafter_nodes_of_one_depth_share_its_chance() -> None:
+    """In a trie of several continuations at most one node per depth is accepted: the
+    nodes of a depth share the depth's chance, kept non-increasing in the tree's order."""
+    ctl = SpecController()
+    trie = DraftTree([0, 1, 2, 3, 4], [-1, 0, 1, 0, 3], evidence=3)  # two chains of two
+    probs = ctl._cheap_node_probs(trie, 3)
+    assert probs == pytest.approx([1.0, 0.3, 0.18, 0.18, 0.18])
 
 
 def _eagle_tree(probs: list[float]) -> DraftTree:
@@ -293,14 +322,15 @@ def test_cheap_drafter_evidence_gone_stale_is_explored_once() -> None:
     ctl.record_forward(1, 0.010)
     ctl.record_forward(6, 0.016)
     trees = [DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 3, 4], evidence=4) for _ in range(2)]
-    ctl.record_verify(SpecState(), 1, trees[0])  # at step 2
-    assert ctl.choose_trees(1, trees[:1]) == [False]  # 1 token for 6 rows: no
+    for _ in range(30):
+        ctl.record_verify(SpecState(), 1, trees[0])  # at step 2: drafts turned down
+    assert ctl.choose_trees(1, trees[:1]) == [1]  # not worth a row
     ctl.step = 2 + 257
-    assert ctl.choose_trees(1, trees[:1]) == [True]  # stale: explored
-    assert ctl.choose_trees(1, trees[:1]) == [False]  # once
+    assert ctl.choose_trees(1, trees[:1]) == [4]  # stale: explored at the prior's rates
+    assert ctl.choose_trees(1, trees[:1]) == [1]  # once
     ctl.step += 300
-    keep = ctl.choose_trees(2, trees)
-    assert keep.count(True) <= 1  # one tree of that evidence per step
+    counts = ctl.choose_trees(2, trees)
+    assert sorted(counts)[0] == 1  # one tree of that evidence per step
 
 
 def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_down() -> None:
@@ -320,7 +350,8 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
             return [DraftTree([1, 2, 3], [-1, 0, 1], evidence=1) for _ in reqs]
 
     ctl = SpecController()
-    ctl.accept_by_evidence[1] = 1.0  # such trees commit nothing: never worth their rows
+    # such trees' drafts were turned down 100 times: never worth their rows
+    ctl.depth_tried[1], ctl.depth_accepted[1] = [100.0, 0.0], [0.0, 0.0]
     ctl.record_forward(8, 0.02)
     ctl.record_forward(24, 0.04)
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100), output_ids=[1],
@@ -336,7 +367,8 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
         step_to(step)
         assert propose_trees(sched, reqs) == {}
     assert calls == [*range(1, 17), 24, 32, 40, 48]
-    ctl.accept_by_evidence[1] = 3.0  # now they pay: kept on the next drafting step
+    # now their drafts are accepted: kept on the next drafting step
+    ctl.depth_tried[1], ctl.depth_accepted[1] = [100.0, 100.0], [100.0, 100.0]
     step_to(56)
     assert len(propose_trees(sched, reqs)) == 8 and ctl.cheap_idle_steps == 0
     step_to(57)
