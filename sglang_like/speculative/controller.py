@@ -87,6 +87,7 @@ class SpecState:
     backoff_until: int = 0  # the controller's step count before which it does not draft
     num_failed_tries: int = 0  # pauses in a row since a tree was last verified
     empty_steps: int = 0  # steps in a row whose drafts were all turned down (confident drafter)
+    copying: bool = False  # its last verified cheap tree had a draft accepted (_evidence_key)
     ngram: object | None = None  # NgramIndex
     eagle: object | None = None  # EAGLE drafter state: next-step candidates, feature
     eagle_pending: object | None = None  # (first position, target features) not yet drafted
@@ -103,10 +104,15 @@ def _bucket(num_rows: int) -> int:
 _MAX_EVIDENCE = 8  # match lengths from here on share one expectation
 
 
-def _evidence_key(evidence: int) -> int:
+def _evidence_key(evidence: int, copying: bool) -> tuple[int, bool]:
     """A tree's evidence as the key of its expectation: NGRAM's match length, negative when
-    the match was in another request's text; lengths from _MAX_EVIDENCE on share one key."""
-    return max(-_MAX_EVIDENCE, min(evidence, _MAX_EVIDENCE))
+    the match was in another request's text (lengths from _MAX_EVIDENCE on share one), and
+    whether the request's last verified tree had a draft accepted. Drafts are accepted in
+    runs: a request copying its prompt (extraction, editing) keeps matching, and one chatting
+    matches now and then by chance. Measured on the bench, after its chat prompts had priced
+    short matches at 0.05 a draft, extraction's short matches (0.44 there) were not tried
+    again; with the bit they are priced as a copying request's, once a long match paid."""
+    return max(-_MAX_EVIDENCE, min(evidence, _MAX_EVIDENCE)), copying
 
 
 @dataclass
@@ -119,8 +125,8 @@ class SpecController:
     # a cheap drafter's trees by their evidence key (NGRAM: matched length) -> per depth d
     # (index d - 1): decayed counts of verifies that tried a draft at depth d, and that
     # accepted one (see _PRIOR_RATE)
-    depth_tried: dict[int, list[float]] = field(default_factory=dict)
-    depth_accepted: dict[int, list[float]] = field(default_factory=dict)
+    depth_tried: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+    depth_accepted: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     # a confident drafter's (EAGLE) accepted drafts and the probabilities the head gave the
     # nodes verified, per verify (EMAs over every request; equal at start: the head is taken
     # at its word until measured)
@@ -134,7 +140,7 @@ class SpecController:
     # steps in a row whose cheap trees were all turned down (see _IDLE_STEPS)
     cheap_idle_steps: int = 0
     # evidence key -> the step its trees were last verified (or last explored)
-    evidence_step: dict[int, int] = field(default_factory=dict)
+    evidence_step: dict[tuple[int, bool], int] = field(default_factory=dict)
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self.step += 1
@@ -167,7 +173,8 @@ class SpecController:
     def record_verify(self, state: SpecState, committed: int, tree: DraftTree) -> None:
         """A verify of `tree` committed `committed` tokens (its root's bonus included)."""
         if tree.evidence is not None:
-            key = _evidence_key(tree.evidence)
+            key = _evidence_key(tree.evidence, state.copying)
+            state.copying = committed > 1
             depth = tree.max_depth
             tried = self.depth_tried.setdefault(key, [])
             accepted = self.depth_accepted.setdefault(key, [])
@@ -255,7 +262,7 @@ class SpecController:
             return self.cost[hi] + slope * (b - hi)
         return None
 
-    def depth_rates(self, key: int | None, depth: int) -> list[float]:
+    def depth_rates(self, key: tuple[int, bool] | None, depth: int) -> list[float]:
         """For depths 1 .. `depth`: how often a draft there was accepted (its parent
         accepted) in trees of evidence `key`, smoothed (see _PRIOR_RATE); the prior's for a
         key with nothing measured (None: none)."""
@@ -268,7 +275,8 @@ class SpecController:
             rates.append(prior)
         return rates
 
-    def _cheap_node_probs(self, tree: DraftTree, key: int | None) -> list[float]:
+    def _cheap_node_probs(self, tree: DraftTree, key: tuple[int, bool] | None
+                          ) -> list[float]:
         """A cheap drafter's nodes' chances of being accepted: the product of the depth rates
         down to the node, shared by the nodes of one depth (one of them at most is
         accepted), kept non-increasing in the tree's order (its first m nodes are then the
@@ -285,10 +293,12 @@ class SpecController:
             probs.append(min(probs[-1], path[d] / at_depth[d]))
         return probs
 
-    def choose_trees(self, base_rows: int, trees: list[DraftTree]) -> list[int]:
+    def choose_trees(self, base_rows: int, trees: list[DraftTree],
+                     states: list[SpecState] | None = None) -> list[int]:
         """How many nodes of each of a cheap drafter's trees (root included; 1: none of its
-        drafts) a step of `base_rows` plain rows verifies: every node is expected to commit
-        its chance of acceptance, read off the depth rates of its tree's evidence (the
+        drafts) a step of `base_rows` plain rows verifies (`states`: their requests'; new
+        ones when None): every node is expected to commit its chance of acceptance, read off
+        the depth rates of its tree's evidence (the
         prior's for one tree of an evidence not verified for _STALE_EVIDENCE_STEPS), and the
         nodes of all trees are taken most likely first, as many as give the step the most
         expected tokens per second (a tree's deep drafts are cut where their rows cost more
@@ -297,10 +307,11 @@ class SpecController:
             return [t.num_nodes for t in trees]
         if self._cost_of(base_rows) is None:
             return [1] * len(trees)  # measure the plain step once, to compare
-        explore: set[int] = set()  # stale keys explored at this step (one tree each)
+        explore: set[tuple[int, bool]] = set()  # stale keys explored at this step (one each)
         node_probs = []
-        for t in trees:
-            key = None if t.evidence is None else _evidence_key(t.evidence)
+        for j, t in enumerate(trees):
+            copying = states is not None and states[j].copying
+            key = None if t.evidence is None else _evidence_key(t.evidence, copying)
             if (key is not None and key not in explore and key in self.evidence_step
                     and self.step - self.evidence_step[key] > _STALE_EVIDENCE_STEPS):
                 explore.add(key)
@@ -390,7 +401,8 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
             return {}
         drafted = sched.drafter.propose(eligible, depths, sched)
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
-        counts = ctl.choose_trees(len(decoders), [t for _, t in pairs])
+        counts = ctl.choose_trees(len(decoders), [t for _, t in pairs],
+                                  [r.spec for r, _ in pairs])
         trees = {id(r): t.first(n) for (r, t), n in zip(pairs, counts, strict=True) if n > 1}
         ctl.cheap_idle_steps = 0 if trees else ctl.cheap_idle_steps + 1
     else:

@@ -229,30 +229,50 @@ def test_cheap_drafter_trees_are_cut_where_their_depth_rates_stop_paying() -> No
     ctl = SpecController()
     for rows in range(1, 7):
         ctl.record_forward(rows, 0.009 + 0.001 * rows)
-    state = SpecState()
     def chain(evidence):
         return DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 3, 4], evidence=evidence)
+    def verify(committed, evidence):  # a new request's first verify (not copying yet)
+        ctl.record_verify(SpecState(), committed, chain(evidence))
     for _ in range(20):
-        ctl.record_verify(state, 6, chain(6))  # long matches: every draft accepted
-        ctl.record_verify(state, 2, chain(2))  # two-token matches: the first draft only
-    assert ctl.may_draft(state)  # a cheap drafter's request is never paused
-    rates = ctl.depth_rates(2, 3)
+        verify(6, 6)  # long matches: every draft accepted
+        verify(2, 2)  # two-token matches: the first draft only
+    rates = ctl.depth_rates((2, False), 3)
     assert rates[0] > 0.9 and rates[1] < 0.15
-    assert all(r > 0.9 for r in ctl.depth_rates(6, 5))
+    assert all(r > 0.9 for r in ctl.depth_rates((6, False), 5))
     # long: 5.4 tokens in 15 ms; two-token: 1.95 tokens in 11 ms, a second draft 0.12 more
     assert ctl.choose_trees(1, [chain(2)]) == [2]
     assert ctl.choose_trees(1, [chain(6)]) == [6]
     assert ctl.choose_trees(1, [chain(6), chain(2)]) == [6, 2]
     # a one-token match that failed once is still tried (its first draft 0.4 of a token for
     # 1 ms more; the second, untried, 0.4 of that)
-    ctl.record_verify(state, 1, chain(1))
-    assert ctl.depth_rates(1, 2) == [pytest.approx(0.4), pytest.approx(0.4)]
+    verify(1, 1)
+    assert ctl.depth_rates((1, False), 2) == [pytest.approx(0.4), pytest.approx(0.4)]
     assert ctl.choose_trees(1, [chain(1)]) == [3]
     for _ in range(30):
-        ctl.record_verify(state, 1, chain(1))
+        verify(1, 1)
     # ... until it keeps failing: 0.07 of a token is not worth a row at 10% of the step
     assert ctl.choose_trees(1, [chain(1)]) == [1]
     assert SpecController(enabled=False).choose_trees(1, [chain(1)]) == [6]
+
+
+def test_cheap_drafter_prices_a_copying_request_apart() -> None:
+    """Whether a request's last verified tree had a draft accepted is part of the evidence:
+    short matches that fail in chat are still tried for a request that is copying."""
+    ctl = SpecController()
+    for rows in range(1, 7):
+        ctl.record_forward(rows, 0.009 + 0.003 * rows)
+    chatting, copying = SpecState(), SpecState()
+    short = DraftTree([1, 2, 3], [-1, 0, 1], evidence=1)
+    for _ in range(30):
+        ctl.record_verify(chatting, 1, short)  # chat: one-token matches fail
+    assert not chatting.copying
+    for _ in range(30):  # a request copying its prompt: its one-token matches pay
+        ctl.record_verify(copying, 3, short)
+    assert copying.copying
+    assert ctl.choose_trees(1, [short, short], [chatting, copying]) == [1, 3]
+    ctl.record_verify(copying, 1, short)  # a miss: priced as a chatting request's again
+    assert not copying.copying
+    assert ctl.choose_trees(1, [short], [copying]) == [1]
 
 
 def test_cheap_drafter_nodes_of_one_depth_share_its_chance() -> None:
@@ -260,7 +280,7 @@ def test_cheap_drafter_nodes_of_one_depth_share_its_chance() -> None:
     nodes of a depth share the depth's chance, kept non-increasing in the tree's order."""
     ctl = SpecController()
     trie = DraftTree([0, 1, 2, 3, 4], [-1, 0, 1, 0, 3], evidence=3)  # two chains of two
-    probs = ctl._cheap_node_probs(trie, 3)
+    probs = ctl._cheap_node_probs(trie, (3, False))
     assert probs == pytest.approx([1.0, 0.3, 0.18, 0.18, 0.18])
 
 
@@ -351,7 +371,7 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
 
     ctl = SpecController()
     # such trees' drafts were turned down 100 times: never worth their rows
-    ctl.depth_tried[1], ctl.depth_accepted[1] = [100.0, 0.0], [0.0, 0.0]
+    ctl.depth_tried[(1, False)], ctl.depth_accepted[(1, False)] = [100.0, 0.0], [0.0, 0.0]
     ctl.record_forward(8, 0.02)
     ctl.record_forward(24, 0.04)
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100), output_ids=[1],
@@ -368,7 +388,7 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
         assert propose_trees(sched, reqs) == {}
     assert calls == [*range(1, 17), 24, 32, 40, 48]
     # now their drafts are accepted: kept on the next drafting step
-    ctl.depth_tried[1], ctl.depth_accepted[1] = [100.0, 100.0], [100.0, 100.0]
+    ctl.depth_tried[(1, False)], ctl.depth_accepted[(1, False)] = [100.0, 100.0], [100.0, 100.0]
     step_to(56)
     assert len(propose_trees(sched, reqs)) == 8 and ctl.cheap_idle_steps == 0
     step_to(57)
