@@ -197,7 +197,7 @@ def test_controller_pauses_a_batch_whose_drafting_does_not_pay_sooner() -> None:
     assert not ctl.may_draft(big) and ctl.may_draft(small)
     ctl.record_drafted(small, kept=False, batch_pays=False)
     assert not ctl.may_draft(small)
-    other = SpecState()
+    ctl, other = SpecController(), SpecState()  # (a new request would join the pause above)
     for _ in range(15):
         ctl.record_drafted(other, kept=False, batch_pays=True)
     assert ctl.may_draft(other)
@@ -446,6 +446,34 @@ def test_controller_pauses_grow_and_end_together() -> None:
     turned_down(a)
     assert a.backoff_until == 288
 
+
+
+def test_a_new_request_joins_the_confident_drafters_pause() -> None:
+    """After pauses in a row, a request seen for the first time starts paused until the
+    latest pause ends and backs off as long as the others next time; a step that kept a
+    tree that paid ends that (new requests draft at once again)."""
+    ctl = SpecController()
+    first = SpecState()
+    assert ctl.may_draft(first)  # nothing learnt yet
+    ctl.step = 5
+    for _ in range(4):
+        ctl.record_drafted(first, kept=False, batch_pays=False)
+    assert first.backoff_until == 64 and ctl.pauses_in_a_row == 1
+    ctl.step = 40
+    late = SpecState()
+    assert not ctl.may_draft(late) and late.backoff_until == 64
+    ctl.step = 64
+    assert ctl.may_draft(late)
+    for _ in range(4):
+        ctl.record_drafted(late, kept=False, batch_pays=False)
+    assert late.backoff_until == 128  # its second pause in a row: 64 steps
+    ctl.step = 128
+    ctl.record_drafted(late, kept=True)
+    assert ctl.pauses_in_a_row == 0
+    assert ctl.may_draft(SpecState())
+    off = SpecController(enabled=False)
+    off.pauses_in_a_row, off.pause_until = 3, 1000
+    assert off.may_draft(SpecState())
 
 # ---- the attention a verify runs ---------------------------------------------------------------
 
