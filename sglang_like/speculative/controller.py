@@ -315,11 +315,10 @@ class SpecController:
         """How many nodes of each of a cheap drafter's trees (root included; 1: none of its
         drafts) a step of `base_rows` plain rows verifies (`states`: their requests'; new
         ones when None): every node is expected to commit its chance of acceptance, read off
-        the depth rates of its tree's evidence (the
-        prior's for one tree of an evidence not verified for _STALE_EVIDENCE_STEPS), and the
-        nodes of all trees are taken most likely first, as many as give the step the most
-        expected tokens per second (a tree's deep drafts are cut where their rows cost more
-        than they are expected to commit)."""
+        the depth rates of its tree's evidence (the prior's for one tree of an evidence not
+        verified for _STALE_EVIDENCE_STEPS), and the nodes of all trees are taken most likely
+        first, as many as give the step the most expected tokens per second (a tree's deep
+        drafts are cut where their rows cost more than they are expected to commit)."""
         if not self.enabled:
             return [t.num_nodes for t in trees]
         if self._cost_of(base_rows) is None:
