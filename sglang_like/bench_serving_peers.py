@@ -5,8 +5,11 @@
 
 Each server is started on loopback, driven by `bench_serving`'s OpenAI client (/v1/completions,
 streaming) with the shared-prefix workload at each concurrency, and stopped. Ours runs once per
-`--quantizations` entry. Also prints our offline batch-1 TPOT for the same weights, so the
-server's overhead over the engine shows (`--skip-offline` to leave it out).
+`--quantizations` entry. Also measures our offline batch-1 TPOT for the same weights, so the
+server's overhead over the engine shows (`--skip-offline` to leave it out): `--tpot-rounds`
+rounds back to back while the server is up (a concurrency-1 run through the server, then the
+same prompts decoded by an in-process engine), the median of their ratios printed, since this
+machine's speed drifts between runs minutes apart by more than the overhead measured.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -55,42 +59,68 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _drive_one(url: str, args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
+    num = max(args.min_prompts, 2 * concurrency)
+    bench_args = build_parser().parse_args([
+        "--base-url", url, "--backend", "openai", "--workload", "shared-prefix",
+        "--num-prompts", str(num), "--concurrency", str(concurrency),
+        "--output-len", str(args.output_len), "--prefix-words", str(args.prefix_words),
+        "--ignore-eos", "--disable-tqdm", "--seed", "0",
+    ])
+    # one warm-up request so neither side pays first-call costs inside the measurement
+    warm = build_parser().parse_args(["--base-url", url, "--backend", "openai",
+                                      "--num-prompts", "1", "--concurrency", "1",
+                                      "--output-len", "4", "--disable-tqdm",
+                                      "--workload", "random", "--seed", "99"])
+    asyncio.run(run_benchmark(warm))
+    return asyncio.run(run_benchmark(bench_args))
+
+
 def _drive(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    out = []
-    for concurrency in args.concurrency:
-        num = max(args.min_prompts, 2 * concurrency)
-        bench_args = build_parser().parse_args([
-            "--base-url", url, "--backend", "openai", "--workload", "shared-prefix",
-            "--num-prompts", str(num), "--concurrency", str(concurrency),
-            "--output-len", str(args.output_len), "--prefix-words", str(args.prefix_words),
-            "--ignore-eos", "--disable-tqdm", "--seed", "0",
-        ])
-        # one warm-up request so neither side pays first-call costs inside the measurement
-        warm = build_parser().parse_args(["--base-url", url, "--backend", "openai",
-                                          "--num-prompts", "1", "--concurrency", "1",
-                                          "--output-len", "4", "--disable-tqdm",
-                                          "--workload", "random", "--seed", "99"])
-        asyncio.run(run_benchmark(warm))
-        out.append(asyncio.run(run_benchmark(bench_args)))
-    return out
+    return [_drive_one(url, args, concurrency) for concurrency in args.concurrency]
 
 
-def _serve_and_drive(cmd: list[str], port: int, args: argparse.Namespace) -> list[dict]:
+def _serve_and_drive(cmd: list[str], port: int, args: argparse.Namespace,
+                     also: Callable[[str], Any] | None = None) -> tuple[list[dict], Any]:
+    """(the concurrency runs, what `also(url)` returned, called while the server is up)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc, 300)
-        return _drive(url, args)
+        return _drive(url, args), (also(url) if also is not None else None)
     finally:
         _stop(proc)
 
 
-def _ours(quantization: str, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _ours(quantization: str, port: int, args: argparse.Namespace
+          ) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+    """(the concurrency runs, [(server TPOT p50, offline TPOT) ms per round])."""
     cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
            "--quantization", quantization, "--log-level", "warning"]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
-    return _serve_and_drive(cmd, port, args)
+    rounds = None if args.skip_offline else (
+        lambda url: _interleaved_tpot(url, quantization, args))
+    results, pairs = _serve_and_drive(cmd, port, args, rounds)
+    return results, pairs or []
+
+
+def _interleaved_tpot(url: str, quantization: str, args: argparse.Namespace
+                      ) -> list[tuple[float, float]]:
+    """Batch-1 TPOT through the server and offline, `args.tpot_rounds` rounds back to back
+    (the server idles while the in-process engine runs, and the other way round)."""
+    from sglang_like.engine import Engine
+
+    engine = Engine(model_path=args.model_path, quantization=quantization, engine_in_process=True)
+    try:
+        engine.generate("Warm up.", {"max_new_tokens": 8})
+        pairs = []
+        for _ in range(args.tpot_rounds):
+            served = _drive_one(url, args, 1)["tpot_p50_ms"]
+            pairs.append((served, offline_tpot_ms(engine, args)))
+        return pairs
+    finally:
+        engine.shutdown()
 
 
 def _llama(port: int, args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
@@ -104,13 +134,13 @@ def _llama(port: int, args: argparse.Namespace) -> tuple[list[dict[str, Any]], b
     cmd = [binary, "-m", args.model_path or default_model_path(), "--port", str(port),
            "-t", str(args.threads), "-np", str(slots), "-c", str(slots * 2048)]
     try:
-        return _serve_and_drive(cmd, port, args), False
+        return _serve_and_drive(cmd, port, args)[0], False
     except _ServerDied as exc:
         if exc.returncode not in CRASH_CODES:
             raise
     # its AMX weight repacking dies on some CPUs (see bench_peers): as bench_offline does,
     # run it again with repacking off, and say so in the table
-    return _serve_and_drive(cmd + ["--no-repack"], port, args), True
+    return _serve_and_drive(cmd + ["--no-repack"], port, args)[0], True
 
 
 def served_prompt(args: argparse.Namespace, i: int = 0) -> str:
@@ -138,17 +168,6 @@ def offline_tpot_ms(engine: Any, args: argparse.Namespace) -> float:
     return 1e3 * sorted(per_token)[1]
 
 
-def _offline_tpot_ms(quantization: str, args: argparse.Namespace) -> float:
-    from sglang_like.engine import Engine
-
-    engine = Engine(model_path=args.model_path, quantization=quantization, engine_in_process=True)
-    try:
-        engine.generate("Warm up.", {"max_new_tokens": 8})
-        return offline_tpot_ms(engine, args)
-    finally:
-        engine.shutdown()
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None)
@@ -164,15 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=30871)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--tpot-rounds", type=int, default=3,
+                    help="server-then-offline batch-1 TPOT rounds (the median ratio printed)")
     args = ap.parse_args(argv)
 
     rows: list[tuple[str, dict[str, Any]]] = []
-    offline: dict[str, float] = {}
+    rounds: dict[str, list[tuple[float, float]]] = {}
     for quantization in args.quantizations.split(","):
-        for s in _ours(quantization, args.port, args):
-            rows.append((f"ours ({quantization})", s))
-        if not args.skip_offline:
-            offline[quantization] = _offline_tpot_ms(quantization, args)
+        results, rounds[quantization] = _ours(quantization, args.port, args)
+        rows.extend((f"ours ({quantization})", s) for s in results)
     if args.llama_cpp_bin:
         results, no_repack = _llama(args.port + 1, args)
         name = "llama-server --no-repack" if no_repack else "llama-server"
@@ -187,12 +206,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<18}{s['concurrency']:>5}{ok:>8}{s['ttft_p50_ms']:>10.1f}"
               f"{s['tpot_p50_ms']:>10.1f}{s['itl_p50_ms']:>9.1f}{s['itl_p99_ms']:>9.1f}"
               f"{s['output_token_throughput']:>11.1f}{s['cache_hit_rate']:>7.0%}")
-    for quantization, tpot in offline.items():
-        served = next((s for n, s in rows if n == f"ours ({quantization})"
-                       and s["concurrency"] == 1), None)
-        if served:
-            print(f"ours ({quantization}) batch-1 TPOT: server {served['tpot_p50_ms']:.1f} ms, "
-                  f"offline {tpot:.1f} ms ({served['tpot_p50_ms'] / tpot - 1:+.0%})")
+    for quantization, pairs in rounds.items():
+        if not pairs:
+            continue
+        ratios = sorted(server / offline for server, offline in pairs)
+        listed = ", ".join(f"{server:.1f} / {offline:.1f}" for server, offline in pairs)
+        print(f"ours ({quantization}) batch-1 TPOT, server / offline ms, {len(pairs)} rounds "
+              f"back to back: {listed}; median {ratios[len(ratios) // 2] - 1:+.0%}")
 
 
 if __name__ == "__main__":
