@@ -111,7 +111,7 @@ def _evidence_key(evidence: int, copying: bool) -> tuple[int, bool]:
     whether the request's last verified tree had a draft accepted. Drafts are accepted in
     runs: a request copying its prompt (extraction, editing) keeps matching, and one chatting
     matches now and then by chance. Measured on the bench, after its chat prompts had priced
-    short matches at 0.05 a draft, extraction's short matches (0.44 there) were not tried
+    short matches at 0.07 a draft, extraction's short matches (0.44 there) were not tried
     again; with the bit they are priced as a copying request's, once a long match paid."""
     return max(-_MAX_EVIDENCE, min(evidence, _MAX_EVIDENCE)), copying
 
