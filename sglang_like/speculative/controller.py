@@ -384,10 +384,9 @@ class SpecController:
             return counts, False
         # the step's drafting is spent: the best above is read without it; whether drafting
         # pays is the same with it, against the plain step
-        rows_best = base_rows + sum(counts) - len(counts)
-        tokens_best = best_rate * self._cost_of(rows_best)
-        return counts, tokens_best / (self._cost_of(rows_best)
-                                      + self._drafting_of(base_rows)) > base_rows / c_base
+        c_best = self._cost_of(base_rows + sum(counts) - len(counts))
+        tokens_best = best_rate * c_best
+        return counts, tokens_best / (c_best + self._drafting_of(base_rows)) > base_rows / c_base
 
 
 def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]:
