@@ -225,6 +225,19 @@ class Engine:
     def num_queued_requests(self) -> int:
         return self._client.num_queued
 
+    def attach_event_loop(self, loop: Any) -> bool:
+        """Route this engine's outputs on `loop` (call on its thread; a server's) instead of
+        a thread of the engine client's: where the core is a process, its outputs are then
+        read where they are streamed out, with no thread hop per token. False where nothing
+        changed (an in-process core, or one gone). `detach_event_loop` before the loop ends."""
+        attach = getattr(self._client, "attach_event_loop", None)
+        return bool(attach is not None and attach(loop))
+
+    def detach_event_loop(self) -> None:
+        detach = getattr(self._client, "detach_event_loop", None)
+        if detach is not None:
+            detach()
+
     def shutdown(self) -> None:
         """Abort what is in flight (each caller gets "server shutting down") and stop the
         engine core."""

@@ -1,9 +1,11 @@
 """ProcessCoreClient: the Engine's side of an engine core running in its own process.
 
-It spawns `python -m sglang_like.engine_core`, sends it requests, and routes the outputs that
-come back to each request's handle on a receiver thread. That thread also watches the process
-(a pidfd): if the core dies, every request in flight ends at once with an internal-error abort,
-`check_health` says why, and later requests are answered with the same error.
+It spawns `python -m sglang_like.engine_core`, sends it requests (ZeroMQ), and routes the
+outputs that come back (frames on a pipe, `pipe.py`) to each request's handle, read on a
+receiver thread or on a server's event loop (`receiver.py`). The reader also watches the
+process (a pidfd, and the pipe's end): if the core dies, every request in flight ends at once
+with an internal-error abort, `check_health` says why, and later requests are answered with
+the same error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import mmap
 import os
 import pickle
+import select
 import shutil
 import struct
 import subprocess
@@ -27,7 +30,9 @@ import zmq
 from sglang_like.config import ServerArgs
 from sglang_like.engine_core import messages as m
 from sglang_like.engine_core.core import CoreInfo
+from sglang_like.engine_core.pipe import FrameReader, make_pipe
 from sglang_like.engine_core.process import STATS_SIZE
+from sglang_like.engine_core.receiver import OutputReceiver
 from sglang_like.engine_io import RequestHandle
 from sglang_like.engine_loop import SHUTDOWN_MESSAGE, error_output
 
@@ -50,11 +55,10 @@ class ProcessCoreClient:
         self._ctx = zmq.Context()
         self._send_sock = self._ctx.socket(zmq.PUSH)
         self._send_sock.setsockopt(zmq.LINGER, 0)
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        in_addr = f"ipc://{self._dir}/in"
         self._send_sock.bind(in_addr)
-        self._recv_sock = self._ctx.socket(zmq.PULL)
-        self._recv_sock.setsockopt(zmq.LINGER, 0)
-        self._recv_sock.bind(out_addr)
+        self._out_fd, out_w = make_pipe()
+        self._frames = FrameReader()
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._lock = threading.Lock()  # guards _handles, _calls and _dead against each other
         self._handles: dict[str, RequestHandle] = {}
@@ -69,13 +73,16 @@ class ProcessCoreClient:
             self._stats = mmap.mmap(f.fileno(), STATS_SIZE)
         args_path = os.path.join(self._dir, "args.pkl")
         with open(args_path, "wb") as f:
-            pickle.dump({"server_args": server_args, "in_addr": in_addr, "out_addr": out_addr,
+            pickle.dump({"server_args": server_args, "in_addr": in_addr, "out_fd": out_w,
                          "stats_path": stats_path, "parent_pid": os.getpid()}, f)
         self.watchdog_timeout = server_args.watchdog_timeout
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_like.engine_core", args_path],
-            stdin=subprocess.DEVNULL, env=_child_env(),
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sglang_like.engine_core", args_path],
+                stdin=subprocess.DEVNULL, env=_child_env(), pass_fds=(out_w,),
+            )
+        finally:
+            os.close(out_w)  # the core holds the write end: its exit reads as end of file
         try:
             # the tokenizer loads here while the core loads the model
             self.tokenizer = _load_tokenizer(server_args)
@@ -85,22 +92,29 @@ class ProcessCoreClient:
             self._cleanup()
             raise
         self._grammar_backend: Any = None
-        self._receiver = threading.Thread(target=self._receive, name="sglang-like-core-client",
-                                          daemon=True)
-        self._receiver.start()
+        self._receiver = OutputReceiver(self._out_fd, self.proc, self._dispatch,
+                                        self._on_core_exit, self._on_receiver_failure)
 
     # ---- start-up --------------------------------------------------------------------------
+    def _read_frames(self) -> list[bytes] | None:
+        """The whole frames readable now (the pipe must be readable); None at end of file."""
+        data = os.read(self._out_fd, 1 << 20)
+        return self._frames.feed(data) if data else None
+
     def _wait_ready(self) -> CoreInfo:
         deadline = time.monotonic() + _READY_TIMEOUT_S
+        poller = select.poll()
+        poller.register(self._out_fd, select.POLLIN)
         while True:
-            if self._recv_sock.poll(200):
-                (msg,) = m.decode_out(self._recv_sock.recv())
-                assert isinstance(msg, m.Ready), msg
+            frames = self._read_frames() if poller.poll(200) else []
+            if frames:
+                (msg,) = m.decode_out(frames[0])
+                assert isinstance(msg, m.Ready), msg  # the core sends nothing else before
                 if msg.error_type:
                     self.proc.wait(timeout=30)
                     raise _BUILTIN_ERRORS.get(msg.error_type, EngineProcessError)(msg.error)
                 return pickle.loads(msg.info)
-            code = self.proc.poll()
+            code = self.proc.poll() if frames is not None else self.proc.wait(timeout=30)
             if code is not None:
                 raise EngineProcessError(
                     f"the engine process exited with code {code} while loading the model")
@@ -123,6 +137,11 @@ class ProcessCoreClient:
         if message is not None:
             handle.put(error_output(msg.rid, message))
             return
+        if handle.loop is None and self._receiver.on_loop_thread:
+            # a blocking caller on the loop that reads the outputs would wait for itself
+            logger.warning("a blocking generate on the event loop the engine's outputs are "
+                           "read on; reading them on a thread again")
+            self._receiver.detach()
         with self._send_lock:
             self._send_sock.send(data, copy=False)
 
@@ -139,7 +158,9 @@ class ProcessCoreClient:
                 raise EngineProcessError(self._dead)
             self._calls[call_id] = slot
         self._send(m.RpcReq(call_id, method, kwargs))
-        if not slot[0].wait(_RPC_TIMEOUT_S):
+        if self._receiver.on_loop_thread:  # the loop that would read the answer is this thread
+            self._receiver.pump_until(slot[0].is_set, _RPC_TIMEOUT_S)
+        if not slot[0].wait(0 if self._receiver.on_loop_thread else _RPC_TIMEOUT_S):
             with self._lock:
                 self._calls.pop(call_id, None)
             raise TimeoutError(f"the engine did not answer {method} in {_RPC_TIMEOUT_S:g} s")
@@ -178,8 +199,19 @@ class ProcessCoreClient:
                     self.info.server_args.grammar_backend)
             return self._grammar_backend
 
+    def attach_event_loop(self, loop: Any) -> bool:
+        """Read the core's outputs on `loop` (a server's; call on its thread) instead of the
+        receiver thread: the requests of that loop get theirs with no thread hop. False if
+        the core is gone or a loop reads already. `detach_event_loop` before the loop ends."""
+        return self._receiver.attach(loop)
+
+    def detach_event_loop(self) -> None:
+        self._receiver.detach()
+
     def shutdown(self) -> None:
         """Stop the core (it answers what is in flight), wait for it, clean up."""
+        if self._receiver.on_loop_thread:
+            self._receiver.detach()  # this thread is about to block: the thread reads again
         self._stopping = True
         if self.proc.poll() is None:
             try:
@@ -201,38 +233,15 @@ class ProcessCoreClient:
         with self._send_lock:
             self._send_sock.send(data, copy=False)
 
-    def _receive(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._recv_sock, zmq.POLLIN)
-        pidfd = _pidfd(self.proc.pid)
-        if pidfd is not None:
-            poller.register(pidfd, zmq.POLLIN)
-        try:
-            while True:
-                events = dict(poller.poll(None if pidfd is not None else 500))
-                if self._recv_sock in events:
-                    self._dispatch(self._recv_sock.recv())
-                    continue
-                if pidfd is None and self.proc.poll() is None:
-                    continue
-                if pidfd is not None and pidfd not in events:
-                    continue
-                # the process ended: take what it sent before, then answer the rest
-                while self._recv_sock.poll(0):
-                    self._dispatch(self._recv_sock.recv())
-                code = self.proc.wait()
-                if self._stopping and code == 0:
-                    self._mark_dead(SHUTDOWN_MESSAGE)
-                else:
-                    logger.error("the engine process exited with code %s", code)
-                    self._mark_dead(f"internal error: the engine process exited with code {code}")
-                return
-        except Exception as exc:  # noqa: BLE001 - nobody would route outputs any more
-            logger.exception("the engine client's receiver failed")
-            self._mark_dead(f"internal error: the engine client failed: {exc}")
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
+    def _on_core_exit(self, code: int) -> None:
+        if self._stopping and code == 0:
+            self._mark_dead(SHUTDOWN_MESSAGE)
+        else:
+            logger.error("the engine process exited with code %s", code)
+            self._mark_dead(f"internal error: the engine process exited with code {code}")
+
+    def _on_receiver_failure(self, exc: Exception) -> None:
+        self._mark_dead(f"internal error: the engine client failed: {exc}")
 
     def _dispatch(self, data: bytes) -> None:
         # One wake-up per event loop per frame, not one per output: at batch 32 a frame holds
@@ -252,7 +261,11 @@ class ProcessCoreClient:
                 if slot is not None:
                     slot[1] = msg
                     slot[0].set()
+        here = self._receiver.loop if self._receiver.on_loop_thread else None
         for loop, items in by_loop.items():
+            if loop is here:
+                _deliver_all(items)  # read on that very loop: no hop
+                continue
             try:
                 loop.call_soon_threadsafe(_deliver_all, items)
             except RuntimeError:  # that event loop is closed: nobody is listening
@@ -282,9 +295,12 @@ class ProcessCoreClient:
             pass
 
     def _cleanup(self) -> None:
-        for sock in (self._send_sock, self._recv_sock):
-            sock.close(linger=0)
+        self._send_sock.close(linger=0)
         self._ctx.term()
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.close()
+        os.close(self._out_fd)
         self._stats.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -298,13 +314,6 @@ def _load_tokenizer(server_args: ServerArgs) -> Any:
     from sglang_like.model_loader import load_tokenizer
 
     return load_tokenizer(server_args.tokenizer_path or server_args.model_path)
-
-
-def _pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3: poll the process instead
-        return None
 
 
 def _child_env() -> dict[str, str]:

@@ -3,7 +3,8 @@ ProcessCoreClient, never by hand).
 
 Its main thread builds the model and runs the loop (every torch op on one thread, see
 ThreadCoreClient); a receiver thread turns incoming messages into the loop's commands. Each
-loop iteration sends everything it produced as one frame, and publishes the load and the
+loop iteration sends everything it produced as one frame down the output pipe (`pipe.py`: the
+loop's thread writes it, no I/O thread in between), and publishes the load and the
 running step's start time in a small shared file the client reads without asking (admission,
 /health's watchdog). If the parent goes away the core stops by itself.
 """
@@ -26,6 +27,7 @@ import zmq
 
 from sglang_like.engine_core import messages as m
 from sglang_like.engine_core.core import EngineCore, make_req
+from sglang_like.engine_core.pipe import FrameWriter
 from sglang_like.engine_loop import LoopHooks, error_output
 from sglang_like.req import internal_error_message
 
@@ -71,8 +73,8 @@ class RpcAnswer:
 class Outbox(LoopHooks):
     """Collects the loop's messages and sends them once per iteration; keeps the stats file."""
 
-    def __init__(self, sock: zmq.Socket, stats: mmap.mmap) -> None:
-        self._sock = sock
+    def __init__(self, out: FrameWriter, stats: mmap.mmap) -> None:
+        self._out = out
         self._stats = stats
         self._lock = threading.Lock()  # the receiver thread answers too, once the loop closed
         self._pending: list[Any] = []
@@ -86,7 +88,7 @@ class Outbox(LoopHooks):
         with self._lock:
             pending, self._pending = self._pending, []
             if pending:
-                self._sock.send(m.encode(pending), copy=False)
+                self._out.send(m.encode(pending))
 
     def step_started(self, t: float | None) -> None:
         struct.pack_into("<d", self._stats, 0, t or 0.0)
@@ -154,8 +156,7 @@ def main(args_path: str) -> int:
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(spec["in_addr"])
-    out = ctx.socket(zmq.PUSH)
-    out.connect(spec["out_addr"])
+    out = FrameWriter(spec["out_fd"])
     with open(spec["stats_path"], "r+b") as f:
         stats = mmap.mmap(f.fileno(), STATS_SIZE)
     outbox = Outbox(out, stats)
@@ -167,7 +168,7 @@ def main(args_path: str) -> int:
         out.send(m.encode([m.Ready(error_type=type(exc).__name__,
                                    error=str(exc) or traceback.format_exc())]))
         inbox.close(linger=0)
-        out.close(linger=5000)  # delivers the message first
+        out.close()  # delivers the message first
         return 1
     from sglang_like.cpu_runtime import trim_heap
 
@@ -182,6 +183,6 @@ def main(args_path: str) -> int:
     core.shutdown_grammars()
     core.runner.close()  # tensor-parallel ranks get their stop message (os._exit skips atexit)
     core.shutdown_disaggregation()
-    out.close(linger=5000)
+    out.close()
     return 1 if core.loop.error is not None else 0
 

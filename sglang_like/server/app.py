@@ -3,6 +3,7 @@ and the OpenAPI document at /openapi.json (see server/openapi.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import logging
@@ -37,9 +38,14 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         history.start()  # the dashboard's charts have the server's past when first opened
+        # the engine's outputs are read on this loop, which streams them (Engine's docstring)
+        attach = getattr(engine, "attach_event_loop", None)
+        attached = attach is not None and attach(asyncio.get_running_loop())
         try:
             yield
         finally:
+            if attached:
+                engine.detach_event_loop()
             history.stop()
 
     # Routes return their own Response objects; the plain class keeps FastAPI from documenting

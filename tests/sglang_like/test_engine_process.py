@@ -86,6 +86,36 @@ def test_async_generate_and_streams(proc_engine: Any) -> None:
     assert text == out["text"] and out["meta_info"]["completion_tokens"] == 12
 
 
+def test_outputs_read_on_an_attached_event_loop(proc_engine: Any) -> None:
+    """A server's loop reads the core's outputs itself (no thread hop per token): streams,
+    RPCs made on that very loop, a blocking generate there (it hands the reading back to a
+    thread rather than wait for itself), and the thread reads again after detaching."""
+    expected = proc_engine.generate(PROMPTS, GREEDY)
+
+    async def run() -> tuple[list[dict], list[str], dict, dict]:
+        assert proc_engine.attach_event_loop(asyncio.get_running_loop())
+        assert not proc_engine.attach_event_loop(asyncio.get_running_loop())  # once
+        try:
+            outs = await asyncio.gather(*[proc_engine.async_generate(p, GREEDY)
+                                          for p in PROMPTS])
+            texts = []
+            for p in PROMPTS:
+                it = await proc_engine.async_generate(p, GREEDY, stream=True)
+                texts.append("".join([c["text"] async for c in it]))
+            info = proc_engine.get_server_info()  # a blocking RPC on the reading loop
+            blocking = proc_engine.generate(PROMPTS[0], GREEDY)
+        finally:
+            proc_engine.detach_event_loop()
+        return outs, texts, info, blocking
+
+    outs, texts, info, blocking = asyncio.run(run())
+    assert [o["text"] for o in outs] == texts == [e["text"] for e in expected]
+    assert info["engine_pid"] == proc_engine.engine_pid
+    assert blocking["text"] == expected[0]["text"]
+    assert proc_engine.generate(PROMPTS[1], GREEDY)["text"] == expected[1]["text"]
+    assert proc_engine.get_server_info()["engine_pid"] == proc_engine.engine_pid
+
+
 def test_bad_grammar_is_a_value_error_alone_and_an_abort_in_a_batch(proc_engine: Any) -> None:
     with pytest.raises(ValueError, match="regex"):
         proc_engine.generate("x", {"regex": "[0-9", "max_new_tokens": 4})
