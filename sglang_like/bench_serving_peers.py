@@ -92,11 +92,12 @@ def _serve_and_drive(cmd: list[str], port: int, args: argparse.Namespace,
         _stop(proc)
 
 
-def _ours(quantization: str, port: int, args: argparse.Namespace
+def _ours(quantization: str, stream_interval: int, port: int, args: argparse.Namespace
           ) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
     """(the concurrency runs, [(server TPOT p50, offline TPOT) ms per round])."""
     cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
-           "--quantization", quantization, "--log-level", "warning"]
+           "--quantization", quantization, "--log-level", "warning",
+           "--stream-interval", str(stream_interval)]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
     rounds = None if args.skip_offline else (
@@ -185,13 +186,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--tpot-rounds", type=int, default=3,
                     help="server-then-offline batch-1 TPOT rounds (the median ratio printed)")
+    ap.add_argument("--stream-intervals", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1], help="our server once per --stream-interval, e.g. 1,4")
     args = ap.parse_args(argv)
 
     rows: list[tuple[str, dict[str, Any]]] = []
     rounds: dict[str, list[tuple[float, float]]] = {}
     for quantization in args.quantizations.split(","):
-        results, rounds[quantization] = _ours(quantization, args.port, args)
-        rows.extend((f"ours ({quantization})", s) for s in results)
+        for interval in args.stream_intervals:
+            name = quantization if interval == 1 else f"{quantization}, interval {interval}"
+            results, rounds[name] = _ours(quantization, interval, args.port, args)
+            rows.extend((f"ours ({name})", s) for s in results)
     if args.llama_cpp_bin:
         results, no_repack = _llama(args.port + 1, args)
         name = "llama-server --no-repack" if no_repack else "llama-server"
@@ -199,19 +204,20 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\nshared-prefix workload (~{args.prefix_words} words shared), {args.output_len} "
           "tokens each, OpenAI /v1/completions streaming, same client for every server")
-    print(f"{'server':<18}{'conc':>5}{'ok':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
+    width = max(18, *(len(name) + 1 for name, _ in rows))
+    print(f"{'server':<{width}}{'conc':>5}{'ok':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}"
           f"{'ITL p99':>9}{'out tok/s':>11}{'hit':>7}")
     for name, s in rows:
         ok = f"{s['num_ok']}/{s['num_requests']}"
-        print(f"{name:<18}{s['concurrency']:>5}{ok:>8}{s['ttft_p50_ms']:>10.1f}"
+        print(f"{name:<{width}}{s['concurrency']:>5}{ok:>8}{s['ttft_p50_ms']:>10.1f}"
               f"{s['tpot_p50_ms']:>10.1f}{s['itl_p50_ms']:>9.1f}{s['itl_p99_ms']:>9.1f}"
               f"{s['output_token_throughput']:>11.1f}{s['cache_hit_rate']:>7.0%}")
-    for quantization, pairs in rounds.items():
+    for name, pairs in rounds.items():
         if not pairs:
             continue
         ratios = sorted(server / offline for server, offline in pairs)
         listed = ", ".join(f"{server:.1f} / {offline:.1f}" for server, offline in pairs)
-        print(f"ours ({quantization}) batch-1 TPOT, server / offline ms, {len(pairs)} rounds "
+        print(f"ours ({name}) batch-1 TPOT, server / offline ms, {len(pairs)} rounds "
               f"back to back: {listed}; median {ratios[len(ratios) // 2] - 1:+.0%}")
 
 

@@ -90,6 +90,9 @@ class ServerArgs:
     random_seed: int = 0
     # /health fails (503) while one scheduler step has run longer than this (SGLang's name)
     watchdog_timeout: float = 300.0
+    # SGLang's: a stream gets a chunk once this many tokens are new (its first token and its
+    # end at once); larger is less work per token for the serving side, chunkier to read
+    stream_interval: int = 1
     # Speculative decoding (SGLang's switches; None -> the algorithm's default, see
     # sglang_like.speculative.SpecConfig)
     speculative_algorithm: str | None = None  # "EAGLE" | "EAGLE3" | "NGRAM" | None (off)

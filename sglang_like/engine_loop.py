@@ -70,9 +70,12 @@ class EngineLoop:
 
     def __init__(self, tokenizer: Any, watchdog_timeout: float,
                  grammar_backend: Callable[[], Any] | None = None,
-                 hooks: LoopHooks | None = None) -> None:
+                 hooks: LoopHooks | None = None, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1; got {stream_interval}")
         self.tokenizer = tokenizer
         self.watchdog_timeout = watchdog_timeout
+        self.stream_interval = stream_interval
         self.scheduler: Scheduler | None = None  # set once the model is built
         self._grammar_backend = grammar_backend
         self.hooks = hooks or LoopHooks()
@@ -296,7 +299,7 @@ class EngineLoop:
         if handle is None:
             return
         try:
-            if req.stream or req.is_finished:
+            if req.is_finished or (req.stream and self._stream_due(req)):
                 handle.put(self._output(req))
         except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer bug: this request only
             logger.exception("building the output of %s failed", req.rid)
@@ -305,6 +308,13 @@ class EngineLoop:
         if req.is_finished:
             self._handles.pop(req.rid, None)
             self.request_latency.observe(req)
+
+    def _stream_due(self, req: Req) -> bool:
+        """Whether a running stream gets a chunk now (see ServerArgs.stream_interval): its
+        first tokens at once, then once `stream_interval` tokens are new (a verify may commit
+        several in one step)."""
+        return (self.stream_interval == 1 or req.num_sent_ids == 0
+                or len(req.output_ids) - req.num_sent_ids >= self.stream_interval)
 
     def _close(self, message: str) -> None:
         """Stop taking requests and answer everyone: queued commands, requests in the

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
                    help="/health answers 503 while one scheduler step has run this many "
                         "seconds (a stuck forward)")
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="a stream gets a chunk once this many tokens are new (its first "
+                        "token and its end at once); above 1 the serving side does less work "
+                        "per token, which on a machine of few cores the decode step gets back")
     add_speculative_arguments(p, d)
     add_scale_out_arguments(p, d)
     p.add_argument("--engine-in-process", action="store_true", default=d.engine_in_process,

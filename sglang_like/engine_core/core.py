@@ -87,7 +87,8 @@ class EngineCore:
         self._grammar_backend: Any = None
         self._grammar_lock = threading.Lock()
         self.loop = EngineLoop(self.tokenizer, self.server_args.watchdog_timeout,
-                               grammar_backend=lambda: self.grammar_backend, hooks=hooks)
+                               grammar_backend=lambda: self.grammar_backend, hooks=hooks,
+                               stream_interval=self.server_args.stream_interval)
         self.loop.scheduler = self.scheduler
         self._kv_transfer: Any = None  # the Mooncake engine, made once, kept across roles
         self.disaggregation_mode = "null"

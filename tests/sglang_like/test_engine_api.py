@@ -253,6 +253,30 @@ def test_stream_increments_concatenate(engine: Any, ref: list[dict]) -> None:
     assert [e[1] for e in lps] == ref[3]["output_ids"]
 
 
+@pytest.mark.parametrize("algo", [None, "NGRAM"])
+def test_stream_interval_sends_a_chunk_per_interval_tokens(make_engine: Any, ref: list[dict],
+                                                           algo: str | None) -> None:
+    """--stream-interval 5: the first token at once, then a chunk once 5 tokens are new (a
+    verify may commit more in one step), the end at once; the chunks add up to the same
+    output (NGRAM included: the repetitive prompt's verifies commit several tokens a step)."""
+    sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    interval = make_engine(max_total_tokens=16384, stream_interval=5,
+                           speculative_algorithm=algo)
+    for prompt, expected in ((PROMPTS[3], ref[3]), (REPETITIVE, None)):
+        chunks = list(interval.generate(prompt, sp, stream=True, return_logprob=True))
+        whole = expected or interval.generate(prompt, sp)
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+        counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+        assert counts[0] == 1 and counts[-1] == 16
+        assert all(b - a >= 5 for a, b in zip(counts[:-1], counts[1:-1], strict=False)), counts
+        assert len(chunks) <= 2 + 15 // 5
+        lps = sum((c["meta_info"]["output_token_logprobs"] for c in chunks), [])
+        assert [e[1] for e in lps] == whole["output_ids"]
+    with pytest.raises(ValueError, match="stream_interval"):
+        make_engine(stream_interval=0)
+
+
 def test_async_generate_and_async_stream(engine: Any, ref: list[dict]) -> None:
     sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
