@@ -10,6 +10,8 @@ drafts that give it the most expected tokens per second, none when plain decodin
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
 from collections import deque
@@ -150,6 +152,9 @@ class SpecController:
     cheap_idle_steps: int = 0
     # evidence key -> the step its trees were last verified (or last explored)
     evidence_step: dict[tuple[int, bool], int] = field(default_factory=dict)
+    # the measured sizes in order, and the most any of them up to each costs (see _cost_of)
+    _floor_keys: list[int] = field(default_factory=list)
+    _floor: list[float] = field(default_factory=list)
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self.step += 1
@@ -158,6 +163,8 @@ class SpecController:
         samples.append(seconds)
         self.cost[b] = statistics.median(samples)
         self.cost_step[b] = self.step
+        self._floor_keys = sorted(self.cost)
+        self._floor = list(itertools.accumulate((self.cost[k] for k in self._floor_keys), max))
 
     def plain_step_stale(self, base_rows: int) -> bool:
         """Whether this step should run plain, to measure again the step of `base_rows`
@@ -265,20 +272,31 @@ class SpecController:
         blocks of 4, so cost is a staircase (measured at batch 1, int4: 11.2 ms for 4 rows,
         16.1 for 5, 18.8 for 8, 26.8 for 9); two sizes on one stair read as free rows (after
         batch-1 runs 10 and 11 rows measured 28.7 and 28.3 ms, which priced 13 rows at 28
-        ms; they cost 33-38)."""
+        ms; they cost 33-38).
+
+        Never less than a smaller size was measured to cost: more rows are never cheaper,
+        but steps measured a while apart on a machine whose speed drifts 10-20% say so (at
+        batch 32, 42 rows read 32.3 ms against 34.5 for the plain 32: drafting looked free,
+        paid on paper, reset EAGLE's pause, and the batch ran at 0.73x of off)."""
         b = _bucket(rows)
         if b in self.cost:
-            return self.cost[b]
+            return self._at_least_below(b, self.cost[b])
         below = [k for k in self.cost if k < b]
         above = [k for k in self.cost if k > b]
         if below and above:
             lo, hi = max(below), min(above)
-            return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (b - lo) / (hi - lo)
+            value = self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (b - lo) / (hi - lo)
+            return self._at_least_below(b, value)
         if len(below) >= 2 and not above:
             lo, hi = min(below), max(below)
             slope = max(0.0, (self.cost[hi] - self.cost[lo]) / (hi - lo))
-            return self.cost[hi] + slope * (b - hi)
+            return self._at_least_below(b, self.cost[hi] + slope * (b - hi))
         return None
+
+    def _at_least_below(self, b: int, value: float) -> float:
+        """`value`, raised to the most a measured size up to `b` costs."""
+        i = bisect.bisect_right(self._floor_keys, b) - 1
+        return value if i < 0 else max(value, self._floor[i])
 
     def depth_rates(self, key: tuple[int, bool] | None, depth: int) -> list[float]:
         """For depths 1 .. `depth`: how often a draft there was accepted (its parent
