@@ -93,7 +93,8 @@ class ProcessCoreClient:
             raise
         self._grammar_backend: Any = None
         self._receiver = OutputReceiver(self._out_fd, self.proc, self._dispatch,
-                                        self._on_core_exit, self._on_receiver_failure)
+                                        self._on_core_exit, self._on_receiver_failure,
+                                        self._frames)
 
     # ---- start-up --------------------------------------------------------------------------
     def _read_frames(self) -> list[bytes] | None:

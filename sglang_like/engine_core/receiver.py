@@ -44,14 +44,15 @@ class OutputReceiver:
     `on_failure(exc)` if reading itself failed."""
 
     def __init__(self, fd: int, proc: subprocess.Popen, dispatch: Callable[[bytes], None],
-                 on_exit: Callable[[int], None],
-                 on_failure: Callable[[Exception], None]) -> None:
+                 on_exit: Callable[[int], None], on_failure: Callable[[Exception], None],
+                 reader: FrameReader | None = None) -> None:
+        """`reader`: the one that read the pipe so far (a frame it holds in part goes on)."""
         self.fd = fd
         self.proc = proc
         self._dispatch = dispatch
         self._on_exit = on_exit
         self._on_failure = on_failure
-        self._frames = FrameReader()
+        self._frames = reader or FrameReader()
         self._pidfd = _pidfd(proc.pid)
         self._wake_r, self._wake_w = os.pipe()  # tells the thread to hand the pipe over
         self._handover = False
