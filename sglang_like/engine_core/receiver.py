@@ -77,11 +77,12 @@ class OutputReceiver:
         poller.register(self.fd, select.POLLIN)
         return bool(poller.poll(timeout_ms))
 
-    def _take(self, timeout_ms: int = 0) -> bool:
-        """Read and dispatch what is readable within `timeout_ms`; False at end of file."""
+    def _take(self, timeout_ms: int | None = 0) -> bool:
+        """Read and dispatch what is readable within `timeout_ms` (None: the pipe is known to
+        be readable); False at end of file."""
         if self._eof:
             return False
-        if not self._readable(timeout_ms):
+        if timeout_ms is not None and not self._readable(timeout_ms):
             return True
         frames = self._read()
         if frames is None:
@@ -136,7 +137,7 @@ class OutputReceiver:
                     os.read(self._wake_r, 64)
                     if self._handover:
                         return  # an event loop reads from here on (attach)
-                if self.fd in events and self._take():
+                if self.fd in events and self._take(None):
                     continue
                 if self._eof or (self._pidfd is not None and self._pidfd in events) or (
                         self._pidfd is None and self.proc.poll() is not None):
@@ -189,7 +190,7 @@ class OutputReceiver:
 
     def _on_readable(self) -> None:
         try:
-            if self._take():
+            if self._take(None):
                 return
         except Exception as exc:  # noqa: BLE001 - as the thread's
             logger.exception("the engine client's receiver failed")
