@@ -6,7 +6,8 @@
                                                                           #   prefix vs HF
 
 Each format runs in a fresh process (its RSS is its own): batch-1 decode, batch 8 and 32
-decode, a 1,024-token prefill. The bandwidth floor is the weight bytes one decode step reads
+decode, a 1,024-token prefill; `--rounds N` runs every format N times, interleaved, and keeps
+each figure's median. The bandwidth floor is the weight bytes one decode step reads
 over this machine's measured read bandwidth. llama.cpp runs `llama-bench` (batch-1 decode,
 prefill) and `llama-batched-bench` (batched decode) with 2 threads, as its users run them;
 build it with ../shared/peers/llama-cpp.sh, which prints the folder to pass.
@@ -118,6 +119,19 @@ def measure_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
     return num_bytes / best / 1e9
 
 
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of several runs of a format: each speed their median, the rest the first's.
+    Formats measured one after another minutes apart inherit the machine's drift (int4-eagle3
+    read 0.70x of int4 at batch 32 in such a run, with drafting paused all along, so the same
+    work); rounds that interleave them and keep medians do not."""
+    row = dict(runs[0])
+    for key in list(row):
+        if key.endswith("_tok_s"):
+            row[key] = sorted(r[key] for r in runs)[len(runs) // 2]
+    row["rounds"] = len(runs)
+    return row
+
+
 def _run_worker(fmt: str, argv: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "sglang_like.bench_offline", "--worker", fmt, *argv]
     env = {**os.environ, **FORMATS[fmt].get("env", {})}
@@ -215,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
                     help="folder with llama-bench and llama-batched-bench")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every format, interleaved (each figure their median)")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--shared-prefix", action="store_true",
                     help="also the 64 x 1000-token shared-prefix batch (ours vs HF generate)")
@@ -233,12 +249,16 @@ def main(argv: list[str] | None = None) -> None:
                    f"--prefill-tokens={args.prefill_tokens}"]
     if args.model_path:
         passthrough.append(f"--model-path={args.model_path}")
-    rows = []
-    for fmt in args.formats.split(","):
+    formats = args.formats.split(",")
+    for fmt in formats:
         if fmt not in FORMATS:
             raise SystemExit(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
-        rows.append(_run_worker(fmt, passthrough))
-        print(f"{fmt}: {rows[-1]}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {fmt: [] for fmt in formats}
+    for _ in range(args.rounds):  # formats interleaved: the machine's drift lands in none
+        for fmt in formats:
+            runs[fmt].append(_run_worker(fmt, passthrough))
+            print(f"{fmt}: {runs[fmt][-1]}", flush=True)
+    rows = [_median_row(runs[fmt]) for fmt in formats]
     peer = _peer(args)
     if peer:
         print(f"llama.cpp: {peer}", flush=True)
