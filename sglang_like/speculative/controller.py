@@ -73,6 +73,15 @@ _STALE_EVIDENCE_STEPS = 256
 # runs one otherwise (measured: the batch-1 plain step kept the 8.7 ms of a step just after
 # start while it ran in 5.8, and EAGLE drafted at 0.85x of plain decoding)
 _REMEASURE_STEPS = 32
+# From _COMPUTE_BOUND_ROWS rows up the int kernels are compute-bound (the x16 kernel runs 8
+# activation rows per pass over the weights; more rows, more passes): a row more costs about
+# an average row of the step (measured, int4: 1.3-1.5 ms a row at batch 8 against 2 ms on
+# average, about 1 against 1.1 at batch 32). Sizes measured a while apart on a drifting
+# machine read rows there as nearly free (NGRAM's one-token matches, 0.14 tokens a node, were
+# verified at batch 32: 0.78x of off), so a size above a measured one of at least that many
+# rows is priced at _MIN_ROW_SHARE of its average row per row more, at least.
+_COMPUTE_BOUND_ROWS = 8
+_MIN_ROW_SHARE = 0.5
 # a row count's cost is the median of its last _COST_SAMPLES steps: an EMA started from the
 # first step after start (12 ms where the step runs in 5.8: plans and buffers built) and fed
 # a plain step every _REMEASURE_STEPS kept the plain step's price 30-40% high for a hundred
@@ -294,9 +303,19 @@ class SpecController:
         return None
 
     def _at_least_below(self, b: int, value: float) -> float:
-        """`value`, raised to the most a measured size up to `b` costs."""
-        i = bisect.bisect_right(self._floor_keys, b) - 1
-        return value if i < 0 else max(value, self._floor[i])
+        """`value`, raised to the most a measured size up to `b` costs, and from a measured
+        size k of at least _COMPUTE_BOUND_ROWS below b, to k's cost plus _MIN_ROW_SHARE of
+        its average row per row more (see there)."""
+        keys = self._floor_keys
+        i = bisect.bisect_right(keys, b) - 1
+        if i < 0:
+            return value
+        value = max(value, self._floor[i])
+        j = bisect.bisect_left(keys, b) - 1
+        if j >= 0 and keys[j] >= _COMPUTE_BOUND_ROWS:
+            k = keys[j]
+            value = max(value, self.cost[k] * (1 + _MIN_ROW_SHARE * (b - k) / k))
+        return value
 
     def depth_rates(self, key: tuple[int, bool] | None, depth: int) -> list[float]:
         """For depths 1 .. `depth`: how often a draft there was accepted (its parent

@@ -225,16 +225,22 @@ def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
 def test_controller_never_prices_more_rows_below_fewer() -> None:
     """Measured a while apart on a drifting machine, 42 rows once read cheaper than the plain
     32 (32.3 against 34.5 ms): read as measured, drafting looked free. More rows cost at
-    least what fewer were measured to cost, measured or read off the sizes around them."""
+    least what fewer were measured to cost; and from 8 rows up (compute-bound kernels) at
+    least half an average row of the nearest smaller measured size per row more."""
     ctl = SpecController()
+    ctl.record_forward(4, 0.010)
+    ctl.record_forward(5, 0.009)
+    assert ctl._cost_of(5) == pytest.approx(0.010)  # below 8 rows: the running maximum only
+    assert ctl._cost_of(6) == pytest.approx(0.010)
     ctl.record_forward(32, 0.0345)
     ctl.record_forward(42, 0.0323)
-    ctl.record_forward(56, 0.0467)
-    assert ctl._cost_of(42) == pytest.approx(0.0345)
-    assert ctl._cost_of(37) == pytest.approx(0.0345)  # linear 32 -> 42 would read 33.4 ms
-    assert ctl._cost_of(49) == pytest.approx(0.0323 + (0.0467 - 0.0323) * 7 / 14)
-    assert ctl._cost_of(64) > ctl._cost_of(56) == pytest.approx(0.0467)
-    # a confident drafter's sure nodes cost rows now, and with its drafting do not pay
+    per_row = 0.5 * 0.0345 / 32
+    assert ctl._cost_of(42) == pytest.approx(0.0345 + 10 * per_row)
+    assert ctl._cost_of(37) == pytest.approx(0.0345 + 5 * per_row)  # linear: 33.4 ms
+    ctl.record_forward(56, 0.0600)
+    assert ctl._cost_of(49) == pytest.approx(0.0323 + (0.0600 - 0.0323) * 7 / 14)
+    assert ctl._cost_of(64) > ctl._cost_of(56) == pytest.approx(0.0600)
+    # a confident drafter's sure nodes now cost rows, and with its drafting do not pay
     trees = [DraftTree([1, 2, 3], [-1, 0, 1], probs=[1.0, 0.6, 0.4]) for _ in range(5)]
     ctl.record_drafting(32, 0.0085)
     counts, pays = ctl.choose_nodes(32, trees)
