@@ -22,6 +22,7 @@ import os
 import select
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 
 from sglang_like.engine_core.pipe import FrameReader
@@ -198,9 +199,10 @@ class OutputReceiver:
             self._fail(exc)
             return
         # end of file: the core is exiting; its pidfd (or the poll) reports when it is gone
-        self.loop.remove_reader(self.fd)
-        if self._pidfd is None or self.proc.poll() is not None:
+        if self.proc.poll() is not None:
             self._on_loop_exit()
+        else:
+            self.loop.remove_reader(self.fd)
 
     def _on_loop_exit(self) -> None:
         if self.proc.poll() is None and self._pidfd is None:
@@ -221,17 +223,12 @@ class OutputReceiver:
         """Read and dispatch on this thread until `done()` (an RPC answered) or `timeout_s`
         passed: a blocking call made on the attached loop's thread would otherwise wait for
         frames only that loop reads."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while not done() and not self._finished.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if not self._take(int(min(left, 0.05) * 1000)):
-                self._remove_readers()
-                self._finish()
-            elif self.proc.poll() is not None:
+            if not self._take(int(min(left, 0.05) * 1000)) or self.proc.poll() is not None:
                 self._remove_readers()
                 self._finish()
 

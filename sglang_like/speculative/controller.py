@@ -161,9 +161,10 @@ class SpecController:
     cheap_idle_steps: int = 0
     # evidence key -> the step its trees were last verified (or last explored)
     evidence_step: dict[tuple[int, bool], int] = field(default_factory=dict)
-    # the measured sizes in order, and the most any of them up to each costs (see _cost_of)
-    _floor_keys: list[int] = field(default_factory=list)
-    _floor: list[float] = field(default_factory=list)
+    # the measured sizes in order, and the most any of them up to each costs (see _cost_of);
+    # derived from `cost` when first read after a step (every step records, speculating or
+    # not; few steps read it)
+    _floors: tuple[list[int], list[float]] | None = None
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
         self.step += 1
@@ -172,8 +173,7 @@ class SpecController:
         samples.append(seconds)
         self.cost[b] = statistics.median(samples)
         self.cost_step[b] = self.step
-        self._floor_keys = sorted(self.cost)
-        self._floor = list(itertools.accumulate((self.cost[k] for k in self._floor_keys), max))
+        self._floors = None
 
     def plain_step_stale(self, base_rows: int) -> bool:
         """Whether this step should run plain, to measure again the step of `base_rows`
@@ -306,11 +306,14 @@ class SpecController:
         """`value`, raised to the most a measured size up to `b` costs, and from a measured
         size k of at least _COMPUTE_BOUND_ROWS below b, to k's cost plus _MIN_ROW_SHARE of
         its average row per row more (see there)."""
-        keys = self._floor_keys
+        if self._floors is None:
+            keys = sorted(self.cost)
+            self._floors = keys, list(itertools.accumulate((self.cost[k] for k in keys), max))
+        keys, floor = self._floors
         i = bisect.bisect_right(keys, b) - 1
         if i < 0:
             return value
-        value = max(value, self._floor[i])
+        value = max(value, floor[i])
         j = bisect.bisect_left(keys, b) - 1
         if j >= 0 and keys[j] >= _COMPUTE_BOUND_ROWS:
             k = keys[j]
