@@ -37,8 +37,9 @@ __all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequant
            "q8_x16_rows"]
 
 _SOURCES = [Path(__file__).with_name(n)
-            for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "decode_step.c")]
-_HEADERS = (Path(__file__).with_name("ops.h"),)
+            for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "attention.c",
+                      "decode_step.c")]
+_HEADERS = (Path(__file__).with_name("ops.h"), Path(__file__).with_name("simd.h"))
 _ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
 _FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
