@@ -26,6 +26,7 @@ typedef struct {
     int64_t *num_chunks;       // [B] chunks of KV_CHUNK keys per request
     int64_t *item_start;       // [B + 1] first partial of each request
     int64_t *kv_item_start;    // [B + 1] first work item of each request
+    int by_chunk;              // a work item: every head of a chunk (long contexts; attention.c)
     int64_t total_kv_items;
     float *partials;           // per (request, head, chunk): max, sum, acc [D]
 } attn_plan;
