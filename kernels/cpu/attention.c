@@ -177,16 +177,41 @@ static inline void rope_head(const float *x, const float *cos_row, const float *
     }
 }
 
-// The shape of one step's attention (ops.h): work items and partials, by request. The same
-// for every layer of a step, so the fused step (decode_step.c) builds it once.
+// By chunk (below), query rows that read the same keys are grouped: a verify's rows of one
+// request (its prefix, then a few tree nodes), or requests sharing a cached prefix. A work item
+// is then (group, chunk) and runs every row of its group, so the keys its rows share come from
+// memory once: the first row's pass prefetches them, the others find them in L2. A group is a
+// run of consecutive rows whose key rows start with the same slot, at most `cap` rows (a
+// verify of one request still splits across the threads).
+static int64_t group_rows(const int32_t *table, int64_t ld_table, const int64_t *rows,
+                          const int64_t *seq_lens, int64_t B, int64_t cap,
+                          int64_t *group_start) {
+    int64_t n = 0, size = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int join = b > 0 && size < cap && seq_lens[b] > 0 && seq_lens[b - 1] > 0 &&
+                         table[rows[b] * ld_table] == table[rows[b - 1] * ld_table];
+        if (!join) {
+            group_start[n++] = b;
+            size = 0;
+        }
+        size++;
+    }
+    group_start[n] = B;
+    return n;
+}
+
+// The shape of one step's attention (ops.h): groups, work items and partials. The same for
+// every layer of a step, so the fused step (decode_step.c) builds it once.
 int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                   const int32_t *table, int64_t ld_table, const int64_t *rows,
                    const int64_t *seq_lens) {
     memset(p, 0, sizeof(*p));
     p->B = B; p->Hq = Hq; p->Hkv = Hkv; p->D = D;
     p->group = Hq / Hkv;
     p->sub = p->group < 4 ? p->group : 4;
     p->subs = (p->group + p->sub - 1) / p->sub;
-    const int64_t sets = Hkv * p->subs;  // per request
+    const int64_t sets = Hkv * p->subs;  // per row
+    const int64_t threads = omp_get_max_threads();
     // Long contexts are read by chunk: a work item runs every head of its chunk, and its first
     // head's pass prefetches the whole slot rows (all kv heads: 3 x 128 contiguous bytes of K
     // and of V a slot for the default model) into L2 for the others. Item per (head, chunk), a
@@ -196,25 +221,37 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
     // whole chunks would leave a thread idle.
     int64_t keys = 0;
     for (int64_t b = 0; b < B; b++) keys += seq_lens[b];
-    p->by_chunk = keys >= 2 * (int64_t)omp_get_max_threads() * KV_CHUNK;
+    p->by_chunk = keys >= 2 * threads * KV_CHUNK;
     p->q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
     p->num_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
     p->item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    p->group_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    p->group_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
     p->kv_item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
-    if (!p->q_all || !p->num_chunks || !p->item_start || !p->kv_item_start) {
+    if (!p->q_all || !p->num_chunks || !p->item_start || !p->group_start || !p->group_chunks ||
+        !p->kv_item_start) {
         attn_plan_free(p);
         return -1;
     }
     int64_t total_items = 0;
     for (int64_t b = 0; b < B; b++) {
         p->num_chunks[b] = seq_lens[b] > 0 ? (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK : 1;
-        p->item_start[b] = total_items;  // partials: (request, query head, chunk)
+        p->item_start[b] = total_items;  // partials: (row, query head, chunk)
         total_items += Hq * p->num_chunks[b];
-        p->kv_item_start[b] = p->total_kv_items;  // work: (request, head set, chunk)
-        p->total_kv_items += (p->by_chunk ? 1 : sets) * p->num_chunks[b];
     }
     p->item_start[B] = total_items;
-    p->kv_item_start[B] = p->total_kv_items;
+    const int64_t cap = p->by_chunk ? (B + threads - 1) / threads : 1;  // rows a group
+    p->num_groups = group_rows(table, ld_table, rows, seq_lens, B, cap, p->group_start);
+    for (int64_t gi = 0; gi < p->num_groups; gi++) {
+        int64_t most = 0;
+        for (int64_t b = p->group_start[gi]; b < p->group_start[gi + 1]; b++)
+            most = p->num_chunks[b] > most ? p->num_chunks[b] : most;
+        p->group_chunks[gi] = most;
+        // work: by chunk (group, chunk), else (row, head set, chunk)
+        p->kv_item_start[gi] = p->total_kv_items;
+        p->total_kv_items += (p->by_chunk ? 1 : sets) * most;
+    }
+    p->kv_item_start[p->num_groups] = p->total_kv_items;
     p->partials = (float *)malloc(sizeof(float) * (size_t)(total_items * (D + 2) + 1));
     if (!p->partials) {
         attn_plan_free(p);
@@ -224,8 +261,8 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
 }
 
 void attn_plan_free(attn_plan *p) {
-    free(p->q_all); free(p->num_chunks); free(p->item_start); free(p->kv_item_start);
-    free(p->partials);
+    free(p->q_all); free(p->num_chunks); free(p->item_start); free(p->group_start);
+    free(p->group_chunks); free(p->kv_item_start); free(p->partials);
     memset(p, 0, sizeof(*p));
 }
 
@@ -270,22 +307,28 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
     float *scores = tmp + row + 2 * D;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < p->total_kv_items; item++) {
-        int64_t b = 0;
-        while (item >= p->kv_item_start[b + 1]) b++;
-        const int64_t within = item - p->kv_item_start[b], nch = p->num_chunks[b];
-        // by chunk: every head set of chunk `within`; else head set within / nch, one chunk
+        int64_t gi = 0;
+        while (item >= p->kv_item_start[gi + 1]) gi++;
+        const int64_t within = item - p->kv_item_start[gi], nch = p->group_chunks[gi];
+        // by chunk: every row and head set of the group's chunk `within`; else (a group is
+        // one row) head set within / nch of chunk within % nch
         const int64_t c = p->by_chunk ? within : within % nch;
         const int64_t gs0 = p->by_chunk ? 0 : within / nch, gs1 = p->by_chunk ? sets : gs0 + 1;
-        const int64_t len = seq_lens[b];
-        const int64_t t0 = c * KV_CHUNK, t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
-        const int32_t *slots = table + rows[b] * ld_table;
-        for (int64_t gs = gs0; gs < gs1; gs++) {
-            const int64_t g = gs / subs, h0 = g * group + (gs % subs) * sub;
-            const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
-            float *part = p->partials + (p->item_start[b] + h0 * nch + c) * (D + 2);
-            const float *q = p->q_all + (b * Hq + h0) * D;
-            attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
-                         sm_scale, scores, part, nch * (D + 2), p->by_chunk && gs == 0);
+        int prefetched = 0;
+        for (int64_t b = p->group_start[gi]; b < p->group_start[gi + 1]; b++) {
+            const int64_t nchb = p->num_chunks[b], len = seq_lens[b];
+            if (c >= nchb) continue;
+            const int64_t t0 = c * KV_CHUNK, t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
+            const int32_t *slots = table + rows[b] * ld_table;
+            for (int64_t gs = gs0; gs < gs1; gs++) {
+                const int64_t g = gs / subs, h0 = g * group + (gs % subs) * sub;
+                const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
+                float *part = p->partials + (p->item_start[b] + h0 * nchb + c) * (D + 2);
+                const float *q = p->q_all + (b * Hq + h0) * D;
+                attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
+                             sm_scale, scores, part, nchb * (D + 2), p->by_chunk && !prefetched);
+                prefetched = 1;
+            }
         }
     }
     // merge each head's chunks
@@ -322,7 +365,8 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
                           const int64_t *req_pool_indices, const int64_t *seq_lens,
                           float sm_scale, void *out, int out_bf16) {
     attn_plan plan;
-    if (attn_plan_init(&plan, B, Hq, Hkv, D, seq_lens) != 0) return -1;
+    if (attn_plan_init(&plan, B, Hq, Hkv, D, req_to_token, ld_r2t, req_pool_indices, seq_lens) != 0)
+        return -1;
     const int threads = omp_get_max_threads();
     const size_t per_thread = attn_thread_floats(&plan);
     float *tmp = (float *)malloc(sizeof(float) * per_thread * (size_t)threads);

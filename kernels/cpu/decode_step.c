@@ -52,7 +52,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
         (2 * I) % 16 || Hkv <= 0 || Hq % Hkv || D % 8)
         return -2;
     attn_plan plan;
-    if (attn_plan_init(&plan, T, Hq, Hkv, D, seq_lens) != 0) return -1;
+    if (attn_plan_init(&plan, T, Hq, Hkv, D, table, ld_table, rows, seq_lens) != 0) return -1;
     int64_t kmax = H > hqd ? H : hqd;
     kmax = kmax > I ? kmax : I;
     const int threads = omp_get_max_threads();

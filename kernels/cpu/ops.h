@@ -23,15 +23,19 @@ typedef struct {
     int64_t B, Hq, Hkv, D;
     int64_t group, sub, subs;  // query heads per kv head; per attend call; calls per kv head
     float *q_all;              // [B, Hq, D] the rotated queries
-    int64_t *num_chunks;       // [B] chunks of KV_CHUNK keys per request
-    int64_t *item_start;       // [B + 1] first partial of each request
-    int64_t *kv_item_start;    // [B + 1] first work item of each request
+    int64_t *num_chunks;       // [B] chunks of KV_CHUNK keys per query row
+    int64_t *item_start;       // [B + 1] first partial of each row
+    int64_t num_groups;        // runs of rows that read the same keys (attention.c)
+    int64_t *group_start;      // [num_groups + 1] first row of each group
+    int64_t *group_chunks;     // [num_groups] most chunks of a row of the group
+    int64_t *kv_item_start;    // [num_groups + 1] first work item of each group
     int by_chunk;              // a work item: every head of a chunk (long contexts; attention.c)
     int64_t total_kv_items;
-    float *partials;           // per (request, head, chunk): max, sum, acc [D]
+    float *partials;           // per (row, head, chunk): max, sum, acc [D]
 } attn_plan;
 
 int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                   const int32_t *table, int64_t ld_table, const int64_t *rows,
                    const int64_t *seq_lens);
 void attn_plan_free(attn_plan *p);
 size_t attn_thread_floats(const attn_plan *p);  // scratch floats each thread brings

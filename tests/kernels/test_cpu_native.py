@@ -277,6 +277,45 @@ def test_decode_attention_rope_matches_rope_store_and_reference_attention(pool_d
     torch.testing.assert_close(got.view(3, hq, dim), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("prefix", [200, 1500])  # 1500 x 6 rows: long, read by chunk
+def test_decode_attention_rows_sharing_a_prefix_are_each_rows_own_bits(prefix):
+    """A verify's rows (one request's prefix, then each row's own tree nodes) share work items
+    and read the shared keys once (attention.c groups them): every row's output is the same
+    bits as that row attended alone, and close to the reference attention."""
+    hq, hkv, dim, n_rows, slots = 9, 3, 64, 6, 1600
+    gen = torch.Generator().manual_seed(11)
+    rope = RotaryEmbedding(dim, 2048, 10000.0, None, "cpu")
+    k_pool = torch.randn(slots, hkv, dim, generator=gen).bfloat16()
+    v_pool = torch.randn(slots, hkv, dim, generator=gen).bfloat16()
+    perm = (torch.randperm(slots - 1, generator=gen) + 1).int()
+    shared, nodes = perm[:prefix], perm[prefix:prefix + n_rows]
+    # a tree: row i sees the prefix, then the nodes on its path (0 and every odd one up to i)
+    paths = [[j for j in range(i + 1) if j == 0 or j % 2 == 1 or j == i] for i in range(n_rows)]
+    table = torch.zeros(n_rows + 1, prefix + n_rows, dtype=torch.int32)
+    for i, path in enumerate(paths):
+        table[i + 1, :prefix] = shared
+        table[i + 1, prefix:prefix + len(path)] = nodes[path]
+    rows = torch.arange(1, n_rows + 1)
+    seq_lens = torch.tensor([prefix + len(p) for p in paths])
+    positions = torch.tensor([prefix + len(p) - 1 for p in paths])
+    out_slots = nodes.long()
+    qkv = torch.randn(n_rows, (hq + 2 * hkv) * dim, generator=gen)
+    args = (hq, hkv, dim, rope.cos_table, rope.sin_table)
+    together = ops.decode_attention_rope(qkv, *args, positions, k_pool, v_pool, out_slots, table,
+                                         rows, seq_lens, dim**-0.5, torch.float32)
+    for i in range(n_rows):
+        one = slice(i, i + 1)
+        alone = ops.decode_attention_rope(qkv[one], *args, positions[one], k_pool, v_pool,
+                                          out_slots[one], table, rows[one], seq_lens[one],
+                                          dim**-0.5, torch.float32)
+        assert torch.equal(alone[0], together[i]), f"row {i}"
+    qk = torch.cat([qkv[:, : (hq + hkv) * dim]], dim=1).view(n_rows, hq + hkv, dim)
+    qk = rope.tables(positions).rotate(qk)
+    want = reference.decode_attention(qk[:, :hq].contiguous(), k_pool, v_pool, table, rows,
+                                      seq_lens, dim**-0.5)
+    torch.testing.assert_close(together.view(n_rows, hq, dim), want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 3, 11])  # 11: more rows than one x16 pass holds
