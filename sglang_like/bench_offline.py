@@ -6,7 +6,8 @@
                                                                           #   prefix vs HF
 
 Each format runs in a fresh process (its RSS is its own): batch-1 decode, batch 8 and 32
-decode, a 1,024-token prefill; `--rounds N` runs every format N times, interleaved, and keeps
+decode, batch-1 decode after a 4,096-token context (`--depths`), a 1,024-token prefill;
+`--rounds N` runs every format N times, interleaved, and keeps
 each figure's median. The bandwidth floor is the weight bytes one decode step reads
 over this machine's measured read bandwidth. llama.cpp runs `llama-bench` (batch-1 decode,
 prefill) and `llama-batched-bench` (batched decode) with 2 threads, as its users run them;
@@ -71,6 +72,20 @@ def _decode_tok_s(engine: Any, batch: int, new_tokens: int) -> float:
     return batch * new_tokens / max(total - prefill, 1e-9)
 
 
+def _depth_decode_tok_s(engine: Any, depth: int, new_tokens: int) -> float:
+    """Batch-1 decode tokens/s after a `depth`-token context (llama-bench's `-d`): streamed,
+    the tokens after the first over the time after the first (the prefill left out)."""
+    ids = engine.tokenizer.encode(" ".join(["the quick brown fox jumps"] * depth))[:depth]
+    engine.flush_cache()
+    first = None
+    chunks = engine.generate(input_ids=ids, sampling_params={
+        "max_new_tokens": new_tokens + 1, "temperature": 0, "ignore_eos": True}, stream=True)
+    for chunk in chunks:
+        if first is None and chunk["output_ids"]:
+            first = time.perf_counter()
+    return new_tokens / (time.perf_counter() - first)
+
+
 def _prefill_tok_s(engine: Any, num_tokens: int) -> float:
     ids = (engine.tokenizer.encode(" ".join(["the quick brown fox jumps"] * num_tokens)))
     ids = ids[:num_tokens]
@@ -103,7 +118,9 @@ def worker(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
         out[f"b{batch}_tok_s"] = _decode_tok_s(engine, batch, args.batch_new_tokens)
     out["prefill_tok_s"] = _prefill_tok_s(engine, args.prefill_tokens)
     engine.get_server_info()  # a round trip through the loop: it has gone idle (and trimmed)
-    out["rss_mb"] = _rss_mb()
+    out["rss_mb"] = _rss_mb()  # before the long contexts: the weights' and a 1k prefill's
+    for depth in args.depths:
+        out[f"d{depth}_tok_s"] = _depth_decode_tok_s(engine, depth, args.depth_new_tokens)
     engine.shutdown()
     return out
 
@@ -144,7 +161,7 @@ def _run_worker(fmt: str, argv: list[str]) -> dict[str, Any]:
 def _peer(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.skip_peer or not args.llama_cpp_bin:
         return None
-    from sglang_like.bench_peers import llama_batched_bench, llama_bench
+    from sglang_like.bench_peers import llama_batched_bench, llama_bench, llama_bench_depths
     from sglang_like.model_loader import default_model_path
 
     model = args.model_path or default_model_path()
@@ -154,19 +171,29 @@ def _peer(args: argparse.Namespace) -> dict[str, Any] | None:
                                   list(args.batch_sizes), 32, args.batch_new_tokens)
     for batch, speed in batched.items():
         peer[f"b{batch}_tok_s"] = speed
+    if args.depths:
+        peer.update(llama_bench_depths(args.llama_cpp_bin, model, torch.get_num_threads(),
+                                       args.depths, args.depth_new_tokens))
     peer["weight_mb"] = peer["decode_mb"] = os.path.getsize(model) / 1e6
     return peer
 
 
 def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: float,
-                batch_sizes: list[int]) -> None:
-    cols = ["b1_tok_s", *[f"b{b}_tok_s" for b in batch_sizes], "prefill_tok_s"]
+                batch_sizes: list[int], depths: list[int]) -> None:
+    cols = ["b1_tok_s", *[f"b{b}_tok_s" for b in batch_sizes],
+            *[f"d{d}_tok_s" for d in depths], "prefill_tok_s"]
+
+    def name(c: str) -> str:
+        c = c.removesuffix("_tok_s")
+        return f"b1 @{c[1:]}" if c.startswith("d") else c.replace("b", "batch ", 1)
+
     head = (f"{'format':<16}{'read/step MB':>13}{'RSS MB':>8}{'floor tok/s':>12}"
-            + "".join(f"{c.removesuffix('_tok_s').replace('b', 'batch ', 1):>11}"
-                      if c != "prefill_tok_s" else f"{'prefill':>10}" for c in cols))
+            + "".join(f"{name(c):>11}" if c != "prefill_tok_s" else f"{'prefill':>10}"
+                      for c in cols))
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"\ndecode and prefill in tokens/s; floor = read bandwidth {gbs:.1f} GB/s / weight "
-          f"bytes one decode step reads; threads={torch.get_num_threads()}, ISA {isa}")
+          f"bytes one decode step reads; b1 @N: batch-1 decode after an N-token context; "
+          f"threads={torch.get_num_threads()}, ISA {isa}")
     print(head)
     peer_name = "llama.cpp GGUF" if not peer or peer.get("repack", True) else "llama.cpp -nr"
     every = [*rows, *([{"format": peer_name, **peer}] if peer else [])]
@@ -227,6 +254,10 @@ def main(argv: list[str] | None = None) -> None:
                     default=[8, 32])
     ap.add_argument("--batch-new-tokens", type=int, default=32)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
+    ap.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=[4096], help="batch-1 decode after contexts of these many tokens "
+                    "(llama-bench -d); '' for none")
+    ap.add_argument("--depth-new-tokens", type=int, default=64)
     ap.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
                     help="folder with llama-bench and llama-batched-bench")
     ap.add_argument("--rounds", type=int, default=1,
@@ -246,7 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     passthrough = [f"--new-tokens={args.new_tokens}",
                    f"--batch-sizes={','.join(map(str, args.batch_sizes))}",
                    f"--batch-new-tokens={args.batch_new_tokens}",
-                   f"--prefill-tokens={args.prefill_tokens}"]
+                   f"--prefill-tokens={args.prefill_tokens}",
+                   f"--depths={','.join(map(str, args.depths))}",
+                   f"--depth-new-tokens={args.depth_new_tokens}"]
     if args.model_path:
         passthrough.append(f"--model-path={args.model_path}")
     formats = args.formats.split(",")
@@ -263,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     if peer:
         print(f"llama.cpp: {peer}", flush=True)
     gbs = measure_bandwidth_gbs()
-    print_table(rows, peer, gbs, args.batch_sizes)
+    print_table(rows, peer, gbs, args.batch_sizes, args.depths)
     if args.plot:
         draw_throughput(rows, peer, args.batch_sizes, args.plot)
     shared = run_shared_prefix(args.model_path, skip_hf=args.skip_hf) if args.shared_prefix \

@@ -83,6 +83,18 @@ def llama_bench(bin_dir: str, model: str, threads: int, n_prompt: int, n_gen: in
     return result
 
 
+def llama_bench_depths(bin_dir: str, model: str, threads: int, depths: list[int], n_gen: int,
+                       repetitions: int = 2, timeout_s: float = 900) -> dict[str, float]:
+    """`llama-bench -d`: batch-1 decode tokens/s after a context of each depth, as
+    {"d<depth>_tok_s": ...}."""
+    cmd = [_binary(bin_dir, "llama-bench"), "-m", model, "-t", str(threads), "-p", "0",
+           "-n", str(n_gen), "-d", ",".join(map(str, depths)), "-r", str(repetitions),
+           "-o", "json"]
+    out, _, _ = _run_or_without_repack(cmd, ["--repack", "0"], timeout_s)
+    return {f"d{row['n_depth']}_tok_s": float(row["avg_ts"]) for row in json.loads(out)
+            if row.get("n_gen", 0) > 0}
+
+
 def llama_batched_bench(bin_dir: str, model: str, threads: int, batch_sizes: list[int],
                         n_prompt: int, n_gen: int, timeout_s: float = 1800) -> dict[int, float]:
     """`llama-batched-bench` decode tokens/s (S_TG) per number of parallel sequences."""
