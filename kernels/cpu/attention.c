@@ -314,20 +314,23 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
         // one row) head set within / nch of chunk within % nch
         const int64_t c = p->by_chunk ? within : within % nch;
         const int64_t gs0 = p->by_chunk ? 0 : within / nch, gs1 = p->by_chunk ? sets : gs0 + 1;
-        int prefetched = 0;
+        int32_t fetched = -1;  // the first slot of the chunk the last prefetch was for
         for (int64_t b = p->group_start[gi]; b < p->group_start[gi + 1]; b++) {
             const int64_t nchb = p->num_chunks[b], len = seq_lens[b];
             if (c >= nchb) continue;
             const int64_t t0 = c * KV_CHUNK, t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
             const int32_t *slots = table + rows[b] * ld_table;
+            // the whole slot rows, unless the row before read this chunk's keys (prefetched)
+            int prefetch = p->by_chunk && t1 > t0 && slots[t0] != fetched;
+            if (prefetch) fetched = slots[t0];
             for (int64_t gs = gs0; gs < gs1; gs++) {
                 const int64_t g = gs / subs, h0 = g * group + (gs % subs) * sub;
                 const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
                 float *part = p->partials + (p->item_start[b] + h0 * nchb + c) * (D + 2);
                 const float *q = p->q_all + (b * Hq + h0) * D;
                 attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
-                             sm_scale, scores, part, nchb * (D + 2), p->by_chunk && !prefetched);
-                prefetched = 1;
+                             sm_scale, scores, part, nchb * (D + 2), prefetch);
+                prefetch = 0;
             }
         }
     }
