@@ -216,12 +216,15 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
     // head's pass prefetches the whole slot rows (all kv heads: 3 x 128 contiguous bytes of K
     // and of V a slot for the default model) into L2 for the others. Item per (head, chunk), a
     // thread read 128 of every 384 bytes and the other heads' items came back for the rest
-    // later: at 4k keys x 30 layers, 2 threads, 7-9 GB/s; by chunk 10-12 (10.4-13.7 ms ->
-    // 7.9-8.8 a step). Short ones keep an item per head: with a chunk or two per request,
-    // whole chunks would leave a thread idle.
-    int64_t keys = 0;
-    for (int64_t b = 0; b < B; b++) keys += seq_lens[b];
-    p->by_chunk = keys >= 2 * threads * KV_CHUNK;
+    // later. 30 layers, 2 threads (scripts/bench_decode_attention.py, interleaved with the
+    // item-per-head commit, best of 9, 3 runs): one row over 4k keys 9.4-12.1 -> 7.4-8.4 ms,
+    // over 2k 5.8-7.8 -> 4.4-5.9; a 3-row verify over 2k 10.1-14.2 -> 7.2-8.8; at 1k even.
+    // Where no row is that long (a decode batch or a verify of short contexts) an item per
+    // head stays: with a chunk or two per row, whole chunks balance worse across the threads
+    // (a 6-row verify over 268 keys read 1.7-2.5 ms by chunk against 1.8-2.0).
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    p->by_chunk = longest >= 2 * threads * KV_CHUNK;
     p->q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
     p->num_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
     p->item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));

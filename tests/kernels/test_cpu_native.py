@@ -277,7 +277,7 @@ def test_decode_attention_rope_matches_rope_store_and_reference_attention(pool_d
     torch.testing.assert_close(got.view(3, hq, dim), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("prefix", [200, 1500])  # 1500 x 6 rows: long, read by chunk
+@pytest.mark.parametrize("prefix", [200, 1500])  # 1500: a long row, read by chunk (grouped)
 def test_decode_attention_rows_sharing_a_prefix_are_each_rows_own_bits(prefix):
     """A verify's rows (one request's prefix, then each row's own tree nodes) share work items
     and read the shared keys once (attention.c groups them): every row's output is the same
