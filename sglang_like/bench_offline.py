@@ -72,10 +72,16 @@ def _decode_tok_s(engine: Any, batch: int, new_tokens: int) -> float:
     return batch * new_tokens / max(total - prefill, 1e-9)
 
 
+def _filler_ids(engine: Any, num_tokens: int) -> list[int]:
+    """`num_tokens` token ids of plain filler text (prefill and long-context runs)."""
+    return engine.tokenizer.encode(" ".join(["the quick brown fox jumps"] * num_tokens))[
+        :num_tokens]
+
+
 def _depth_decode_tok_s(engine: Any, depth: int, new_tokens: int) -> float:
     """Batch-1 decode tokens/s after a `depth`-token context (llama-bench's `-d`): streamed,
     the tokens after the first over the time after the first (the prefill left out)."""
-    ids = engine.tokenizer.encode(" ".join(["the quick brown fox jumps"] * depth))[:depth]
+    ids = _filler_ids(engine, depth)
     engine.flush_cache()
     first = None
     chunks = engine.generate(input_ids=ids, sampling_params={
@@ -87,8 +93,7 @@ def _depth_decode_tok_s(engine: Any, depth: int, new_tokens: int) -> float:
 
 
 def _prefill_tok_s(engine: Any, num_tokens: int) -> float:
-    ids = (engine.tokenizer.encode(" ".join(["the quick brown fox jumps"] * num_tokens)))
-    ids = ids[:num_tokens]
+    ids = _filler_ids(engine, num_tokens)
     engine.flush_cache()
     t0 = time.perf_counter()
     engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})

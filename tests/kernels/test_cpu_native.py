@@ -309,7 +309,7 @@ def test_decode_attention_rows_sharing_a_prefix_are_each_rows_own_bits(prefix):
                                           out_slots[one], table, rows[one], seq_lens[one],
                                           dim**-0.5, torch.float32)
         assert torch.equal(alone[0], together[i]), f"row {i}"
-    qk = torch.cat([qkv[:, : (hq + hkv) * dim]], dim=1).view(n_rows, hq + hkv, dim)
+    qk = qkv[:, : (hq + hkv) * dim].reshape(n_rows, hq + hkv, dim)
     qk = rope.tables(positions).rotate(qk)
     want = reference.decode_attention(qk[:, :hq].contiguous(), k_pool, v_pool, table, rows,
                                       seq_lens, dim**-0.5)
