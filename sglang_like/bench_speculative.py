@@ -3,9 +3,10 @@
     python -m sglang_like.bench_speculative                     # the table + PNG histogram
     python -m sglang_like.bench_speculative --batch-sizes 1 --workloads chat --max-new-tokens 64
 
-Configs are measured in rounds (`--repeats`, a fresh engine per config and round, configs
-interleaved so that the machine's drift does not land in one config), each cell's median
-kept. Three workloads of greedy chat requests: open chat, extracting fields of a given
+Every config's engine runs at once (a process each) and each cell is measured by the configs
+in turn, in `--repeats` rounds: a cell keeps its median tok/s and, as `x off`, the median of
+the rounds' own ratios to off (the configs of a round measured seconds apart). Three
+workloads of greedy chat requests: open chat, extracting fields of a given
 document as JSON (copy-heavy), editing a given piece of code (copy-heavy). At batch 1 each
 prompt runs alone and the column is decode tokens/s (completion tokens after the first over
 the time after the first, streamed); at batch 8 and 32 the prompts are cycled to fill the
@@ -21,6 +22,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import time
 from typing import Any
 
@@ -131,42 +133,65 @@ def _measure(engine: Any, prompts: list[str], batch: int, params: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """One engine at a time (several engines in one process measured 35-40% slower: each
-    loop thread keeps its own OpenMP pool, and the idle ones spin against the running one).
-    `--repeats` rounds, each a fresh engine per config measuring every cell once, the configs
-    interleaved round by round (off, NGRAM, EAGLE3, off, ...): the machine's speed drifts by
-    10-20% over minutes here, and a config measured all at once after another inherits that
-    drift into its ratio. Each cell keeps its median over the rounds."""
+    """Every config's engine up at once (each in its own process: an idle one's OpenMP team
+    sleeps, and measured no cost to the running one), each cell measured by every config in
+    turn, `--repeats` rounds, the configs' order rotated per round. A cell's configs are then
+    measured seconds apart, not the minutes a whole config's run takes: this machine's speed
+    drifts by 10-40% over minutes, which a config measured after another inherited into its
+    ratio. Each cell keeps its median over the rounds and `x off`, the median of the rounds'
+    own ratios to off."""
     from sglang_like import Engine
 
     runs: dict[str, dict[str, list[dict]]] = {}
-    hists: dict[str, collections.Counter] = {name: collections.Counter() for name in args.configs}
     cells = [(w, b) for w in args.workloads for b in args.batch_sizes]
-    bar = tqdm(total=args.repeats * len(args.configs) * len(cells), unit="cell")
-    for _ in range(args.repeats):
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
+    engines: dict[str, Any] = {}
+    before: dict[str, collections.Counter] = {}
+    hists: dict[str, collections.Counter] = {}
+    try:
         for name in args.configs:
-            bar.set_description(name)
-            engine = Engine(**_engine_kwargs(name, args))
-            try:
-                params = {"max_new_tokens": args.max_new_tokens, "temperature": 0}
-                hello = engine.apply_chat_template([{"role": "user", "content": "Hello"}])
-                engine.generate(hello, {"max_new_tokens": 8})  # warm-up
-                before = collections.Counter(engine.get_server_info()["spec_accept_lengths"])
-                for w, b in cells:
-                    prompts = [engine.apply_chat_template([{"role": "user", "content": p}])
-                               for p in WORKLOADS[w][: args.prompts]]
+            engine = engines[name] = Engine(**_engine_kwargs(name, args))
+            hello = engine.apply_chat_template([{"role": "user", "content": "Hello"}])
+            engine.generate(hello, {"max_new_tokens": 8})  # warm-up
+            before[name] = collections.Counter(engine.get_server_info()["spec_accept_lengths"])
+        prompts = {w: [engines[args.configs[0]].apply_chat_template(
+            [{"role": "user", "content": p}]) for p in WORKLOADS[w][: args.prompts]]
+            for w in args.workloads}
+        bar = tqdm(total=args.repeats * len(args.configs) * len(cells), unit="cell")
+        for rnd in range(args.repeats):
+            order = args.configs[rnd % len(args.configs):] + args.configs[: rnd % len(args.configs)]
+            for w, b in cells:
+                for name in order:
+                    bar.set_description(f"{name} {w} b{b}")
                     runs.setdefault(f"{w}/b{b}", {}).setdefault(name, []).append(
-                        _measure(engine, prompts, b, params))
+                        _measure(engines[name], prompts[w], b, params))
                     bar.update()
-                after = collections.Counter(engine.get_server_info()["spec_accept_lengths"])
-                hists[name] += after - before
-            finally:
-                engine.shutdown()
-    bar.close()
-    results = {cell: {name: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
-                      for name, rs in row.items()} for cell, row in runs.items()}
-    return {"cells": results, "hists": {k: dict(v) for k, v in hists.items()},
+        bar.close()
+        for name, engine in engines.items():
+            after = collections.Counter(engine.get_server_info()["spec_accept_lengths"])
+            hists[name] = after - before[name]
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return {"cells": summarize_cells(runs), "hists": {k: dict(v) for k, v in hists.items()},
             "args": vars(args)}
+
+
+def summarize_cells(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict]]:
+    """Per cell and config: the round of median tok/s, with `x_off`, the median over the
+    rounds of that round's tok/s over off's in the same round (None without off)."""
+    out: dict[str, dict[str, dict]] = {}
+    for cell, row in runs.items():
+        base = row.get("off")
+        out[cell] = {}
+        for name, rs in row.items():
+            kept = dict(sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2])
+            if base is not None and name != "off":
+                ratios = sorted(r["tok_s"] / o["tok_s"] for r, o in zip(rs, base, strict=True))
+                kept["x_off"] = statistics.median(ratios)
+                kept["x_off_rounds"] = ratios
+            out[cell][name] = kept
+    return out
 
 
 def _engine_kwargs(name: str, args: argparse.Namespace) -> dict:
@@ -200,7 +225,8 @@ def print_table(report: dict) -> None:
                 continue
             line += f"{r['tok_s']:>14.1f}"
             if n != "off":
-                ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
+                ratio = f"{r['x_off']:.2f}" if r.get("x_off") is not None else (
+                    f"{r['tok_s'] / base:.2f}" if base else "-")
                 acc = f"{r['accept']:.2f}" if r["accept"] else "-"
                 line += f"{ratio:>7}{acc:>8}"
         print(line)
