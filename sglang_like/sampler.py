@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 
 import kernels
+import kernels.cpu
+import kernels.cpu.ops
 from sglang_like.req import Req
 
 _NEG_INF = float("-inf")
@@ -18,6 +20,25 @@ class SampleOutput(NamedTuple):
     next_token_ids: list[int]
     logprobs: list[float | None]  # raw model logprob of the chosen token (None if not asked)
     top_logprobs: list[list[tuple[float, int]] | None]
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """`logits.argmax(dim=-1).tolist()`, on the native kernel for CPU float32 rows (the same
+    indices: first maximum, NaN as the maximum); torch's CPU argmax took 0.75 ms of a batch-32
+    decode step's ~35, the kernel 0.12."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] and logits.stride(1) == 1 and kernels.cpu.available()):
+        return kernels.cpu.ops.argmax_rows(logits)
+    return logits.argmax(dim=-1).tolist()
+
+
+def select_rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """logits[index]: a view when the rows are consecutive (a decode batch's usually are),
+    else a copy. The sampler edits its rows in place, which then land in `logits`: callers
+    pass rows that nothing reads afterwards (a batch-32 step's copy took 0.5 ms)."""
+    if index and index == list(range(index[0], index[0] + len(index))):
+        return logits[index[0] : index[0] + len(index)]
+    return logits[index]
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -38,11 +59,13 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.vocab_size = vocab_size
 
+    @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, reqs: list[Req], bitmask: torch.Tensor | None = None
     ) -> SampleOutput:
-        """logits [B, V] float32 (modified in place); bitmask int32 [B, ceil(V/32)] of allowed
-        tokens (grammar masks, packed), or None."""
+        """logits [B, V] float32 (modified in place: may be a view of the forward's logits,
+        which are inference tensors); bitmask int32 [B, ceil(V/32)] of allowed tokens
+        (grammar masks, packed), or None."""
         batch = len(reqs)
         want_lp = [r.return_logprob for r in reqs]
         lp = raw_logprobs(logits) if any(want_lp) else None
@@ -110,9 +133,9 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         greedy = [r.sampling_params.is_greedy for r in reqs]
+        next_ids = argmax_rows(logits)
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-        next_ids = logits.argmax(dim=-1).tolist()
+            return next_ids
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = logits[rows]
         temps = torch.tensor([reqs[i].sampling_params.temperature for i in rows])

@@ -17,7 +17,7 @@ from sglang_like.fault_injection import FaultInjector
 from sglang_like.mem_pool import ReqToTokenPool
 from sglang_like.output_processor import OutputProcessor
 from sglang_like.req import FinishReason, Req, internal_error_message
-from sglang_like.sampler import Sampler
+from sglang_like.sampler import Sampler, select_rows
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.schedule_policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
 from sglang_like.speculative.controller import SpecController, propose_trees
@@ -424,7 +424,7 @@ class Scheduler:
             self.faults.maybe_fail("sample")
         if to_sample:
             reqs = [batch.reqs[i] for i in to_sample]
-            rows = logits[[batch.sample_index[i] for i in to_sample]]
+            rows = select_rows(logits, [batch.sample_index[i] for i in to_sample])
             bitmask = self.outputs.grammar_bitmask(reqs)
             result = self.sampler.sample(rows, reqs, bitmask)
             for j, req in enumerate(reqs):

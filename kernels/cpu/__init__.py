@@ -159,6 +159,8 @@ class _Library:
                                         ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, i64,
                                         ptr]
         lib.decode_step_x16.restype = ctypes.c_int
+        lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
+        lib.argmax_rows.restype = None
         built = lib.q4_1_isa().decode()
         if built != variant:
             raise RuntimeError(f"{path} is the {built} build, not {variant}")
@@ -173,6 +175,7 @@ class _Library:
         self.silu_mul = lib.silu_mul
         self.decode_attention_rope = lib.decode_attention_rope
         self.decode_step_x16 = lib.decode_step_x16
+        self.argmax_rows = lib.argmax_rows
 
 
 @functools.cache

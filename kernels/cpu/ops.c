@@ -73,3 +73,44 @@ void silu_mul(const void *gate_up, int in_bf16, int64_t T, int64_t I, void *out,
         free(row);
     }
 }
+
+// The index of the first maximum of a float row, as torch.argmax: a NaN counts as the
+// maximum (the first NaN's index), equal values (-0.0 and 0.0 too) keep the first. Two passes
+// (the maximum, then its first index), the second out of cache.
+static int64_t argmax_row(const float *x, int64_t n) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    __m256 nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        vmax = _mm256_max_ps(vmax, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    float best = lanes[0];
+    for (int j = 1; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
+    int has_nan = _mm256_movemask_ps(nan) != 0;
+    for (int64_t j = i; j < n; j++) {
+        if (isnan(x[j])) has_nan = 1;
+        else if (x[j] > best) best = x[j];
+    }
+    if (has_nan) {
+        for (int64_t j = 0; j < n; j++)
+            if (isnan(x[j])) return j;
+    }
+    const __m256 b = _mm256_set1_ps(best);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), b, _CMP_EQ_OQ));
+        if (m) return i + __builtin_ctz((unsigned)m);
+    }
+    for (; i < n; i++)
+        if (x[i] == best) return i;
+    return 0;  // n == 0
+}
+
+// out[r] = argmax of row r of x [R, N] (row stride ldx floats), rows split over the team
+void argmax_rows(const float *x, int64_t ldx, int64_t R, int64_t N, int64_t *out) {
+#pragma omp parallel for schedule(static) if (R >= 4)
+    for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * ldx, N);
+}

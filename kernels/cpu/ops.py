@@ -11,7 +11,8 @@ import torch
 
 from kernels.cpu import _lib
 
-__all__ = ["add_rmsnorm", "decode_attention_rope", "decode_step_x16", "rmsnorm", "silu_mul"]
+__all__ = ["add_rmsnorm", "argmax_rows", "decode_attention_rope", "decode_step_x16", "rmsnorm",
+           "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -54,6 +55,22 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     _lib(None).silu_mul(gate_up.data_ptr(), _flag(gate_up.dtype), t, two_i // 2, out.data_ptr(),
                         _flag(out_dtype))
     return out
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """torch.argmax(x, dim=-1).tolist() of a float32 [R, N] matrix whose rows are contiguous
+    (any row stride): the first maximum of each row, a NaN counting as the maximum. torch's
+    CPU argmax reads about 2 GB/s (0.75 ms for a batch-32 step's logits); this reads from
+    cache at SIMD width and splits rows over the team."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        raise TypeError("argmax_rows takes a float32 [R, N] matrix with contiguous rows")
+    r, n = x.shape
+    if n == 0:
+        raise ValueError("argmax of an empty row")
+    out = torch.empty(r, dtype=torch.int64)
+    if r:
+        _lib(None).argmax_rows(x.data_ptr(), x.stride(0), r, n, out.data_ptr())
+    return out.tolist()
 
 
 def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_like.sampler import select_rows
 from sglang_like.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
             pool.req_to_token[w.req.req_pool_idx, w.req.kv_len] = w.slots[w.node]
             w.req.kv_len += 1
             w.committed.append(w.node)
-        rows = logits[[w.first_row + w.node for w in active]]
+        rows = select_rows(logits, [w.first_row + w.node for w in active])
         result = sched.sampler.sample(rows, reqs, sched.outputs.grammar_bitmask(reqs))
         still = []
         for j, w in enumerate(active):

@@ -404,3 +404,25 @@ def test_the_build_is_cached_by_content(tmp_path, monkeypatch):
     mtime = first.stat().st_mtime_ns
     assert kc._build("avx2") == first and first.stat().st_mtime_ns == mtime
     assert first.parent == tmp_path / "kernels" and list(first.parent.glob("*.so")) == [first]
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 49152, 49157])
+def test_argmax_rows_is_torchs_argmax(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n, generator=g)
+    x[1] = -float("inf")  # every value equal: the first
+    x[2, n // 2] = x[2, n - 1] = 1e9  # a tie: the first of the two
+    x[3] = x[3].round()  # many ties of small integers
+    if n > 3:
+        x[4, 1] = x[4, 3] = float("nan")  # NaN counts as the maximum: the first NaN
+    x[5, :] = -0.0
+    x[5, n - 1] = 0.0  # -0.0 == 0.0: the first
+    want = x.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(x) == want
+    # rows of a wider matrix (a row stride), as the sampler's views are
+    wide = torch.full((6, n + 5), 5e9)
+    wide[:, :n] = x
+    assert ops.argmax_rows(wide[:, :n]) == want
+    assert ops.argmax_rows(x[:0]) == []
+    with pytest.raises(TypeError):
+        ops.argmax_rows(x.double())

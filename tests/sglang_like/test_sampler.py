@@ -98,3 +98,36 @@ def test_same_seed_same_token_whatever_the_batch() -> None:
     alone = [sampler_mod._sample(probs[i: i + 1], [_req(7, top_p=0.9)])[0] for i in range(4)]
     together = sampler_mod._sample(probs, [_req(7, top_p=0.9) for _ in range(4)])
     assert alone == together
+
+
+def test_select_rows_views_consecutive_rows_and_copies_others() -> None:
+    logits = torch.randn(6, 16)
+    view = sampler_mod.select_rows(logits, [2, 3, 4])
+    assert view.data_ptr() == logits[2].data_ptr() and torch.equal(view, logits[2:5])
+    picked = sampler_mod.select_rows(logits, [4, 1])
+    assert torch.equal(picked, logits[[4, 1]])
+    picked[0] = 0.0  # a copy: the logits keep their rows
+    assert not torch.equal(logits[4], picked[0])
+    assert sampler_mod.select_rows(logits, []).shape == (0, 16)
+
+
+def test_greedy_sampling_on_a_view_of_inference_logits() -> None:
+    """The scheduler hands the sampler a view of the forward's logits (inference tensors):
+    its in-place edits (min_new_tokens blocks EOS here) work there, and it picks torch's
+    argmax (the native kernel on CPU)."""
+    eos = 7
+    logits_eos = torch.randn(5, V)
+    with torch.inference_mode():
+        logits = logits_eos.clone()
+        logits[:, eos] = 100.0
+    sp = SimpleNamespace(is_greedy=True, has_penalties=False, token_bias=None,
+                         min_new_tokens=1, stop_token_ids=None)
+    reqs = [SimpleNamespace(sampling_params=sp, return_logprob=False, output_ids=[],
+                            grammar=None) for _ in range(3)]
+    rows = sampler_mod.select_rows(logits, [1, 2, 3])
+    out = sampler_mod.Sampler({eos}, V).sample(rows, reqs)
+    want = logits_eos[1:4].clone()
+    want[:, eos] = -float("inf")
+    assert out.next_token_ids == want.argmax(dim=-1).tolist()
+    assert all(t != eos for t in out.next_token_ids)
+    assert logits[1, eos] == -float("inf") and logits[0, eos] == 100.0  # edited in place
