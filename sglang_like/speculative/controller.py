@@ -74,14 +74,30 @@ _STALE_EVIDENCE_STEPS = 256
 # start while it ran in 5.8, and EAGLE drafted at 0.85x of plain decoding)
 _REMEASURE_STEPS = 32
 # From _COMPUTE_BOUND_ROWS rows up the int kernels are compute-bound (the x16 kernel runs 8
-# activation rows per pass over the weights; more rows, more passes): a row more costs about
-# an average row of the step (measured, int4: 1.3-1.5 ms a row at batch 8 against 2 ms on
-# average, about 1 against 1.1 at batch 32). Sizes measured a while apart on a drifting
-# machine read rows there as nearly free (NGRAM's one-token matches, 0.14 tokens a node, were
-# verified at batch 32: 0.78x of off), so a size above a measured one of at least that many
-# rows is priced at _MIN_ROW_SHARE of its average row per row more, at least.
+# activation rows per pass over the weights; more rows, more passes). Sizes measured a while
+# apart on a drifting machine read rows there as nearly free (NGRAM's one-token matches, 0.14
+# tokens a node, were verified at batch 32: 0.78x of off; at batch 32 a plain step once read
+# 77 ms and 32 ms in one run), so a size above a measured one k of at least that many rows is
+# priced at least at k's cost plus a share of k's average row per row more, the share read
+# off _ROW_SHARE (linear between its sizes, its last share above them): what a row more cost
+# against an average row, measured with the steps of each pair back to back (int4, 2-core
+# AMD EPYC, 5 rounds, medians, spreads 0.17-0.61 / 0.38-0.94 / 1.05-1.12): 0.39 from 8 rows
+# to 12, 0.77 from 16 to 24, 1.07 from 32 to 48 (1 to 4: 0.13). A flat half a row priced
+# NGRAM's 0.69 tokens a row at batch 32 as paying: 818 rows bought 568 tokens, 0.95x of off.
 _COMPUTE_BOUND_ROWS = 8
-_MIN_ROW_SHARE = 0.5
+_ROW_SHARE = ((8, 0.4), (16, 0.75), (32, 1.0))
+
+
+def _min_row_share(rows: int) -> float:
+    """The least share of an average row a row more costs above a step of `rows` rows."""
+    (k0, s0) = _ROW_SHARE[0]
+    if rows <= k0:
+        return s0
+    for k1, s1 in _ROW_SHARE[1:]:
+        if rows <= k1:
+            return s0 + (s1 - s0) * (rows - k0) / (k1 - k0)
+        k0, s0 = k1, s1
+    return s0
 # a row count's cost is the median of its last _COST_SAMPLES steps: an EMA started from the
 # first step after start (12 ms where the step runs in 5.8: plans and buffers built) and fed
 # a plain step every _REMEASURE_STEPS kept the plain step's price 30-40% high for a hundred
@@ -302,9 +318,21 @@ class SpecController:
             return self._at_least_below(b, self.cost[hi] + slope * (b - hi))
         return None
 
+    def _cost_above(self, base_rows: int, extra: int) -> float | None:
+        """What `base_rows` plain rows and `extra` more cost: `_cost_of`, and from
+        _COMPUTE_BOUND_ROWS plain rows up at least the plain step's measured cost plus
+        `_min_row_share(base_rows)` of its average row per row more. Priced off the plain
+        step itself, a tree pays when its expected tokens per row beat that share, whatever
+        the machine's speed when the sizes were measured."""
+        cost = self._cost_of(base_rows + extra)
+        if cost is None or base_rows < _COMPUTE_BOUND_ROWS or not extra:
+            return cost
+        c_base = self._cost_of(base_rows)
+        return max(cost, c_base * (1 + _min_row_share(base_rows) * extra / base_rows))
+
     def _at_least_below(self, b: int, value: float) -> float:
         """`value`, raised to the most a measured size up to `b` costs, and from a measured
-        size k of at least _COMPUTE_BOUND_ROWS below b, to k's cost plus _MIN_ROW_SHARE of
+        size k of at least _COMPUTE_BOUND_ROWS below b, to k's cost plus `_min_row_share(k)` of
         its average row per row more (see there)."""
         if self._floors is None:
             keys = sorted(self.cost)
@@ -317,7 +345,7 @@ class SpecController:
         j = bisect.bisect_left(keys, b) - 1
         if j >= 0 and keys[j] >= _COMPUTE_BOUND_ROWS:
             k = keys[j]
-            value = max(value, self.cost[k] * (1 + _MIN_ROW_SHARE * (b - k) / k))
+            value = max(value, self.cost[k] * (1 + _min_row_share(k) * (b - k) / k))
         return value
 
     def depth_rates(self, key: tuple[int, bool] | None, depth: int) -> list[float]:
@@ -389,7 +417,7 @@ class SpecController:
         best, best_rate, tokens = 0, base_rows / self._cost_of(base_rows), float(base_rows)
         for m, (p, _) in enumerate(ranked, 1):
             tokens += p
-            cost = self._cost_of(base_rows + m)
+            cost = self._cost_above(base_rows, m)
             if cost is None:
                 best, best_rate = len(ranked), 0.0  # nothing measured from here up: try it
                 break
@@ -424,7 +452,7 @@ class SpecController:
             return counts, False
         # the step's drafting is spent: the best above is read without it; whether drafting
         # pays is the same with it, against the plain step
-        c_best = self._cost_of(base_rows + sum(counts) - len(counts))
+        c_best = self._cost_above(base_rows, sum(counts) - len(counts))
         tokens_best = best_rate * c_best
         return counts, tokens_best / (c_best + self._drafting_of(base_rows)) > base_rows / c_base
 

@@ -212,21 +212,22 @@ def test_controller_reads_unmeasured_sizes_off_measured_ones() -> None:
     ctl = SpecController()
     ctl.record_forward(8, 0.020)
     assert ctl._cost_of(12) is None  # only the base measured: 12 rows are tried
-    ctl.record_forward(16, 0.030)
-    assert ctl._cost_of(12) == pytest.approx(0.025)
-    assert ctl._cost_of(20) == pytest.approx(0.035)
+    ctl.record_forward(16, 0.040)
+    assert ctl._cost_of(12) == pytest.approx(0.030)
+    assert ctl._cost_of(20) == pytest.approx(0.050)
     # a staircase (rows in blocks of 4): 17 and 18 rows cost the same, and 24 rows are priced
-    # by the average row cost from 8 to 18 (1.8 ms), not as free
-    ctl.record_forward(17, 0.045)
-    ctl.record_forward(18, 0.045)
-    assert ctl._cost_of(24) == pytest.approx(0.045 + 6 * 0.025 / 10)
+    # by the average row cost from 8 to 18 (3.5 ms), not as free
+    ctl.record_forward(17, 0.055)
+    ctl.record_forward(18, 0.055)
+    assert ctl._cost_of(24) == pytest.approx(0.055 + 6 * 0.035 / 10)
 
 
 def test_controller_never_prices_more_rows_below_fewer() -> None:
     """Measured a while apart on a drifting machine, 42 rows once read cheaper than the plain
     32 (32.3 against 34.5 ms): read as measured, drafting looked free. More rows cost at
     least what fewer were measured to cost; and from 8 rows up (compute-bound kernels) at
-    least half an average row of the nearest smaller measured size per row more."""
+    least a share of an average row of the nearest smaller measured size per row more: 0.4
+    of it at 8 rows, 0.75 at 16, a whole row from 32 (measured)."""
     ctl = SpecController()
     ctl.record_forward(4, 0.010)
     ctl.record_forward(5, 0.009)
@@ -234,7 +235,7 @@ def test_controller_never_prices_more_rows_below_fewer() -> None:
     assert ctl._cost_of(6) == pytest.approx(0.010)
     ctl.record_forward(32, 0.0345)
     ctl.record_forward(42, 0.0323)
-    per_row = 0.5 * 0.0345 / 32
+    per_row = 1.0 * 0.0345 / 32
     assert ctl._cost_of(42) == pytest.approx(0.0345 + 10 * per_row)
     assert ctl._cost_of(37) == pytest.approx(0.0345 + 5 * per_row)  # linear: 33.4 ms
     ctl.record_forward(56, 0.0600)
@@ -245,6 +246,30 @@ def test_controller_never_prices_more_rows_below_fewer() -> None:
     ctl.record_drafting(32, 0.0085)
     counts, pays = ctl.choose_nodes(32, trees)
     assert not pays
+
+
+def test_rows_above_a_compute_bound_step_cost_a_measured_share_of_its_average_row() -> None:
+    """Above a plain step of 8 or more rows a row more costs at least a share of that step's
+    average row (0.4 at 8 rows, 0.75 at 16, a whole row from 32: measured), priced off the
+    plain step itself: a bigger size measured at a fast moment (48 rows at 45 ms against 40
+    for 32) does not make trees look cheap. At batch 32 drafts of 0.8 are not verified; at
+    batch 8 they are."""
+    from sglang_like.speculative.controller import _min_row_share
+
+    assert [_min_row_share(k) for k in (1, 8, 12, 16, 24, 32, 64)] == [
+        0.4, 0.4, pytest.approx(0.575), 0.75, pytest.approx(0.875), 1.0, 1.0]
+    ctl = SpecController()
+    ctl.record_forward(32, 0.040)
+    ctl.record_forward(48, 0.045)
+    assert ctl._cost_above(32, 16) == pytest.approx(0.060)
+    assert ctl._cost_above(32, 0) == pytest.approx(0.040)
+    counts, rate = ctl._most_tokens_per_second(32, [[1.0, 0.8]] * 16)
+    assert counts == [1] * 16 and rate == pytest.approx(32 / 0.040)
+    ctl.record_forward(8, 0.012)
+    ctl.record_forward(16, 0.0135)
+    assert ctl._cost_above(8, 8) == pytest.approx(0.012 * (1 + 0.4))
+    counts, _ = ctl._most_tokens_per_second(8, [[1.0, 0.8]] * 8)
+    assert counts == [2] * 8
 
 
 def test_cheap_drafter_trees_are_cut_where_their_depth_rates_stop_paying() -> None:
