@@ -93,7 +93,10 @@ class Scheduler:
         self.drafter = drafter
         # prefill/decode disaggregation (sglang_like.disaggregation): None on a regular worker
         self.disagg: Any = None
-        self.spec_controller = SpecController(enabled=config.speculative_auto_disable)
+        # rows cost a share of a step on CPU (its floor, measured there), next to nothing on CUDA
+        on_cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        self.spec_controller = SpecController(enabled=config.speculative_auto_disable,
+                                              **({"row_share": None} if on_cuda else {}))
         self._drafting_s, self._num_decoders = 0.0, 0  # this step's drafting (the controller's)
         self.spec_accept_lengths: collections.Counter[int] = collections.Counter()
         # statistics

@@ -88,12 +88,12 @@ _COMPUTE_BOUND_ROWS = 8
 _ROW_SHARE = ((8, 0.4), (16, 0.75), (32, 1.0))
 
 
-def _min_row_share(rows: int) -> float:
+def _min_row_share(rows: int, table: tuple[tuple[int, float], ...] = _ROW_SHARE) -> float:
     """The least share of an average row a row more costs above a step of `rows` rows."""
-    (k0, s0) = _ROW_SHARE[0]
+    (k0, s0) = table[0]
     if rows <= k0:
         return s0
-    for k1, s1 in _ROW_SHARE[1:]:
+    for k1, s1 in table[1:]:
         if rows <= k1:
             return s0 + (s1 - s0) * (rows - k0) / (k1 - k0)
         k0, s0 = k1, s1
@@ -146,6 +146,9 @@ def _evidence_key(evidence: int, copying: bool) -> tuple[int, bool]:
 @dataclass
 class SpecController:
     enabled: bool = True  # False: always speculate where a draft exists (tests, benchmarks)
+    # the least share of an average row a row more costs above a compute-bound plain step
+    # (see _ROW_SHARE, measured on CPU); None: no such floor (CUDA, where rows are cheap)
+    row_share: tuple[tuple[int, float], ...] | None = _ROW_SHARE
     step: int = 0
     cost: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds (median)
     cost_step: dict[int, int] = field(default_factory=dict)  # rows bucket -> step measured
@@ -325,10 +328,20 @@ class SpecController:
         step itself, a tree pays when its expected tokens per row beat that share, whatever
         the machine's speed when the sizes were measured."""
         cost = self._cost_of(base_rows + extra)
-        if cost is None or base_rows < _COMPUTE_BOUND_ROWS or not extra:
+        if (cost is None or self.row_share is None or base_rows < _COMPUTE_BOUND_ROWS
+                or not extra):
             return cost
         c_base = self._cost_of(base_rows)
-        return max(cost, c_base * (1 + _min_row_share(base_rows) * extra / base_rows))
+        share = _min_row_share(base_rows, self.row_share)
+        return max(cost, c_base * (1 + share * extra / base_rows))
+
+    def rows_never_pay(self, base_rows: int) -> bool:
+        """Whether a row more above a plain step of `base_rows` rows costs at least a whole
+        average row (batch 32 and up on CPU: `_ROW_SHARE`), so that no draft, however sure,
+        pays for its row: a cheap drafter then does not draft at all (its lookups and the
+        trees' pricing were 2-4% of a batch-32 step, every tree turned down)."""
+        return (self.enabled and self.row_share is not None and base_rows >= _COMPUTE_BOUND_ROWS
+                and _min_row_share(base_rows, self.row_share) >= 1.0)
 
     def _at_least_below(self, b: int, value: float) -> float:
         """`value`, raised to the most a measured size up to `b` costs, and from a measured
@@ -343,9 +356,9 @@ class SpecController:
             return value
         value = max(value, floor[i])
         j = bisect.bisect_left(keys, b) - 1
-        if j >= 0 and keys[j] >= _COMPUTE_BOUND_ROWS:
+        if j >= 0 and keys[j] >= _COMPUTE_BOUND_ROWS and self.row_share is not None:
             k = keys[j]
-            value = max(value, self.cost[k] * (1 + _min_row_share(k) * (b - k) / k))
+            value = max(value, self.cost[k] * (1 + _min_row_share(k, self.row_share) * (b - k) / k))
         return value
 
     def depth_rates(self, key: tuple[int, bool] | None, depth: int) -> list[float]:
@@ -470,6 +483,8 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     if ctl.plain_step_stale(len(decoders)):
         return {}
     cheap = getattr(sched.drafter, "drafts_cheaply", False)
+    if cheap and ctl.rows_never_pay(len(decoders)):
+        return {}
     eligible, depths = [], []
     for req in decoders:
         depth = min(req.sampling_params.max_new_tokens - len(req.output_ids),

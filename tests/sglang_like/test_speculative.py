@@ -89,6 +89,29 @@ def test_ngram_index_matches_a_brute_force_scan() -> None:
     assert index.continuations(seq, 3, 1) == ([], 0)
 
 
+def test_ngram_hashes_in_bulk_equal_the_ones_a_token_at_a_time() -> None:
+    """A prompt's n-grams (and a finished text's) are hashed with numpy all at once: the
+    same hashes in the same order as one at a time, so the tables come out the same."""
+    rng = random.Random(1)
+    for lo, hi in ((1, 12), (2, 5), (3, 3)):
+        for length in (1, 2, 3, 17, 90):
+            seq = [rng.randrange(49152) for _ in range(length)]
+            want = [(h, e) for e in range(length - 1)
+                    for _, h in ngram._suffix_hashes(seq, e, lo, hi)]
+            assert list(zip(*ngram._all_hashes(seq, 0, length - 1, lo, hi))) == want
+            assert list(zip(*ngram._all_hashes(seq, 9, length - 1, lo, hi))) == [
+                (h, e) for h, e in want if e >= 9]
+    seq = [rng.randrange(6) for _ in range(200)]
+    bulk, one = NgramIndex(1, 5), NgramIndex(1, 5)
+    bulk.sync(seq[:150])  # 149 new ends: the numpy path
+    for cut in range(2, 151):
+        one.sync(seq[:cut])  # one end at a time
+    assert bulk.last_end == one.last_end and bulk.indexed == one.indexed == 149
+    for cut in range(151, 201):
+        assert bulk.continuations(seq[:cut], 6, 3) == _continuations_by_scan(
+            seq[:cut], 6, 3, 1, 5)
+
+
 def test_ngram_drafter_builds_a_capped_trie() -> None:
     drafter = NgramDrafter(num_draft_tokens=6, min_window=1, max_window=3, breadth=2)
     req = _req([5, 6, 7, 8, 5, 6, 9, 1, 5, 6])
@@ -270,6 +293,15 @@ def test_rows_above_a_compute_bound_step_cost_a_measured_share_of_its_average_ro
     assert ctl._cost_above(8, 8) == pytest.approx(0.012 * (1 + 0.4))
     counts, _ = ctl._most_tokens_per_second(8, [[1.0, 0.8]] * 8)
     assert counts == [2] * 8
+    # from 32 rows no draft pays: a cheap drafter does not draft there
+    assert ctl.rows_never_pay(32) and ctl.rows_never_pay(64) and not ctl.rows_never_pay(24)
+    assert not SpecController(enabled=False).rows_never_pay(32)
+    # without the floor (CUDA) the rows are priced as measured: 48 rows read cheap, and pay
+    gpu = SpecController(row_share=None)
+    gpu.record_forward(32, 0.040)
+    gpu.record_forward(48, 0.045)
+    assert not gpu.rows_never_pay(32) and gpu._cost_above(32, 16) == pytest.approx(0.045)
+    assert gpu._most_tokens_per_second(32, [[1.0, 0.8]] * 16)[0] == [2] * 16
 
 
 def test_cheap_drafter_trees_are_cut_where_their_depth_rates_stop_paying() -> None:
