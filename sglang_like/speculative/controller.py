@@ -275,6 +275,13 @@ class SpecController:
         self.pauses_in_a_row = max(self.pauses_in_a_row, state.num_failed_tries)
         self.pause_until = max(self.pause_until, state.backoff_until)
 
+    def hold(self, state: SpecState) -> None:
+        """Pause `state` until the next multiple of _BACKOFF_STEPS at least _BACKOFF_STEPS
+        away, for its batch's size (not for its drafts: no doubling, and new requests do
+        not join it)."""
+        until = -(-(self.step + _BACKOFF_STEPS) // _BACKOFF_STEPS) * _BACKOFF_STEPS
+        state.backoff_until = max(state.backoff_until, until)
+
     def may_draft(self, state: SpecState, ahead: int = 0) -> bool:
         """Whether the request may draft `ahead` steps from now. A request seen for the
         first time joins the confident drafter's current pause (see `pauses_in_a_row`)."""
@@ -339,7 +346,8 @@ class SpecController:
         """Whether a row more above a plain step of `base_rows` rows costs at least a whole
         average row (batch 32 and up on CPU: `_ROW_SHARE`), so that no draft, however sure,
         pays for its row: a cheap drafter then does not draft at all (its lookups and the
-        trees' pricing were 2-4% of a batch-32 step, every tree turned down)."""
+        trees' pricing were 2-4% of a batch-32 step, every tree turned down), a confident one
+        skips its draft steps and holds its requests (`hold`)."""
         return (self.enabled and self.row_share is not None and base_rows >= _COMPUTE_BOUND_ROWS
                 and _min_row_share(base_rows, self.row_share) >= 1.0)
 
@@ -505,6 +513,12 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
         trees = {id(r): t.first(n) for (r, t), n in zip(pairs, counts, strict=True) if n > 1}
         ctl.cheap_idle_steps = 0 if trees else ctl.cheap_idle_steps + 1
     else:
+        if ctl.rows_never_pay(len(decoders)):
+            # no tree can pay at this size: no draft steps, and the requests are held (the
+            # head stops extending over them) until the batch is asked again
+            for req in eligible:
+                ctl.hold(req.spec)
+            return {}
         drafted = sched.drafter.propose(eligible, depths, sched)
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
         if pairs:

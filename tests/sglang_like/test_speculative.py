@@ -98,9 +98,10 @@ def test_ngram_hashes_in_bulk_equal_the_ones_a_token_at_a_time() -> None:
             seq = [rng.randrange(49152) for _ in range(length)]
             want = [(h, e) for e in range(length - 1)
                     for _, h in ngram._suffix_hashes(seq, e, lo, hi)]
-            assert list(zip(*ngram._all_hashes(seq, 0, length - 1, lo, hi))) == want
-            assert list(zip(*ngram._all_hashes(seq, 9, length - 1, lo, hi))) == [
-                (h, e) for h, e in want if e >= 9]
+            keys, ends = ngram._all_hashes(seq, 0, length - 1, lo, hi)
+            assert list(zip(keys, ends, strict=True)) == want
+            keys, ends = ngram._all_hashes(seq, 9, length - 1, lo, hi)
+            assert list(zip(keys, ends, strict=True)) == [(h, e) for h, e in want if e >= 9]
     seq = [rng.randrange(6) for _ in range(200)]
     bulk, one = NgramIndex(1, 5), NgramIndex(1, 5)
     bulk.sync(seq[:150])  # 149 new ends: the numpy path
@@ -433,6 +434,48 @@ def test_cheap_drafter_evidence_gone_stale_is_explored_once() -> None:
     ctl.step += 300
     counts = ctl.choose_trees(2, trees)
     assert sorted(counts)[0] == 1  # one tree of that evidence per step
+
+
+def test_no_drafting_in_a_batch_where_no_row_can_pay() -> None:
+    """From 32 plain rows on CPU a row more costs a whole average row: neither drafter
+    drafts there (NGRAM's lookups, EAGLE's draft steps), and EAGLE's requests are held for
+    32 steps (the head then stops extending over them), a hold new requests do not join: at
+    8 rows both draft."""
+    from types import SimpleNamespace
+
+    from sglang_like.speculative.controller import propose_trees
+
+    class Drafter:
+        def __init__(self, cheap):
+            self.drafts_cheaply, self.calls = cheap, 0
+
+        def propose(self, reqs, depths, sched):
+            self.calls += 1
+            return [None for _ in reqs]
+
+    def reqs(n):
+        return [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100),
+                                output_ids=[1], seq_len=10, is_decoding=True, spec=SpecState())
+                for _ in range(n)]
+
+    for cheap in (True, False):
+        ctl = SpecController()
+        ctl.record_forward(8, 0.02)
+        ctl.record_forward(32, 0.04)
+        drafter = Drafter(cheap)
+        sched = SimpleNamespace(drafter=drafter, spec_controller=ctl,
+                                config=SimpleNamespace(context_len=1000),
+                                cache=SimpleNamespace(num_available_slots=1000))
+        batch = reqs(32)
+        for _ in range(4):
+            assert propose_trees(sched, batch) == {}
+        assert drafter.calls == 0
+        if not cheap:
+            assert all(not ctl.may_draft(r.spec) for r in batch)
+            assert all(r.spec.backoff_until == 64 for r in batch)  # step 2 + 32, rounded up
+            assert ctl.pauses_in_a_row == 0
+        propose_trees(sched, reqs(8))
+        assert drafter.calls == 1
 
 
 def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_down() -> None:
