@@ -86,6 +86,11 @@ _REMEASURE_STEPS = 32
 # NGRAM's 0.69 tokens a row at batch 32 as paying: 818 rows bought 568 tokens, 0.95x of off.
 _COMPUTE_BOUND_ROWS = 8
 _ROW_SHARE = ((8, 0.4), (16, 0.75), (32, 1.0))
+# a row count's cost is the median of its last _COST_SAMPLES steps: an EMA started from the
+# first step after start (12 ms where the step runs in 5.8: plans and buffers built) and fed
+# a plain step every _REMEASURE_STEPS kept the plain step's price 30-40% high for a hundred
+# steps, and EAGLE verified trees that did not pay
+_COST_SAMPLES = 5
 
 
 def _min_row_share(rows: int, table: tuple[tuple[int, float], ...] = _ROW_SHARE) -> float:
@@ -98,11 +103,6 @@ def _min_row_share(rows: int, table: tuple[tuple[int, float], ...] = _ROW_SHARE)
             return s0 + (s1 - s0) * (rows - k0) / (k1 - k0)
         k0, s0 = k1, s1
     return s0
-# a row count's cost is the median of its last _COST_SAMPLES steps: an EMA started from the
-# first step after start (12 ms where the step runs in 5.8: plans and buffers built) and fed
-# a plain step every _REMEASURE_STEPS kept the plain step's price 30-40% high for a hundred
-# steps, and EAGLE verified trees that did not pay
-_COST_SAMPLES = 5
 
 
 @dataclass
