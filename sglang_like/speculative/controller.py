@@ -78,12 +78,13 @@ _REMEASURE_STEPS = 32
 # apart on a drifting machine read rows there as nearly free (NGRAM's one-token matches, 0.14
 # tokens a node, were verified at batch 32: 0.78x of off; at batch 32 a plain step once read
 # 77 ms and 32 ms in one run), so a size above a measured one k of at least that many rows is
-# priced at least at k's cost plus a share of k's average row per row more, the share read
-# off _ROW_SHARE (linear between its sizes, its last share above them): what a row more cost
-# against an average row, measured with the steps of each pair back to back (int4, 2-core
-# AMD EPYC, 5 rounds, medians, spreads 0.17-0.61 / 0.38-0.94 / 1.05-1.12): 0.39 from 8 rows
-# to 12, 0.77 from 16 to 24, 1.07 from 32 to 48 (1 to 4: 0.13). A flat half a row priced
-# NGRAM's 0.69 tokens a row at batch 32 as paying: 818 rows bought 568 tokens, 0.95x of off.
+# priced at least at k's cost grown row by row, each row r more adding a share of the average
+# row at r, the share read off _ROW_SHARE (linear between its sizes, its last share above
+# them; `SpecController._growth`): what a row more cost against an average row, measured
+# with the steps of each pair back to back (scripts/bench_row_cost.py; int4, 2-core AMD EPYC,
+# 5 rounds, medians, spreads 0.17-0.61 / 0.38-0.94 / 1.05-1.12): 0.39 from 8 rows to 12, 0.77
+# from 16 to 24, 1.07 from 32 to 48 (1 to 4: 0.13). A flat half a row priced NGRAM's 0.69
+# tokens a row at batch 32 as paying: 818 rows bought 568 tokens, 0.95x of off.
 _COMPUTE_BOUND_ROWS = 8
 _ROW_SHARE = ((8, 0.4), (16, 0.75), (32, 1.0))
 # a row count's cost is the median of its last _COST_SAMPLES steps: an EMA started from the
@@ -180,6 +181,8 @@ class SpecController:
     cheap_idle_steps: int = 0
     # evidence key -> the step its trees were last verified (or last explored)
     evidence_step: dict[tuple[int, bool], int] = field(default_factory=dict)
+    # _growth's values by row count, extended as asked
+    _growth_of: list[float] = field(default_factory=lambda: [1.0])
     # the measured sizes in order, and the most any of them up to each costs (see _cost_of);
     # derived from `cost` when first read after a step (every step records, speculating or
     # not; few steps read it)
@@ -330,17 +333,28 @@ class SpecController:
 
     def _cost_above(self, base_rows: int, extra: int) -> float | None:
         """What `base_rows` plain rows and `extra` more cost: `_cost_of`, and from
-        _COMPUTE_BOUND_ROWS plain rows up at least the plain step's measured cost plus
-        `_min_row_share(base_rows)` of its average row per row more. Priced off the plain
-        step itself, a tree pays when its expected tokens per row beat that share, whatever
-        the machine's speed when the sizes were measured."""
+        _COMPUTE_BOUND_ROWS plain rows up at least the plain step's measured cost grown by
+        `_growth` over the rows more. Priced off the plain step itself, a tree pays when its
+        expected tokens per row beat what its rows cost as a share of the plain step,
+        whatever the machine's speed when the other sizes were measured."""
         cost = self._cost_of(base_rows + extra)
         if (cost is None or self.row_share is None or base_rows < _COMPUTE_BOUND_ROWS
                 or not extra):
             return cost
         c_base = self._cost_of(base_rows)
-        share = _min_row_share(base_rows, self.row_share)
-        return max(cost, c_base * (1 + share * extra / base_rows))
+        return max(cost, c_base * self._growth(base_rows + extra) / self._growth(base_rows))
+
+    def _growth(self, rows: int) -> float:
+        """How many times the step of _COMPUTE_BOUND_ROWS rows a step of `rows` rows costs
+        at least: each row r more adds `_min_row_share(r)` of the average row at r, so the
+        cost grows by (1 + share(r) / r) a row (a whole row's share: in proportion to the
+        rows; 8 rows and 24 more: 2.7x, where a flat share of 8 rows' 0.4 read 2.2x)."""
+        g = self._growth_of
+        while len(g) <= rows:
+            r = len(g) - 1
+            g.append(g[-1] * (1 + _min_row_share(r, self.row_share) / r)
+                     if r >= _COMPUTE_BOUND_ROWS else 1.0)
+        return g[rows]
 
     def rows_never_pay(self, base_rows: int) -> bool:
         """Whether a row more above a plain step of `base_rows` rows costs at least a whole
@@ -353,8 +367,8 @@ class SpecController:
 
     def _at_least_below(self, b: int, value: float) -> float:
         """`value`, raised to the most a measured size up to `b` costs, and from a measured
-        size k of at least _COMPUTE_BOUND_ROWS below b, to k's cost plus `_min_row_share(k)` of
-        its average row per row more (see there)."""
+        size k of at least _COMPUTE_BOUND_ROWS below b, to k's cost grown by `_growth` from k
+        to b."""
         if self._floors is None:
             keys = sorted(self.cost)
             self._floors = keys, list(itertools.accumulate((self.cost[k] for k in keys), max))
@@ -366,7 +380,7 @@ class SpecController:
         j = bisect.bisect_left(keys, b) - 1
         if j >= 0 and keys[j] >= _COMPUTE_BOUND_ROWS and self.row_share is not None:
             k = keys[j]
-            value = max(value, self.cost[k] * (1 + _min_row_share(k, self.row_share) * (b - k) / k))
+            value = max(value, self.cost[k] * self._growth(b) / self._growth(k))
         return value
 
     def depth_rates(self, key: tuple[int, bool] | None, depth: int) -> list[float]:

@@ -273,9 +273,9 @@ def test_controller_never_prices_more_rows_below_fewer() -> None:
 
 
 def test_rows_above_a_compute_bound_step_cost_a_measured_share_of_its_average_row() -> None:
-    """Above a plain step of 8 or more rows a row more costs at least a share of that step's
-    average row (0.4 at 8 rows, 0.75 at 16, a whole row from 32: measured), priced off the
-    plain step itself: a bigger size measured at a fast moment (48 rows at 45 ms against 40
+    """Above a plain step of 8 or more rows a row more costs at least a share of the average
+    row where it is added (0.4 at 8 rows, 0.75 at 16, a whole row from 32: measured), priced
+    off the plain step itself: a bigger size measured at a fast moment (48 rows at 45 ms against 40
     for 32) does not make trees look cheap. At batch 32 drafts of 0.8 are not verified; at
     batch 8 they are."""
     from sglang_like.speculative.controller import _min_row_share
@@ -291,7 +291,12 @@ def test_rows_above_a_compute_bound_step_cost_a_measured_share_of_its_average_ro
     assert counts == [1] * 16 and rate == pytest.approx(32 / 0.040)
     ctl.record_forward(8, 0.012)
     ctl.record_forward(16, 0.0135)
-    assert ctl._cost_above(8, 8) == pytest.approx(0.012 * (1 + 0.4))
+    # each row r more adds share(r) of the average row at r: 8 rows and 8 more, 1.46x
+    growth = 1.0
+    for r in range(8, 16):
+        growth *= 1 + _min_row_share(r) / r
+    assert ctl._cost_above(8, 8) == pytest.approx(0.012 * growth) == pytest.approx(0.0175, rel=1e-3)
+    assert ctl._cost_above(8, 24) > 0.012 * 2.6  # 32 rows: the share grows with the rows
     counts, _ = ctl._most_tokens_per_second(8, [[1.0, 0.8]] * 8)
     assert counts == [2] * 8
     # from 32 rows no draft pays: a cheap drafter does not draft there
