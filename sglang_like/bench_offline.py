@@ -7,8 +7,9 @@
 
 Each format runs in a fresh process (its RSS is its own): batch-1 decode, batch 8 and 32
 decode, batch-1 decode after a 4,096-token context (`--depths`), a 1,024-token prefill;
-`--rounds N` runs every format N times, interleaved, and keeps
-each figure's median. The bandwidth floor is the weight bytes one decode step reads
+`--rounds N` runs every format and llama.cpp N times, interleaved round by round, and
+keeps each figure's median; a ratio to llama.cpp is the median of the rounds' own ratios
+(this machine's speed moves 25-70% over minutes). The bandwidth floor is the weight bytes one decode step reads
 over this machine's measured read bandwidth. llama.cpp runs `llama-bench` (batch-1 decode,
 prefill) and `llama-batched-bench` (batched decode) with 2 threads, as its users run them;
 build it with ../shared/peers/llama-cpp.sh, which prints the folder to pass.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -154,6 +156,17 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def round_ratios(runs: list[dict[str, Any]], peer_runs: list[dict[str, Any]]
+                 ) -> dict[str, float]:
+    """Per speed, the median over the rounds of ours over the peer's in the same round."""
+    out = {}
+    for key in runs[0]:
+        if key.endswith("_tok_s") and all(p.get(key) for p in peer_runs):
+            out[key] = statistics.median(
+                r[key] / p[key] for r, p in zip(runs, peer_runs, strict=True))
+    return out
+
+
 def _run_worker(fmt: str, argv: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "sglang_like.bench_offline", "--worker", fmt, *argv]
     env = {**os.environ, **FORMATS[fmt].get("env", {})}
@@ -184,7 +197,10 @@ def _peer(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: float,
-                batch_sizes: list[int], depths: list[int]) -> None:
+                batch_sizes: list[int], depths: list[int],
+                ratios: dict[str, dict[str, float]] | None = None) -> None:
+    """`ratios`: per format and speed, ours over the peer's (the rounds' median); without
+    them, the ratio of the medians."""
     cols = ["b1_tok_s", *[f"b{b}_tok_s" for b in batch_sizes],
             *[f"d{d}_tok_s" for d in depths], "prefill_tok_s"]
 
@@ -212,11 +228,15 @@ def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: fl
         print("(llama.cpp with weight repacking off: its default run died in its AMX matmul "
               "on this CPU)")
     if peer:
-        print("\nratio to llama.cpp (ours / theirs):")
+        rounds = peer.get("rounds", 1)
+        print("\nratio to llama.cpp (ours / theirs" + (
+            f"; the median of {rounds} rounds' own ratios):" if ratios and rounds > 1 else "):"))
         for r in rows:
-            ratios = "  ".join(f"{c.removesuffix('_tok_s')} {r[c] / peer[c]:.2f}x"
-                               for c in cols if c in peer and peer[c])
-            print(f"  {r['format']:<16}{ratios}")
+            mine = (ratios or {}).get(r["format"]) or {
+                c: r[c] / peer[c] for c in cols if c in peer and peer[c]}
+            line = "  ".join(f"{c.removesuffix('_tok_s')} {mine[c]:.2f}x"
+                             for c in cols if c in mine)
+            print(f"  {r['format']:<16}{line}")
 
 
 def draw_throughput(rows: list[dict[str, Any]], peer: dict[str, Any] | None,
@@ -292,16 +312,23 @@ def main(argv: list[str] | None = None) -> None:
         if fmt not in FORMATS:
             raise SystemExit(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
     runs: dict[str, list[dict[str, Any]]] = {fmt: [] for fmt in formats}
-    for _ in range(args.rounds):  # formats interleaved: the machine's drift lands in none
+    peer_runs: list[dict[str, Any]] = []
+    # formats and the peer interleaved, round by round: the machine's drift lands in none, and
+    # each ratio to the peer is the median of the rounds' own ratios
+    for _ in range(args.rounds):
         for fmt in formats:
             runs[fmt].append(_run_worker(fmt, passthrough))
             print(f"{fmt}: {runs[fmt][-1]}", flush=True)
+        peer_run = _peer(args)
+        if peer_run:
+            peer_runs.append(peer_run)
+            print(f"llama.cpp: {peer_run}", flush=True)
     rows = [_median_row(runs[fmt]) for fmt in formats]
-    peer = _peer(args)
-    if peer:
-        print(f"llama.cpp: {peer}", flush=True)
+    peer = _median_row(peer_runs) if peer_runs else None
+    ratios = ({fmt: round_ratios(runs[fmt], peer_runs) for fmt in formats}
+              if peer_runs else None)
     gbs = measure_bandwidth_gbs()
-    print_table(rows, peer, gbs, args.batch_sizes, args.depths)
+    print_table(rows, peer, gbs, args.batch_sizes, args.depths, ratios)
     if args.plot:
         draw_throughput(rows, peer, args.batch_sizes, args.plot)
     shared = run_shared_prefix(args.model_path, skip_hf=args.skip_hf) if args.shared_prefix \

@@ -36,3 +36,16 @@ def test_llama_bench_depths_reads_each_depths_decode_rate(tmp_path: Path) -> Non
 def test_llama_bench_depths_says_which_binary_is_missing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="llama-bench is not an executable"):
         llama_bench_depths(os.fspath(tmp_path), "model.gguf", 2, [4096], 64)
+
+
+def test_bench_offline_ratio_is_the_median_of_each_rounds_own():
+    from sglang_like.bench_offline import round_ratios
+
+    ours = [{"b1_tok_s": 200.0, "b32_tok_s": 1000.0, "rss_mb": 400.0},
+            {"b1_tok_s": 100.0, "b32_tok_s": 500.0, "rss_mb": 400.0},
+            {"b1_tok_s": 150.0, "b32_tok_s": 1200.0, "rss_mb": 400.0}]
+    theirs = [{"b1_tok_s": 100.0, "b32_tok_s": 250.0},
+              {"b1_tok_s": 50.0, "b32_tok_s": 125.0},  # the machine slowed for both
+              {"b1_tok_s": 100.0, "b32_tok_s": 400.0}]
+    got = round_ratios(ours, theirs)
+    assert got == {"b1_tok_s": 2.0, "b32_tok_s": 4.0}  # the ratio of the medians: b1 1.5x
