@@ -9,10 +9,11 @@ Each format runs in a fresh process (its RSS is its own): batch-1 decode, batch 
 decode, batch-1 decode after a 4,096-token context (`--depths`), a 1,024-token prefill;
 `--rounds N` runs every format and llama.cpp N times, interleaved round by round, and
 keeps each figure's median; a ratio to llama.cpp is the median of the rounds' own ratios
-(this machine's speed moves 25-70% over minutes). The bandwidth floor is the weight bytes one decode step reads
-over this machine's measured read bandwidth. llama.cpp runs `llama-bench` (batch-1 decode,
-prefill) and `llama-batched-bench` (batched decode) with 2 threads, as its users run them;
-build it with ../shared/peers/llama-cpp.sh, which prints the folder to pass.
+(this machine's speed moves 25-70% over minutes). The bandwidth floor is the weight bytes
+one decode step reads over this machine's measured read bandwidth. llama.cpp runs
+`llama-bench` (batch-1 decode, prefill) and `llama-batched-bench` (batched decode) with 2
+threads, as its users run them; build it with ../shared/peers/llama-cpp.sh, which prints the
+folder to pass.
 """
 
 from __future__ import annotations

@@ -80,13 +80,16 @@ _REMEASURE_STEPS = 32
 # 77 ms and 32 ms in one run), so a size above a measured one k of at least that many rows is
 # priced at least at k's cost grown row by row, each row r more adding a share of the average
 # row at r, the share read off _ROW_SHARE (linear between its sizes, its last share above
-# them; `SpecController._growth`): what a row more cost against an average row, measured
-# with the steps of each pair back to back (scripts/bench_row_cost.py; int4, 2-core AMD EPYC,
-# 5 rounds, medians, spreads 0.17-0.61 / 0.38-0.94 / 1.05-1.12): 0.39 from 8 rows to 12, 0.77
-# from 16 to 24, 1.07 from 32 to 48 (1 to 4: 0.13). A flat half a row priced NGRAM's 0.69
-# tokens a row at batch 32 as paying: 818 rows bought 568 tokens, 0.95x of off.
+# them; `SpecController._growth`): what a row more cost against an average row. Measured two
+# ways on a 2-core AMD EPYC, int4: a verify's tree rows over a batch of 8 (NGRAM always on,
+# the bench's code prompts, step times by row count in one run): 0.75-0.8 from 8 rows to
+# 14-30, about 0.86 from 20 to 30; and more requests' decode rows with the steps of each pair
+# back to back (scripts/bench_row_cost.py, 5 rounds, medians): 0.39 from 8 rows to 12 (spread
+# 0.17-0.61), 0.77 from 16 to 24, 1.07 from 32 to 48 (1 to 4: 0.13). A flat half a row priced
+# NGRAM's 0.69 tokens a row at batch 32 as paying: 818 rows bought 568 tokens, 0.95x of off;
+# 0.4 at 8 rows verified 1.38-1.41 tokens per verify at batch 8 at 0.82-0.88x of off.
 _COMPUTE_BOUND_ROWS = 8
-_ROW_SHARE = ((8, 0.4), (16, 0.75), (32, 1.0))
+_ROW_SHARE = ((8, 0.75), (32, 1.0))
 # a row count's cost is the median of its last _COST_SAMPLES steps: an EMA started from the
 # first step after start (12 ms where the step runs in 5.8: plans and buffers built) and fed
 # a plain step every _REMEASURE_STEPS kept the plain step's price 30-40% high for a hundred
