@@ -97,6 +97,11 @@ _ROW_SHARE = ((8, 0.75), (32, 1.0))
 _COST_SAMPLES = 5
 
 
+def _backoff_end(step: int) -> int:
+    """`step` rounded up to a multiple of _BACKOFF_STEPS: pauses end together."""
+    return -(-step // _BACKOFF_STEPS) * _BACKOFF_STEPS
+
+
 def _min_row_share(rows: int, table: tuple[tuple[int, float], ...] = _ROW_SHARE) -> float:
     """The least share of an average row a row more costs above a step of `rows` rows."""
     (k0, s0) = table[0]
@@ -276,8 +281,7 @@ class SpecController:
         _BACKOFF_STEPS (see the module's constants)."""
         steps = _BACKOFF_STEPS << min(state.num_failed_tries, _MAX_BACKOFF_DOUBLINGS)
         state.num_failed_tries += 1
-        until = self.step + steps
-        state.backoff_until = -(-until // _BACKOFF_STEPS) * _BACKOFF_STEPS
+        state.backoff_until = _backoff_end(self.step + steps)
         self.pauses_in_a_row = max(self.pauses_in_a_row, state.num_failed_tries)
         self.pause_until = max(self.pause_until, state.backoff_until)
 
@@ -285,8 +289,7 @@ class SpecController:
         """Pause `state` until the next multiple of _BACKOFF_STEPS at least _BACKOFF_STEPS
         away, for its batch's size (not for its drafts: no doubling, and new requests do
         not join it)."""
-        until = -(-(self.step + _BACKOFF_STEPS) // _BACKOFF_STEPS) * _BACKOFF_STEPS
-        state.backoff_until = max(state.backoff_until, until)
+        state.backoff_until = max(state.backoff_until, _backoff_end(self.step + _BACKOFF_STEPS))
 
     def may_draft(self, state: SpecState, ahead: int = 0) -> bool:
         """Whether the request may draft `ahead` steps from now. A request seen for the
@@ -334,17 +337,20 @@ class SpecController:
             return self._at_least_below(b, self.cost[hi] + slope * (b - hi))
         return None
 
-    def _cost_above(self, base_rows: int, extra: int) -> float | None:
+    def _cost_above(self, base_rows: int, extra: int, c_base: float | None = None
+                    ) -> float | None:
         """What `base_rows` plain rows and `extra` more cost: `_cost_of`, and from
         _COMPUTE_BOUND_ROWS plain rows up at least the plain step's measured cost grown by
         `_growth` over the rows more. Priced off the plain step itself, a tree pays when its
         expected tokens per row beat what its rows cost as a share of the plain step,
-        whatever the machine's speed when the other sizes were measured."""
+        whatever the machine's speed when the other sizes were measured. `c_base`: the plain
+        step's cost, when the caller has it."""
         cost = self._cost_of(base_rows + extra)
         if (cost is None or self.row_share is None or base_rows < _COMPUTE_BOUND_ROWS
                 or not extra):
             return cost
-        c_base = self._cost_of(base_rows)
+        if c_base is None:
+            c_base = self._cost_of(base_rows)
         return max(cost, c_base * self._growth(base_rows + extra) / self._growth(base_rows))
 
     def _growth(self, rows: int) -> float:
@@ -452,10 +458,11 @@ class SpecController:
         plain step of `base_rows` must be measured."""
         ranked = sorted(((p, i) for i, probs in enumerate(node_probs) for p in probs[1:]),
                         key=lambda pi: -pi[0])
-        best, best_rate, tokens = 0, base_rows / self._cost_of(base_rows), float(base_rows)
+        c_base = self._cost_of(base_rows)
+        best, best_rate, tokens = 0, base_rows / c_base, float(base_rows)
         for m, (p, _) in enumerate(ranked, 1):
             tokens += p
-            cost = self._cost_above(base_rows, m)
+            cost = self._cost_above(base_rows, m, c_base)
             if cost is None:
                 best, best_rate = len(ranked), 0.0  # nothing measured from here up: try it
                 break
@@ -490,7 +497,7 @@ class SpecController:
             return counts, False
         # the step's drafting is spent: the best above is read without it; whether drafting
         # pays is the same with it, against the plain step
-        c_best = self._cost_above(base_rows, sum(counts) - len(counts))
+        c_best = self._cost_above(base_rows, sum(counts) - len(counts), c_base)
         tokens_best = best_rate * c_best
         return counts, tokens_best / (c_best + self._drafting_of(base_rows)) > base_rows / c_base
 

@@ -162,8 +162,8 @@ class RecentTexts:
         self.num_tokens += len(text)
         keys, ends = self._keys(text)
         tag = tid << _END_BITS
-        self.latest.update(zip(keys, [tag | (end + 1) for end in ends], strict=True))
         latest = self.latest
+        latest.update(zip(keys, [tag | (end + 1) for end in ends], strict=True))
         while self.num_tokens > self.capacity:
             old_id, old = self.texts.popitem(last=False)
             self.num_tokens -= len(old)
