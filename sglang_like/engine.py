@@ -46,6 +46,7 @@ class Engine:
         self.server_args, self.model_config = info.server_args, info.model_config
         self.device, self.dtype = info.device, info.dtype
         self.eos_token_ids = info.eos_token_ids
+        self.loop_cpu = info.loop_cpu  # the core the engine loop has to itself, if any
         self.tokenizer = self._client.tokenizer
         self._lock = threading.Lock()
         _live_engines.add(self)

@@ -44,6 +44,7 @@ class CoreInfo:
     dtype: str
     eos_token_ids: frozenset[int]
     weight_bytes: int
+    loop_cpu: int | None = None  # the core the loop's thread has to itself (cpu_pinning)
 
 
 def make_req(msg: GenerateReqInput) -> Req:
@@ -149,6 +150,7 @@ class EngineCore:
             **{k: v for k, v in vars(self.server_args).items() if k != "api_key"},
             "model_path": self.model_config.model_path,
             "engine_pid": os.getpid(),  # the engine-core process (this one's pid in-process)
+            "loop_cpu": self.info.loop_cpu,  # the core the loop keeps to itself (cpu_pinning)
             "kv_pool": {**s.kv_pool_info(),
                         "bytes_per_slot": self.runner.kv_pool.bytes_per_slot},
             "cache_hit_rate": s.cache_hit_rate,

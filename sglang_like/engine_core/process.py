@@ -11,6 +11,7 @@ running step's start time in a small shared file the client reads without asking
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import mmap
@@ -144,6 +145,22 @@ def _receive(core: EngineCore, sock: zmq.Socket, outbox: Outbox, parent_pid: int
             return
 
 
+def _pin_loop(core: EngineCore) -> int | None:
+    """With cpu_pinning auto on CPU (one rank): claim a core for the loop's thread (this one)
+    and move the process's other threads, the OpenMP workers among them, off it; the core's
+    number, which the HTTP process keeps off too (see cpu_runtime)."""
+    from sglang_like.cpu_runtime import claim_loop_cpu, keep_threads_off
+
+    sa = core.server_args
+    if sa.cpu_pinning != "auto" or core.info.device != "cpu" or sa.tp_size != 1:
+        return None
+    cpu = claim_loop_cpu()
+    if cpu is not None:
+        moved = keep_threads_off(cpu, include_self=False)
+        logger.debug("engine loop on core %d; %d other threads keep off it", cpu, moved)
+    return cpu
+
+
 def main(args_path: str) -> int:
     with open(args_path, "rb") as f:
         spec = pickle.load(f)
@@ -173,6 +190,7 @@ def main(args_path: str) -> int:
     from sglang_like.cpu_runtime import trim_heap
 
     trim_heap()  # the loader's temporaries
+    core.info = dataclasses.replace(core.info, loop_cpu=_pin_loop(core))
     out.send(m.encode([m.Ready(info=pickle.dumps(core.info))]))
     logger.debug("engine core ready in %.1fs (pid %d)", time.perf_counter() - t0, os.getpid())
     receiver = threading.Thread(target=_receive, args=(core, inbox, outbox, spec["parent_pid"]),

@@ -83,18 +83,19 @@ class RealServer:
 
 
 def start_real_server(*extra_args: str, api_key: str | None = None,
-                      new_session: bool = False) -> RealServer:
+                      new_session: bool = False, env: dict[str, str] | None = None) -> RealServer:
     """`python -m sglang_like.launch_server` on a free loopback port; waits for /health.
 
     `new_session`: the server leads its own process group, so a test can kill it together
-    with its children (the engine process) by `os.killpg`."""
+    with its children (the engine process) by `os.killpg`. `env`: variables set for it."""
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
            "--log-level", "warning", *extra_args]
     if api_key:
         cmd += ["--api-key", api_key]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=new_session)
+                            start_new_session=new_session,
+                            env={**os.environ, **env} if env else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     while True:
@@ -136,8 +137,9 @@ def _launcher(stop_timeout: float) -> Iterator[Any]:
     """`start(*cli_args, api_key=...)` real servers; any still running are stopped after."""
     started: list[RealServer] = []
 
-    def start(*args: str, api_key: str | None = None) -> RealServer:
-        server = start_real_server(*args, api_key=api_key)
+    def start(*args: str, api_key: str | None = None,
+              env: dict[str, str] | None = None) -> RealServer:
+        server = start_real_server(*args, api_key=api_key, env=env)
         started.append(server)
         return server
 
