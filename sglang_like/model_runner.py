@@ -143,6 +143,17 @@ class ModelRunner:
             raise TPRankLost(f"rank 0 failed inside a tensor-parallel forward: "
                              f"{type(exc).__name__}: {exc}") from exc
 
+    @property
+    def has_greedy_forward(self) -> bool:
+        """Whether `forward_greedy` has a path of its own (else it is not to be called)."""
+        return (self.tp_group is None and not self.aux_layers
+                and getattr(self.model, "has_head_argmax", False))
+
+    def forward_greedy(self, batch: ScheduleBatch) -> list[int]:
+        """The argmax token of each of `forward(batch)`'s rows, the same ids, the LM head computing
+        only the logits that can be the maximum (`has_greedy_forward`)."""
+        return self.model.forward_argmax(self.build_forward_batch(batch), self.kv_pool).tolist()
+
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.aux_layers:
             logits, self.last_features = self.model.forward_features(fb, self.kv_pool,

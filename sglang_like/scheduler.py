@@ -17,7 +17,7 @@ from sglang_like.fault_injection import FaultInjector
 from sglang_like.mem_pool import ReqToTokenPool
 from sglang_like.output_processor import OutputProcessor
 from sglang_like.req import FinishReason, Req, internal_error_message
-from sglang_like.sampler import Sampler, select_rows
+from sglang_like.sampler import SampleOutput, Sampler, select_rows
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.schedule_policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
 from sglang_like.speculative.controller import SpecController, propose_trees
@@ -202,14 +202,18 @@ class Scheduler:
         sender = getattr(self.disagg, "before_forward", None)
         if sender is not None:
             batch.on_layer = sender(batch)  # streams each layer's KV to the decode worker
+        logits = greedy = None
         try:
-            logits = self.runner.forward(batch)
+            if self._argmax_only(batch):
+                greedy = self.runner.forward_greedy(batch)
+            else:
+                logits = self.runner.forward(batch)
         finally:
             if sender is not None:
                 self.disagg.after_forward()  # its slots are not freed with a write in flight
         self.num_forward_steps += 1
         walks: list[TreeWalk] = []
-        self._process(batch, logits, walks, touched)
+        self._process(batch, logits, walks, touched, greedy)
         if sender is not None:
             self.disagg.after_process(batch)
         after = getattr(self.drafter, "after_forward", None)
@@ -400,8 +404,27 @@ class Scheduler:
         logger.info("retracted %s to free KV slots", victim.rid)
 
     # ---- after the forward ---------------------------------------------------------------
-    def _process(self, batch: ScheduleBatch, logits: torch.Tensor, walks: list[TreeWalk],
-                 touched: list[Req]) -> None:
+    def _argmax_only(self, batch: ScheduleBatch) -> bool:
+        """Whether every row of a decode batch takes its plain argmax (greedy, and no logprobs,
+        penalties, logit bias, grammar, or min_new_tokens holding EOS back): then the runner
+        may return the tokens instead of the logits (`forward_greedy`), where it has such a
+        path. Not with a drafter or a disaggregation role, whose steps stay as they are."""
+        if (not batch.is_decode or self.drafter is not None or self.disagg is not None
+                or not getattr(self.runner, "has_greedy_forward", False)):
+            return False
+        for req in batch.reqs:
+            sp = req.sampling_params
+            if (not sp.is_greedy or req.return_logprob or sp.has_penalties or sp.token_bias
+                    or req.grammar is not None or not req.output_ids
+                    or len(req.output_ids) < sp.min_new_tokens):
+                return False
+        return True
+
+    def _process(self, batch: ScheduleBatch, logits: torch.Tensor | None,
+                 walks: list[TreeWalk], touched: list[Req],
+                 greedy: list[int] | None = None) -> None:
+        """A forward's results: `logits`, or for an `_argmax_only` batch the token of each
+        logits row (`greedy`)."""
         for i, req in enumerate(batch.reqs):
             tree = batch.trees[i]
             if tree is not None:  # a verify: its nodes are committed as the walk accepts them
@@ -410,7 +433,8 @@ class Scheduler:
                                       batch.sample_index[i]))
                 continue
             req.kv_len += batch.extend_lens[i]
-        self._record_input_logprobs(batch, logits)
+        if logits is not None:
+            self._record_input_logprobs(batch, logits)
         to_sample: list[int] = []
         for i, req in enumerate(batch.reqs):
             if batch.trees[i] is not None:
@@ -427,9 +451,14 @@ class Scheduler:
             self.faults.maybe_fail("sample")
         if to_sample:
             reqs = [batch.reqs[i] for i in to_sample]
-            rows = select_rows(logits, [batch.sample_index[i] for i in to_sample])
-            bitmask = self.outputs.grammar_bitmask(reqs)
-            result = self.sampler.sample(rows, reqs, bitmask)
+            if greedy is not None:
+                nothing: list[None] = [None] * len(reqs)
+                result = SampleOutput([greedy[batch.sample_index[i]] for i in to_sample],
+                                      nothing, nothing)
+            else:
+                rows = select_rows(logits, [batch.sample_index[i] for i in to_sample])
+                bitmask = self.outputs.grammar_bitmask(reqs)
+                result = self.sampler.sample(rows, reqs, bitmask)
             for j, req in enumerate(reqs):
                 if req.is_finished:  # its grammar failed while the mask was built
                     self._end(req, req.finished_reason, touched)

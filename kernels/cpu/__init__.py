@@ -33,8 +33,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequantize",
-           "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32", "q8_x16_matmul", "q8_x16_pack",
-           "q8_x16_rows"]
+           "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32", "q8_x16_argmax", "q8_x16_matmul",
+           "q8_x16_pack", "q8_x16_row_bounds", "q8_x16_rows"]
 
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "attention.c",
@@ -138,6 +138,8 @@ class _Library:
         lib.q4_x16_matmul.restype = ctypes.c_int
         lib.q8_x16_matmul.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64]
         lib.q8_x16_matmul.restype = ctypes.c_int
+        lib.q8_x16_argmax.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
+        lib.q8_x16_argmax.restype = ctypes.c_int
         lib.q4_x16_pack.argtypes = [ptr, i64, i64, ptr]
         lib.q4_x16_pack.restype = None
         lib.q4_x16_dequantize.argtypes = [ptr, i64, i64, ptr]
@@ -168,6 +170,7 @@ class _Library:
         self.x16_matmul = lib.q4_x16_matmul
         self.x16_pack = lib.q4_x16_pack
         self.q8_x16_matmul = lib.q8_x16_matmul
+        self.q8_x16_argmax = lib.q8_x16_argmax
         self.x16_dequantize = lib.q4_x16_dequantize
         self.dequantize = lib.q4_1_dequantize
         self.q8_0_matmul_f32 = lib.q8_0_matmul_f32
@@ -327,6 +330,38 @@ def q8_x16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                                            x.data_ptr(), x.stride(0), m, y.data_ptr(), n),
                "q8_x16_matmul", x)
     return y
+
+
+def q8_x16_row_bounds(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [N/16, K/32, 16] (the x16 scales' layout): |scale| * sum |code| of each row's
+    block, rounded up (what `q8_x16_argmax` bounds a logit's second activation part with)."""
+    l1 = packed.to(torch.int32).abs().sum(dim=(2, 4))  # [N/16, K/32, 16]; |-128| fits
+    bound = l1.double() * scales.double().abs()
+    up = bound.float()
+    return torch.where(up.double() < bound, torch.nextafter(up, torch.tensor(float("inf"))), up)
+
+
+def q8_x16_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                  row_bounds: torch.Tensor, variant: str | None = None
+                  ) -> tuple[torch.Tensor, int]:
+    """(the argmax of each row of `q8_x16_matmul(x, packed, scales)` int64 [M], how many
+    16-row groups were computed in full): the same index as `argmax_rows` of those logits
+    (first among equals, NaN as the maximum), with the second activation part computed only
+    for the rows that can win (`row_bounds`: `q8_x16_row_bounds`). AVX-512 VNNI builds only
+    (NotImplementedError elsewhere)."""
+    x = _float_rows(x)
+    m, k = x.shape
+    n = packed.shape[0] * X16_ROWS
+    ids = torch.empty(m, dtype=torch.int64)
+    exact = ctypes.c_int64(0)
+    if m:
+        rc = _lib(variant).q8_x16_argmax(packed.data_ptr(), scales.data_ptr(),
+                                         row_bounds.data_ptr(), n, k, x.data_ptr(), x.stride(0),
+                                         m, ids.data_ptr(), ctypes.byref(exact))
+        if rc == -2:
+            raise NotImplementedError("q8_x16_argmax needs the avx512_vnni build")
+        _check(rc, "q8_x16_argmax", x)
+    return ids, exact.value
 
 
 def q8_0_matmul_f32(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

@@ -180,3 +180,196 @@ int q8_x16_matmul(const int8_t *codes, const float *scales, int64_t N, int64_t K
     free(q1); free(q2); free(e); free(corr);
     return 0;
 }
+
+// ---- greedy rows: the argmax of the logits, the second part only where it can matter ------
+//
+// A greedy decode needs only each row's argmax. The first activation part alone gives every
+// logit to within the second part's contribution, which |q2| <= 127 bounds per vocabulary row
+// v and block b: |lo_vb| <= |d_vb| * sum_j |c_vbj| * 127 e_b = w1[v, b] * 127 e_b (w1, the
+// rows' per-block L1 norms times their scales, computed at load, in the x16 scales' layout).
+// So with hi_v the one-part logit and B_v = 1.01 * sum_b w1[v, b] 127 e_b (the 1% covers both
+// sums' float rounding: 20 terms of relative error 1.2e-6, of magnitude <= 254 B_v), the
+// two-part maximum is >= L = max_v (hi_v - B_v), and only rows with hi_v + B_v >= L can reach
+// it. Their 16-row groups are computed in full by the same pass as q8_x16_matmul, so the winner
+// and its value are that kernel's, the first index among equals as argmax_rows. A row with a
+// NaN anywhere is computed in full. (One bound for all blocks, from the largest e_b, left 400
+// of the default model's 3072 groups per row to compute in full: its hidden states have a few
+// outlier features.)
+
+#ifdef Q4_VNNI
+// One-part logits of a 16-row group for R activation rows, reduced to two bounds per row:
+// lo[i] = max_j (hi_j - B_j) and up[i] = max_j (hi_j + B_j) (NaN when a hi is NaN).
+#define Q8X_HI_PASS(R)                                                                         \
+    static void q8x_hi_pass_##R(const int8_t *codes, const float *scales, const float *w1,     \
+                                int nb, const int8_t *q1, const float *e1,                    \
+                                const int32_t *corr1, const float *ab, int K, float *lo,      \
+                                float *up, int64_t ld) {                                      \
+        __m512 sum[R], bnd[R];                                                                 \
+        for (int i = 0; i < R; i++) sum[i] = bnd[i] = _mm512_setzero_ps();                     \
+        const __m512i flip = _mm512_set1_epi8((char)0x80);                                     \
+        for (int b = 0; b < nb; b++) {                                                         \
+            const int8_t *blk = codes + (int64_t)b * 512;                                      \
+            __m512i c[8];                                                                      \
+            for (int t = 0; t < 8; t++)                                                        \
+                c[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 64 * t)), flip);\
+            const __m512 d = _mm512_loadu_ps(scales + b * Q8X_ROWS);                           \
+            const __m512 w = _mm512_loadu_ps(w1 + b * Q8X_ROWS);                               \
+            for (int i = 0; i < R; i++) {                                                      \
+                const int32_t *qa = (const int32_t *)(q1 + (int64_t)i * K + b * Q8X_QK);       \
+                /* two chains of 4 dots: one chain of 8 leaves the dot unit waiting */         \
+                __m512i a1 = _mm512_setzero_si512(), a2 = _mm512_setzero_si512();              \
+                for (int t = 0; t < 8; t += 2) {                                               \
+                    a1 = _mm512_dpbusd_epi32(a1, c[t], _mm512_set1_epi32(qa[t]));              \
+                    a2 = _mm512_dpbusd_epi32(a2, c[t + 1], _mm512_set1_epi32(qa[t + 1]));      \
+                }                                                                              \
+                const int nbk = i * nb + b;                                                    \
+                const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(a1, a2),                   \
+                                                   _mm512_set1_epi32(corr1[nbk]));             \
+                sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a),                                \
+                                         _mm512_mul_ps(d, _mm512_set1_ps(e1[nbk])), sum[i]);   \
+                bnd[i] = _mm512_fmadd_ps(w, _mm512_set1_ps(ab[nbk]), bnd[i]);                  \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < R; i++) {                                                          \
+            if (_mm512_cmp_ps_mask(sum[i], sum[i], _CMP_UNORD_Q)) {                            \
+                lo[i * ld] = up[i * ld] = NAN;                                                 \
+                continue;                                                                      \
+            }                                                                                  \
+            lo[i * ld] = _mm512_reduce_max_ps(_mm512_sub_ps(sum[i], bnd[i]));                  \
+            up[i * ld] = _mm512_reduce_max_ps(_mm512_add_ps(sum[i], bnd[i]));                  \
+        }                                                                                      \
+    }
+
+Q8X_HI_PASS(1)
+Q8X_HI_PASS(2)
+Q8X_HI_PASS(3)
+Q8X_HI_PASS(4)
+Q8X_HI_PASS(5)
+Q8X_HI_PASS(6)
+Q8X_HI_PASS(7)
+Q8X_HI_PASS(8)
+
+typedef void (*q8x_hi_fn)(const int8_t *, const float *, const float *, int, const int8_t *,
+                          const float *, const int32_t *, const float *, int, float *, float *,
+                          int64_t);
+static const q8x_hi_fn Q8X_HI_PASSES[Q8X_MAX_ACT + 1] = {
+    0, q8x_hi_pass_1, q8x_hi_pass_2, q8x_hi_pass_3, q8x_hi_pass_4,
+    q8x_hi_pass_5, q8x_hi_pass_6, q8x_hi_pass_7, q8x_hi_pass_8,
+};
+
+// row r's argmax over its full logits: every group computed, NaN counted as the maximum
+static int64_t q8x_argmax_full(const int8_t *codes, const float *scales, int nb, int64_t groups,
+                               const int8_t *q1, const int8_t *q2, const float *e,
+                               const int32_t *corr, int K) {
+    float y[Q8X_ROWS], best = -INFINITY;
+    int64_t at = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        q8x_pass_1(codes + g * nb * 512, scales + g * nb * Q8X_ROWS, nb, q1, q2, e, corr, K, y,
+                   Q8X_ROWS);
+        for (int j = 0; j < Q8X_ROWS; j++) {
+            if (isnan(y[j])) return g * Q8X_ROWS + j;
+            if (y[j] > best || (g == 0 && j == 0)) {
+                best = y[j];
+                at = g * Q8X_ROWS + j;
+            }
+        }
+    }
+    return at;
+}
+#endif
+
+// ids [M] = the argmax of each row of x [M, K] @ W.T as q8_x16_matmul computes it (the first
+// index among equal maxima, a NaN counted as the maximum), w1 [N/16, K/32, 16] as above; *exact_groups
+// (if not NULL) gets how many 16-row groups were computed with both parts. Returns 0; -1 for
+// a bad shape or failed scratch; -2 where the build has no such kernel (AVX2).
+int q8_x16_argmax(const int8_t *codes, const float *scales, const float *w1, int64_t N,
+                  int64_t K, const float *x, int64_t ldx, int64_t M, int64_t *ids,
+                  int64_t *exact_groups) {
+#ifndef Q4_VNNI
+    (void)codes; (void)scales; (void)w1; (void)N; (void)K; (void)x; (void)ldx; (void)M;
+    (void)ids; (void)exact_groups;
+    return -2;
+#else
+    if (K % Q8X_QK != 0 || N % Q8X_ROWS != 0 || M <= 0 || N <= 0) return -1;
+    const int nb = (int)(K / Q8X_QK);
+    const int64_t groups = N / Q8X_ROWS;
+    int8_t *q1 = (int8_t *)malloc((size_t)(M * K)), *q2 = (int8_t *)malloc((size_t)(M * K));
+    float *e = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    float *e1 = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    float *ab = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+    int32_t *corr1 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+    float *lo = (float *)malloc(sizeof(float) * (size_t)(2 * M * groups));
+    if (!q1 || !q2 || !e || !e1 || !ab || !corr || !corr1 || !lo) {
+        free(q1); free(q2); free(e); free(e1); free(ab); free(corr); free(corr1); free(lo);
+        return -1;
+    }
+    float *up = lo + M * groups;  // lo, up [M, groups]
+    for (int64_t r = 0; r < M; r++) {
+        quantize_row_2x8(x + r * ldx, (int)K, q1 + r * K, q2 + r * K, e + r * nb, corr + r * nb);
+        for (int b = 0; b < nb; b++) {
+            int32_t s1 = 0;
+            for (int j = 0; j < Q8X_QK; j++) s1 += q1[r * K + b * Q8X_QK + j];
+            corr1[r * nb + b] = 128 * s1;
+            e1[r * nb + b] = e[r * nb + b] * 254.0f;
+            ab[r * nb + b] = 1.01f * 127.0f * e[r * nb + b];
+        }
+    }
+    int64_t exact = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t r = 0; r < M; r += Q8X_MAX_ACT) {
+                const int rows = (int)(M - r < Q8X_MAX_ACT ? M - r : Q8X_MAX_ACT);
+                Q8X_HI_PASSES[rows](codes + g * nb * 512, scales + g * nb * Q8X_ROWS,
+                                    w1 + g * nb * Q8X_ROWS, nb, q1 + r * K, e1 + r * nb,
+                                    corr1 + r * nb, ab + r * nb, (int)K, lo + r * groups + g,
+                                    up + r * groups + g, groups);
+            }
+        }
+#pragma omp for schedule(dynamic, 1) reduction(+ : exact)
+        for (int64_t r = 0; r < M; r++) {
+            const float *rlo = lo + r * groups, *rup = up + r * groups;
+            const int8_t *rq1 = q1 + r * K, *rq2 = q2 + r * K;
+            const float *re = e + r * nb;
+            const int32_t *rc = corr + r * nb;
+            float L = -INFINITY;
+            int nan = 0;
+            for (int64_t g = 0; g < groups; g++) {
+                nan |= isnan(rlo[g]);
+                L = fmaxf(L, rlo[g]);
+            }
+            if (nan || !isfinite(L)) {
+                ids[r] = q8x_argmax_full(codes, scales, nb, groups, rq1, rq2, re, rc, (int)K);
+                exact += groups;
+                continue;
+            }
+            float best = -INFINITY, y[Q8X_ROWS];
+            int64_t at = -1;
+            for (int64_t g = 0; g < groups; g++) {
+                if (!(rup[g] >= L)) continue;
+                q8x_pass_1(codes + g * nb * 512, scales + g * nb * Q8X_ROWS, nb, rq1, rq2, re, rc,
+                           (int)K, y, Q8X_ROWS);
+                exact++;
+                for (int j = 0; j < Q8X_ROWS; j++) {
+                    if (isnan(y[j])) {  // cannot be after the checks above; kept exact anyway
+                        best = NAN;
+                        at = g * Q8X_ROWS + j;
+                        break;
+                    }
+                    if (at < 0 || y[j] > best) {
+                        best = y[j];
+                        at = g * Q8X_ROWS + j;
+                    }
+                }
+                if (isnan(best)) break;
+            }
+            ids[r] = at;
+        }
+    }
+    if (exact_groups) *exact_groups = exact;
+    free(q1); free(q2); free(e); free(e1); free(ab); free(corr); free(corr1); free(lo);
+    return 0;
+#endif
+}

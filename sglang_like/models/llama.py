@@ -227,6 +227,18 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x[fb.logits_indices])
         return self.lm_head(x).float(), features
 
+    @property
+    def has_head_argmax(self) -> bool:
+        """Whether `forward_argmax` has a path of its own (the LM head's kernel does)."""
+        return self.tp is None and self.lm_head.has_argmax
+
+    @torch.inference_mode()
+    def forward_argmax(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """int64 [len(fb.logits_indices)]: the argmax of each row `forward` would return (the
+        first among equals), which the head need not compute in full (`has_head_argmax`)."""
+        x, _ = self.forward_layers(fb, pool)
+        return self.lm_head.argmax(self.model.norm(x[fb.logits_indices]))
+
     @torch.inference_mode()
     def forward_layers(self, fb: ForwardBatch, pool: KVPool, aux_layers: tuple[int, ...] = ()
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:

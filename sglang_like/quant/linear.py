@@ -51,6 +51,19 @@ class QuantLinear(nn.Module):
         y = self.method.apply(self, x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    @property
+    def has_argmax(self) -> bool:
+        """Whether `argmax` has a path of its own here (the LM head's, on some CPUs)."""
+        supported = getattr(self.method, "argmax_supported", None)
+        return self.bias is None and supported is not None and supported(self)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: each row's argmax of `forward(x)` (the first among equals, NaN as the
+        maximum), where `has_argmax`; it need not compute every logit in full."""
+        if x.dtype != self.method.input_dtype:
+            x = x.to(self.method.input_dtype)
+        return self.method.argmax(self, x)
+
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
 

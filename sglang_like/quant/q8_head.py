@@ -10,6 +10,7 @@ from torch import nn
 
 import kernels.cpu
 import kernels.cpu.amx
+from kernels.cpu.ops import argmax_rows
 from sglang_like.quant.base import WeightSource
 from sglang_like.quant.int8 import EMBED_BLOCK, Int8EmbeddingMethod, quantize_blocks_int8
 
@@ -57,6 +58,7 @@ class Q8HeadMethod(Int8EmbeddingMethod):
     """
 
     amx_min_rows = 24
+    argmax_min_rows = 12  # fewer rows: the logits and their argmax (see `argmax`)
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
@@ -77,6 +79,9 @@ class Q8HeadMethod(Int8EmbeddingMethod):
             codes, scale = kernels.cpu.q8_x16_pack(codes.contiguous(), scale.contiguous())
         layer.register_buffer("weight", codes.contiguous().to(device))
         layer.register_buffer("block_scale", scale.contiguous().to(device))
+        if layer.x16:  # as many floats as scales: what `argmax` bounds second parts with
+            layer.register_buffer("row_bounds",
+                                  kernels.cpu.q8_x16_row_bounds(layer.weight, layer.block_scale))
 
     def _rows(self, layer: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer.x16:
@@ -99,6 +104,20 @@ class Q8HeadMethod(Int8EmbeddingMethod):
             int8 = self.batch_invariant or x.shape[0] < self.amx_min_rows
             return kernels.cpu.amx.q8_matmul(x, layer.weight, layer.block_scale, int8=int8)
         return kernels.cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
+
+    def argmax_supported(self, layer: nn.Module) -> bool:
+        return layer.x16
+
+    def argmax(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Greedy rows on the x16 kernel: from `argmax_min_rows` rows `q8_x16_argmax`, the
+        first activation part for every logit and both only for the 16-row groups that can
+        hold the maximum (on the default model 3-4 groups of 3072 a row); below, the logits
+        and their argmax. The same index either way. Measured (AMD EPYC, 2 cores, best of 5):
+        0.21 / 0.48 / 1.3 ms less than the logits at 12 / 16 / 32 rows; at 8 rows 0.3-0.5 ms
+        more, at 1 the same."""
+        if x.shape[0] < self.argmax_min_rows:
+            return torch.tensor(argmax_rows(self.apply(layer, x)), dtype=torch.int64)
+        return kernels.cpu.q8_x16_argmax(x, layer.weight, layer.block_scale, layer.row_bounds)[0]
 
     def decode_bytes(self, layer: nn.Module) -> int:
         return self.weight_bytes(layer)  # every step reads the whole head

@@ -426,3 +426,47 @@ def test_argmax_rows_is_torchs_argmax(n):
     assert ops.argmax_rows(x[:0]) == []
     with pytest.raises(TypeError):
         ops.argmax_rows(x.double())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_q8_x16_argmax_is_the_argmax_of_the_full_logits(variant):
+    """Greedy rows (q8_x16_argmax): the index argmax_rows gives over q8_x16_matmul's logits
+    (first among equals, NaN as the maximum), the second activation part computed only for
+    the 16-row groups that can win. AVX-512 VNNI only: the AVX2 build refuses."""
+    gen = torch.Generator().manual_seed(7)
+    n = 1024
+    w = torch.randn(n, 576, generator=gen) * 0.05
+    w[700] = w[300]  # an exact tie: the lower index wins
+    w[301] = w[300]
+    w[301, 5] -= 0.004 * torch.sign(w[300, 5])  # a near one: a code apart, a little below
+    codes, scales = quantize_blocks_int8(w)
+    for r in range(340, 1000, 40):  # copies a code or two apart, in other groups: near ties
+        codes[r], scales[r] = codes[300], scales[300]  # that the second part orders
+        at = torch.randint(0, 576, (2,), generator=gen)
+        codes[r, at] = (codes[r, at].int() + torch.tensor([1, -1])).clamp(-127, 127).to(torch.int8)
+    packed, pscales = kc.q8_x16_pack(codes, scales)
+    bounds = kc.q8_x16_row_bounds(packed, pscales)
+    wq = (codes.double().view(n, 18, 32) * scales.double().unsqueeze(-1)).view(n, 576)
+    per_row = bounds.double().sum(1).reshape(n)  # [N/16, K/32, 16] -> each row's sum
+    assert torch.all(per_row >= wq.abs().sum(1) * (1 - 1e-12))  # >= sum |w| (a looser one)
+    if variant != "avx512_vnni":
+        with pytest.raises(NotImplementedError):
+            kc.q8_x16_argmax(torch.randn(1, 576), packed, pscales, bounds, variant)
+        return
+    rows = [torch.randn(40, 576, generator=gen) * torch.logspace(-3, 2, 40).unsqueeze(1)]
+    rows.append(w[300:301] * 40)  # 300 or a near copy wins; never 700, its exact copy
+    rows.append(w[300] * 40 + torch.randn(24, 576, generator=gen))  # near ties among the copies
+    rows.append(torch.zeros(1, 576))  # every logit 0: index 0 (row 65)
+    x = torch.cat(rows)
+    ids, exact = kc.q8_x16_argmax(x, packed, pscales, bounds, variant)
+    full = kc.q8_x16_matmul(x, packed, pscales, variant)
+    assert ids.tolist() == ops.argmax_rows(full)
+    assert ids[40].item() != 700 and ids[65].item() == 0  # a copy never beats its twin
+    assert exact < x.shape[0] * n // 16  # most groups were left at one part
+    for r in (0, 39, 40):  # a row's answer does not depend on the batch
+        assert kc.q8_x16_argmax(x[r:r + 1], packed, pscales, bounds, variant)[0].item() == ids[r]
+    scales[37, 3] = float("nan")  # a broken row: NaN logits everywhere it is, the maximum
+    packed, pscales = kc.q8_x16_pack(codes, scales)
+    ids, _ = kc.q8_x16_argmax(x[:3], packed, pscales, bounds, variant)
+    assert ids.tolist() == ops.argmax_rows(kc.q8_x16_matmul(x[:3], packed, pscales, variant))
+    assert ids.tolist() == [37, 37, 37]

@@ -1,0 +1,59 @@
+"""Greedy decode batches take the LM head's argmax path where the CPU has it (AVX-512 VNNI's
+x16 head: Scheduler._argmax_only -> ModelRunner.forward_greedy): the tokens are those the full
+logits give, and a batch with any row that needs its logits runs the logits path."""
+
+from __future__ import annotations
+
+import pytest
+
+from .prompts import PROMPTS
+
+PARAMS = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine):
+    e = make_engine()
+    if not e._client.core.runner.has_greedy_forward:
+        pytest.skip("this CPU's LM head has no argmax path (it needs AVX-512 VNNI, not AMX)")
+    return e
+
+
+@pytest.fixture
+def greedy_calls(engine, monkeypatch) -> list[int]:
+    """The row count of every forward_greedy call from here on."""
+    runner = engine._client.core.runner
+    calls: list[int] = []
+    original = runner.forward_greedy
+
+    def counted(batch):
+        calls.append(len(batch.reqs))
+        return original(batch)
+
+    monkeypatch.setattr(runner, "forward_greedy", counted)
+    return calls
+
+
+def test_greedy_batches_give_the_tokens_of_the_full_logits(engine, greedy_calls) -> None:
+    prompts = PROMPTS  # 16 rows: the head's own kernel (fewer take the logits' argmax)
+    fast = engine.generate(prompts, PARAMS)
+    assert greedy_calls and max(greedy_calls) == 16  # the batch decoded on that path
+    n = len(greedy_calls)
+    # logprobs need every row's logits: the same batch on the logits path, the same tokens
+    full = engine.generate(prompts, PARAMS, return_logprob=True)
+    assert len(greedy_calls) == n
+    for a, b in zip(fast, full, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert len(a["output_ids"]) == PARAMS["max_new_tokens"]
+
+
+def test_one_row_that_needs_logits_keeps_its_batch_on_the_logits_path(engine,
+                                                                     greedy_calls) -> None:
+    prompts = PROMPTS[8:12]
+    alone = engine.generate(prompts, PARAMS)
+    del greedy_calls[:]
+    # a penalty on one request: every step of the batch it is in runs the logits path
+    mixed = engine.generate(prompts, [PARAMS] * 3 + [{**PARAMS, "frequency_penalty": 0.5}])
+    assert all(rows < 4 for rows in greedy_calls)  # only after it left, if ever
+    for a, b in zip(alone[:3], mixed[:3], strict=True):
+        assert a["output_ids"] == b["output_ids"]
