@@ -333,10 +333,10 @@ def q8_x16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 
 def q8_x16_row_bounds(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 [N/16, K/32, 16] (the x16 scales' layout): |scale| * sum |code| of each row's
-    block, rounded up (what `q8_x16_argmax` bounds a logit's second activation part with)."""
+    """float32 [N]: each row's largest |scale| * sum |code| over its blocks, rounded up
+    (what `q8_x16_argmax` bounds a logit's second activation part with)."""
     l1 = packed.to(torch.int32).abs().sum(dim=(2, 4))  # [N/16, K/32, 16]; |-128| fits
-    bound = l1.double() * scales.double().abs()
+    bound = (l1.double() * scales.double().abs()).amax(dim=1).reshape(-1)
     up = bound.float()
     return torch.where(up.double() < bound, torch.nextafter(up, torch.tensor(float("inf"))), up)
 

@@ -185,27 +185,29 @@ int q8_x16_matmul(const int8_t *codes, const float *scales, int64_t N, int64_t K
 //
 // A greedy decode needs only each row's argmax. The first activation part alone gives every
 // logit to within the second part's contribution, which |q2| <= 127 bounds per vocabulary row
-// v and block b: |lo_vb| <= |d_vb| * sum_j |c_vbj| * 127 e_b = w1[v, b] * 127 e_b (w1, the
-// rows' per-block L1 norms times their scales, computed at load, in the x16 scales' layout).
-// So with hi_v the one-part logit and B_v = 1.01 * sum_b w1[v, b] 127 e_b (the 1% covers both
-// sums' float rounding: 20 terms of relative error 1.2e-6, of magnitude <= 254 B_v), the
-// two-part maximum is >= L = max_v (hi_v - B_v), and only rows with hi_v + B_v >= L can reach
-// it. Their 16-row groups are computed in full by the same pass as q8_x16_matmul, so the winner
-// and its value are that kernel's, the first index among equals as argmax_rows. A row with a
-// NaN anywhere is computed in full. (One bound for all blocks, from the largest e_b, left 400
-// of the default model's 3072 groups per row to compute in full: its hidden states have a few
-// outlier features.)
+// v and block b: |lo_vb| <= |d_vb| * sum_j |c_vbj| * 127 e_b, so |lo_v| <= w1[v] * 127 sum_b e_b
+// with w1[v] the row's largest |d_vb| sum_j |c_vbj| (computed at load). With hi_v the one-part
+// logit and B_v = 1.02 times that (the 2% covers both sums' float rounding: 20 terms of
+// relative error 1.2e-6, of magnitude <= 254 B_v), the two-part maximum is >= L = max_v (hi_v -
+// B_v), and only rows with hi_v + B_v >= L can reach it. Their 16-row groups are computed in
+// full by the same pass as q8_x16_matmul, so the winner and its value are that kernel's, the
+// first index among equals as argmax_rows. A row with a NaN anywhere is computed in full.
+// On the default model 4-10 groups of 3072 a row are computed in full. (A bound from the
+// largest e_b times each row's whole sum left about 400: its hidden states have a few outlier
+// features. Per-block sums, exact, left 4, but their extra 1.1 kB a group to read made the
+// kernel slower than the logits' up to 8 rows.)
 
 #ifdef Q4_VNNI
 // One-part logits of a 16-row group for R activation rows, reduced to two bounds per row:
-// lo[i] = max_j (hi_j - B_j) and up[i] = max_j (hi_j + B_j) (NaN when a hi is NaN).
+// lo[i] = max_j (hi_j - B_j) and up[i] = max_j (hi_j + B_j), B_j = w1[j] * ab[i] (NaN when a
+// hi is NaN).
 #define Q8X_HI_PASS(R)                                                                         \
     static void q8x_hi_pass_##R(const int8_t *codes, const float *scales, const float *w1,     \
                                 int nb, const int8_t *q1, const float *e1,                    \
                                 const int32_t *corr1, const float *ab, int K, float *lo,      \
                                 float *up, int64_t ld) {                                      \
-        __m512 sum[R], bnd[R];                                                                 \
-        for (int i = 0; i < R; i++) sum[i] = bnd[i] = _mm512_setzero_ps();                     \
+        __m512 sum[R];                                                                         \
+        for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();                              \
         const __m512i flip = _mm512_set1_epi8((char)0x80);                                     \
         for (int b = 0; b < nb; b++) {                                                         \
             const int8_t *blk = codes + (int64_t)b * 512;                                      \
@@ -227,16 +229,17 @@ int q8_x16_matmul(const int8_t *codes, const float *scales, int64_t N, int64_t K
                                                    _mm512_set1_epi32(corr1[nbk]));             \
                 sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a),                                \
                                          _mm512_mul_ps(d, _mm512_set1_ps(e1[nbk])), sum[i]);   \
-                bnd[i] = _mm512_fmadd_ps(w, _mm512_set1_ps(ab[nbk]), bnd[i]);                  \
             }                                                                                  \
         }                                                                                      \
+        const __m512 w = _mm512_loadu_ps(w1);                                                  \
         for (int i = 0; i < R; i++) {                                                          \
+            const __m512 bnd_i = _mm512_mul_ps(w, _mm512_set1_ps(ab[i]));                      \
             if (_mm512_cmp_ps_mask(sum[i], sum[i], _CMP_UNORD_Q)) {                            \
                 lo[i * ld] = up[i * ld] = NAN;                                                 \
                 continue;                                                                      \
             }                                                                                  \
-            lo[i * ld] = _mm512_reduce_max_ps(_mm512_sub_ps(sum[i], bnd[i]));                  \
-            up[i * ld] = _mm512_reduce_max_ps(_mm512_add_ps(sum[i], bnd[i]));                  \
+            lo[i * ld] = _mm512_reduce_max_ps(_mm512_sub_ps(sum[i], bnd_i));                   \
+            up[i * ld] = _mm512_reduce_max_ps(_mm512_add_ps(sum[i], bnd_i));                   \
         }                                                                                      \
     }
 
@@ -279,7 +282,7 @@ static int64_t q8x_argmax_full(const int8_t *codes, const float *scales, int nb,
 #endif
 
 // ids [M] = the argmax of each row of x [M, K] @ W.T as q8_x16_matmul computes it (the first
-// index among equal maxima, a NaN counted as the maximum), w1 [N/16, K/32, 16] as above; *exact_groups
+// index among equal maxima, a NaN counted as the maximum), w1 [N] as above; *exact_groups
 // (if not NULL) gets how many 16-row groups were computed with both parts. Returns 0; -1 for
 // a bad shape or failed scratch; -2 where the build has no such kernel (AVX2).
 int q8_x16_argmax(const int8_t *codes, const float *scales, const float *w1, int64_t N,
@@ -296,7 +299,7 @@ int q8_x16_argmax(const int8_t *codes, const float *scales, const float *w1, int
     int8_t *q1 = (int8_t *)malloc((size_t)(M * K)), *q2 = (int8_t *)malloc((size_t)(M * K));
     float *e = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     float *e1 = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    float *ab = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    float *ab = (float *)malloc(sizeof(float) * (size_t)M);
     int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
     int32_t *corr1 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
     float *lo = (float *)malloc(sizeof(float) * (size_t)(2 * M * groups));
@@ -307,13 +310,15 @@ int q8_x16_argmax(const int8_t *codes, const float *scales, const float *w1, int
     float *up = lo + M * groups;  // lo, up [M, groups]
     for (int64_t r = 0; r < M; r++) {
         quantize_row_2x8(x + r * ldx, (int)K, q1 + r * K, q2 + r * K, e + r * nb, corr + r * nb);
+        float esum = 0.0f;
         for (int b = 0; b < nb; b++) {
             int32_t s1 = 0;
             for (int j = 0; j < Q8X_QK; j++) s1 += q1[r * K + b * Q8X_QK + j];
             corr1[r * nb + b] = 128 * s1;
             e1[r * nb + b] = e[r * nb + b] * 254.0f;
-            ab[r * nb + b] = 1.01f * 127.0f * e[r * nb + b];
+            esum += e[r * nb + b];
         }
+        ab[r] = 1.02f * 127.0f * esum;
     }
     int64_t exact = 0;
 #pragma omp parallel
@@ -323,8 +328,8 @@ int q8_x16_argmax(const int8_t *codes, const float *scales, const float *w1, int
             for (int64_t r = 0; r < M; r += Q8X_MAX_ACT) {
                 const int rows = (int)(M - r < Q8X_MAX_ACT ? M - r : Q8X_MAX_ACT);
                 Q8X_HI_PASSES[rows](codes + g * nb * 512, scales + g * nb * Q8X_ROWS,
-                                    w1 + g * nb * Q8X_ROWS, nb, q1 + r * K, e1 + r * nb,
-                                    corr1 + r * nb, ab + r * nb, (int)K, lo + r * groups + g,
+                                    w1 + g * Q8X_ROWS, nb, q1 + r * K, e1 + r * nb,
+                                    corr1 + r * nb, ab + r, (int)K, lo + r * groups + g,
                                     up + r * groups + g, groups);
             }
         }
