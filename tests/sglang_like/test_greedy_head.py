@@ -11,6 +11,14 @@ from .prompts import PROMPTS
 PARAMS = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 
+def _cold(engine, prompts, params, **kw):
+    """Generate with the radix cache empty: each comparison's runs then schedule their
+    prompts alike (a cached prompt's last token runs as a decode row, a cold batch of 256+
+    prompt tokens through the prefill GEMM, whose rounding differs; see README)."""
+    engine.flush_cache()
+    return engine.generate(prompts, params, **kw)
+
+
 @pytest.fixture(scope="module")
 def engine(make_engine):
     e = make_engine()
@@ -36,11 +44,11 @@ def greedy_calls(engine, monkeypatch) -> list[int]:
 
 def test_greedy_batches_give_the_tokens_of_the_full_logits(engine, greedy_calls) -> None:
     prompts = PROMPTS  # 16 rows: the head's own kernel (fewer take the logits' argmax)
-    fast = engine.generate(prompts, PARAMS)
+    fast = _cold(engine, prompts, PARAMS)
     assert greedy_calls and max(greedy_calls) == 16  # the batch decoded on that path
     n = len(greedy_calls)
     # logprobs need every row's logits: the same batch on the logits path, the same tokens
-    full = engine.generate(prompts, PARAMS, return_logprob=True)
+    full = _cold(engine, prompts, PARAMS, return_logprob=True)
     assert len(greedy_calls) == n
     for a, b in zip(fast, full, strict=True):
         assert a["output_ids"] == b["output_ids"]
@@ -50,10 +58,29 @@ def test_greedy_batches_give_the_tokens_of_the_full_logits(engine, greedy_calls)
 def test_one_row_that_needs_logits_keeps_its_batch_on_the_logits_path(engine,
                                                                      greedy_calls) -> None:
     prompts = PROMPTS[8:12]
-    alone = engine.generate(prompts, PARAMS)
+    alone = _cold(engine, prompts, PARAMS)
     del greedy_calls[:]
     # a penalty on one request: every step of the batch it is in runs the logits path
-    mixed = engine.generate(prompts, [PARAMS] * 3 + [{**PARAMS, "frequency_penalty": 0.5}])
+    mixed = _cold(engine, prompts, [PARAMS] * 3 + [{**PARAMS, "frequency_penalty": 0.5}])
     assert all(rows < 4 for rows in greedy_calls)  # only after it left, if ever
     for a, b in zip(alone[:3], mixed[:3], strict=True):
         assert a["output_ids"] == b["output_ids"]
+
+
+def test_ngram_plain_decode_steps_take_it_eagle_never(make_engine, engine, monkeypatch) -> None:
+    """NGRAM needs no logits of a step without a draft (at 32 rows no draft pays on CPU, so
+    none is made); EAGLE reads the target's features from every forward, which the argmax
+    path does not keep, so its runner offers none."""
+    ngram = make_engine(speculative_algorithm="NGRAM")
+    runner = ngram._client.core.runner
+    calls: list[int] = []
+    original = runner.forward_greedy
+    monkeypatch.setattr(runner, "forward_greedy",
+                        lambda batch: calls.append(len(batch.reqs)) or original(batch))
+    prompts = PROMPTS * 2
+    got = _cold(ngram, prompts, PARAMS)
+    assert 32 in calls
+    want = _cold(engine, prompts, PARAMS, return_logprob=True)  # no drafter, the logits
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    eagle = make_engine(speculative_algorithm="EAGLE3")
+    assert not eagle._client.core.runner.has_greedy_forward
