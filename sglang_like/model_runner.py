@@ -146,13 +146,17 @@ class ModelRunner:
     @property
     def has_greedy_forward(self) -> bool:
         """Whether `forward_greedy` has a path of its own (else it is not to be called)."""
-        return (self.tp_group is None and not self.aux_layers
-                and getattr(self.model, "has_head_argmax", False))
+        return self.tp_group is None and getattr(self.model, "has_head_argmax", False)
 
     def forward_greedy(self, batch: ScheduleBatch) -> list[int]:
         """The argmax token of each of `forward(batch)`'s rows, the same ids, the LM head computing
-        only the logits that can be the maximum (`has_greedy_forward`)."""
-        return self.model.forward_argmax(self.build_forward_batch(batch), self.kv_pool).tolist()
+        only the logits that can be the maximum (`has_greedy_forward`); `last_features` kept
+        as `forward` keeps them."""
+        ids, features = self.model.forward_argmax(self.build_forward_batch(batch), self.kv_pool,
+                                                  self.aux_layers)
+        if self.aux_layers:
+            self.last_features = features
+        return ids.tolist()
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.aux_layers:

@@ -408,9 +408,9 @@ class Scheduler:
         """Whether every row of a decode batch takes its plain argmax (greedy, and no logprobs,
         penalties, logit bias, grammar, or min_new_tokens holding EOS back): then the runner
         may return the tokens instead of the logits (`forward_greedy`), where it has such a
-        path: not where EAGLE reads the target's features from every forward (the runner has
-        none then), nor for a disaggregation role, whose steps stay as they are. NGRAM's plain
-        decode steps (where no draft pays, 32 rows and up on CPU) take it."""
+        path; not for a disaggregation role, whose steps stay as they are. A drafter's plain
+        decode steps (where no draft pays: 32 rows and up on CPU) take it, EAGLE's features
+        kept as in any forward."""
         if (not batch.is_decode or self.disagg is not None
                 or not getattr(self.runner, "has_greedy_forward", False)):
             return False

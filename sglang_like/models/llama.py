@@ -233,11 +233,13 @@ class LlamaForCausalLM(nn.Module):
         return self.tp is None and self.lm_head.has_argmax
 
     @torch.inference_mode()
-    def forward_argmax(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """int64 [len(fb.logits_indices)]: the argmax of each row `forward` would return (the
-        first among equals), which the head need not compute in full (`has_head_argmax`)."""
-        x, _ = self.forward_layers(fb, pool)
-        return self.lm_head.argmax(self.model.norm(x[fb.logits_indices]))
+    def forward_argmax(self, fb: ForwardBatch, pool: KVPool, aux_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(int64 [len(fb.logits_indices)], features as `forward_features`'): the argmax of
+        each row `forward` would return (the first among equals), which the head need not
+        compute in full (`has_head_argmax`)."""
+        x, features = self.forward_layers(fb, pool, aux_layers)
+        return self.lm_head.argmax(self.model.norm(x[fb.logits_indices])), features
 
     @torch.inference_mode()
     def forward_layers(self, fb: ForwardBatch, pool: KVPool, aux_layers: tuple[int, ...] = ()

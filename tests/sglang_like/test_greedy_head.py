@@ -67,20 +67,26 @@ def test_one_row_that_needs_logits_keeps_its_batch_on_the_logits_path(engine,
         assert a["output_ids"] == b["output_ids"]
 
 
-def test_ngram_plain_decode_steps_take_it_eagle_never(make_engine, engine, monkeypatch) -> None:
-    """NGRAM needs no logits of a step without a draft (at 32 rows no draft pays on CPU, so
-    none is made); EAGLE reads the target's features from every forward, which the argmax
-    path does not keep, so its runner offers none."""
-    ngram = make_engine(speculative_algorithm="NGRAM")
-    runner = ngram._client.core.runner
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
+def test_drafters_plain_decode_steps_take_it(make_engine, engine, monkeypatch,
+                                             algorithm: str) -> None:
+    """A drafter makes no draft at 32 rows on CPU (none pays there): those steps take the
+    argmax path too, EAGLE's captured features kept, and give the tokens of the logits."""
+    spec = make_engine(speculative_algorithm=algorithm)
+    runner = spec._client.core.runner
     calls: list[int] = []
     original = runner.forward_greedy
-    monkeypatch.setattr(runner, "forward_greedy",
-                        lambda batch: calls.append(len(batch.reqs)) or original(batch))
+
+    def counted(batch):
+        calls.append(len(batch.reqs))
+        ids = original(batch)
+        if runner.aux_layers:  # EAGLE: the features of this very forward
+            assert runner.last_features.shape[0] == len(batch.reqs)
+        return ids
+
+    monkeypatch.setattr(runner, "forward_greedy", counted)
     prompts = PROMPTS * 2
-    got = _cold(ngram, prompts, PARAMS)
+    got = _cold(spec, prompts, PARAMS)
     assert 32 in calls
     want = _cold(engine, prompts, PARAMS, return_logprob=True)  # no drafter, the logits
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
-    eagle = make_engine(speculative_algorithm="EAGLE3")
-    assert not eagle._client.core.runner.has_greedy_forward
