@@ -53,18 +53,22 @@ static void quantize_row_2x8(const float *x, int K, int8_t *q1, int8_t *q2, floa
 #ifdef Q4_VNNI
 #define Q8X_MAX_ACT 8
 
+// a block's 8 code vectors of 16 rows, flipped to unsigned for vpdpbusd (xor 0x80 = +128)
+static inline void q8x_load_codes(const int8_t *blk, __m512i c[8]) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int t = 0; t < 8; t++)
+        c[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 64 * t)), flip);
+}
+
 #define Q8X_PASS(R)                                                                            \
     static void q8x_pass_##R(const int8_t *codes, const float *scales, int nb,                 \
                              const int8_t *q1, const int8_t *q2, const float *e,              \
                              const int32_t *corr, int K, float *y, int64_t ldy) {             \
         __m512 sum[R];                                                                         \
         for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();                              \
-        const __m512i flip = _mm512_set1_epi8((char)0x80);                                     \
         for (int b = 0; b < nb; b++) {                                                         \
-            const int8_t *blk = codes + (int64_t)b * 512;                                      \
             __m512i c[8];                                                                      \
-            for (int t = 0; t < 8; t++)                                                        \
-                c[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 64 * t)), flip);\
+            q8x_load_codes(codes + (int64_t)b * 512, c);                                       \
             const __m512 d = _mm512_loadu_ps(scales + b * Q8X_ROWS);                           \
             for (int i = 0; i < R; i++) {                                                      \
                 const int64_t at = (int64_t)i * K + b * Q8X_QK;                                \
@@ -208,14 +212,10 @@ int q8_x16_matmul(const int8_t *codes, const float *scales, int64_t N, int64_t K
                                 float *up, int64_t ld) {                                      \
         __m512 sum[R];                                                                         \
         for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();                              \
-        const __m512i flip = _mm512_set1_epi8((char)0x80);                                     \
         for (int b = 0; b < nb; b++) {                                                         \
-            const int8_t *blk = codes + (int64_t)b * 512;                                      \
             __m512i c[8];                                                                      \
-            for (int t = 0; t < 8; t++)                                                        \
-                c[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 64 * t)), flip);\
+            q8x_load_codes(codes + (int64_t)b * 512, c);                                       \
             const __m512 d = _mm512_loadu_ps(scales + b * Q8X_ROWS);                           \
-            const __m512 w = _mm512_loadu_ps(w1 + b * Q8X_ROWS);                               \
             for (int i = 0; i < R; i++) {                                                      \
                 const int32_t *qa = (const int32_t *)(q1 + (int64_t)i * K + b * Q8X_QK);       \
                 /* two chains of 4 dots: one chain of 8 leaves the dot unit waiting */         \
