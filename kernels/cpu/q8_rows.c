@@ -218,15 +218,11 @@ int q8_x16_matmul(const int8_t *codes, const float *scales, int64_t N, int64_t K
             const __m512 d = _mm512_loadu_ps(scales + b * Q8X_ROWS);                           \
             for (int i = 0; i < R; i++) {                                                      \
                 const int32_t *qa = (const int32_t *)(q1 + (int64_t)i * K + b * Q8X_QK);       \
-                /* two chains of 4 dots: one chain of 8 leaves the dot unit waiting */         \
-                __m512i a1 = _mm512_setzero_si512(), a2 = _mm512_setzero_si512();              \
-                for (int t = 0; t < 8; t += 2) {                                               \
+                __m512i a1 = _mm512_setzero_si512();                                           \
+                for (int t = 0; t < 8; t++)                                                    \
                     a1 = _mm512_dpbusd_epi32(a1, c[t], _mm512_set1_epi32(qa[t]));              \
-                    a2 = _mm512_dpbusd_epi32(a2, c[t + 1], _mm512_set1_epi32(qa[t + 1]));      \
-                }                                                                              \
                 const int nbk = i * nb + b;                                                    \
-                const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(a1, a2),                   \
-                                                   _mm512_set1_epi32(corr1[nbk]));             \
+                const __m512i a = _mm512_sub_epi32(a1, _mm512_set1_epi32(corr1[nbk]));         \
                 sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a),                                \
                                          _mm512_mul_ps(d, _mm512_set1_ps(e1[nbk])), sum[i]);   \
             }                                                                                  \

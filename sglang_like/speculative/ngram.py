@@ -45,8 +45,8 @@ def _all_hashes(seq: list[int], first: int, stop: int, min_n: int, max_n: int
     pays them at its first lookup and again when it ends."""
     if stop <= first:
         return [], []
-    toks = np.asarray(seq[max(0, first - max_n + 1) : stop], dtype=np.uint64)
     base = max(0, first - max_n + 1)
+    toks = np.asarray(seq[base:stop], dtype=np.uint64)
     ends = np.arange(first, stop)
     h = np.full(ends.shape, 0xCBF29CE484222325, dtype=np.uint64)
     mul = np.uint64(_MUL)
