@@ -98,6 +98,8 @@ class EagleDrafter:
         self.native = (NativeEagleHead(self.head, runner.quant, self.rope.cos_table,
                                        self.rope.sin_table)
                        if runner.model.native_decode and runner.device.type == "cpu" else None)
+        if self.native is not None:
+            self.head.drop_float_weights()
 
     # ---- the head over the pool ----------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -146,6 +148,12 @@ class EagleDrafter:
         # over them now. One gather per kind: a gather a request took twice this loop's own
         # time at batch 32 (cProfile, every request paused: 4.1 against 2.0 ms a step on a
         # loaded machine, about 0.8 against 0.4 unloaded)
+        # a batch too large for any tree to pay (`rows_never_pay`) holds its requests when it
+        # drafts (`propose_trees`); they are held here already, so that the head neither runs
+        # over the prompts of new ones nor catches up when a hold ends, for drafts that will
+        # not come (at batch 32 the two were 3-4% of a 96-token run). Waiting requests count:
+        # they join the batch, and a batch's prompts are prefilled a few at a time.
+        hold = ctl.rows_never_pay(len(sched.running) + len(sched.waiting))
         drafting: list[tuple[Req, int, int, _Pending | None]] = []
         paused: list[tuple[Req, int, int, _Pending | None]] = []
         draft_rows: list[int] = []
@@ -170,6 +178,8 @@ class EagleDrafter:
                     else range(start, start + count))
             if pending is not None and pending.first + pending.num_rows != first:
                 pending = None  # not the positions right before these: the head skips them
+            if hold:
+                ctl.hold(state)
             if ctl.may_draft(state, ahead=1):
                 drafting.append((req, first, count, pending))
                 draft_rows += rows

@@ -174,6 +174,14 @@ class Eagle3Head(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def drop_float_weights(self) -> None:
+        """Free the float32 weights once another copy owns the math (the CPU fast path packs
+        them, `NativeEagleHead`): 37 MB for the default head. The config and the vocabulary
+        maps stay; the math above then raises."""
+        for module in self.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(param.new_empty(0), requires_grad=False))
+
     # ---- files ---------------------------------------------------------------------------
     def save(self, folder: str, dtype: torch.dtype = torch.float16) -> None:
         from safetensors.torch import save_file

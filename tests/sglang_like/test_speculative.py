@@ -870,6 +870,30 @@ def test_mixed_batch_with_grammars_equals_spec_off(make_engine, chat_prompts, na
 
 
 @pytest.mark.slow
+def test_eagle_head_idles_in_a_batch_where_no_row_can_pay(make_engine, monkeypatch) -> None:
+    """With the controller on, 32 requests at once are held before the head runs over their
+    prompts (no tree could pay at 32 rows on CPU), and stay held to the end, past the end of
+    a hold (32 steps) without catching up: the head runs over no row. Two requests
+    afterwards draft (their prompts go through the head)."""
+    engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="EAGLE3")
+    drafter = engine.scheduler.drafter
+    rows: list[int] = []
+    original = drafter._forward
+
+    def counted(fb, features):
+        rows.append(fb.input_ids.numel())
+        return original(fb, features)
+
+    monkeypatch.setattr(drafter, "_forward", counted)
+    params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    outs = engine.generate(PROMPTS * 2, params)
+    assert all(len(o["output_ids"]) == 48 for o in outs)
+    assert rows == []
+    engine.generate(PROMPTS[:2], params)
+    assert sum(rows) > sum(len(engine.tokenizer.encode(p)) for p in PROMPTS[:2]) - 2
+
+
+@pytest.mark.slow
 def test_pool_accounting_with_speculation_aborts_and_retraction(make_engine) -> None:
     """A small pool (retraction), aborts mid-flight and speculation every step: the invariant
     is asserted after every step, and every slot comes back."""
