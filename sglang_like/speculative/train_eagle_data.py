@@ -1,7 +1,9 @@
 """Stage 1 of `train_eagle`: the training conversations, written by the engine itself.
 
 Magpie-style self-prompting (the chat template up to the user turn samples a question, the
-template then answers it), plus copy-heavy conversations over the shard's own answers.
+template then answers it), plus copy-heavy conversations over the shard's own answers, plus
+(`--code-frac`, `--doc-frac`) code and extraction tasks over text the model did not write
+(`train_eagle_prompts`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,26 @@ def _magpie_shard(eng: Any, tok: Any, user_prefix: str, stop_ids: set[int],
     return _finish_convs(tok, prompts, answers, stop_ids, im_end)
 
 
+def _task_shard(eng: Any, tok: Any, stop_ids: set[int], im_end: int | None,
+                args: argparse.Namespace, base: int) -> list[dict]:
+    """Code tasks over the standard library's source and extraction tasks over synthetic
+    documents (`train_eagle_prompts`), `args.code_frac` and `args.doc_frac` of a shard,
+    answered greedily."""
+    from sglang_like.speculative.train_eagle_prompts import code_task, extraction_task
+
+    rng = random.Random(base + 2)
+    users = ([code_task(rng) for _ in range(round(args.shard_size * args.code_frac))]
+             + [extraction_task(rng) for _ in range(round(args.shard_size * args.doc_frac))])
+    if not users:
+        return []
+    prompts = [eng.apply_chat_template([{"role": "user", "content": u}]) for u in users]
+    # greedy: how such prompts are mostly run (extraction, code), and the engine's fastest
+    # path (no sampling over the vocabulary at every step)
+    answers = eng.generate(prompt=prompts, sampling_params={
+        "temperature": 0.0, "max_new_tokens": args.answer_max_tokens})
+    return _finish_convs(tok, prompts, answers, stop_ids, im_end)
+
+
 def _rework_shard(eng: Any, tok: Any, convs: list[dict], stop_ids: set[int],
                   im_end: int | None, args: argparse.Namespace, base: int) -> list[dict]:
     """Copy-heavy conversations: an answer of this shard given back as the document of a
@@ -130,6 +152,7 @@ def stage_data(args: argparse.Namespace, work: str) -> None:
             convs = _magpie_shard(eng, tok, user_prefix, stop_ids, im_end, args, base)
             if args.rework_frac > 0:
                 convs += _rework_shard(eng, tok, convs, stop_ids, im_end, args, base)
+            convs += _task_shard(eng, tok, stop_ids, im_end, args, base)
             _save_atomic({"convs": convs, "vocab_size": eng.model_config.vocab_size,
                           "stop_ids": sorted(stop_ids)},
                          os.path.join(ddir, f"shard_{s:04d}.pt"))

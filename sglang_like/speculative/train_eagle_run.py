@@ -216,6 +216,21 @@ def _earlier_card(work: str, continued: bool) -> str:
             "was another)\n" + "\n".join(body).rstrip() + "\n")
 
 
+def _task_text(args: argparse.Namespace) -> str:
+    """The card's words for the task families (`train_eagle_prompts`), "" without them."""
+    code, doc = getattr(args, "code_frac", 0.0), getattr(args, "doc_frac", 0.0)
+    if not code and not doc:
+        return ""
+    return (f" And {code:.0%} code tasks over functions and classes of the Python standard "
+            f"library's source, {doc:.0%} extraction tasks over synthetic documents "
+            "(invoices, orders, notices, listings; `train_eagle_prompts`), answered greedily.")
+
+
+def _task_args(args: argparse.Namespace) -> str:
+    code, doc = getattr(args, "code_frac", 0.0), getattr(args, "doc_frac", 0.0)
+    return f"--code-frac {code} --doc-frac {doc} \\\n        " if code or doc else ""
+
+
 def _write_card(args: argparse.Namespace, work: str, s: dict, done: dict) -> None:
     args = data_config(work, args)
     stats = _data_stats(work)
@@ -263,8 +278,8 @@ from the default model alone by `python -m sglang_like.speculative.train_eagle`.
   tokens), then the chat template answers it (half greedy, half temperature 0.7 / top_p 0.95,
   <= {args.answer_max_tokens} tokens). Per shard of {args.shard_size}, {args.rework_frac:.0%} more
   are copy-heavy: an answer of the shard given back with a task over it (rewrite as a list,
-  extract as JSON, correct it: `REWORK_TASKS`). {stats['answer_tokens']} answer tokens,
-  {stats['total_tokens']} tokens in all.
+  extract as JSON, correct it: `REWORK_TASKS`).{_task_text(args)}
+  {stats['answer_tokens']} answer tokens, {stats['total_tokens']} tokens in all.
 - Soft labels: top-{args.label_topk} of the target's log-probabilities over the draft vocab per
   position, renormalised over those {args.label_topk}; loss only where the label predicts an
   answer token.
@@ -299,7 +314,8 @@ full vocab: the second is what greedy verification accepts, one draft at a time)
     python -m sglang_like.speculative.train_eagle {cont}--num-shards {len(_data_shards(work))} \\
         --shard-size {args.shard_size} --user-max-tokens {args.user_max_tokens} \\
         --answer-max-tokens {args.answer_max_tokens} --rework-frac {args.rework_frac} \\
-        --draft-vocab-size {args.draft_vocab_size} --label-topk {args.label_topk} \\
+        {_task_args(args)}--draft-vocab-size {args.draft_vocab_size} \\
+        --label-topk {args.label_topk} \\
         --unroll {cfg['unroll']} --steps {cfg['steps']} --lr {cfg['lr']} --warmup {cfg['warmup']} \\
         --batch-tokens {cfg['batch_tokens']} --train-dtype {args.train_dtype}
 {cont_note}
