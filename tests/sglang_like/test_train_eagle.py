@@ -244,3 +244,36 @@ def test_packed_capture_equals_one_conversation_at_a_time() -> None:
                                    atol=5e-2, rtol=0)
         assert (a["target_top1"] == b["target_top1"]).float().mean() >= 0.9
         assert (a["label_ids"][:, 0] == b["label_ids"][:, 0]).float().mean() >= 0.9
+
+
+def test_task_prompts_are_seeded_and_carry_their_material() -> None:
+    """The task families of the data stage: the same seed gives the same turns; a code task
+    holds a standard-library function or class that parses, an extraction task its document
+    and the fields it asks for."""
+    import ast
+    import random
+
+    from sglang_like.speculative import train_eagle_prompts as tp
+
+    snippets = tp._stdlib_snippets()
+    assert len(snippets) > 500
+    for src in random.Random(0).sample(snippets, 50):
+        assert isinstance(ast.parse(src).body[0], (ast.FunctionDef, ast.ClassDef))
+    a, b = random.Random(5), random.Random(5)
+    turns = [(tp.code_task(a), tp.extraction_task(a)) for _ in range(20)]
+    assert turns == [(tp.code_task(b), tp.extraction_task(b)) for _ in range(20)]
+    assert len({c for c, _ in turns}) == 20 and len({e for _, e in turns}) == 20
+    for code, _ in turns:
+        assert any(task in code for task in tp.CODE_TASKS)
+        assert any(src in code for src in snippets)
+    rng = random.Random(1)
+    for _ in range(30):
+        state = rng.getstate()
+        turn = tp.extraction_task(rng)
+        rng.setstate(state)
+        doc, fields = rng.choice(tp._DOCUMENTS)(rng)
+        rng.setstate(state)
+        tp.extraction_task(rng)
+        assert doc in turn
+        asked = [f for f in fields if f in turn]
+        assert len(asked) >= 2
