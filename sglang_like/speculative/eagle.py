@@ -40,7 +40,13 @@ if TYPE_CHECKING:
     from sglang_like.speculative.verify import TreeWalk
 
 
-_MAX_PENDING = 2048  # target features kept per request while its drafting is paused
+# Target features a request keeps while its drafting is paused or held, in bf16 (the head's
+# int linears round its input to 8-bit blocks anyway): 3.5 kB a row, at most 3.5 MB a request.
+# A batch too large to draft in holds its requests from their prefill on, prompt rows
+# included; past this many rows those kept are dropped (keeping starts again at the next
+# step) and the head's K/V keep a hole there (its drafts then miss more often; outputs never
+# change).
+_MAX_PENDING = 1024
 
 
 @dataclass
@@ -191,7 +197,8 @@ class EagleDrafter:
             # not drafting next step (the controller paused it): keep the features and run
             # the head over all of them at once when drafting resumes, so its K/V have no
             # holes and idle steps cost nothing (the chunks are joined then, once)
-            got = features[torch.tensor(paused_rows, device=features.device)]
+            got = features[torch.tensor(paused_rows, device=features.device)].to(
+                torch.bfloat16)
             at = 0
             for req, first, count, pending in paused:
                 cur, at = got[at : at + count], at + count
@@ -209,7 +216,7 @@ class EagleDrafter:
         for req, first, count, pending in drafting:
             cur, at = got[at : at + count], at + count
             if pending is not None:  # catch up
-                cur = torch.cat([*pending.chunks, cur])
+                cur = torch.cat([*pending.chunks, cur.to(torch.bfloat16)]).float()
                 first, count = pending.first, pending.num_rows + count
             ids += req.fill_slice(first + 1, first + count + 1)
             pos += range(first, first + count)

@@ -894,6 +894,47 @@ def test_eagle_head_idles_in_a_batch_where_no_row_can_pay(make_engine, monkeypat
 
 
 @pytest.mark.slow
+def test_a_paused_request_catches_the_head_up_over_what_it_skipped(make_engine,
+                                                                   monkeypatch) -> None:
+    """A request whose drafting is paused for its first steps (prompt and decode rows kept as
+    bf16 features) has the head run over all of them when drafting resumes: the head's keys
+    at every position then match those of a request that drafted all along (bf16 features,
+    int8 activation blocks: close, not equal), where keys left unwritten would be far off."""
+    def head_keys(paused_steps: int) -> tuple[list[int], torch.Tensor]:
+        engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="EAGLE3",
+                             speculative_auto_disable=False)
+        sched, drafter = engine.scheduler, engine.scheduler.drafter
+        ctl = sched.spec_controller
+        may_draft = ctl.may_draft
+        monkeypatch.setattr(ctl, "may_draft",
+                            lambda state, ahead=0: ctl.step + ahead >= paused_steps
+                            and may_draft(state, ahead))
+        seen: dict[str, object] = {}
+        after = drafter.after_forward
+
+        def snapshot(batch, walks, s):
+            after(batch, walks, s)
+            req = batch.reqs[0]
+            if not req.is_finished:  # the positions the head has run over so far
+                n = req.kv_len - 1 if req.spec.eagle is not None else 0
+                slots = s.cache.req_to_token_pool.req_to_token[req.req_pool_idx, :n].long()
+                seen["keys"] = drafter.pool.k_buffers[0][slots].clone()
+                seen["ids"] = list(req.fill_ids)
+
+        monkeypatch.setattr(drafter, "after_forward", snapshot)
+        engine.generate(PROMPTS[3], {"max_new_tokens": 24, "temperature": 0})
+        return seen["ids"], seen["keys"]
+
+    ids_a, keys_a = head_keys(0)
+    ids_b, keys_b = head_keys(10)
+    n = min(len(keys_a), len(keys_b))
+    assert ids_a[: n + 1] == ids_b[: n + 1] and n > 20
+    a, b = keys_a[:n].flatten(1).float(), keys_b[:n].flatten(1).float()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=1)
+    assert cos.min() > 0.99, cos.min()
+
+
+@pytest.mark.slow
 def test_pool_accounting_with_speculation_aborts_and_retraction(make_engine) -> None:
     """A small pool (retraction), aborts mid-flight and speculation every step: the invariant
     is asserted after every step, and every slot comes back."""
