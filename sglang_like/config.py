@@ -109,10 +109,14 @@ class ServerArgs:
     # The engine core (scheduler, model runner) runs in a process of its own; True: on a thread
     # of the caller's process instead (tests that look inside the scheduler; debugging)
     engine_in_process: bool = False
-    # "auto": on CPU (tp_size 1) the engine core claims a core for its loop's thread (the
-    # lowest no other engine core on this machine holds); its OpenMP workers and the server's
-    # HTTP process keep off it (sglang_like.cpu_runtime says why). "off": the OS places them
-    cpu_pinning: str = "auto"  # "auto" | "off"
+    # "on": on CPU (tp_size 1) the engine core claims a core for its loop's thread (the
+    # lowest no other engine core on this machine holds) and its OpenMP workers keep off it;
+    # the process reading its output must keep off it too (sglang_like.cpu_runtime says why;
+    # `Engine.loop_cpu`). "auto": "on" under the server, which moves its HTTP process off the
+    # core; with the Engine API (whose caller's threads are the caller's) the OS places them:
+    # pinned with the caller not moved, batch-1 streaming read 0.93x of unpinned. "off": the
+    # OS places them
+    cpu_pinning: str = "auto"  # "auto" | "on" | "off"
     # Scale-out (sglang_like.tp, sglang_like.disaggregation): tensor parallelism over
     # tp_size engine-core ranks (torch.distributed: gloo on CPU, NCCL on CUDA); and SGLang's
     # prefill/decode disaggregation roles ("null": a regular worker), the prefill side's

@@ -35,8 +35,9 @@ class EngineParts(NamedTuple):
 def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     """Load the model named by `server_args` and build its runner and scheduler (call it on
     the thread that will run them: see Engine)."""
-    if server_args.cpu_pinning not in ("auto", "off"):
-        raise ValueError(f"cpu_pinning must be auto or off; got {server_args.cpu_pinning!r}")
+    if server_args.cpu_pinning not in ("auto", "on", "off"):
+        raise ValueError(f"cpu_pinning must be auto, on or off; got "
+                         f"{server_args.cpu_pinning!r}")
     device = _resolve_device(server_args.device)
     dtype = _resolve_dtype(server_args.dtype, device)
     spec = resolve_spec_config(server_args, default_model=server_args.model_path is None)

@@ -7,6 +7,7 @@ SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -84,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-in-process", action="store_true", default=d.engine_in_process,
                    help="run the scheduler and model on a thread of the HTTP process instead "
                         "of an engine process of their own (the shape before; for debugging)")
-    p.add_argument("--cpu-pinning", default=d.cpu_pinning, choices=["auto", "off"],
-                   help="auto: on CPU the engine loop's thread gets a core of its own, which "
-                        "the OpenMP workers and this HTTP process keep off (a pipe write would "
-                        "otherwise run the HTTP side on the loop's core); off: the OS decides")
+    p.add_argument("--cpu-pinning", default=d.cpu_pinning, choices=["auto", "on", "off"],
+                   help="auto (= on for the server): on CPU the engine loop's thread gets a "
+                        "core of its own, which the OpenMP workers and this HTTP process keep "
+                        "off (a pipe write would otherwise run the HTTP side on the loop's "
+                        "core); off: the OS decides")
     p.add_argument("--log-level", default=d.log_level, choices=_LOG_LEVELS)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before being aborted")
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_like.server import create_app
 
     t0 = time.perf_counter()
+    if args.cpu_pinning == "auto":  # the server keeps its HTTP process off the loop's core
+        args = dataclasses.replace(args, cpu_pinning="on")
     engine = Engine(server_args=args)
     if engine.loop_cpu is not None:  # the HTTP side (this process) keeps off the loop's core
         from sglang_like.cpu_runtime import keep_threads_off

@@ -146,13 +146,13 @@ def _receive(core: EngineCore, sock: zmq.Socket, outbox: Outbox, parent_pid: int
 
 
 def _pin_loop(core: EngineCore) -> int | None:
-    """With cpu_pinning auto on CPU (one rank): claim a core for the loop's thread (this one)
-    and move the process's other threads, the OpenMP workers among them, off it; the core's
-    number, which the HTTP process keeps off too (see cpu_runtime)."""
+    """With cpu_pinning on (the server's auto) on CPU, one rank: claim a core for the loop's
+    thread (this one) and move the process's other threads, the OpenMP workers among them,
+    off it; the core's number, which the HTTP process keeps off too (see cpu_runtime)."""
     from sglang_like.cpu_runtime import claim_loop_cpu, keep_threads_off
 
     sa = core.server_args
-    if sa.cpu_pinning != "auto" or core.info.device != "cpu" or sa.tp_size != 1:
+    if sa.cpu_pinning != "on" or core.info.device != "cpu" or sa.tp_size != 1:
         return None
     cpu = claim_loop_cpu()
     if cpu is not None:

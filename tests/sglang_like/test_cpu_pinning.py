@@ -91,3 +91,29 @@ def test_threads_move_off_a_core(include_self: bool) -> None:
     assert other_on == "False"
     # the caller keeps the core unless asked, and threads it starts inherit its cores
     assert self_on == later_on == str(not include_self)
+
+
+_ENGINE = textwrap.dedent("""
+    import sys
+    from sglang_like import Engine
+    e = Engine(cpu_pinning=sys.argv[1], max_total_tokens=256)
+    out = e.generate("Hi", {"max_new_tokens": 2})
+    print(e.loop_cpu, len(out["output_ids"]), flush=True)
+    e.shutdown()
+""")
+
+
+@needs_two
+def test_the_engine_api_pins_only_when_asked(tmp_path) -> None:
+    """`auto` is the server's pinning (its HTTP process moves off the loop's core); an Engine
+    in a caller's process leaves placement to the OS unless given `on`, whose core its caller
+    can read (`Engine.loop_cpu`) and keep off."""
+    got = {}
+    for mode in ("auto", "on", "off"):
+        out = subprocess.run([sys.executable, "-c", _ENGINE, mode], capture_output=True,
+                             text=True, timeout=300,
+                             env={**os.environ, CLAIM_DIR_ENV: str(tmp_path)})
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[mode] = out.stdout.split()
+    assert got["auto"] == ["None", "2"] and got["off"] == ["None", "2"]
+    assert got["on"] == [str(CPUS[0]), "2"]
