@@ -149,17 +149,17 @@ class EagleDrafter:
         walk_of = {id(w.req): w for w in walks}
         table = self.runner.req_to_token_pool.req_to_token
         ctl = sched.spec_controller
-        # which rows of `features` each request committed; the requests the controller does
-        # not let draft next step keep theirs as pending (see below), the others run the head
-        # over them now. One gather per kind: a gather a request took twice this loop's own
-        # time at batch 32 (cProfile, every request paused: 4.1 against 2.0 ms a step on a
-        # loaded machine, about 0.8 against 0.4 unloaded)
         # a batch too large for any tree to pay (`rows_never_pay`) holds its requests when it
         # drafts (`propose_trees`); they are held here already, so that the head neither runs
         # over the prompts of new ones nor catches up when a hold ends, for drafts that will
         # not come (at batch 32 the two were 3-4% of a 96-token run). Waiting requests count:
         # they join the batch, and a batch's prompts are prefilled a few at a time.
         hold = ctl.rows_never_pay(len(sched.running) + len(sched.waiting))
+        # which rows of `features` each request committed; the requests the controller does
+        # not let draft next step keep theirs as pending (see below), the others run the head
+        # over them now. One gather per kind: a gather a request took twice this loop's own
+        # time at batch 32 (cProfile, every request paused: 4.1 against 2.0 ms a step on a
+        # loaded machine, about 0.8 against 0.4 unloaded)
         drafting: list[tuple[Req, int, int, _Pending | None]] = []
         paused: list[tuple[Req, int, int, _Pending | None]] = []
         draft_rows: list[int] = []
