@@ -218,17 +218,18 @@ def _earlier_card(work: str, continued: bool) -> str:
 
 def _task_text(args: argparse.Namespace) -> str:
     """The card's words for the task families (`train_eagle_prompts`), "" without them."""
-    code, doc = getattr(args, "code_frac", 0.0), getattr(args, "doc_frac", 0.0)
-    if not code and not doc:
+    if not args.code_frac and not args.doc_frac:
         return ""
-    return (f" And {code:.0%} code tasks over functions and classes of the Python standard "
-            f"library's source, {doc:.0%} extraction tasks over synthetic documents "
-            "(invoices, orders, notices, listings; `train_eagle_prompts`), answered greedily.")
+    return (f" And {args.code_frac:.0%} code tasks over functions and classes of the Python "
+            f"standard library's source, {args.doc_frac:.0%} extraction tasks over synthetic "
+            "documents (invoices, letters, invitations, orders, listings; "
+            "`train_eagle_prompts`), answered greedily.")
 
 
 def _task_args(args: argparse.Namespace) -> str:
-    code, doc = getattr(args, "code_frac", 0.0), getattr(args, "doc_frac", 0.0)
-    return f"--code-frac {code} --doc-frac {doc} \\\n        " if code or doc else ""
+    if not args.code_frac and not args.doc_frac:
+        return ""
+    return f"--code-frac {args.code_frac} --doc-frac {args.doc_frac} \\\n        "
 
 
 def _write_card(args: argparse.Namespace, work: str, s: dict, done: dict) -> None:
