@@ -38,7 +38,7 @@ __all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequant
 
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "attention.c",
-                      "decode_step.c")]
+                      "decode_step.c", "eagle_head.c")]
 _HEADERS = (Path(__file__).with_name("ops.h"), Path(__file__).with_name("simd.h"))
 _ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
 _FLAGS = {
@@ -161,6 +161,11 @@ class _Library:
                                         ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, i64,
                                         ptr]
         lib.decode_step_x16.restype = ctypes.c_int
+        lib.eagle_head_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
+                                       i32, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr, i32,
+                                       ptr, i64, ptr, ptr, f32, ptr, ptr, i64, ptr, i64, ptr,
+                                       ptr]
+        lib.eagle_head_x16.restype = ctypes.c_int
         lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
         lib.argmax_rows.restype = None
         built = lib.q4_1_isa().decode()
@@ -178,6 +183,7 @@ class _Library:
         self.silu_mul = lib.silu_mul
         self.decode_attention_rope = lib.decode_attention_rope
         self.decode_step_x16 = lib.decode_step_x16
+        self.eagle_head_x16 = lib.eagle_head_x16
         self.argmax_rows = lib.argmax_rows
 
 

@@ -11,8 +11,8 @@ import torch
 
 from kernels.cpu import _lib
 
-__all__ = ["add_rmsnorm", "argmax_rows", "decode_attention_rope", "decode_step_x16", "rmsnorm",
-           "silu_mul"]
+__all__ = ["add_rmsnorm", "argmax_rows", "decode_attention_rope", "decode_step_x16",
+           "eagle_head_x16", "rmsnorm", "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -142,3 +142,67 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
                          f"{num_kv_heads}x{head_dim}, intermediate {intermediate})")
     if rc != 0:
         raise MemoryError("decode_step_x16 could not allocate its scratch memory")
+
+
+
+def eagle_head_x16(embeds: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   features: torch.Tensor, ptrs: torch.Tensor, eps: float,
+                   cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+                   out_slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                   vocab: int, sm_scale: float, logit_rows: torch.Tensor, d2t: torch.Tensor,
+                   topk: int, variant: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's forward, its LM head and the top-k of its draft distribution in one
+    call (eagle_head.c): (out float32 [T, H], the layer's output; target ids int64 [R, topk]
+    and their log-probabilities float32 [R, topk], largest first, for rows `logit_rows` of
+    out). `embeds`: the rows' embeddings float32 [T, H], or (codes, scale, ids int64 [T]) to
+    embed them from the target's int8 rows: codes int8 [V, H] and scale float32 [V, H / 32],
+    or the q8 x16 layout's (`q8_x16_pack`: 5-d codes). features float32
+    [T, F]: the target's features when ptrs[0] (fc) is set, else the head's own outputs
+    (F == H). ptrs int64 [10]: x16 fc, qkv, o, gate_up, down, lm_head weights, float32 norms
+    of the embedding, the hidden input, post-attention and the output. d2t int64 [vocab]:
+    draft id d is target id d + d2t[d]. Attention as `decode_step_x16`'s, over the head's
+    one-layer pool."""
+    if isinstance(embeds, tuple):
+        codes, scale, ids = embeds
+        if codes.dtype != torch.int8 or scale.dtype != torch.float32 or not (
+                codes.is_contiguous() and scale.is_contiguous()):
+            raise TypeError("the embedding must be contiguous int8 codes and float32 scales")
+        x16 = codes.dim() == 5
+        t, h = len(ids), (codes.shape[1] * 32 if x16 else codes.shape[1])
+        if (scale.shape[-1] if not x16 else scale.shape[1]) * 32 != h:
+            raise ValueError("the embedding's scales must be one per 32 columns")
+        emb_args = (None, codes.data_ptr(), scale.data_ptr(), int(x16), _int64("ids", ids))
+    else:
+        if embeds.dtype != torch.float32 or not embeds.is_contiguous():
+            raise TypeError("embeds must be a contiguous float32 tensor")
+        t, h = embeds.shape
+        emb_args = (embeds.data_ptr(), None, None, 0, None)
+    if features.dtype != torch.float32 or not features.is_contiguous():
+        raise TypeError("features must be a contiguous float32 tensor")
+    if table.dtype != torch.int32 or table.stride(-1) != 1:
+        raise TypeError("the key table must be int32 with contiguous rows")
+    if tuple(ptrs.shape) != (10,) or tuple(d2t.shape) != (vocab,):
+        raise ValueError(f"ptrs must be [10] and d2t [{vocab}]")
+    out = torch.empty(t, h)
+    top_ids = torch.empty(len(logit_rows), topk, dtype=torch.int64)
+    top_lp = torch.empty(len(logit_rows), topk)
+    if t == 0:
+        return out, top_ids, top_lp
+    rc = _lib(variant).eagle_head_x16(
+        t, h, num_heads, num_kv_heads, head_dim, intermediate, vocab, features.shape[1],
+        *emb_args, features.data_ptr(), _int64("ptrs", ptrs), eps, cos_table.data_ptr(),
+        sin_table.data_ptr(), _int64("positions", positions), _int64("out_slots", out_slots),
+        k_pool.data_ptr(), v_pool.data_ptr(), _flag(k_pool.dtype), table.data_ptr(),
+        table.stride(0), _int64("rows", rows), _int64("seq_lens", seq_lens), sm_scale,
+        out.data_ptr(), _int64("logit_rows", logit_rows), len(logit_rows), _int64("d2t", d2t),
+        topk, top_ids.data_ptr(), top_lp.data_ptr())
+    if rc == -2:
+        raise ValueError(f"eagle_head_x16 cannot take these shapes (H={h}, features "
+                         f"{features.shape[1]}, heads {num_heads}/{num_kv_heads}x{head_dim}, "
+                         f"intermediate {intermediate}, vocab {vocab}, top-{topk})")
+    if rc != 0:
+        raise MemoryError("eagle_head_x16 could not allocate its scratch memory")
+    return out, top_ids, top_lp

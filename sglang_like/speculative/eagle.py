@@ -27,6 +27,7 @@ from sglang_like.mem_pool import KVPool
 from sglang_like.models import native_decode as native
 from sglang_like.models.llama import attend
 from sglang_like.models.rotary import RotaryEmbedding
+from sglang_like.quant.int8 import Int8EmbeddingMethod
 from sglang_like.speculative.eagle_head import Eagle3Head, load_eagle3_head
 from sglang_like.speculative.eagle_native import NativeEagleHead
 from sglang_like.speculative.tree import DraftTree
@@ -47,6 +48,20 @@ if TYPE_CHECKING:
 # step) and the head's K/V keep a hole there (its drafts then miss more often; outputs never
 # change).
 _MAX_PENDING = 1024
+
+
+def _head_rows(fb: ForwardBatch) -> native.AttnRows:
+    """The key rows of a head forward: `native.extend_rows` over the committed positions; for
+    a draft step, `native.masked_rows`, but where every request forwards one beam that sees
+    every node drafted so far (a chain), each reads its own row of the slot table (its nodes
+    are written there), as a decode does, without a table of its own."""
+    masks = fb.custom_masks
+    if masks is None:
+        return native.extend_rows(fb)
+    if all(m.shape[0] == 1 and bool(m.all()) for m in masks):
+        widths = torch.tensor([m.shape[1] for m in masks], dtype=torch.long)
+        return native.AttnRows(fb.req_to_token, fb.req_pool_indices, fb.prefix_lens + widths)
+    return native.masked_rows(fb)
 
 
 @dataclass
@@ -106,6 +121,14 @@ class EagleDrafter:
                        if runner.model.native_decode and runner.device.type == "cpu" else None)
         if self.native is not None:
             self.head.drop_float_weights()
+        # the fused head embeds its tokens from the target's int8 rows itself
+        emb = runner.model.model.embed_tokens
+        self._int8_embedding = (
+            isinstance(emb.method, Int8EmbeddingMethod) and emb.weight.dtype == torch.int8
+            and emb.block_scale.dtype == torch.float32 and emb.weight.dim() in (2, 5)
+            and emb.weight.is_contiguous() and emb.block_scale.is_contiguous()
+            and emb.block_scale.shape[1 if emb.weight.dim() == 5 else -1] * 32
+            == runner.model_config.hidden_size)
 
     # ---- the head over the pool ----------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -133,12 +156,31 @@ class EagleDrafter:
         return head.finish(out.reshape(out.shape[0], -1), hidden)
 
     @torch.inference_mode()
-    def _candidates(self, outs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k of the head's distribution: (target ids [R, k], log-probs [R, k])."""
-        logits = self.native.logits(outs) if self.native is not None else self.head.logits(outs)
-        lp = torch.log_softmax(logits, dim=-1)
-        values, ids = torch.topk(lp, k, dim=-1)
-        return self.head.to_target_ids(ids), values
+    def _run_head(self, fb: ForwardBatch, features: torch.Tensor,
+                  logit_rows: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head over fb's rows (`_forward`) and the top-k of its distribution at rows
+        `logit_rows` (None: every row): (outputs [T, H], target ids [R, k], log-probs
+        [R, k]). Where the head's linears are x16 int4, all of it is one native call."""
+        k = self.spec.eagle_topk
+        native_head = self.native
+        if native_head is not None and native_head.fused_ptrs is not None:
+            self.num_forwards += 1
+            attn = _head_rows(fb)
+            rows = (torch.arange(fb.num_tokens, dtype=torch.long) if logit_rows is None
+                    else logit_rows)
+            emb = self.runner.model.model.embed_tokens
+            embeds = ((emb.weight, emb.block_scale, fb.input_ids) if self._int8_embedding
+                      else self._embed(fb.input_ids))
+            return native_head.run(embeds, features, fb.positions, fb.out_slots, attn,
+                                   self.pool.k_buffers[0], self.pool.v_buffers[0], rows,
+                                   self.head.d2t, k)
+        outs = self._forward(fb, features)
+        picked = outs if logit_rows is None else outs[logit_rows]
+        logits = (native_head.logits(picked) if native_head is not None
+                  else self.head.logits(picked))
+        values, ids = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
+        return outs, self.head.to_target_ids(ids), values
 
     # ---- after each target forward: extend the head over the committed positions --------
     def after_forward(self, batch: ScheduleBatch, walks: list[TreeWalk],
@@ -239,10 +281,9 @@ class EagleDrafter:
             logits_indices=torch.empty(0, dtype=torch.long, device=dev),
             req_to_token=table, is_decode=all(n == 1 for n in lens),
         )
-        outs = self._forward(fb, torch.cat(feats))
         last = torch.tensor(lens).cumsum(0) - 1
+        outs, cand_ids, cand_lp = self._run_head(fb, torch.cat(feats), last)
         last_outs = outs[last]
-        cand_ids, cand_lp = self._candidates(last_outs, self.spec.eagle_topk)
         for j, req in enumerate(reqs):
             if req.kv_len != prefix[j] + lens[j]:
                 req.spec.eagle = None  # a prefill chunk: more prompt follows, no candidates
@@ -334,8 +375,7 @@ class EagleDrafter:
             logits_indices=torch.empty(0, dtype=torch.long, device=dev),
             req_to_token=table, custom_masks=masks,
         )
-        outs = self._forward(fb, torch.stack(feats))
-        cand_ids, cand_lp = self._candidates(outs, k)
+        outs, cand_ids, cand_lp = self._run_head(fb, torch.stack(feats), None)
         cand_ids, cand_lp = cand_ids.tolist(), cand_lp.tolist()
         r = 0
         for i in step:

@@ -22,6 +22,7 @@ import torch
 from kernels.cpu import ops
 from sglang_like.models.native_decode import AttnRows
 from sglang_like.quant import QuantConfig, QuantLinear
+from sglang_like.quant.q4_native import Q4X16Method
 from sglang_like.speculative.eagle_head import Eagle3Head
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -56,6 +57,21 @@ class NativeEagleHead:
         self.w_hidden = layer.hidden_norm.weight.detach().float().contiguous()
         self.w_post = layer.post_attention_layernorm.weight.detach().float().contiguous()
         self.w_norm = head.norm.weight.detach().float().contiguous()
+        self.intermediate_size = c.intermediate_size
+        self.draft_vocab = head.lm_head.weight.shape[0]
+        # every linear x16-packed int4 without bias: the whole forward is one call
+        # (`run`, eagle_head.c); else the single ops of `forward` and `logits`
+        # (`run`, eagle_head.c; the second table without fc, for the head's own outputs);
+        # else the single ops of `forward` and `logits`
+        self.fused_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
+        if all(isinstance(m.method, Q4X16Method) and m.bias is None for m in self._modules):
+            ptrs = torch.tensor([m.x16.data_ptr() for m in self._modules]
+                                + [w.data_ptr() for w in (self.w_input, self.w_hidden,
+                                                          self.w_post, self.w_norm)],
+                                dtype=torch.int64)
+            own = ptrs.clone()
+            own[0] = 0
+            self.fused_ptrs = ptrs, own
 
     def _linear(self, quant: QuantConfig, parts: dict[str, torch.Tensor]
                 ) -> tuple[Linear, torch.dtype]:
@@ -94,6 +110,25 @@ class NativeEagleHead:
         r, h = ops.add_rmsnorm(hidden, self.o_proj(a), self.w_post, self.eps, self.gate_up_in)
         down = self.down(ops.silu_mul(self.gate_up(h), self.down_in))
         return r + down.float()
+
+    def run(self, embeds: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+            features: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
+            attn: AttnRows, k_pool: torch.Tensor, v_pool: torch.Tensor,
+            logit_rows: torch.Tensor, d2t: torch.Tensor, topk: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward` over `project(features)`, then the top-k of the draft distribution at
+        its rows `logit_rows`, in one native call (`fused_ptrs` must be set): (out [T, H],
+        target ids [R, topk], log-probs [R, topk]). `embeds` as `ops.eagle_head_x16`'s: the
+        rows' embeddings, or the target's int8 embedding (codes, scale) and the token ids."""
+        assert self.fused_ptrs is not None
+        # the head's own outputs (a draft step's input) skip fc
+        ptrs = self.fused_ptrs[features.shape[-1] == self.hidden_size]
+        table, rows, seq_lens = attn
+        return ops.eagle_head_x16(
+            embeds, features.float().contiguous(), ptrs, self.eps, self.cos, self.sin,
+            positions, out_slots, k_pool, v_pool, table, rows, seq_lens, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.intermediate_size, self.draft_vocab,
+            self.sm_scale, logit_rows, d2t, topk)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """[T, H] -> draft-vocabulary logits [T, draft_vocab] float32."""

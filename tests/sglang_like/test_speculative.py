@@ -14,6 +14,7 @@ import regex
 import torch
 
 import kernels
+import kernels.cpu
 from kernels import reference
 from sglang_like.config import ServerArgs
 from sglang_like.req import Req
@@ -878,19 +879,93 @@ def test_eagle_head_idles_in_a_batch_where_no_row_can_pay(make_engine, monkeypat
     engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="EAGLE3")
     drafter = engine.scheduler.drafter
     rows: list[int] = []
-    original = drafter._forward
+    original = drafter._run_head
 
-    def counted(fb, features):
+    def counted(fb, features, logit_rows):
         rows.append(fb.input_ids.numel())
-        return original(fb, features)
+        return original(fb, features, logit_rows)
 
-    monkeypatch.setattr(drafter, "_forward", counted)
+    monkeypatch.setattr(drafter, "_run_head", counted)
     params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
     outs = engine.generate(PROMPTS * 2, params)
     assert all(len(o["output_ids"]) == 48 for o in outs)
     assert rows == []
     engine.generate(PROMPTS[:2], params)
+    print("DBG", rows, [o["meta_info"] for o in engine.generate(PROMPTS[:2], params)])
     assert sum(rows) > sum(len(engine.tokenizer.encode(p)) for p in PROMPTS[:2]) - 2
+
+
+@pytest.mark.slow
+def test_fused_head_call_is_the_single_ops(make_engine, monkeypatch) -> None:
+    """Where the head's linears are x16 int4, a head forward with its LM head and top-k is
+    one native call (eagle_head.c). Over the committed rows (fc over the target's features)
+    and each draft step (the head's own outputs; a chain's read the request's own key row),
+    it stores the same K/V and proposes the same candidates, with the same log-probabilities
+    to float rounding, as the single ops (`NativeEagleHead.forward`, `logits`, torch's
+    log-softmax and top-k) on the same inputs. The token embedding taken from the target's
+    int8 rows, as they are or x16-packed, or given as floats: the same bits."""
+    from kernels.cpu import ops
+
+    engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="EAGLE3",
+                         speculative_auto_disable=False)
+    drafter = engine.scheduler.drafter
+    if drafter.native is None or drafter.native.fused_ptrs is None:
+        pytest.skip("the head's linears are not x16 int4 on this machine (AMX, or torch's)")
+    pool_k, pool_v = drafter.pool.k_buffers[0], drafter.pool.v_buffers[0]
+    run_head = drafter._run_head
+    seen: list[tuple[int, int]] = []
+
+    def compared(fb, features, logit_rows):
+        k0, v0 = pool_k.clone(), pool_v.clone()
+        got = run_head(fb, features, logit_rows)
+        k1, v1 = pool_k.clone(), pool_v.clone()
+        pool_k.copy_(k0)
+        pool_v.copy_(v0)
+        fused, drafter.native.fused_ptrs = drafter.native.fused_ptrs, None
+        try:
+            want = run_head(fb, features, logit_rows)
+        finally:
+            drafter.native.fused_ptrs = fused
+        assert torch.equal(got[1], want[1]), (got[1], want[1])
+        assert torch.allclose(got[2], want[2], atol=1e-4), (got[2], want[2])
+        cos = torch.nn.functional.cosine_similarity(got[0], want[0], dim=-1)
+        assert cos.min() > 0.9999, cos
+        assert torch.equal(k1, pool_k) and torch.equal(v1, pool_v)
+        seen.append((features.shape[1], fb.num_tokens))
+        return got
+
+    calls = []
+    fused_op = ops.eagle_head_x16
+
+    def captured(*args):
+        calls.append(args)
+        return fused_op(*args)
+
+    monkeypatch.setattr(drafter, "_run_head", compared)
+    monkeypatch.setattr(ops, "eagle_head_x16", captured)
+    out = engine.generate(" ".join(PROMPTS), {"max_new_tokens": 32, "temperature": 0})
+    assert out["meta_info"]["spec_verify_ct"] > 0
+    hidden = engine.runner.model_config.hidden_size
+    assert {f for f, _ in seen} == {3 * hidden, hidden}  # extends and draft steps
+    assert max(t for f, t in seen if f == 3 * hidden) > 8  # the prompt's rows
+    assert len(calls) == len(seen)  # each head forward one native call
+
+    # one extend call again, its tokens embedded each way
+    args = next(a for a in calls if a[1].shape[1] == 3 * hidden)
+    emb = engine.runner.model.model.embed_tokens
+    assert isinstance(args[0], tuple) and args[0][0] is emb.weight  # the target's rows
+    ids = args[0][2]
+    codes, scale = ((kernels.cpu.q8_x16_rows(emb.weight, emb.block_scale, ids))
+                    if emb.weight.dim() == 5 else (emb.weight[ids], emb.block_scale[ids]))
+    pad = -len(ids) % 16  # x16 packs 16 rows at a time
+    packed = kernels.cpu.q8_x16_pack(torch.cat([codes, codes[:1].expand(pad, -1)]),
+                                     torch.cat([scale, scale[:1].expand(pad, -1)]))
+    local = torch.arange(len(ids))
+    floats = emb.method.embed(emb, ids).float().contiguous()
+    results = [fused_op(embeds, *args[1:]) for embeds in
+               (floats, (codes.contiguous(), scale.contiguous(), local), (*packed, local))]
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0], strict=True))
 
 
 @pytest.mark.slow
