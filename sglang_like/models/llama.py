@@ -222,8 +222,9 @@ class LlamaForCausalLM(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, features): features [T, len(aux_layers) * hidden] float32 are the residual
         stream entering each layer in `aux_layers` (SGLang's EAGLE-3 capture), for every token
-        row; None when `aux_layers` is empty."""
-        x, features = self.forward_layers(fb, pool, aux_layers)
+        row (the id one past the last layer: the final hidden state after the norm, EAGLE-1/2's
+        capture); None when `aux_layers` is empty."""
+        x, features = self._layers_and_features(fb, pool, aux_layers)
         x = self.model.norm(x[fb.logits_indices])
         return self.lm_head(x).float(), features
 
@@ -238,8 +239,23 @@ class LlamaForCausalLM(nn.Module):
         """(int64 [len(fb.logits_indices)], features as `forward_features`'): the argmax of
         each row `forward` would return (the first among equals), which the head need not
         compute in full (`has_head_argmax`)."""
-        x, features = self.forward_layers(fb, pool, aux_layers)
+        x, features = self._layers_and_features(fb, pool, aux_layers)
         return self.lm_head.argmax(self.model.norm(x[fb.logits_indices])), features
+
+    def _layers_and_features(self, fb: ForwardBatch, pool: KVPool,
+                             aux_layers: tuple[int, ...]
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_layers`, where the capture id one past the last layer is the final hidden
+        state after the model's norm (what the LM head reads: EAGLE-1/2's feature)."""
+        final = self.config.num_hidden_layers
+        if final not in aux_layers:
+            return self.forward_layers(fb, pool, aux_layers)
+        inner = tuple(i for i in aux_layers if i != final)
+        x, features = self.forward_layers(fb, pool, inner)
+        h = x.shape[-1]
+        parts = dict(zip(inner, features.split(h, dim=-1), strict=True)) if inner else {}
+        parts[final] = self.model.norm(x).float()
+        return x, torch.cat([parts[i] for i in aux_layers], dim=-1)
 
     @torch.inference_mode()
     def forward_layers(self, fb: ForwardBatch, pool: KVPool, aux_layers: tuple[int, ...] = ()

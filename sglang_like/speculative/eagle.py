@@ -28,7 +28,8 @@ from sglang_like.models import native_decode as native
 from sglang_like.models.llama import attend
 from sglang_like.models.rotary import RotaryEmbedding
 from sglang_like.quant.int8 import Int8EmbeddingMethod
-from sglang_like.speculative.eagle_head import Eagle3Head, load_eagle3_head
+from sglang_like.speculative.eagle1_head import Eagle1Head
+from sglang_like.speculative.eagle_head import Eagle3Head, load_draft_head
 from sglang_like.speculative.eagle_native import NativeEagleHead
 from sglang_like.speculative.tree import DraftTree
 
@@ -99,14 +100,21 @@ class EagleDrafter:
         self.spec = spec
         self.num_draft_tokens = spec.num_draft_tokens
         self.runner = runner
-        self.head: Eagle3Head = load_eagle3_head(spec.draft_model_path, runner.device)
+        self.head: Eagle3Head | Eagle1Head = load_draft_head(spec.draft_model_path,
+                                                             runner.device)
         hc, tc = self.head.config, runner.model_config
         if hc.vocab_size != tc.vocab_size or hc.target_hidden_size != tc.hidden_size:
             raise ValueError(
                 f"draft head {spec.draft_model_path!r} was trained for a target with vocab "
                 f"{hc.vocab_size} and hidden {hc.target_hidden_size}; this model has "
                 f"{tc.vocab_size} and {tc.hidden_size}")
-        aux = tuple(hc.aux_layer_ids) or runner.model.default_aux_layers()
+        if isinstance(self.head, Eagle1Head):
+            # EAGLE-1/2 reads the target's last hidden state after its norm (the capture id
+            # one past the last layer) and the target's LM head
+            aux: tuple[int, ...] = (tc.num_hidden_layers,)
+            self.head.target_lm_head = runner.model.lm_head
+        else:
+            aux = tuple(hc.aux_layer_ids) or runner.model.default_aux_layers()
         runner.aux_layers = aux
         self.pool = KVPool(runner.kv_pool.num_slots, 1, hc.num_key_value_heads, hc.head_dim,
                            torch.float32, runner.device)
@@ -118,7 +126,8 @@ class EagleDrafter:
         # where the target runs natively (quantized, CPU kernels built), the head does too
         self.native = (NativeEagleHead(self.head, runner.quant, self.rope.cos_table,
                                        self.rope.sin_table)
-                       if runner.model.native_decode and runner.device.type == "cpu" else None)
+                       if isinstance(self.head, Eagle3Head) and runner.model.native_decode
+                       and runner.device.type == "cpu" else None)
         if self.native is not None:
             self.head.drop_float_weights()
         # the fused head embeds its tokens from the target's int8 rows itself
@@ -148,12 +157,12 @@ class EagleDrafter:
                                        fb.out_slots, attn, k_pool, v_pool)
         head = self.head
         hidden = head.project(features)
-        q, k, v = head.qkv(self._embed(fb.input_ids), hidden)
+        q, k, v, residual = head.attention_inputs(self._embed(fb.input_ids), hidden)
         tables = self.rope.tables(fb.positions)
         q, k = tables.rotate(q), tables.rotate(k)
         kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
         out = attend(q, k_pool, v_pool, fb, self.sm_scale)
-        return head.finish(out.reshape(out.shape[0], -1), hidden)
+        return head.finish(out.reshape(out.shape[0], -1), residual)
 
     @torch.inference_mode()
     def _run_head(self, fb: ForwardBatch, features: torch.Tensor,

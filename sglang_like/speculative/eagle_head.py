@@ -131,6 +131,8 @@ class Eagle3Head(nn.Module):
     draft KV pool, `sglang_like.speculative.eagle`) and training (dense attention with the
     training-time-test unroll, `sglang_like.speculative.train_eagle`)."""
 
+    kind = "eagle3"
+
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
         self.config = config
@@ -159,6 +161,11 @@ class Eagle3Head(nn.Module):
         return (attn.q_proj(x).view(t, c.num_attention_heads, c.head_dim),
                 attn.k_proj(x).view(t, c.num_key_value_heads, c.head_dim),
                 attn.v_proj(x).view(t, c.num_key_value_heads, c.head_dim))
+
+    def attention_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`qkv` and the layer's residual (its input feature), as `Eagle1Head`'s."""
+        return (*self.qkv(embeds, hidden), hidden)
 
     def finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Attention output [T, Hq*D] and the layer's input feature -> `out` [T, H] (pre-norm:
@@ -231,3 +238,23 @@ def load_eagle3_head(folder: str, device: torch.device | str = "cpu") -> Eagle3H
         state[name] = got.to(want.dtype)
     head.load_state_dict(state)
     return head.to(device).eval().requires_grad_(False)
+
+
+def load_draft_head(folder: str, device: torch.device | str = "cpu"):
+    """An EAGLE-3 head (`load_eagle3_head`) or an EAGLE-1/2 one
+    (`eagle1_head.load_eagle1_head`), as its config.json's architectures say."""
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"draft model folder {folder!r} has no config.json")
+    with open(config_path, encoding="utf-8") as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or [ARCHITECTURE]
+    from sglang_like.speculative import eagle1_head
+
+    if archs[0] == eagle1_head.ARCHITECTURE:
+        return eagle1_head.load_eagle1_head(folder, raw, device)
+    if archs[0] != ARCHITECTURE:
+        raise ValueError(f"draft model {folder!r}: architectures {archs}; expected "
+                         f"{ARCHITECTURE!r} (EAGLE-3) or {eagle1_head.ARCHITECTURE!r} "
+                         "(EAGLE-1/2)")
+    return load_eagle3_head(folder, device)

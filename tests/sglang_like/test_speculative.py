@@ -676,6 +676,147 @@ def test_head_round_trips_in_sglang_layout(tmp_path) -> None:
         load_eagle3_head(str(tmp_path))
 
 
+def test_eagle1_head_round_trips_in_sglang_layout(tmp_path) -> None:
+    """SGLang's `LlamaForCausalLMEagle` checkpoint names (the EAGLE repository's: no `model.`
+    prefix, fc with a bias, no input norm on the layer); a `model.` prefix and the extra
+    tensors such files carry (the target's embedding, an input norm SGLang deletes) load too;
+    `load_draft_head` dispatches on the architecture."""
+    from safetensors.torch import load_file, save_file
+
+    from sglang_like.speculative.eagle1_head import Eagle1Config, Eagle1Head
+    from sglang_like.speculative.eagle_head import load_draft_head
+
+    torch.manual_seed(0)
+    head = Eagle1Head(Eagle1Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96))
+    head.save(str(tmp_path))
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight",
+            "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight"} == (
+        names - {"layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
+                 "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
+                 "layers.0.mlp.up_proj.weight"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle"]
+    back = load_draft_head(str(tmp_path))
+    assert isinstance(back, Eagle1Head)
+    for (n, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3, msg=n)
+    tensors = {f"model.{k}": v for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+    tensors |= {"model.embed_tokens.weight": torch.zeros(96, 32),
+                "model.layers.0.input_layernorm.weight": torch.ones(32)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert isinstance(load_draft_head(str(tmp_path)), Eagle1Head)
+    del tensors["model.fc.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.bias"):
+        load_draft_head(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(config | {"hot_vocab_size": 32}))
+    with pytest.raises(ValueError, match="hot_vocab_size"):
+        load_draft_head(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["Other"]}))
+    with pytest.raises(ValueError, match="EAGLE-1/2"):
+        load_draft_head(str(tmp_path))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's rotate-half RoPE of x [T, heads, D] at `positions` (written out for the test)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.double()[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    rolled = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return (x * cos[:, None, :].float() + rolled * sin[:, None, :].float())
+
+
+@pytest.mark.slow
+def test_eagle1_head_drafts_from_the_targets_last_hidden_state(make_engine, off_engine,
+                                                               chat_prompts, tmp_path,
+                                                               monkeypatch) -> None:
+    """`--speculative-algorithm EAGLE` with an EAGLE-1/2 head (SGLang's layout; a random one
+    for the default model). The target hands it its last hidden state after the norm (its LM
+    head's input: the first output token is that row's argmax), and the head's first
+    candidates after a prompt are those of the head written out densely here, as SGLang's
+    `LlamaForCausalLMEagle` computes it: fc over [embedding, feature] with its bias, one
+    layer without an input norm (causal attention with RoPE, GQA), the target's LM head with
+    no norm before it. Greedy output equals speculation off, alone and in a batch."""
+    from sglang_like.speculative.eagle1_head import Eagle1Config, Eagle1Head
+
+    torch.manual_seed(1)
+    target = off_engine.runner.model_config
+    head = Eagle1Head(Eagle1Config(
+        hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads, vocab_size=target.vocab_size,
+        rope_theta=target.rope_theta))
+    for p in head.parameters():  # a layer's scale, so the attention is not flat
+        torch.nn.init.normal_(p, std=0.05) if p.dim() == 2 else torch.nn.init.normal_(p, 1.0, 0.1)
+    head.save(str(tmp_path))
+    engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="EAGLE",
+                         speculative_draft_model_path=str(tmp_path),
+                         speculative_auto_disable=False)
+    drafter, model = engine.scheduler.drafter, engine.runner.model
+    assert isinstance(drafter.head, Eagle1Head) and drafter.native is None
+    assert engine.runner.aux_layers == (target.num_hidden_layers,)
+
+    first: dict[str, object] = {}
+    run_head = drafter._run_head
+
+    def captured(fb, features, logit_rows):
+        got = run_head(fb, features, logit_rows)
+        first.setdefault("call", (fb, features.clone(), logit_rows, got))
+        return got
+
+    monkeypatch.setattr(drafter, "_run_head", captured)
+    prompt = chat_prompts[1]
+    out = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})
+    fb, features, logit_rows, (outs, cand_ids, _) = first["call"]
+    ids = engine.tokenizer.encode(prompt)
+    n = len(ids)
+    # the prompt's rows: tokens 1 .. n - 1 and the first output token, features 0 .. n - 1
+    assert fb.input_ids.tolist() == ids[1:] + [out["output_ids"][0]]
+    assert fb.positions.tolist() == list(range(n)) and features.shape == (n, target.hidden_size)
+    assert int(model.lm_head(features[-1:]).argmax()) == out["output_ids"][0]
+    # the head, densely
+    c, w = head.config, {k: v.float() for k, v in head.state_dict().items()}
+    emb = model.model.embed_tokens
+    x = torch.cat([emb.method.embed(emb, fb.input_ids).float(), features], -1) @ w[
+        "fc.weight"].T + w["fc.bias"]
+    pos = torch.arange(n)
+    q = _rope((x @ w["layers.0.self_attn.q_proj.weight"].T).view(n, -1, c.head_dim), pos,
+              c.rope_theta)
+    k = _rope((x @ w["layers.0.self_attn.k_proj.weight"].T).view(n, -1, c.head_dim), pos,
+              c.rope_theta)
+    v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(n, -1, c.head_dim)
+    g = c.num_attention_heads // c.num_key_value_heads
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / c.head_dim ** 0.5
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
+    r = x + attn @ w["layers.0.self_attn.o_proj.weight"].T
+    hn = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w[
+        "layers.0.post_attention_layernorm.weight"]
+    mlp = (torch.nn.functional.silu(hn @ w["layers.0.mlp.gate_proj.weight"].T)
+           * (hn @ w["layers.0.mlp.up_proj.weight"].T)) @ w["layers.0.mlp.down_proj.weight"].T
+    dense = r + mlp
+    cos = torch.nn.functional.cosine_similarity(outs, dense, dim=-1)
+    assert cos.min() > 0.999, cos
+    assert int(cand_ids[-1, 0]) == int(model.lm_head(dense[-1:]).argmax())
+
+    # greedy output as without speculation, drafting at every step
+    monkeypatch.undo()
+    det = make_engine(**DETERMINISTIC, speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=str(tmp_path), speculative_auto_disable=False)
+    plain = make_engine(**DETERMINISTIC)
+    prompts = PROMPTS[:6] + chat_prompts
+    want = [o["output_ids"] for o in plain.generate(prompts, GREEDY)]
+    alone = [det.generate(p, GREEDY)["output_ids"] for p in prompts[::3]]
+    assert _first_difference(alone, want[::3]) == []
+    batched = det.generate(prompts, GREEDY)
+    assert _first_difference([o["output_ids"] for o in batched], want) == []
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in batched)
+
+
 # ---- the default model ------------------------------------------------------------------------
 
 NEW_TOKENS = 64
