@@ -33,7 +33,7 @@ DEFAULT_WORK_DIR = os.path.expanduser("~/.cache/sglang_like/eagle3-train")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-instruct-eagle3")
 STAGES = ("data", "vocab", "capture", "train", "export")
 DATA_KEYS = ("seed", "shard_size", "user_max_tokens", "answer_max_tokens", "rework_frac",
-             "code_frac", "doc_frac")
+             "code_frac", "doc_frac", "chat_frac")
 
 
 def _log(msg: str) -> None:
@@ -289,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--doc-frac", type=float, default=0.0,
                    help="extraction tasks over synthetic documents per shard, as a fraction "
                         "of --shard-size")
+    g.add_argument("--chat-frac", type=float, default=0.0,
+                   help="per shard, this fraction of --shard-size more: everyday questions "
+                        "as people type them (train_eagle_prompts.chat_task), answered greedily")
     g.add_argument("--gen-budget-min", type=float, default=0.0,
                    help="start no new data shard after this many minutes (0: no limit)")
     g = ap.add_argument_group("vocab / capture")

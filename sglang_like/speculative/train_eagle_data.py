@@ -83,14 +83,16 @@ def _magpie_shard(eng: Any, tok: Any, user_prefix: str, stop_ids: set[int],
 
 def _task_shard(eng: Any, tok: Any, stop_ids: set[int], im_end: int | None,
                 args: argparse.Namespace, base: int) -> list[dict]:
-    """Code tasks over the standard library's source and extraction tasks over synthetic
-    documents (`train_eagle_prompts`), `args.code_frac` and `args.doc_frac` of a shard,
-    answered greedily."""
-    from sglang_like.speculative.train_eagle_prompts import code_task, extraction_task
+    """Code tasks over the standard library's source, extraction tasks over synthetic
+    documents and everyday questions (`train_eagle_prompts`), `args.code_frac`,
+    `args.doc_frac` and `args.chat_frac` of a shard, answered greedily."""
+    from sglang_like.speculative.train_eagle_prompts import chat_task, code_task, extraction_task
 
     rng = random.Random(base + 2)
+    chat_frac = getattr(args, "chat_frac", 0.0)
     users = ([code_task(rng) for _ in range(round(args.shard_size * args.code_frac))]
-             + [extraction_task(rng) for _ in range(round(args.shard_size * args.doc_frac))])
+             + [extraction_task(rng) for _ in range(round(args.shard_size * args.doc_frac))]
+             + [chat_task(rng) for _ in range(round(args.shard_size * chat_frac))])
     if not users:
         return []
     prompts = [eng.apply_chat_template([{"role": "user", "content": u}]) for u in users]

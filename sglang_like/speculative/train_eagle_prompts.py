@@ -5,6 +5,10 @@ not write, built on this machine with nothing fetched.
   source (on every machine that runs this), with a task such as adding type hints or tests.
 - Extraction tasks over synthetic documents (invoices, orders, notices, listings ...) filled
   from small word lists, asking for fields as JSON or a list.
+- Everyday questions as people type them (how-to, explanations, lists of tips, comparisons,
+  short writing) from question frames over topic lists: the self-prompted user turns of a
+  135M model are rarely like these, and the head learnt the answers to its own questions
+  far better than to people's.
 
 The self-prompted turns of a model this small are mostly chat; these put code and documents
 the answers must copy from into the data, as real coding and extraction prompts do. Each
@@ -194,3 +198,90 @@ def extraction_task(rng: random.Random) -> str:
     doc, fields = rng.choice(_DOCUMENTS)(rng)
     chosen = sorted(rng.sample(fields, rng.randint(2, len(fields))), key=fields.index)
     return rng.choice(_EXTRACT_FRAMES).format(doc=doc, fields=", ".join(chosen))
+
+
+# ---- everyday questions --------------------------------------------------------------------
+# (frame, the topic list it takes); topics are lower-case noun phrases
+_THINGS = ("a refrigerator", "a microwave oven", "a smartphone camera", "a compass",
+           "a thermometer", "an electric kettle", "a washing machine", "a solar panel",
+           "a vacuum cleaner", "a lock and key", "a parachute", "a hot air balloon",
+           "an elevator", "a traffic light", "a submarine", "a wind turbine", "a calculator",
+           "a printer", "a helicopter", "a light bulb", "a battery", "a sewing machine",
+           "a piano", "a telescope", "an umbrella", "a zipper", "a toaster", "a dishwasher")
+_NATURE = ("thunder", "earthquakes", "volcanoes", "ocean tides", "snowflakes", "fog",
+           "hurricanes", "the seasons", "the northern lights", "coral reefs", "deserts",
+           "glaciers", "rivers", "clouds", "the moon's phases", "eclipses", "wind", "soil",
+           "fossils", "caves", "waterfalls", "rain forests", "lightning", "ice ages")
+_ANIMALS = ("dolphins", "owls", "bees", "penguins", "elephants", "octopuses", "ants",
+            "bats", "wolves", "parrots", "frogs", "salmon", "camels", "hedgehogs", "whales",
+            "butterflies", "horses", "spiders", "tortoises", "squirrels", "crows", "sharks")
+_SKILLS = ("learning a new language", "public speaking", "saving money", "running a 5k",
+           "cooking for a family", "keeping a journal", "drawing portraits",
+           "studying for exams", "working from home", "growing tomatoes",
+           "writing a cover letter", "meditating", "swimming", "taking better photos",
+           "making friends in a new city", "learning to code", "baking bread",
+           "managing stress", "training a puppy", "reading more books", "playing chess",
+           "staying focused", "waking up early", "negotiating a salary")
+_TOPICS = ("recycling", "the internet", "vaccines", "the stock market", "democracy",
+           "inflation", "renewable energy", "the water cycle", "gravity", "electricity",
+           "the human heart", "dreams", "memory", "time zones", "credit scores", "music",
+           "the printing press", "the Roman Empire", "the Olympic Games", "coffee",
+           "chocolate", "cheese", "bread", "tea ceremonies", "carnivals", "libraries",
+           "museums", "airports", "hospitals", "banks", "bridges", "skyscrapers", "robots",
+           "artificial intelligence", "social media", "email", "passwords", "cloud storage")
+_PLACES = ("a rainy afternoon", "a busy market", "a quiet library", "a mountain village",
+           "a snowy forest", "a city at night", "a summer festival", "an old train station",
+           "a farm in spring", "a harbor at dawn", "a school playground", "a desert road",
+           "a kitchen on a holiday morning", "a garden after rain", "a crowded subway")
+_PAIRS = (("a virus", "a bacterium"), ("a crocodile", "an alligator"), ("a frog", "a toad"),
+          ("a rabbit", "a hare"), ("a city", "a town"), ("a comet", "an asteroid"),
+          ("a violin", "a cello"), ("tea", "coffee"), ("baking", "roasting"),
+          ("a loan", "a grant"), ("a hurricane", "a tornado"), ("a river", "a stream"),
+          ("a poem", "a song"), ("an ocean", "a lake"), ("a planet", "a star"),
+          ("speed", "velocity"), ("a moth", "a butterfly"), ("a mushroom", "a plant"),
+          ("a debit card", "a credit card"), ("renting", "buying a home"))
+_EVENTS = ("a birthday party", "a camping trip", "a first day at a new job",
+           "a family dinner", "a long flight", "a beach holiday", "a job interview",
+           "moving house", "a wedding", "a picnic", "a road trip", "a winter holiday",
+           "a school science fair", "a marathon", "a dinner party for six friends")
+_ITEMS = ("a coffee shop", "a pet goldfish", "a bookstore", "a hiking club", "a bakery",
+          "a robot toy", "a garden", "a podcast about history", "a sailing boat",
+          "a board game", "a food truck", "a yoga studio", "a cat", "a band", "a blog")
+_FRAMES = (
+    ("How does {} work?", _THINGS), ("Explain how {} works in simple words.", _THINGS),
+    ("What is inside {}?", _THINGS), ("Who invented {}?", _THINGS),
+    ("What causes {}?", _NATURE), ("Explain {} to a ten-year-old.", _NATURE),
+    ("Why do we have {}?", _NATURE), ("Tell me three facts about {}.", _NATURE),
+    ("How do {} communicate?", _ANIMALS), ("What do {} eat?", _ANIMALS),
+    ("Where do {} live?", _ANIMALS), ("Tell me something surprising about {}.", _ANIMALS),
+    ("Give me five tips for {}.", _SKILLS), ("How do I get started with {}?", _SKILLS),
+    ("What are common mistakes when {}?", _SKILLS),
+    ("Make a one-week plan for {}.", _SKILLS),
+    ("What are the benefits of {}?", _SKILLS), ("Explain {} in a few sentences.", _TOPICS),
+    ("What is the history of {}?", _TOPICS), ("What are the pros and cons of {}?", _TOPICS),
+    ("Why is {} important?", _TOPICS), ("Summarize what {} is for a beginner.", _TOPICS),
+    ("Write a short story about {}.", _PLACES), ("Describe {} in one paragraph.", _PLACES),
+    ("Write a poem about {}.", _PLACES), ("Write a haiku about {}.", _PLACES),
+    ("What should I bring to {}?", _EVENTS), ("How do I prepare for {}?", _EVENTS),
+    ("Write a checklist for {}.", _EVENTS), ("Give me ideas to make {} fun.", _EVENTS),
+    ("Suggest five names for {}.", _ITEMS), ("Write a slogan for {}.", _ITEMS),
+    ("Write a short description of {}.", _ITEMS),
+)
+_PAIR_FRAMES = ("What is the difference between {} and {}?", "Compare {} and {}.",
+                "Is {} the same as {}?", "How is {} different from {}?")
+_OPENINGS = ("", "", "", "", "Hi! ", "Quick question: ", "Can you help me? ", "Please, ",
+             "I'm curious. ")
+
+
+def chat_task(rng: random.Random) -> str:
+    """An everyday question as people type it (see the module's docstring)."""
+    if rng.random() < 0.15:
+        a, b = rng.choice(_PAIRS)
+        text = rng.choice(_PAIR_FRAMES).format(a, b)
+    else:
+        frame, topics = rng.choice(_FRAMES)
+        text = frame.format(rng.choice(topics))
+    opening = rng.choice(_OPENINGS)
+    if opening.endswith((": ", ", ")):  # the question goes on the opening's sentence
+        text = text[0].lower() + text[1:]
+    return opening + text

@@ -218,18 +218,24 @@ def _earlier_card(work: str, continued: bool) -> str:
 
 def _task_text(args: argparse.Namespace) -> str:
     """The card's words for the task families (`train_eagle_prompts`), "" without them."""
-    if not args.code_frac and not args.doc_frac:
+    chat = getattr(args, "chat_frac", 0.0)
+    if not args.code_frac and not args.doc_frac and not chat:
         return ""
+    chat_text = (f", {chat:.0%} everyday questions as people type them (question frames over "
+                 "topic lists: how-to, explanations, tips, comparisons, short writing)"
+                 if chat else "")
     return (f" And {args.code_frac:.0%} code tasks over functions and classes of the Python "
             f"standard library's source, {args.doc_frac:.0%} extraction tasks over synthetic "
-            "documents (invoices, letters, invitations, orders, listings; "
-            "`train_eagle_prompts`), answered greedily.")
+            "documents (invoices, letters, invitations, orders, listings)"
+            f"{chat_text} (`train_eagle_prompts`), answered greedily.")
 
 
 def _task_args(args: argparse.Namespace) -> str:
-    if not args.code_frac and not args.doc_frac:
+    chat = getattr(args, "chat_frac", 0.0)
+    if not args.code_frac and not args.doc_frac and not chat:
         return ""
-    return f"--code-frac {args.code_frac} --doc-frac {args.doc_frac} \\\n        "
+    return (f"--code-frac {args.code_frac} --doc-frac {args.doc_frac} "
+            + (f"--chat-frac {chat} " if chat else "") + "\\\n        ")
 
 
 def _write_card(args: argparse.Namespace, work: str, s: dict, done: dict) -> None:

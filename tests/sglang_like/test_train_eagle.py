@@ -277,3 +277,28 @@ def test_task_prompts_are_seeded_and_carry_their_material() -> None:
         assert doc in turn
         asked = [f for f in fields if f in turn]
         assert len(asked) >= 2
+
+
+def test_everyday_questions_are_seeded_varied_and_not_the_evaluations_prompts() -> None:
+    """`chat_task`: the same seed gives the same questions, thousands of distinct ones, each
+    a sentence of a question frame over a topic; none is a prompt the head is measured on
+    (the speculative bench's chat workload, the shipped head's held-out test prompts)."""
+    import random
+
+    from sglang_like.bench_speculative import WORKLOADS
+    from sglang_like.speculative import train_eagle_prompts as tp
+
+    from .test_speculative import HELD_OUT
+
+    a, b = random.Random(3), random.Random(3)
+    assert [tp.chat_task(a) for _ in range(50)] == [tp.chat_task(b) for _ in range(50)]
+    rng = random.Random(0)
+    asked = [tp.chat_task(rng) for _ in range(20000)]
+    distinct = {q.lower() for q in asked}
+    assert len(distinct) > 3000
+    assert all(q.rstrip().endswith((".", "?")) for q in asked)
+    frames = [f.split("{}")[0] for f, _ in tp._FRAMES] + [f.split("{}")[0] for f in
+                                                           tp._PAIR_FRAMES]
+    assert all(any(f.lower() in q.lower() for f in frames) for q in asked[:500])
+    measured = {q.lower() for q in [*WORKLOADS["chat"], *HELD_OUT]}
+    assert not distinct & measured
