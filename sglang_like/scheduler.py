@@ -414,13 +414,17 @@ class Scheduler:
         if (not batch.is_decode or self.disagg is not None
                 or not getattr(self.runner, "has_greedy_forward", False)):
             return False
-        for req in batch.reqs:
-            sp = req.sampling_params
-            if (not sp.is_greedy or req.return_logprob or sp.has_penalties or sp.token_bias
-                    or req.grammar is not None or not req.output_ids
-                    or len(req.output_ids) < sp.min_new_tokens):
-                return False
-        return True
+        return all(self.takes_argmax(req) for req in batch.reqs)
+
+    @staticmethod
+    def takes_argmax(req: Req) -> bool:
+        """Whether the sampler would give this decoding request its logits row's plain
+        argmax, and nothing else: greedy, and no logprobs, penalties, logit bias, grammar, or
+        min_new_tokens holding EOS back (it has output, so it is decoding)."""
+        sp = req.sampling_params
+        return not (not sp.is_greedy or req.return_logprob or sp.has_penalties
+                    or sp.token_bias or req.grammar is not None or not req.output_ids
+                    or len(req.output_ids) < sp.min_new_tokens)
 
     def _process(self, batch: ScheduleBatch, logits: torch.Tensor | None,
                  walks: list[TreeWalk], touched: list[Req],

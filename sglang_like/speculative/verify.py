@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_like.sampler import select_rows
+from sglang_like.sampler import SampleOutput, argmax_rows, select_rows
 from sglang_like.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -47,14 +47,23 @@ def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
     """Commit the longest agreeing path of every walk; free the other nodes' slots."""
     pool = sched.cache.req_to_token_pool
     active = list(walks)
+    # every request takes its row's plain argmax (`Scheduler.takes_argmax`): each node's
+    # token is read off one argmax over the verify's rows, the sampler's own choice for them,
+    # instead of a sampler call per depth (0.1-0.2 ms of a batch-1 step)
+    argmax = (argmax_rows(logits) if all(sched.takes_argmax(w.req) for w in walks)
+              else None)
     while active:
         reqs = [w.req for w in active]
         for w in active:  # the node's K/V (computed by the verify) becomes the request's
             pool.req_to_token[w.req.req_pool_idx, w.req.kv_len] = w.slots[w.node]
             w.req.kv_len += 1
             w.committed.append(w.node)
-        rows = select_rows(logits, [w.first_row + w.node for w in active])
-        result = sched.sampler.sample(rows, reqs, sched.outputs.grammar_bitmask(reqs))
+        if argmax is not None:
+            result = SampleOutput([argmax[w.first_row + w.node] for w in active],
+                                  [None] * len(active), [None] * len(active))
+        else:
+            rows = select_rows(logits, [w.first_row + w.node for w in active])
+            result = sched.sampler.sample(rows, reqs, sched.outputs.grammar_bitmask(reqs))
         still = []
         for j, w in enumerate(active):
             req, token = w.req, result.next_token_ids[j]

@@ -899,6 +899,36 @@ def _first_difference(outputs, ids) -> list[tuple[int, int]]:
     return diffs
 
 
+def test_greedy_verifies_read_tokens_off_one_argmax(make_engine, off_engine, chat_prompts,
+                                                     monkeypatch) -> None:
+    """A verify whose requests all take their row's plain argmax walks its trees on one
+    argmax over the verify's rows, without a sampler call per depth; a request asking for
+    logprobs goes through the sampler at each node. The tokens are the same either way, and
+    the plain decode's."""
+    engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="NGRAM",
+                         speculative_auto_disable=False)
+    prompt = chat_prompts[3]  # copy a list: n-gram drafts are accepted
+    params = {"max_new_tokens": 32, "temperature": 0}
+    sampler = engine.scheduler.sampler
+    calls: list[int] = []
+    sample = sampler.sample
+
+    def counted(logits, reqs, bitmask=None):
+        calls.append(len(reqs))
+        return sample(logits, reqs, bitmask)
+
+    monkeypatch.setattr(sampler, "sample", counted)
+    plain = engine.generate(prompt, params)
+    greedy_calls, calls[:] = len(calls), []
+    with_lp = engine.generate(prompt, params, return_logprob=True)
+    want = off_engine.generate(prompt, params)["output_ids"]
+    assert plain["output_ids"] == with_lp["output_ids"] == want
+    verifies = plain["meta_info"]["spec_verify_ct"]
+    assert verifies < len(want) - 4  # drafts were accepted
+    assert greedy_calls <= 1  # the prompt's first token at most
+    assert len(calls) >= len(want) - 1  # a sampler call per committed token with logprobs
+
+
 @pytest.mark.slow
 def test_ngram_drafts_from_an_earlier_request(make_engine, off_engine, chat_prompts) -> None:
     """A prompt asked again drafts from its first answer (finished requests' text), commits
