@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sglang_like.speculative.eagle_head import _MLP, _RMSNorm
+from sglang_like.speculative.eagle_head import _MLP, _RMSNorm, load_head_state, read_head_tensors
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
 
@@ -176,22 +176,5 @@ def load_eagle1_head(folder: str, raw_config: dict[str, Any],
                      device: torch.device | str = "cpu") -> Eagle1Head:
     """An EAGLE-1/2 head folder (see the module's docstring); weights become float32. A
     missing or mis-shaped tensor is a ValueError naming it."""
-    from safetensors.torch import load_file
-
     head = Eagle1Head(Eagle1Config.from_json(raw_config))
-    tensors: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            tensors |= load_file(os.path.join(folder, name))
-    tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
-    state = head.state_dict()
-    missing = sorted(set(state) - set(tensors))
-    if missing:
-        raise ValueError(f"draft head {folder!r} lacks {missing}")
-    for name, want in state.items():
-        got = tensors[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise ValueError(f"draft head {name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-        state[name] = got.float()
-    head.load_state_dict(state)
-    return head.to(device).eval().requires_grad_(False)
+    return load_head_state(head, read_head_tensors(folder), folder, device)

@@ -201,33 +201,24 @@ class Eagle3Head(nn.Module):
             json.dump(self.config.to_json(), f, indent=2)
 
 
-def load_eagle3_head(folder: str, device: torch.device | str = "cpu") -> Eagle3Head:
-    """Read a head folder (config.json + *.safetensors in SGLang's names); weights become
-    float32. A missing or mis-shaped tensor is a ValueError naming it."""
+def read_head_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a head folder's *.safetensors, under SpecForge / SGLang spellings: an
+    optional "model." prefix dropped."""
     from safetensors.torch import load_file
 
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"draft model folder {folder!r} has no config.json")
-    with open(config_path, encoding="utf-8") as f:
-        config = Eagle3Config.from_json(json.load(f))
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
             tensors |= load_file(os.path.join(folder, name))
-    # SpecForge / SGLang spellings: an optional "model." prefix; embed_tokens (the target's
-    # is used) is ignored when present
-    tensors = {k.removeprefix("model."): v for k, v in tensors.items()
-               if not k.removeprefix("model.").startswith("embed_tokens")}
-    head = Eagle3Head(config)
+    return {k.removeprefix("model."): v for k, v in tensors.items()}
+
+
+def load_head_state(head: nn.Module, tensors: dict[str, torch.Tensor], folder: str,
+                    device: torch.device | str) -> nn.Module:
+    """`head` with every tensor of its state taken from `tensors` (in its own dtype; others
+    ignored), in eval mode on `device`. A missing or mis-shaped tensor is a ValueError naming
+    it."""
     state = head.state_dict()
-    if "t2d" not in tensors and "d2t" in tensors:
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
-        tensors["t2d"] = t2d
-    if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
-        tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
-        tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
     missing = sorted(set(state) - set(tensors))
     if missing:
         raise ValueError(f"draft head {folder!r} lacks {missing}")
@@ -238,6 +229,26 @@ def load_eagle3_head(folder: str, device: torch.device | str = "cpu") -> Eagle3H
         state[name] = got.to(want.dtype)
     head.load_state_dict(state)
     return head.to(device).eval().requires_grad_(False)
+
+
+def load_eagle3_head(folder: str, device: torch.device | str = "cpu") -> Eagle3Head:
+    """Read a head folder (config.json + *.safetensors in SGLang's names); weights become
+    float32. A missing or mis-shaped tensor is a ValueError naming it."""
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"draft model folder {folder!r} has no config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = Eagle3Config.from_json(json.load(f))
+    # embed_tokens (the target's is used) is ignored when present
+    tensors = read_head_tensors(folder)
+    if "t2d" not in tensors and "d2t" in tensors:
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
+        tensors["t2d"] = t2d
+    if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
+        tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
+        tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    return load_head_state(Eagle3Head(config), tensors, folder, device)
 
 
 def load_draft_head(folder: str, device: torch.device | str = "cpu"):
