@@ -1330,15 +1330,15 @@ HELD_OUT = [  # written for this test; the head trained on conversations the mod
     "What is the difference between a lake and a sea?",
 ]
 # Measured with the committed head (greedy, 64 new tokens, every step drafting a 3-token
-# chain): 1.48 tokens per verify on a 2-core AMD EPYC, where the head it was continued from
-# measured 1.45 (1.48 on an Intel Xeon, where its own predecessor measured 1.42 and the one
-# before that, trained on 1/17 of the data, 1.31); a random head gives 1.00. The floor is
-# that less a margin for another CPU's rounding in a different batch: it catches a broken,
-# untrained or much weaker head, not a run's small gain. These human-written prompts are
-# harder for the head than its own held-out conversations (the committed head: top-1 0.35-0.36
-# on chat prompts like these against 0.53 on its held-out data): its data's questions were
-# written by the 135M model itself.
-SHIPPED_HEAD_ACCEPT_FLOOR = 1.40
+# chain): 1.59 tokens per verify on a 2-core AMD EPYC, where the head it was continued from
+# measured 1.50 and that one's predecessor 1.45 (on an Intel Xeon 1.48 and 1.42, the one
+# before those, trained on 1/17 of the data, 1.31); a random head gives 1.00. The floor is
+# that less a margin for another CPU's rounding in a different batch (or torch's head path
+# where the native kernels are not built): it catches a broken, untrained or much weaker
+# head, not a run's small gain. These prompts are written by people (none of them is in the
+# head's data, whose everyday questions come from question frames, `chat_task`); the head's
+# self-prompted conversations were written by the 135M model itself.
+SHIPPED_HEAD_ACCEPT_FLOOR = 1.50
 
 
 @pytest.mark.slow
