@@ -82,12 +82,21 @@ def test_fault_while_scheduling_with_an_empty_batch_cannot_spin(tokenizer):
     assert_pool_clean(sched)
 
 
-def test_fault_in_a_verify_walk_frees_the_tree_slots(tokenizer):
+@pytest.mark.parametrize("path", ["sampler", "argmax"])
+def test_fault_in_a_verify_walk_frees_the_tree_slots(tokenizer, path):
+    """A fault inside a verify's walk, with some nodes committed and others not: the walk
+    of requests asking for logprobs calls the sampler at each node; greedy ones read their
+    tokens off one argmax (verify.accept_trees), the fault then in taking a token."""
     sched, _ = make_spec(tokenizer, ScriptedDrafter(depth=3, right=2), pool_size=256)
-    # the 6th sample call is inside some verify's walk, with nodes committed and others not
-    sched.sampler.sample = _FailOnce(sched.sampler.sample, fail_on=[6])
+    # the 6th call is inside some verify's walk (the first three: the prompts' tokens)
+    if path == "sampler":
+        sched.sampler.sample = _FailOnce(sched.sampler.sample, fail_on=[6])
+    else:
+        sched.outputs.append_token = _FailOnce(sched.outputs.append_token, fail_on=[6])
     for i in range(3):
-        sched.add_request(req(f"s{i}", range(300 + i, 316 + i), max_new=20))
+        r = req(f"s{i}", range(300 + i, 316 + i), max_new=20)
+        r.return_logprob = path == "sampler"
+        sched.add_request(r)
     done = run(sched)
     assert len(done) == 3
     assert any(r.finished_reason.type == "abort" for r in done.values())
