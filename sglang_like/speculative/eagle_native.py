@@ -59,12 +59,12 @@ class NativeEagleHead:
         self.w_norm = head.norm.weight.detach().float().contiguous()
         self.intermediate_size = c.intermediate_size
         self.draft_vocab = head.lm_head.weight.shape[0]
-        # every linear x16-packed int4 without bias: the whole forward is one call
-        # (`run`, eagle_head.c); else the single ops of `forward` and `logits`
-        # (`run`, eagle_head.c; the second table without fc, for the head's own outputs);
-        # else the single ops of `forward` and `logits`
+        # every linear x16-packed int4 without bias (and a head size the attention kernel
+        # takes): the whole forward is one call (`run`, eagle_head.c; the second table without
+        # fc, for the head's own outputs); else the single ops of `forward` and `logits`
         self.fused_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
-        if all(isinstance(m.method, Q4X16Method) and m.bias is None for m in self._modules):
+        if (all(isinstance(m.method, Q4X16Method) and m.bias is None for m in self._modules)
+                and self.head_dim % 8 == 0 and self.num_heads % self.num_kv_heads == 0):
             ptrs = torch.tensor([m.x16.data_ptr() for m in self._modules]
                                 + [w.data_ptr() for w in (self.w_input, self.w_hidden,
                                                           self.w_post, self.w_norm)],
