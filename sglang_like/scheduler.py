@@ -422,9 +422,9 @@ class Scheduler:
         argmax, and nothing else: greedy, and no logprobs, penalties, logit bias, grammar, or
         min_new_tokens holding EOS back (it has output, so it is decoding)."""
         sp = req.sampling_params
-        return not (not sp.is_greedy or req.return_logprob or sp.has_penalties
-                    or sp.token_bias or req.grammar is not None or not req.output_ids
-                    or len(req.output_ids) < sp.min_new_tokens)
+        return (sp.is_greedy and not req.return_logprob and not sp.has_penalties
+                and not sp.token_bias and req.grammar is None and bool(req.output_ids)
+                and len(req.output_ids) >= sp.min_new_tokens)
 
     def _process(self, batch: ScheduleBatch, logits: torch.Tensor | None,
                  walks: list[TreeWalk], touched: list[Req],

@@ -219,15 +219,15 @@ class LoadMix:
             return status, "abort", abort.get("message")
         return status, reasons[0]["type"], None
 
-    async def _generate(self, rng: random.Random, seq: int) -> Outcome:
-        body = {"text": self._prompt(rng),
-                "sampling_params": {"temperature": 0, "max_new_tokens": rng.randint(1, 8)}}
+    async def _generate(self, rng: random.Random, seq: int,
+                        max_new_tokens: int | None = None) -> Outcome:
+        prompt = self._prompt(rng)
+        body = {"text": prompt, "sampling_params": {
+            "temperature": 0, "max_new_tokens": max_new_tokens or rng.randint(1, 8)}}
         return self._native_outcome(*await self._post("/generate", body))
 
     async def _burst(self, rng: random.Random, seq: int) -> Outcome:
-        body = {"text": self._prompt(rng),
-                "sampling_params": {"temperature": 0, "max_new_tokens": 32}}
-        return self._native_outcome(*await self._post("/generate", body))
+        return await self._generate(rng, seq, max_new_tokens=32)
 
     async def _constrained(self, rng: random.Random, seq: int) -> Outcome:
         sp: dict[str, Any] = {"temperature": 0, "max_new_tokens": 24}

@@ -85,8 +85,8 @@ static inline void quantize(int8_t *q, float *e, float *S, const float *x, int64
 // The rows' tokens: ids [T] into the target's embedding, int8 codes with a float32 scale per
 // 32 columns (GGUF Q8_0's blocks), rows [*, H] and scales [*, H/32], or with embed_x16 in
 // q8_rows.c's layout (codes [*/16, H/32, 8, 16, 4], scales [*/16, H/32, 16]); with
-// embed_codes NULL, embeds [T, H] float32 given. features [T, F] float32: the target's features when ptrs[E_FC] is set, else the
-// head's own outputs (F == H). Each query row t stores its k/v at out_slots[t] (position
+// embed_codes NULL, embeds [T, H] float32 given. features [T, F] float32: the target's
+// features when ptrs[E_FC] is set, else the head's own outputs (F == H). Each query row t stores its k/v at out_slots[t] (position
 // positions[t]) and attends to the first seq_lens[t] slots of table[rows[t]]. out [T, H]: the
 // layer's output (the next draft step's feature). For rows logit_rows[j] of out, the top
 // `topk` of the draft vocabulary's log-softmax, largest first (the first index among equals):
@@ -95,7 +95,8 @@ static inline void quantize(int8_t *q, float *e, float *S, const float *x, int64
 // take.
 int eagle_head_x16(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I,
                    int64_t V, int64_t F, const float *embeds, const int8_t *embed_codes,
-                   const float *embed_scale, int embed_x16, const int64_t *ids, const float *features,
+                   const float *embed_scale, int embed_x16, const int64_t *ids,
+                   const float *features,
                    const int64_t *ptrs, float eps, const float *cos_tab, const float *sin_tab,
                    const int64_t *positions, const int64_t *out_slots, void *k_pool,
                    void *v_pool, int pool_bf16, const int32_t *table, int64_t ld_table,

@@ -144,7 +144,6 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
         raise MemoryError("decode_step_x16 could not allocate its scratch memory")
 
 
-
 def eagle_head_x16(embeds: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                    features: torch.Tensor, ptrs: torch.Tensor, eps: float,
                    cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,

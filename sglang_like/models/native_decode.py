@@ -84,9 +84,16 @@ def masked_rows(fb: ForwardBatch) -> AttnRows:
                                |<-------- prefix_len -------->|<----- mask[i].sum() ------->|
 
     The new keys are taken in order (j ascending), so a chain's rows read exactly what a
-    plain decode at that position reads, in the same order."""
+    plain decode at that position reads, in the same order. Where every request has one row
+    that sees all its new keys, already in its row of the slot table, that row is read as it
+    is (no table is built)."""
     r2t, masks = fb.req_to_token, fb.custom_masks
     assert masks is not None
+    if all(m.shape[0] == 1 and bool(m.all()) for m in masks):
+        # one row a request that sees every new key (an EAGLE chain's draft step, whose nodes
+        # are in the request's row): those rows of the slot table as they are, no copy
+        widths = torch.tensor([m.shape[1] for m in masks], dtype=torch.long)
+        return AttnRows(r2t, fb.req_pool_indices, fb.prefix_lens + widths)
     prefixes = fb.prefix_lens.tolist()
     width = max(p + m.shape[1] for p, m in zip(prefixes, masks, strict=True))
     table = torch.empty(fb.num_tokens, max(width, 1), dtype=torch.int32)

@@ -51,20 +51,6 @@ if TYPE_CHECKING:
 _MAX_PENDING = 1024
 
 
-def _head_rows(fb: ForwardBatch) -> native.AttnRows:
-    """The key rows of a head forward: `native.extend_rows` over the committed positions; for
-    a draft step, `native.masked_rows`, but where every request forwards one beam that sees
-    every node drafted so far (a chain), each reads its own row of the slot table (its nodes
-    are written there), as a decode does, without a table of its own."""
-    masks = fb.custom_masks
-    if masks is None:
-        return native.extend_rows(fb)
-    if all(m.shape[0] == 1 and bool(m.all()) for m in masks):
-        widths = torch.tensor([m.shape[1] for m in masks], dtype=torch.long)
-        return native.AttnRows(fb.req_to_token, fb.req_pool_indices, fb.prefix_lens + widths)
-    return native.masked_rows(fb)
-
-
 @dataclass
 class EagleState:
     """What the head's last extend left for the next tree: candidates for the token after
@@ -175,7 +161,8 @@ class EagleDrafter:
         native_head = self.native
         if native_head is not None and native_head.fused_ptrs is not None:
             self.num_forwards += 1
-            attn = _head_rows(fb)
+            attn = native.masked_rows(fb) if fb.custom_masks is not None else (
+                native.extend_rows(fb))
             rows = (torch.arange(fb.num_tokens, dtype=torch.long) if logit_rows is None
                     else logit_rows)
             emb = self.runner.model.model.embed_tokens

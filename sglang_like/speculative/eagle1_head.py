@@ -124,8 +124,6 @@ class Eagle1Head(nn.Module):
     """The head's weights and its math in the pieces the drafter runs (eagle.py), as
     `Eagle3Head`'s: `project`, `attention_inputs`, `finish`, `logits`, `to_target_ids`."""
 
-    kind = "eagle"
-
     def __init__(self, config: Eagle1Config) -> None:
         super().__init__()
         self.config = config

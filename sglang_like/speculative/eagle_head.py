@@ -131,8 +131,6 @@ class Eagle3Head(nn.Module):
     draft KV pool, `sglang_like.speculative.eagle`) and training (dense attention with the
     training-time-test unroll, `sglang_like.speculative.train_eagle`)."""
 
-    kind = "eagle3"
-
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()
         self.config = config

@@ -58,7 +58,7 @@ class NativeEagleHead:
         self.w_post = layer.post_attention_layernorm.weight.detach().float().contiguous()
         self.w_norm = head.norm.weight.detach().float().contiguous()
         self.intermediate_size = c.intermediate_size
-        self.draft_vocab = head.lm_head.weight.shape[0]
+        self.draft_vocab = c.draft_vocab_size
         # every linear x16-packed int4 without bias (and a head size the attention kernel
         # takes): the whole forward is one call (`run`, eagle_head.c; the second table without
         # fc, for the head's own outputs); else the single ops of `forward` and `logits`
