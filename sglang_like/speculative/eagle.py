@@ -101,6 +101,11 @@ class EagleDrafter:
             self.head.target_lm_head = runner.model.lm_head
         else:
             aux = tuple(hc.aux_layer_ids) or runner.model.default_aux_layers()
+            if len(aux) != 3 or not all(0 <= i < tc.num_hidden_layers for i in aux):
+                raise ValueError(
+                    f"draft head {spec.draft_model_path!r}: eagle_aux_hidden_state_layer_ids "
+                    f"{list(aux)} (as layer inputs) are not three layers of this "
+                    f"{tc.num_hidden_layers}-layer target")
         runner.aux_layers = aux
         self.pool = KVPool(runner.kv_pool.num_slots, 1, hc.num_key_value_heads, hc.head_dim,
                            torch.float32, runner.device)

@@ -47,7 +47,8 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
-    aux_layer_ids: list[int] = field(default_factory=list)  # target layers whose input is fed
+    # target layers whose input (the residual stream entering them) is fed; [] = the default
+    aux_layer_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -72,7 +73,7 @@ class Eagle3Config:
             head_dim=raw.get("head_dim") or 0, rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
             rope_theta=raw.get("rope_theta", 10000.0),
             max_position_embeddings=raw.get("max_position_embeddings", 8192),
-            aux_layer_ids=list(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
+            aux_layer_ids=capture_layer_ids(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -81,8 +82,23 @@ class Eagle3Config:
         d |= {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
               "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float16"}
         if aux:
+            if aux[0] == 1:
+                raise ValueError("aux layer ids starting at layer 1's input cannot be written: "
+                                 "a first id of 1 is read as the first layer's output")
             d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
         return d
+
+
+def capture_layer_ids(ids: list[int]) -> list[int]:
+    """config.json's `eagle_aux_hidden_state_layer_ids` as the target layers whose input is
+    captured. Heads ship two conventions, told apart by the first id as SGLang's loader does:
+    "the output of layer X" starts at 1 (the first block's output; the embedding is never a
+    feature) and means the input of layer X + 1, e.g. [1, 15, 28] for a 32-layer target;
+    "the input of layer X" (SGLang's default [2, L/2, L-3], vLLM's reading, ours) starts
+    anywhere else. Read the first way with no offset, a head gets the features of the
+    layer below the ones it was trained on."""
+    ids = [int(i) for i in ids]
+    return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
 
 
 class _RMSNorm(nn.Module):

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import regex
@@ -674,6 +675,54 @@ def test_head_round_trips_in_sglang_layout(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["Other"]}))
     with pytest.raises(ValueError, match="EAGLE-3"):
         load_eagle3_head(str(tmp_path))
+
+
+def test_aux_layer_ids_are_read_in_both_conventions_heads_ship(make_engine, tmp_path) -> None:
+    """`eagle_aux_hidden_state_layer_ids` as SGLang reads it: ids starting at 1 are layer
+    outputs (SpecForge-style [1, 14, 26] is the input of layers 2, 15, 27), others layer
+    inputs (ours, [2, 15, 27]). The shipped head with its ids written the other way reads the
+    same three layers; ids that are not three layers of the target are refused."""
+    import shutil
+
+    from sglang_like.speculative import DEFAULT_HEAD
+    from sglang_like.speculative.eagle_head import capture_layer_ids
+
+    assert capture_layer_ids([1, 14, 26]) == [2, 15, 27]
+    assert capture_layer_ids([2, 15, 27]) == [2, 15, 27]
+    assert capture_layer_ids([0, 1, 1]) == [0, 1, 1]
+    assert capture_layer_ids([]) == []
+    config = _tiny_head_config()
+    config.aux_layer_ids = [1, 2, 3]  # layer 1's input: no way to write it that reads back
+    with pytest.raises(ValueError, match="layer 1"):
+        config.to_json()
+    shipped = json.loads((Path(DEFAULT_HEAD) / "config.json").read_text())
+    assert shipped["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+
+    def head_with(ids: list[int], name: str) -> str:
+        folder = tmp_path / name
+        shutil.copytree(DEFAULT_HEAD, folder)
+        cfg = dict(shipped, eagle_config={"eagle_aux_hidden_state_layer_ids": ids})
+        (folder / "config.json").write_text(json.dumps(cfg))
+        return str(folder)
+
+    prompts = HELD_OUT[:4]
+    runs = {}
+    for name, path in (("shipped", DEFAULT_HEAD), ("output-ids", head_with([1, 14, 26], "o"))):
+        engine = make_engine(speculative_algorithm="EAGLE3", speculative_auto_disable=False,
+                             speculative_draft_model_path=path, quantization=SPEC_QUANT)
+        assert engine._client.core.runner.aux_layers == (2, 15, 27), name
+        chat = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in prompts]
+        outs = engine.generate(chat, {"max_new_tokens": 32, "temperature": 0})
+        runs[name] = [o["output_ids"] for o in outs]
+        # the head drafts from these features: it commits more than a token per verify
+        # (how many nodes a verify keeps depends on measured step times, so not exact)
+        tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        assert tokens > 1.2 * sum(o["meta_info"]["spec_verify_ct"] for o in outs), name
+        engine.shutdown()
+    assert runs["output-ids"] == runs["shipped"]
+    with pytest.raises(ValueError, match="not three layers"):
+        make_engine(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_with(
+            [2, 15, 30], "past-the-end"))
 
 
 def test_eagle1_head_round_trips_in_sglang_layout(tmp_path) -> None:
