@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope theta, rope scaling or None) of a Hugging Face config.json."""
     # transformers >= 5 writes rope settings under "rope_parameters"; older versions flat.
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
@@ -63,7 +64,7 @@ def hf_model_config(
         raise ValueError(f"model_type {model_type!r} unsupported (want {SUPPORTED_MODEL_TYPES})")
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    theta, scaling = _rope(cfg)
+    theta, scaling = rope_settings(cfg)
     bos = cfg.get("bos_token_id")
     return ModelConfig(
         architecture=model_type,

@@ -110,7 +110,7 @@ class EagleDrafter:
         self.pool = KVPool(runner.kv_pool.num_slots, 1, hc.num_key_value_heads, hc.head_dim,
                            torch.float32, runner.device)
         context = runner.req_to_token_pool.req_to_token.shape[1]
-        self.rope = RotaryEmbedding(hc.head_dim, context + 1, hc.rope_theta, None,
+        self.rope = RotaryEmbedding(hc.head_dim, context + 1, hc.rope_theta, hc.rope_scaling,
                                     runner.device)
         self.sm_scale = hc.head_dim ** -0.5
         self.num_forwards = 0

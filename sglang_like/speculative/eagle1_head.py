@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang_like.model_loader.hf_loader import rope_settings
 from sglang_like.speculative.eagle_head import _MLP, _RMSNorm, load_head_state, read_head_tensors
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -54,6 +55,7 @@ class Eagle1Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -79,13 +81,14 @@ class Eagle1Config:
         if hot and hot != raw["vocab_size"]:
             raise ValueError(f"an EAGLE-2 head with a reduced vocabulary (hot_vocab_size {hot})"
                              " needs SGLang's token map, which is not supported")
+        theta, scaling = rope_settings(raw)
         return cls(
             hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
             num_attention_heads=raw["num_attention_heads"],
             num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
             vocab_size=raw["vocab_size"], head_dim=raw.get("head_dim") or 0,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=raw.get("rope_theta", 10000.0),
+            rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 8192),
             attention_bias=bool(raw.get("attention_bias", False)))
 
@@ -95,7 +98,8 @@ class Eagle1Config:
                 "num_attention_heads": self.num_attention_heads,
                 "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
                 "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
-                "rope_theta": self.rope_theta, "hidden_act": "silu",
+                "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+                "hidden_act": "silu",
                 "max_position_embeddings": self.max_position_embeddings,
                 "attention_bias": self.attention_bias, "tie_word_embeddings": False,
                 "torch_dtype": "float16"}

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang_like.model_loader.hf_loader import rope_settings
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
@@ -47,6 +49,7 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    rope_scaling: dict[str, Any] | None = None  # as the target's (e.g. Llama 3.1's "llama3")
     # target layers whose input (the residual stream entering them) is fed; [] = the default
     aux_layer_ids: list[int] = field(default_factory=list)
 
@@ -63,6 +66,8 @@ class Eagle3Config:
         if raw.get("num_hidden_layers", 1) != 1:
             raise ValueError("only single-layer EAGLE-3 heads are supported")
         eagle = raw.get("eagle_config") or {}
+        refuse_variants(raw, eagle)
+        theta, scaling = rope_settings(raw)
         return cls(
             hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
             num_attention_heads=raw["num_attention_heads"],
@@ -71,7 +76,7 @@ class Eagle3Config:
             draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
             target_hidden_size=raw.get("target_hidden_size") or raw["hidden_size"],
             head_dim=raw.get("head_dim") or 0, rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=raw.get("rope_theta", 10000.0),
+            rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 8192),
             aux_layer_ids=capture_layer_ids(eagle.get("eagle_aux_hidden_state_layer_ids") or []),
         )
@@ -87,6 +92,26 @@ class Eagle3Config:
                                  "a first id of 1 is read as the first layer's output")
             d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
         return d
+
+
+# config.json switches of SGLang's `LlamaForCausalLMEagle3` for head variants this runtime
+# does not run: loaded without them, such a head would draft from other inputs than it was
+# trained on, silently (a bias on fc, an RMSNorm over the concatenated features or over each
+# of them before fc, the normed output as the next step's feature)
+_VARIANTS = ("bias", "norm_before_fc", "fc_norm", "use_aux_norm", "norm_output")
+
+
+def refuse_variants(raw: dict[str, Any], eagle: dict[str, Any]) -> None:
+    """A ValueError naming the first switch of `_VARIANTS` a head's config turns on, or a
+    feature count other than three."""
+    for key in _VARIANTS:
+        if eagle.get(key, raw.get(key)):
+            raise ValueError(f"EAGLE-3 head variant {key!r} is not supported (the head would "
+                             "run without it and draft from other inputs than it learned)")
+    count = raw.get("num_aux_hidden_states")
+    if count is not None and count != 3:
+        raise ValueError(f"EAGLE-3 heads over {count} target features are not supported "
+                         "(three: low, middle, high)")
 
 
 def capture_layer_ids(ids: list[int]) -> list[int]:

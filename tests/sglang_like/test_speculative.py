@@ -725,6 +725,47 @@ def test_aux_layer_ids_are_read_in_both_conventions_heads_ship(make_engine, tmp_
             [2, 15, 30], "past-the-end"))
 
 
+def test_head_rope_settings_and_unsupported_variants(make_engine, tmp_path) -> None:
+    """A head's RoPE as its config.json gives it, in either spelling transformers writes
+    (Llama 3.1's "llama3" scaling under rope_parameters here), reaches the drafter's tables;
+    the switches of SGLang's head variants this runtime does not run are refused by name."""
+    from sglang_like.models.rotary import RotaryEmbedding
+
+    folder = _random_head(str(tmp_path / "head"), 49152, 576, 30)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config.pop("rope_theta")
+    (Path(folder) / "config.json").write_text(json.dumps(
+        config | {"rope_parameters": {"rope_theta": 500000.0, **scaling}}))
+    head = load_eagle3_head(folder)
+    assert head.config.rope_theta == 500000.0 and head.config.rope_scaling == scaling
+    engine = make_engine(speculative_algorithm="EAGLE3", speculative_draft_model_path=folder,
+                         quantization=SPEC_QUANT)
+    drafter = engine._client.core.scheduler.drafter
+    rows = drafter.rope.cos_table.shape[0]
+    d = head.config.head_dim
+    want = RotaryEmbedding(d, rows, 500000.0, scaling, "cpu").cos_table
+    plain = RotaryEmbedding(d, rows, 500000.0, None, "cpu").cos_table
+    assert torch.equal(drafter.rope.cos_table, want) and not torch.equal(want, plain)
+    assert len(engine.generate("Hi", {"max_new_tokens": 4, "temperature": 0})["output_ids"]) == 4
+    engine.shutdown()
+    for key, where in (("bias", "top"), ("norm_before_fc", "eagle_config"),
+                       ("norm_before_fc", "top"), ("fc_norm", "top"), ("use_aux_norm", "top"),
+                       ("norm_output", "top")):
+        variant = dict(config)
+        if where == "top":
+            variant[key] = True
+        else:
+            variant["eagle_config"] = {**config["eagle_config"], key: True}
+        (Path(folder) / "config.json").write_text(json.dumps(variant))
+        with pytest.raises(ValueError, match=key):
+            load_eagle3_head(folder)
+    (Path(folder) / "config.json").write_text(json.dumps(config | {"num_aux_hidden_states": 4}))
+    with pytest.raises(ValueError, match="4 target features"):
+        load_eagle3_head(folder)
+
+
 def test_eagle1_head_round_trips_in_sglang_layout(tmp_path) -> None:
     """SGLang's `LlamaForCausalLMEagle` checkpoint names (the EAGLE repository's: no `model.`
     prefix, fc with a bias, no input norm on the layer); a `model.` prefix and the extra
