@@ -21,3 +21,32 @@ def test_x_off_is_the_median_of_each_rounds_ratio_not_the_ratio_of_medians():
 def test_without_off_no_ratio():
     cell = summarize_cells({"chat/b8": {"NGRAM": [_r(10.0), _r(30.0), _r(20.0)]}})["chat/b8"]
     assert cell["NGRAM"]["tok_s"] == 20.0 and "x_off" not in cell["NGRAM"]
+
+
+def _learning_curve():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "scripts" / "bench_head_learning_curve.py"
+    spec = importlib.util.spec_from_file_location("bench_head_learning_curve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_learning_curve_counts_a_heads_whole_lineage_and_fits_over_log_data():
+    import math
+    import pathlib
+
+    from sglang_like.speculative import DEFAULT_HEAD
+
+    lc = _learning_curve()
+    card = "- Data: ...\n  318159 answer tokens, 462842 tokens in all.\n## Earlier training\n" \
+           "  866681 tokens in all.\n### Earlier\n  870721 tokens in all.\n"
+    assert lc.lineage_tokens(card) == 462842 + 866681 + 870721
+    # the shipped head's card lists every run of its lineage
+    shipped = (pathlib.Path(DEFAULT_HEAD) / "README.md").read_text()
+    assert lc.lineage_tokens(shipped) > 2_000_000
+    slope, icpt = lc.fit_line([5.0, 6.0, 7.0], [1.2, 1.4, 1.6])
+    assert math.isclose(slope, 0.2) and math.isclose(icpt, 0.2)
+    assert lc.fit_line([6.0], [1.5]) is None and lc.fit_line([6.0, 6.0], [1.4, 1.5]) is None
