@@ -1420,8 +1420,8 @@ HELD_OUT = [  # written for this test; the head trained on conversations the mod
     "What is the difference between a lake and a sea?",
 ]
 # Measured with the committed head (greedy, 64 new tokens, every step drafting a 3-token
-# chain): 1.59 tokens per verify on a 2-core AMD EPYC, where the head it was continued from
-# measured 1.50 and that one's predecessor 1.45 (on an Intel Xeon 1.48 and 1.42, the one
+# chain): 1.61 tokens per verify on a 2-core AMD EPYC, where the heads it was continued from
+# measured 1.59, 1.50 and 1.45 (on an Intel Xeon the last two 1.48 and 1.42, the one
 # before those, trained on 1/17 of the data, 1.31); a random head gives 1.00. The floor is
 # that less a margin for another CPU's rounding in a different batch (or torch's head path
 # where the native kernels are not built): it catches a broken, untrained or much weaker
