@@ -221,8 +221,7 @@ class LoadMix:
 
     async def _generate(self, rng: random.Random, seq: int,
                         max_new_tokens: int | None = None) -> Outcome:
-        prompt = self._prompt(rng)
-        body = {"text": prompt, "sampling_params": {
+        body = {"text": self._prompt(rng), "sampling_params": {
             "temperature": 0, "max_new_tokens": max_new_tokens or rng.randint(1, 8)}}
         return self._native_outcome(*await self._post("/generate", body))
 

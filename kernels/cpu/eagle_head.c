@@ -86,9 +86,10 @@ static inline void quantize(int8_t *q, float *e, float *S, const float *x, int64
 // 32 columns (GGUF Q8_0's blocks), rows [*, H] and scales [*, H/32], or with embed_x16 in
 // q8_rows.c's layout (codes [*/16, H/32, 8, 16, 4], scales [*/16, H/32, 16]); with
 // embed_codes NULL, embeds [T, H] float32 given. features [T, F] float32: the target's
-// features when ptrs[E_FC] is set, else the head's own outputs (F == H). Each query row t stores its k/v at out_slots[t] (position
-// positions[t]) and attends to the first seq_lens[t] slots of table[rows[t]]. out [T, H]: the
-// layer's output (the next draft step's feature). For rows logit_rows[j] of out, the top
+// features when ptrs[E_FC] is set, else the head's own outputs (F == H). Each query row t
+// stores its k/v at out_slots[t] (position positions[t]) and attends to the first
+// seq_lens[t] slots of table[rows[t]]. out [T, H]: the layer's output (the next draft step's
+// feature). For rows logit_rows[j] of out, the top
 // `topk` of the draft vocabulary's log-softmax, largest first (the first index among equals):
 // top_lp [n_logits, topk], top_ids [n_logits, topk] as target ids (draft id d is d + d2t[d]).
 // Returns 0; -1 when scratch memory could not be allocated; -2 for shapes the kernels do not
@@ -96,8 +97,8 @@ static inline void quantize(int8_t *q, float *e, float *S, const float *x, int64
 int eagle_head_x16(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I,
                    int64_t V, int64_t F, const float *embeds, const int8_t *embed_codes,
                    const float *embed_scale, int embed_x16, const int64_t *ids,
-                   const float *features,
-                   const int64_t *ptrs, float eps, const float *cos_tab, const float *sin_tab,
+                   const float *features, const int64_t *ptrs, float eps,
+                   const float *cos_tab, const float *sin_tab,
                    const int64_t *positions, const int64_t *out_slots, void *k_pool,
                    void *v_pool, int pool_bf16, const int32_t *table, int64_t ld_table,
                    const int64_t *rows, const int64_t *seq_lens, float sm_scale, float *out,

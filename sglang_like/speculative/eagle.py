@@ -51,6 +51,12 @@ if TYPE_CHECKING:
 _MAX_PENDING = 1024
 
 
+def _head_rows(fb: ForwardBatch) -> native.AttnRows:
+    """The key rows of a head forward: a draft step's under its masks, an extend over the
+    committed positions otherwise."""
+    return native.masked_rows(fb) if fb.custom_masks is not None else native.extend_rows(fb)
+
+
 @dataclass
 class EagleState:
     """What the head's last extend left for the next tree: candidates for the token after
@@ -141,8 +147,7 @@ class EagleDrafter:
         k_pool, v_pool = self.pool.k_buffers[0], self.pool.v_buffers[0]
         self.num_forwards += 1
         if self.native is not None:
-            attn = native.masked_rows(fb) if fb.custom_masks is not None else (
-                native.extend_rows(fb))
+            attn = _head_rows(fb)
             return self.native.forward(self._embed(fb.input_ids),
                                        self.native.project(features), fb.positions,
                                        fb.out_slots, attn, k_pool, v_pool)
@@ -166,8 +171,7 @@ class EagleDrafter:
         native_head = self.native
         if native_head is not None and native_head.fused_ptrs is not None:
             self.num_forwards += 1
-            attn = native.masked_rows(fb) if fb.custom_masks is not None else (
-                native.extend_rows(fb))
+            attn = _head_rows(fb)
             rows = (torch.arange(fb.num_tokens, dtype=torch.long) if logit_rows is None
                     else logit_rows)
             emb = self.runner.model.model.embed_tokens
