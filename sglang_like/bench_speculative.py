@@ -33,8 +33,10 @@ from sglang_like.speculative import DEFAULT_HEAD
 CONFIGS = {
     "off": {},
     "NGRAM": {"speculative_algorithm": "NGRAM"},
-    "EAGLE3": {"speculative_algorithm": "EAGLE3"},
+    "EAGLE3": {"speculative_algorithm": "EAGLE3"},  # with NGRAM's branch grafted on (default)
+    "EAGLE3-head": {"speculative_algorithm": "EAGLE3", "speculative_eagle_ngram_branch": False},
 }
+DEFAULT_CONFIGS = ["off", "NGRAM", "EAGLE3"]
 
 _DOC = (
     "Invoice INV-2291 was issued on 14 March 2024 by Northwind Traders, 1200 Harbor Road, "
@@ -199,20 +201,31 @@ def _engine_kwargs(name: str, args: argparse.Namespace) -> dict:
               quantization=args.quantization)
     if name != "off" and args.always_speculate:
         kw["speculative_auto_disable"] = False
-    if name == "EAGLE3" and args.draft_model_path:
+    if name.startswith("EAGLE3") and args.draft_model_path:
         kw["speculative_draft_model_path"] = args.draft_model_path
-    if name == "EAGLE3":
+    if name.startswith("EAGLE3"):
         for key in ("num_steps", "eagle_topk", "num_draft_tokens"):
             if getattr(args, key) is not None:
                 kw[f"speculative_{key}"] = getattr(args, key)
+    if name == "NGRAM":
+        for key, arg in (("num_draft_tokens", "ngram_draft_tokens"),
+                         ("ngram_max_bfs_breadth", "ngram_breadth")):
+            if getattr(args, arg, None) is not None:
+                kw[f"speculative_{key}"] = getattr(args, arg)
     return kw
+
+
+def _width(name: str) -> int:
+    """A config's tok/s column: its header and a space."""
+    return max(14, len(name) + 7)
 
 
 def print_table(report: dict) -> None:
     names = report["args"]["configs"]
     head = f"{'workload':<12}{'batch':>6}"
     for n in names:
-        head += f"{n + ' tok/s':>14}" + ("" if n == "off" else f"{'x off':>7}{'accept':>8}")
+        head += f"{n + ' tok/s':>{_width(n)}}"
+        head += "" if n == "off" else f"{'x off':>7}{'accept':>8}"
     print(head)
     for cell, row in report["cells"].items():
         w, b = cell.split("/b")
@@ -221,9 +234,9 @@ def print_table(report: dict) -> None:
         for n in names:
             r = row.get(n)
             if r is None:
-                line += f"{'-':>14}" + ("" if n == "off" else f"{'-':>7}{'-':>8}")
+                line += f"{'-':>{_width(n)}}" + ("" if n == "off" else f"{'-':>7}{'-':>8}")
                 continue
-            line += f"{r['tok_s']:>14.1f}"
+            line += f"{r['tok_s']:>{_width(n)}.1f}"
             if n != "off":
                 ratio = f"{r['x_off']:.2f}" if r.get("x_off") is not None else (
                     f"{r['tok_s'] / base:.2f}" if base else "-")
@@ -260,7 +273,8 @@ def draw_histogram(report: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sglang_like.bench_speculative",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS),
+                   help="EAGLE3-head: the head's drafts alone (no NGRAM branch)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--prompts", type=int, default=4, help="prompts per workload")
@@ -274,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="EAGLE3 --speculative-num-steps (default: the engine's)")
     p.add_argument("--eagle-topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--ngram-draft-tokens", type=int, default=None,
+                   help="NGRAM --speculative-num-draft-tokens (default: the engine's)")
+    p.add_argument("--ngram-breadth", type=int, default=None,
+                   help="NGRAM --speculative-ngram-max-bfs-breadth (default: the engine's)")
     p.add_argument("--always-speculate", action="store_true",
                    help="turn the controller off: speculate wherever a draft exists")
     p.add_argument("--out-dir", default="bench_results")

@@ -106,6 +106,8 @@ class ServerArgs:
     # tokens of finished requests' text that NGRAM also drafts from (0: a request's own only)
     speculative_ngram_capacity: int = 32768
     speculative_auto_disable: bool = True  # turn off per request/batch where it does not pay
+    # EAGLE/EAGLE3: graft NGRAM's continuation (same knobs) onto the head's tree each step
+    speculative_eagle_ngram_branch: bool = True
     # The engine core (scheduler, model runner) runs in a process of its own; True: on a thread
     # of the caller's process instead (tests that look inside the scheduler; debugging)
     engine_in_process: bool = False

@@ -119,6 +119,11 @@ def add_speculative_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None
     p.add_argument("--disable-speculative-auto-disable", dest="speculative_auto_disable",
                    action="store_false", default=d.speculative_auto_disable,
                    help="speculate on every step, even where it measured as not paying")
+    p.add_argument("--disable-speculative-eagle-ngram-branch",
+                   dest="speculative_eagle_ngram_branch", action="store_false",
+                   default=d.speculative_eagle_ngram_branch,
+                   help="EAGLE/EAGLE3: draft from the head alone (by default NGRAM's "
+                        "continuation of the request's text is a branch of the head's tree)")
 
 
 def add_scale_out_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:

@@ -59,6 +59,8 @@ class SpecConfig:
     ngram_breadth: int
     auto_disable: bool
     ngram_capacity: int = 0  # tokens of finished requests' text kept for lookups
+    # EAGLE/EAGLE3: NGRAM's continuation grafted onto the head's tree (eagle.py)
+    ngram_branch: bool = False
 
     @property
     def is_eagle(self) -> bool:
@@ -115,4 +117,5 @@ def resolve_spec_config(sa: ServerArgs, default_model: bool) -> SpecConfig | Non
                       sa.speculative_ngram_min_match_window_size,
                       sa.speculative_ngram_max_match_window_size,
                       sa.speculative_ngram_max_bfs_breadth, sa.speculative_auto_disable,
-                      sa.speculative_ngram_capacity)
+                      sa.speculative_ngram_capacity,
+                      algo != "NGRAM" and sa.speculative_eagle_ngram_branch)

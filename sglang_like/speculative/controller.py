@@ -225,29 +225,54 @@ class SpecController:
         near = min(self.drafting, key=lambda k: abs(k - b))
         return self.drafting[near] * b / near
 
-    def record_verify(self, state: SpecState, committed: int, tree: DraftTree) -> None:
-        """A verify of `tree` committed `committed` tokens (its root's bonus included)."""
+    def record_verify(self, state: SpecState, committed: int, tree: DraftTree,
+                      path: list[int] | None = None) -> None:
+        """A verify of `tree` committed `committed` tokens (its root's bonus included):
+        `path`, the nodes committed (root first), is needed for a grafted tree
+        (`DraftTree.copied`), whose two drafters are measured each on its own nodes."""
+        if tree.copied is not None:
+            if path is None:
+                raise ValueError("a grafted tree's verify needs the nodes it committed")
+            took = path[1:]
+            copies = [d for d, c in zip(tree.depth, tree.copied, strict=True) if c]
+            if copies:  # the cheap drafter's drafts are a subtree: those taken, a prefix
+                self._record_evidence(state, tree.evidence,
+                                      1 + sum(tree.copied[j] for j in took), max(copies))
+            predicted = sum(tree.probs[1:]) if tree.probs is not None else 0.0
+            if predicted > 0.0:
+                self._record_calibration(sum(tree.probs[j] > 0.0 for j in took), predicted)
+            return
         if tree.evidence is not None:
-            key = _evidence_key(tree.evidence, state.copying)
-            state.copying = committed > 1
-            depth = tree.max_depth
-            tried = self.depth_tried.setdefault(key, [])
-            accepted = self.depth_accepted.setdefault(key, [])
-            for counts in (tried, accepted):
-                counts.extend([0.0] * (depth - len(counts)))
-                counts[:] = [c * _RATE_DECAY for c in counts]
-            # drafts at depths 1 .. committed - 1 were accepted; the next depth (if drafted)
-            # was tried and turned down; deeper ones were not tried
-            for d in range(min(committed, depth + 1) - 1):
-                tried[d] += 1.0
-                accepted[d] += 1.0
-            if committed <= depth:
-                tried[committed - 1] += 1.0
-            self.evidence_step[key] = self.step
+            self._record_evidence(state, tree.evidence, committed, tree.max_depth)
         if tree.probs is not None:
-            w = _CALIBRATION_EMA
-            self.drafts_accepted = (1 - w) * self.drafts_accepted + w * (committed - 1)
-            self.drafts_predicted = (1 - w) * self.drafts_predicted + w * sum(tree.probs[1:])
+            self._record_calibration(committed - 1, sum(tree.probs[1:]))
+
+    def _record_evidence(self, state: SpecState, evidence: int | None, committed: int,
+                         depth: int) -> None:
+        """A cheap drafter's tree of `evidence` and `depth` committed `committed` of its
+        drafts' tokens, root's included (see _PRIOR_RATE)."""
+        key = _evidence_key(evidence or 0, state.copying)
+        state.copying = committed > 1
+        tried = self.depth_tried.setdefault(key, [])
+        accepted = self.depth_accepted.setdefault(key, [])
+        for counts in (tried, accepted):
+            counts.extend([0.0] * (depth - len(counts)))
+            counts[:] = [c * _RATE_DECAY for c in counts]
+        # drafts at depths 1 .. committed - 1 were accepted; the next depth (if drafted)
+        # was tried and turned down; deeper ones were not tried
+        for d in range(min(committed, depth + 1) - 1):
+            tried[d] += 1.0
+            accepted[d] += 1.0
+        if committed <= depth:
+            tried[committed - 1] += 1.0
+        self.evidence_step[key] = self.step
+
+    def _record_calibration(self, accepted: float, predicted: float) -> None:
+        """A confident drafter's verify: `accepted` of its drafts taken, where the head's
+        probabilities of the nodes verified summed to `predicted`."""
+        w = _CALIBRATION_EMA
+        self.drafts_accepted = (1 - w) * self.drafts_accepted + w * accepted
+        self.drafts_predicted = (1 - w) * self.drafts_predicted + w * predicted
 
     @property
     def draft_calibration(self) -> float:
@@ -405,6 +430,12 @@ class SpecController:
             rates.append(prior)
         return rates
 
+    def copy_node_probs(self, tree: DraftTree, state: SpecState) -> list[float]:
+        """A cheap drafter's tree's nodes' chances (`_cheap_node_probs`) for `state`'s
+        request, priced by its evidence: to graft it onto a confident drafter's tree."""
+        key = None if tree.evidence is None else _evidence_key(tree.evidence, state.copying)
+        return self._cheap_node_probs(tree, key)
+
     def _cheap_node_probs(self, tree: DraftTree, key: tuple[int, bool] | None
                           ) -> list[float]:
         """A cheap drafter's nodes' chances of being accepted: the product of the depth rates
@@ -490,8 +521,10 @@ class SpecController:
         if c_base is None:
             return [1] * len(trees), True  # measure the plain step once, to compare
         calib = self.draft_calibration
-        # a drafter that gives no probabilities: each node is expected to commit half a token
-        node_probs = [[calib * p for p in (t.probs or [0.5] * t.num_nodes)] for t in trees]
+        # a drafter that gives no probabilities: each node is expected to commit half a token;
+        # a grafted tree's nodes come priced (`with_copies`)
+        node_probs = [t.expected if t.expected is not None
+                      else [calib * p for p in (t.probs or [0.5] * t.num_nodes)] for t in trees]
         counts, best_rate = self._most_tokens_per_second(base_rows, node_probs)
         if best_rate == 0.0:
             return counts, False
@@ -517,13 +550,20 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     cheap = getattr(sched.drafter, "drafts_cheaply", False)
     if cheap and ctl.rows_never_pay(len(decoders)):
         return {}
-    eligible, depths = [], []
+    # a confident drafter with a cheap one grafted on (EAGLE's NGRAM branch) drafts its
+    # cheap trees for the requests its head is paused for too: the pause is the head's
+    copies_always = getattr(sched.drafter, "copier", None) is not None
+    eligible, depths, heads = [], [], set()
     for req in decoders:
         depth = min(req.sampling_params.max_new_tokens - len(req.output_ids),
                     sched.config.context_len - req.seq_len) - 1
-        if req.is_decoding and depth >= 1 and ctl.may_draft(req.spec):
-            eligible.append(req)
-            depths.append(depth)
+        if req.is_decoding and depth >= 1:
+            head = ctl.may_draft(req.spec)
+            if head or copies_always:
+                eligible.append(req)
+                depths.append(depth)
+                if head:
+                    heads.add(id(req))
     if not eligible:
         return {}
     if cheap:
@@ -552,7 +592,8 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
         for (req, tree), n in zip(pairs, counts, strict=True):
             # its drafting is spent: verify what is worth its rows, but pause a request
             # whose drafting keeps not paying for itself
-            ctl.record_drafted(req.spec, n > 1 and pays, pays)
+            if id(req) in heads:
+                ctl.record_drafted(req.spec, n > 1 and pays, pays)
             if n > 1:
                 trees[id(req)] = tree.first(n)
     extra = sum(t.num_nodes - 1 for t in trees.values())

@@ -11,6 +11,13 @@ KV. The head's K/V live in their own one-layer pool addressed by the same slot i
 target's, so a radix hit hands the draft its prefix too (only committed tokens are ever
 written there by an extend). Draft steps write their nodes' K/V into scratch slots that are
 allocated and freed within `propose`.
+
+Copies. Unless turned off (`--disable-speculative-eagle-ngram-branch`), each request's tree
+also gets NGRAM's continuation of its text (its own, or a recent request's) as a branch,
+priced by what such continuations committed (`tree.with_copies`): where a request copies
+(extraction, editing) a copied span's tokens after its first are what a one-layer head
+guesses worst and a lookup best. The head runs over whatever the verify commits, so it
+drafts on from a copied span as from its own.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from sglang_like.quant.int8 import Int8EmbeddingMethod
 from sglang_like.speculative.eagle1_head import Eagle1Head
 from sglang_like.speculative.eagle_head import Eagle3Head, load_draft_head
 from sglang_like.speculative.eagle_native import NativeEagleHead
-from sglang_like.speculative.tree import DraftTree
+from sglang_like.speculative.ngram import NgramDrafter
+from sglang_like.speculative.tree import DraftTree, with_copies
 
 if TYPE_CHECKING:
     from sglang_like.model_runner import ModelRunner
@@ -49,6 +57,9 @@ if TYPE_CHECKING:
 # step) and the head's K/V keep a hole there (its drafts then miss more often; outputs never
 # change).
 _MAX_PENDING = 1024
+
+# the deepest a grafted NGRAM branch goes (NGRAM's own default: 5 drafts)
+_COPY_DEPTH = 5
 
 
 def _head_rows(fb: ForwardBatch) -> native.AttnRows:
@@ -120,6 +131,9 @@ class EagleDrafter:
                                     runner.device)
         self.sm_scale = hc.head_dim ** -0.5
         self.num_forwards = 0
+        self.copier = (NgramDrafter(_COPY_DEPTH + 1, spec.ngram_min_window, spec.ngram_max_window,
+                                    spec.ngram_breadth, spec.ngram_capacity)
+                       if spec.ngram_branch else None)
         # where the target runs natively (quantized, CPU kernels built), the head does too
         self.native = (NativeEagleHead(self.head, runner.quant, self.rope.cos_table,
                                        self.rope.sin_table)
@@ -135,6 +149,14 @@ class EagleDrafter:
             and emb.weight.is_contiguous() and emb.block_scale.is_contiguous()
             and emb.block_scale.shape[1 if emb.weight.dim() == 5 else -1] * 32
             == runner.model_config.hidden_size)
+
+    def finished(self, req: Req) -> None:
+        if self.copier is not None:
+            self.copier.finished(req)
+
+    def flush(self) -> None:
+        if self.copier is not None:
+            self.copier.flush()
 
     # ---- the head over the pool ----------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -299,12 +321,25 @@ class EagleDrafter:
     # ---- a tree per request ---------------------------------------------------------------
     def propose(self, reqs: list[Req], max_depths: list[int], sched: Scheduler
                 ) -> list[DraftTree | None]:
-        spec = self.spec
         trees: list[DraftTree | None] = [None] * len(reqs)
         live = [i for i, r in enumerate(reqs)
                 if r.spec.eagle is not None and r.spec.eagle.position == r.kv_len - 1]
-        if not live:
-            return trees
+        if live:
+            self._draft_trees(reqs, max_depths, sched, live, trees)
+        if self.copier is not None:
+            ctl = sched.spec_controller
+            calibration = ctl.draft_calibration
+            for i, req in enumerate(reqs):
+                copies = self.copier.propose_one(req, min(_COPY_DEPTH, max_depths[i]))
+                if copies is not None:
+                    trees[i] = with_copies(trees[i], copies.tokens[0], copies,
+                                           ctl.copy_node_probs(copies, req.spec), calibration)
+        return trees
+
+    def _draft_trees(self, reqs: list[Req], max_depths: list[int], sched: Scheduler,
+                     live: list[int], trees: list[DraftTree | None]) -> None:
+        """The head's trees of the `live` requests (those with candidates) into `trees`."""
+        spec = self.spec
         nodes: dict[int, list[_Node]] = {}
         beams: dict[int, list[int]] = {}
         for i in live:
@@ -335,7 +370,6 @@ class EagleDrafter:
             trees[i] = self._select(reqs[i], nodes[i], min(spec.num_draft_tokens,
                                                            1 + spec.eagle_topk * depth_cap[i]),
                                     depth_cap[i])
-        return trees
 
     def _draft_step(self, reqs: list[Req], step: list[int], nodes: dict[int, list[_Node]],
                     beams: dict[int, list[int]], slots: list[int], depth: int) -> None:

@@ -25,6 +25,11 @@ class DraftTree:
     # a confident drafter's (EAGLE) probability of each node's path (root: 1), nodes listed
     # most likely first; None: not given
     probs: list[float] | None = None
+    # a confident drafter's tree with a cheap drafter's trie grafted on (`with_copies`):
+    # which nodes the cheap drafter drafted (the `evidence` is its), and each node's expected
+    # share of a token as the controller priced it (nodes listed by it); None: not grafted
+    copied: list[bool] | None = None
+    expected: list[float] | None = None
     depth: list[int] = field(init=False)
     _children: list[dict[int, int]] = field(init=False, repr=False)
 
@@ -72,8 +77,11 @@ class DraftTree:
         """The first `num_nodes` nodes (a subtree: parents precede children)."""
         if num_nodes >= self.num_nodes:
             return self
+        def cut(values: list | None) -> list | None:
+            return None if values is None else values[:num_nodes]
+
         return DraftTree(self.tokens[:num_nodes], self.parents[:num_nodes], self.evidence,
-                         None if self.probs is None else self.probs[:num_nodes])
+                         cut(self.probs), cut(self.copied), cut(self.expected))
 
     def truncated(self, max_depth: int) -> DraftTree:
         """The nodes at depth <= max_depth (parents stay before children)."""
@@ -84,3 +92,50 @@ class DraftTree:
         return DraftTree([self.tokens[j] for j in keep],
                          [-1 if self.parents[j] < 0 else new_index[self.parents[j]]
                           for j in keep])
+
+
+def with_copies(tree: DraftTree | None, root: int, copies: DraftTree, copy_probs: list[float],
+                calibration: float) -> DraftTree:
+    """A confident drafter's tree (`probs` given; None: no tree, only `root`) with a cheap
+    drafter's trie `copies` grafted at the root, a node both drafted kept once.
+
+    Each node is expected to commit the larger of its two chances: the head's probability
+    scaled by `calibration` (accepted drafts per unit of it, as measured), and `copy_probs`
+    (the controller's price of the cheap drafter's node, from what its evidence committed).
+    Nodes are listed by that, most likely first (a child never above its parent), so the
+    controller's first m nodes are the m most likely and a subtree."""
+    if tree is None:
+        tokens, parents, head = [root], [-1], [1.0]
+    else:
+        tokens, parents = list(tree.tokens), list(tree.parents)
+        head = list(tree.probs) if tree.probs is not None else [1.0] + [0.0] * (len(tokens) - 1)
+    copied = [False] * len(tokens)
+    copy_p = [0.0] * len(tokens)
+    children = {(parents[j], tokens[j]): j for j in range(1, len(tokens))}
+    at = {0: 0}  # node of `copies` -> node here
+    for j in range(1, copies.num_nodes):
+        parent = at[copies.parents[j]]
+        node = children.get((parent, copies.tokens[j]))
+        if node is None:
+            node = children[(parent, copies.tokens[j])] = len(tokens)
+            tokens.append(copies.tokens[j])
+            parents.append(parent)
+            head.append(0.0)
+            copied.append(False)
+            copy_p.append(0.0)
+        at[j] = node
+        copied[node] = True
+        copy_p[node] = max(copy_p[node], copy_probs[j])
+    expected = [1.0]
+    for j in range(1, len(tokens)):  # parents precede children: a child never above its parent
+        expected.append(min(expected[parents[j]],
+                            max(min(1.0, calibration * head[j]), copy_p[j])))
+    depth = [0] * len(tokens)
+    for j in range(1, len(tokens)):
+        depth[j] = depth[parents[j]] + 1
+    order = [0, *sorted(range(1, len(tokens)), key=lambda j: (-expected[j], depth[j], j))]
+    new = {old: i for i, old in enumerate(order)}
+    return DraftTree([tokens[j] for j in order],
+                     [-1 if j == 0 else new[parents[j]] for j in order],
+                     evidence=copies.evidence, probs=[head[j] for j in order],
+                     copied=[copied[j] for j in order], expected=[expected[j] for j in order])

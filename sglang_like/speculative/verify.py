@@ -86,7 +86,7 @@ def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
         state = w.req.spec
         state.verify_ct += 1
         state.accepted_drafts += len(w.committed) - 1
-        sched.spec_controller.record_verify(state, len(w.committed), w.tree)
+        sched.spec_controller.record_verify(state, len(w.committed), w.tree, w.committed)
         sched.spec_accept_lengths[len(w.committed)] += 1
         if w.req.is_finished:
             sched._end(w.req, w.req.finished_reason, touched)

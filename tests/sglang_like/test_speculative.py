@@ -1433,7 +1433,9 @@ SHIPPED_HEAD_ACCEPT_FLOOR = 1.50
 
 @pytest.mark.slow
 def test_shipped_head_accepts_on_held_out_chat(make_engine) -> None:
-    engine = make_engine(speculative_algorithm="EAGLE3", speculative_auto_disable=False)
+    # the head's own drafts: without NGRAM's branch (tests/sglang_like/test_spec_copy_branch.py)
+    engine = make_engine(speculative_algorithm="EAGLE3", speculative_auto_disable=False,
+                         speculative_eagle_ngram_branch=False)
     prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in HELD_OUT]
     outs = engine.generate(prompts, {"max_new_tokens": 64, "temperature": 0})
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
