@@ -326,6 +326,13 @@ class SpecController:
                 state.backoff_until = self.pause_until
         return not self.enabled or self.step + ahead >= state.backoff_until
 
+    def _cheap_idles(self, batch_size: int) -> bool:
+        """Whether a cheap drafter skips this step: in a batch of at least _IDLE_MIN_BATCH
+        whose cheap trees were all turned down _IDLE_STEPS steps in a row, it drafts only
+        every _IDLE_PERIOD-th step."""
+        return (self.enabled and batch_size >= _IDLE_MIN_BATCH
+                and self.cheap_idle_steps >= _IDLE_STEPS and not self._on_multiple(_IDLE_PERIOD))
+
     def _on_multiple(self, period: int, ahead: int = 0) -> bool:
         """Whether one of this step and the `ahead` after it is a multiple of `period`."""
         return any((self.step + a) % period == 0 for a in range(ahead + 1))
@@ -547,19 +554,21 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     ctl = sched.spec_controller
     if ctl.plain_step_stale(len(decoders)):
         return {}
-    cheap = getattr(sched.drafter, "drafts_cheaply", False)
-    if cheap and ctl.rows_never_pay(len(decoders)):
+    if getattr(sched.drafter, "drafts_cheaply", False) and ctl.rows_never_pay(len(decoders)):
         return {}
+    cheap = getattr(sched.drafter, "drafts_cheaply", False)
     # a confident drafter with a cheap one grafted on (EAGLE's NGRAM branch) drafts its
-    # cheap trees for the requests its head is paused for too: the pause is the head's
-    copies_always = getattr(sched.drafter, "copier", None) is not None
+    # cheap trees for the requests its head is paused for too (the pause is the head's),
+    # idling as a cheap drafter does (`_cheap_idles`)
+    copies = (not cheap and getattr(sched.drafter, "copier", None) is not None
+              and not ctl._cheap_idles(len(decoders)))
     eligible, depths, heads = [], [], set()
     for req in decoders:
         depth = min(req.sampling_params.max_new_tokens - len(req.output_ids),
                     sched.config.context_len - req.seq_len) - 1
         if req.is_decoding and depth >= 1:
             head = ctl.may_draft(req.spec)
-            if head or copies_always:
+            if head or copies:
                 eligible.append(req)
                 depths.append(depth)
                 if head:
@@ -567,8 +576,7 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     if not eligible:
         return {}
     if cheap:
-        if (ctl.enabled and len(decoders) >= _IDLE_MIN_BATCH
-                and ctl.cheap_idle_steps >= _IDLE_STEPS and not ctl._on_multiple(_IDLE_PERIOD)):
+        if ctl._cheap_idles(len(decoders)):
             return {}
         drafted = sched.drafter.propose(eligible, depths, sched)
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
@@ -583,12 +591,16 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
             for req in eligible:
                 ctl.hold(req.spec)
             return {}
-        drafted = sched.drafter.propose(eligible, depths, sched)
+        if copies:
+            drafted = sched.drafter.propose(eligible, depths, sched, heads=heads)
+        else:
+            drafted = sched.drafter.propose(eligible, depths, sched)
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
         if pairs:
             ctl.drafted_step = ctl.step  # this step's drafting is worth measuring
         counts, pays = ctl.choose_nodes(len(decoders), [t for _, t in pairs])
         trees = {}
+        kept_copies = False
         for (req, tree), n in zip(pairs, counts, strict=True):
             # its drafting is spent: verify what is worth its rows, but pause a request
             # whose drafting keeps not paying for itself
@@ -596,5 +608,8 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
                 ctl.record_drafted(req.spec, n > 1 and pays, pays)
             if n > 1:
                 trees[id(req)] = tree.first(n)
+                kept_copies = kept_copies or any(trees[id(req)].copied or ())
+        if copies:
+            ctl.cheap_idle_steps = 0 if kept_copies else ctl.cheap_idle_steps + 1
     extra = sum(t.num_nodes - 1 for t in trees.values())
     return trees if len(decoders) + extra <= sched.cache.num_available_slots else {}

@@ -60,6 +60,9 @@ _MAX_PENDING = 1024
 
 # the deepest a grafted NGRAM branch goes (NGRAM's own default: 5 drafts)
 _COPY_DEPTH = 5
+# a request whose grafted branch's first draft is priced at least this sure skips the head's
+# draft steps (it keeps the head's next-token candidates, which its extend drafted)
+_COPY_SURE = 0.6
 
 
 def _head_rows(fb: ForwardBatch) -> native.AttnRows:
@@ -319,26 +322,37 @@ class EagleDrafter:
                                         req.kv_len - 1)
 
     # ---- a tree per request ---------------------------------------------------------------
-    def propose(self, reqs: list[Req], max_depths: list[int], sched: Scheduler
-                ) -> list[DraftTree | None]:
+    def propose(self, reqs: list[Req], max_depths: list[int], sched: Scheduler,
+                heads: set[int] | None = None) -> list[DraftTree | None]:
+        """A tree per request: the head's (for those in `heads`, by id; None: all) with, when
+        `heads` is given, NGRAM's continuation grafted on (`with_copies`)."""
         trees: list[DraftTree | None] = [None] * len(reqs)
         live = [i for i, r in enumerate(reqs)
-                if r.spec.eagle is not None and r.spec.eagle.position == r.kv_len - 1]
-        if live:
-            self._draft_trees(reqs, max_depths, sched, live, trees)
-        if self.copier is not None:
+                if r.spec.eagle is not None and r.spec.eagle.position == r.kv_len - 1
+                and (heads is None or id(r) in heads)]
+        copied: dict[int, tuple[DraftTree, list[float]]] = {}
+        if self.copier is not None and heads is not None:
             ctl = sched.spec_controller
-            calibration = ctl.draft_calibration
             for i, req in enumerate(reqs):
                 copies = self.copier.propose_one(req, min(_COPY_DEPTH, max_depths[i]))
                 if copies is not None:
-                    trees[i] = with_copies(trees[i], copies.tokens[0], copies,
-                                           ctl.copy_node_probs(copies, req.spec), calibration)
+                    copied[i] = copies, ctl.copy_node_probs(copies, req.spec)
+        if live:
+            # a request copying surely gets the head's next-token candidates (drafted by
+            # its extend) without the head's draft steps beyond them
+            sure = {i for i in live if i in copied and copied[i][1][1] >= _COPY_SURE}
+            self._draft_trees(reqs, max_depths, sched, live, trees, sure)
+        if copied:
+            calibration = sched.spec_controller.draft_calibration
+            for i, (copies, probs) in copied.items():
+                trees[i] = with_copies(trees[i], copies.tokens[0], copies, probs, calibration)
         return trees
 
     def _draft_trees(self, reqs: list[Req], max_depths: list[int], sched: Scheduler,
-                     live: list[int], trees: list[DraftTree | None]) -> None:
-        """The head's trees of the `live` requests (those with candidates) into `trees`."""
+                     live: list[int], trees: list[DraftTree | None],
+                     shallow: set[int] = frozenset()) -> None:
+        """The head's trees of the `live` requests (those with candidates) into `trees`;
+        those in `shallow` only their next-token candidates (no draft steps)."""
         spec = self.spec
         nodes: dict[int, list[_Node]] = {}
         beams: dict[int, list[int]] = {}
@@ -347,7 +361,7 @@ class EagleDrafter:
             nodes[i] = [_Node(t, -1, s, st.hidden) for t, s in zip(st.cand_ids, st.cand_logprobs,
                                                                   strict=True)]
             beams[i] = list(range(len(nodes[i])))
-        depth_cap = {i: min(spec.num_steps, max_depths[i]) for i in live}
+        depth_cap = {i: 1 if i in shallow else min(spec.num_steps, max_depths[i]) for i in live}
         # beams too unlikely to be verified are not drafted deeper
         min_lp = sched.spec_controller.min_draft_logprob()
         scratch: list[int] = []
