@@ -10,6 +10,8 @@ from sglang_like.speculative import DraftTree, SpecController, SpecState
 from sglang_like.speculative.controller import _evidence_key
 from sglang_like.speculative.tree import with_copies
 
+from .spec_fakes import fake_batch, plain_step_to
+
 # ---- the merged tree ---------------------------------------------------------------------------
 
 
@@ -174,8 +176,6 @@ def test_copies_are_drafted_while_the_head_is_paused(make_engine, copy_prompts, 
 def test_copies_in_a_big_batch_are_drafted_rarely_while_turned_down() -> None:
     """A batch of 8 whose heads are paused and whose grafted copies were all turned down for
     16 steps drafts copies every 8th step only (as NGRAM does), until one is kept."""
-    from types import SimpleNamespace
-
     from sglang_like.speculative.controller import propose_trees
 
     calls = []
@@ -193,23 +193,14 @@ def test_copies_in_a_big_batch_are_drafted_rarely_while_turned_down() -> None:
     ctl = SpecController()
     ctl.record_forward(8, 0.02)
     ctl.record_forward(24, 0.04)
-    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100), output_ids=[1],
-                            seq_len=10, is_decoding=True, spec=SpecState(backoff_until=10**6))
-            for _ in range(8)]
-    sched = SimpleNamespace(drafter=Drafter(), spec_controller=ctl,
-                            config=SimpleNamespace(context_len=1000),
-                            cache=SimpleNamespace(num_available_slots=1000))
-
-    def step_to(step):  # the plain steps of 8 rows the scheduler would have recorded
-        ctl.step = step - 1
-        ctl.record_forward(8, 0.02)
+    sched, reqs = fake_batch(Drafter(), ctl, backoff_until=10**6)  # every head paused
 
     for step in range(1, 49):
-        step_to(step)
+        plain_step_to(ctl, step)
         assert propose_trees(sched, reqs) == {}
     assert calls == [(s, True) for s in (*range(1, 17), 24, 32, 40, 48)]
     sure[0] = True  # now the copies are worth their rows: kept on the next drafting step
-    step_to(56)
+    plain_step_to(ctl, 56)
     assert len(propose_trees(sched, reqs)) == 8 and ctl.cheap_idle_steps == 0
-    step_to(57)
+    plain_step_to(ctl, 57)
     assert len(propose_trees(sched, reqs)) == 8 and calls[-1] == (57, True)

@@ -25,6 +25,7 @@ from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head, load_ea
 from sglang_like.speculative.ngram import NgramDrafter, NgramIndex, RecentTexts
 
 from .prompts import PROMPTS
+from .spec_fakes import fake_batch, plain_step_to
 
 # ---- trees and drafting -----------------------------------------------------------------------
 
@@ -488,7 +489,6 @@ def test_no_drafting_in_a_batch_where_no_row_can_pay() -> None:
 def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_down() -> None:
     """16 steps of a batch of 8 whose trees were all turned down: it drafts every 8th step
     only, until a tree is kept."""
-    from types import SimpleNamespace
 
     from sglang_like.speculative.controller import propose_trees
 
@@ -506,14 +506,10 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
     ctl.depth_tried[(1, False)], ctl.depth_accepted[(1, False)] = [100.0, 0.0], [0.0, 0.0]
     ctl.record_forward(8, 0.02)
     ctl.record_forward(24, 0.04)
-    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100), output_ids=[1],
-                            seq_len=10, is_decoding=True, spec=SpecState()) for _ in range(8)]
-    sched = SimpleNamespace(drafter=Drafter(), spec_controller=ctl,
-                            config=SimpleNamespace(context_len=1000),
-                            cache=SimpleNamespace(num_available_slots=1000))
-    def step_to(step):  # the plain steps of 8 rows the scheduler would have recorded
-        ctl.step = step - 1
-        ctl.record_forward(8, 0.02)
+    sched, reqs = fake_batch(Drafter(), ctl)
+
+    def step_to(step):
+        plain_step_to(ctl, step)
 
     for step in range(1, 49):
         step_to(step)
