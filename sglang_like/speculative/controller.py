@@ -235,7 +235,8 @@ class SpecController:
                 raise ValueError("a grafted tree's verify needs the nodes it committed")
             took = path[1:]
             copies = [d for d, c in zip(tree.depth, tree.copied, strict=True) if c]
-            if copies:  # the cheap drafter's drafts are a subtree: those taken, a prefix
+            if copies and tree.evidence is not None:
+                # the cheap drafter's drafts are a subtree: those taken are a prefix of it
                 self._record_evidence(state, tree.evidence,
                                       1 + sum(tree.copied[j] for j in took), max(copies))
             predicted = sum(tree.probs[1:]) if tree.probs is not None else 0.0
@@ -247,11 +248,11 @@ class SpecController:
         if tree.probs is not None:
             self._record_calibration(committed - 1, sum(tree.probs[1:]))
 
-    def _record_evidence(self, state: SpecState, evidence: int | None, committed: int,
+    def _record_evidence(self, state: SpecState, evidence: int, committed: int,
                          depth: int) -> None:
         """A cheap drafter's tree of `evidence` and `depth` committed `committed` of its
         drafts' tokens, root's included (see _PRIOR_RATE)."""
-        key = _evidence_key(evidence or 0, state.copying)
+        key = _evidence_key(evidence, state.copying)
         state.copying = committed > 1
         tried = self.depth_tried.setdefault(key, [])
         accepted = self.depth_accepted.setdefault(key, [])
@@ -554,9 +555,9 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     ctl = sched.spec_controller
     if ctl.plain_step_stale(len(decoders)):
         return {}
-    if getattr(sched.drafter, "drafts_cheaply", False) and ctl.rows_never_pay(len(decoders)):
-        return {}
     cheap = getattr(sched.drafter, "drafts_cheaply", False)
+    if cheap and ctl.rows_never_pay(len(decoders)):
+        return {}
     # a confident drafter with a cheap one grafted on (EAGLE's NGRAM branch) drafts its
     # cheap trees for the requests its head is paused for too (the pause is the head's),
     # idling as a cheap drafter does (`_cheap_idles`)
