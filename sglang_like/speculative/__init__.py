@@ -3,7 +3,8 @@ target checks every node, and the scheduler commits the longest prefix the targe
 
 - NGRAM: continuations of the request's own earlier text, or of recent requests' (`ngram.py`);
 - EAGLE / EAGLE3: a one-layer draft head over the target's features (`eagle.py`; the head for
-  the default model ships in `heads/`, trained by `train_eagle.py`).
+  the default model ships in `heads/`, trained by `train_eagle.py`), with NGRAM's
+  continuation grafted onto its tree (`tree.with_copies`) unless turned off.
 
 Acceptance walks the tree through the ordinary per-token path (sampler, grammar, stop checks),
 so it is lossless: greedy output equals non-speculative output, and sampling draws every token
