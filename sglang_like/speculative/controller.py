@@ -592,10 +592,9 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
             for req in eligible:
                 ctl.hold(req.spec)
             return {}
-        if copies:
-            drafted = sched.drafter.propose(eligible, depths, sched, heads=heads)
-        else:
-            drafted = sched.drafter.propose(eligible, depths, sched)
+        # `heads`: which requests' heads draft; the copies are drafted for all of them
+        drafted = sched.drafter.propose(eligible, depths, sched,
+                                        **({"heads": heads} if copies else {}))
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
         if pairs:
             ctl.drafted_step = ctl.step  # this step's drafting is worth measuring

@@ -345,7 +345,7 @@ class EagleDrafter:
         if copied:
             calibration = sched.spec_controller.draft_calibration
             for i, (copies, probs) in copied.items():
-                trees[i] = with_copies(trees[i], copies.tokens[0], copies, probs, calibration)
+                trees[i] = with_copies(trees[i], copies, probs, calibration)
         return trees
 
     def _draft_trees(self, reqs: list[Req], max_depths: list[int], sched: Scheduler,

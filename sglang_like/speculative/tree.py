@@ -94,10 +94,10 @@ class DraftTree:
                           for j in keep])
 
 
-def with_copies(tree: DraftTree | None, root: int, copies: DraftTree, copy_probs: list[float],
+def with_copies(tree: DraftTree | None, copies: DraftTree, copy_probs: list[float],
                 calibration: float) -> DraftTree:
-    """A confident drafter's tree (`probs` given; None: no tree, only `root`) with a cheap
-    drafter's trie `copies` grafted at the root, a node both drafted kept once.
+    """A confident drafter's tree (`probs` given; None: none) with a cheap drafter's trie
+    `copies` grafted at the root (the two share it), a node both drafted kept once.
 
     Each node is expected to commit the larger of its two chances: the head's probability
     scaled by `calibration` (accepted drafts per unit of it, as measured), and `copy_probs`
@@ -105,9 +105,9 @@ def with_copies(tree: DraftTree | None, root: int, copies: DraftTree, copy_probs
     Nodes are listed by that, most likely first (a child never above its parent), so the
     controller's first m nodes are the m most likely and a subtree."""
     if tree is None:
-        tokens, parents, head = [root], [-1], [1.0]
+        tokens, parents, head, depth = [copies.tokens[0]], [-1], [1.0], [0]
     else:
-        tokens, parents = list(tree.tokens), list(tree.parents)
+        tokens, parents, depth = list(tree.tokens), list(tree.parents), list(tree.depth)
         head = list(tree.probs) if tree.probs is not None else [1.0] + [0.0] * (len(tokens) - 1)
     copied = [False] * len(tokens)
     copy_p = [0.0] * len(tokens)
@@ -120,6 +120,7 @@ def with_copies(tree: DraftTree | None, root: int, copies: DraftTree, copy_probs
             node = children[(parent, copies.tokens[j])] = len(tokens)
             tokens.append(copies.tokens[j])
             parents.append(parent)
+            depth.append(depth[parent] + 1)
             head.append(0.0)
             copied.append(False)
             copy_p.append(0.0)
@@ -130,9 +131,6 @@ def with_copies(tree: DraftTree | None, root: int, copies: DraftTree, copy_probs
     for j in range(1, len(tokens)):  # parents precede children: a child never above its parent
         expected.append(min(expected[parents[j]],
                             max(min(1.0, calibration * head[j]), copy_p[j])))
-    depth = [0] * len(tokens)
-    for j in range(1, len(tokens)):
-        depth[j] = depth[parents[j]] + 1
     order = [0, *sorted(range(1, len(tokens)), key=lambda j: (-expected[j], depth[j], j))]
     new = {old: i for i, old in enumerate(order)}
     return DraftTree([tokens[j] for j in order],

@@ -24,7 +24,7 @@ def _copy_chain() -> DraftTree:
 
 
 def test_copies_graft_onto_the_heads_tree_most_likely_first() -> None:
-    tree = with_copies(_head_chain(), 5, _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
+    tree = with_copies(_head_chain(), _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
     # 7 drafted by both (kept once, its better chance), then 10 (a copy), 8 (the head's),
     # 11 (a copy), 9 (the head's)
     assert tree.tokens == [5, 7, 10, 8, 11, 9]
@@ -40,17 +40,17 @@ def test_copies_graft_onto_the_heads_tree_most_likely_first() -> None:
     assert first.expected == pytest.approx([1.0, 0.9, 0.5])
     # the head's chances are scaled by its calibration (at most a whole token), and a child
     # is never priced above its parent
-    scaled = with_copies(_head_chain(), 5, _copy_chain(), [1.0, 0.9, 0.5, 0.2], 2.5)
+    scaled = with_copies(_head_chain(), _copy_chain(), [1.0, 0.9, 0.5, 0.2], 2.5)
     assert scaled.tokens == [5, 7, 8, 10, 9, 11]
     assert scaled.expected == pytest.approx([1.0, 1.0, 0.75, 0.5, 0.25, 0.2])
     # no head tree (its drafting paused): the copies alone, none of them the head's
-    alone = with_copies(None, 5, _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
+    alone = with_copies(None, _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
     assert alone.tokens == [5, 7, 10, 11] and alone.probs == [1.0, 0.0, 0.0, 0.0]
     assert alone.copied == [False, True, True, True]
 
 
 def test_a_grafted_verify_measures_each_drafter_on_its_own_nodes() -> None:
-    tree = with_copies(_head_chain(), 5, _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
+    tree = with_copies(_head_chain(), _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
     ctl = SpecController()
     state = SpecState()
     key = _evidence_key(3, False)
@@ -75,7 +75,7 @@ def test_a_grafted_verify_measures_each_drafter_on_its_own_nodes() -> None:
     assert ctl.drafts_predicted == pytest.approx((1 - w) * before[1] + w * 1.0)
     # a copies-only tree (no head nodes) leaves the head's calibration alone
     before = (ctl.drafts_accepted, ctl.drafts_predicted)
-    alone = with_copies(None, 5, _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
+    alone = with_copies(None, _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
     ctl.record_verify(state, 2, alone, [0, 1])
     assert (ctl.drafts_accepted, ctl.drafts_predicted) == before
 
@@ -85,7 +85,7 @@ def test_the_controller_takes_a_grafted_trees_prices() -> None:
     ctl.record_forward(1, 0.010)
     for rows in (2, 3, 4, 5, 6):
         ctl.record_forward(rows, 0.010 + 0.0005 * (rows - 1))
-    tree = with_copies(_head_chain(), 5, _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
+    tree = with_copies(_head_chain(), _copy_chain(), [1.0, 0.9, 0.5, 0.2], 1.0)
     counts, pays = ctl.choose_nodes(1, [tree])
     # a row costs a twentieth of the step: a node is kept while its expected share of a
     # token beats the tokens per step so far (1.9 / 10.5, 2.4 / 11, 2.7 / 11.5 ms; then
@@ -187,7 +187,7 @@ def test_copies_in_a_big_batch_are_drafted_rarely_while_turned_down() -> None:
         def propose(self, reqs, depths, sched, heads=None):
             calls.append((sched.spec_controller.step, heads is not None))
             chance = 0.9 if sure[0] else 0.01
-            return [with_copies(None, 1, DraftTree([1, 2, 3], [-1, 0, 1], evidence=2),
+            return [with_copies(None, DraftTree([1, 2, 3], [-1, 0, 1], evidence=2),
                                 [1.0, chance, chance], 1.0) for _ in reqs]
 
     ctl = SpecController()
