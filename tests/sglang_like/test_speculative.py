@@ -129,19 +129,40 @@ def test_ngram_drafter_builds_a_capped_trie() -> None:
 
 def test_recent_texts_continue_the_newest_longest_match_within_capacity() -> None:
     recent = RecentTexts(1, 4, capacity=12)
-    recent.add([1, 2, 3, 4, 5, 6])
+    recent.add([1, 2, 3, 4, 5, 6])  # half the capacity: its generation is the old one now
     recent.add([9, 2, 3, 7, 8])  # newer: "2 3" now continues with 7 8
     assert recent.continuation([0, 2, 3], 5, 1) == ([7, 8], 2)
     assert recent.continuation([0, 1, 2, 3], 5, 1) == ([4, 5, 6], 3)  # the longer match
     assert recent.continuation([0, 1, 2, 3], 5, 4) == ([], 0)  # not longer than asked
     assert recent.continuation([5, 6], 5, 1) == ([], 0)  # a text's last token continues nowhere
-    recent.add([4, 4, 1, 2])  # 15 tokens > 12: the oldest text goes, and only its keys
-    assert len(recent.texts) == 2 and recent.num_tokens == 9
+    recent.add([4, 4, 1, 2])  # 15 tokens > 12: the old generation (the first text) goes
+    assert recent.num_texts == 2 and recent.num_tokens == 9
     assert recent.continuation([0, 3, 4], 5, 1) == ([1, 2], 1)  # "4" now only in the newest
     assert recent.continuation([0, 2, 3], 5, 1) == ([7, 8], 2)
     assert recent.continuation([0, 4, 5], 5, 1) == ([], 0)
+    recent.add([5, 6, 1])  # 12 tokens: all kept, the newest generation looked up first
+    assert recent.continuation([0, 5], 5, 1) == ([6, 1], 1)
+    assert recent.continuation([0, 4, 1], 5, 1) == ([2], 2)
+    recent.add([8, 8, 8, 8])  # 16 > 12: the old generation goes whole, both its texts
+    assert recent.num_texts == 2 and recent.num_tokens == 7
+    assert recent.continuation([0, 4, 1], 5, 1) == ([], 0)
+    assert recent.continuation([0, 2, 3], 5, 1) == ([], 0)
+    assert recent.continuation([0, 6], 5, 1) == ([1], 1)
     recent.clear()
-    assert recent.continuation([0, 2, 3], 5, 1) == ([], 0) and not recent.latest
+    assert recent.continuation([0, 8], 5, 1) == ([], 0) and recent.num_tokens == 0
+
+
+def test_recent_texts_stay_within_capacity_and_keep_the_newest() -> None:
+    rng = random.Random(0)
+    recent = RecentTexts(1, 3, capacity=40)
+    for i in range(300):
+        text = [1000 + i] + [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        recent.add(text)
+        assert recent.num_tokens <= 40
+        # the newest text is never what makes room: its own tokens continue its own start
+        assert recent.continuation([1000 + i], len(text), 1) == (text[1:3], 1)
+        if i > 20:  # full: at least half the capacity less one text is kept
+            assert recent.num_tokens >= 20 - 12
 
 
 def test_ngram_drafter_drafts_from_finished_requests() -> None:
