@@ -3,7 +3,7 @@
     python scripts/bench_row_cost.py [--pairs 1:4,8:12,16:24,32:48] [--rounds 5]
 
 The speculation controller prices a verify's extra rows by this (`_ROW_SHARE` in
-sglang_like/speculative/controller.py): a tree pays only where its drafts are expected to
+sglang_like/speculative/step_costs.py): a tree pays only where its drafts are expected to
 commit more tokens per row than a row costs as a share of the plain step's average row. For
 each pair b:b2 the default model decodes batch b and then batch b2 (greedy, `--new-tokens`
 each, an in-process engine), back to back, `--rounds` times: a row more is

@@ -20,7 +20,8 @@ from sglang_like.req import FinishReason, Req, internal_error_message
 from sglang_like.sampler import SampleOutput, Sampler, select_rows
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.schedule_policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
-from sglang_like.speculative.controller import SpecController, propose_trees
+from sglang_like.speculative.controller import SpecController
+from sglang_like.speculative.propose import propose_trees
 from sglang_like.speculative.tree import DraftTree
 from sglang_like.speculative.verify import TreeWalk, accept_trees
 

@@ -302,7 +302,7 @@ def test_rows_above_a_compute_bound_step_cost_a_measured_share_of_its_average_ro
     plain step itself: a bigger size measured at a fast moment (48 rows at 45 ms against 40
     for 32) does not make trees look cheap. At batch 32 drafts of 0.8 are not verified; at
     batch 8 drafts of 0.95 are, of 0.6 not."""
-    from sglang_like.speculative.controller import _min_row_share
+    from sglang_like.speculative.step_costs import _min_row_share
 
     assert [_min_row_share(k) for k in (1, 8, 20, 32, 64)] == [
         0.75, 0.75, pytest.approx(0.875), 1.0, 1.0]
@@ -472,7 +472,7 @@ def test_no_drafting_in_a_batch_where_no_row_can_pay() -> None:
     8 rows both draft."""
     from types import SimpleNamespace
 
-    from sglang_like.speculative.controller import propose_trees
+    from sglang_like.speculative.propose import propose_trees
 
     class Drafter:
         def __init__(self, cheap):
@@ -511,7 +511,7 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
     """16 steps of a batch of 8 whose trees were all turned down: it drafts every 8th step
     only, until a tree is kept."""
 
-    from sglang_like.speculative.controller import propose_trees
+    from sglang_like.speculative.propose import propose_trees
 
     calls = []
 
