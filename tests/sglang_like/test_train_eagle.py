@@ -288,7 +288,7 @@ def test_everyday_questions_are_seeded_varied_and_not_the_evaluations_prompts() 
     from sglang_like.bench_speculative import WORKLOADS
     from sglang_like.speculative import train_eagle_prompts as tp
 
-    from .test_speculative import HELD_OUT
+    from .test_spec_heads import HELD_OUT
 
     a, b = random.Random(3), random.Random(3)
     assert [tp.chat_task(a) for _ in range(50)] == [tp.chat_task(b) for _ in range(50)]
