@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from kernels import reference, triton_ops  # noqa: E402
+from sglang_like_kernels import reference, triton_ops  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -43,7 +43,7 @@ class ModelConfig:
 
 
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16")
-"""Values of `--quantization` (see sglang_like.quant)."""
+"""Values of `--quantization` (see sglang_like.layers.quantization)."""
 
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
 """Values of `--speculative-algorithm` (see sglang_like.speculative)."""
@@ -113,7 +113,7 @@ class ServerArgs:
     engine_in_process: bool = False
     # "on": on CPU (tp_size 1) the engine core claims a core for its loop's thread (the
     # lowest no other engine core on this machine holds) and its OpenMP workers keep off it;
-    # the process reading its output must keep off it too (sglang_like.cpu_runtime says why;
+    # the process reading its output must keep off it too (sglang_like.utils.cpu_runtime says why;
     # `Engine.loop_cpu`). "auto": "on" under the server, which moves its HTTP process off the
     # core; with the Engine API (whose caller's threads are the caller's) the OS places them:
     # pinned with the caller not moved, batch-1 streaming read 0.93x of unpinned. "off": the

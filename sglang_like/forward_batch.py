@@ -29,7 +29,7 @@ class ForwardBatch:
     tree_mask: torch.Tensor | None = None  # [B, N, N] bool for speculative verify
     # per request, bool [extend_len, m]: its queries see the first prefix_len keys and key
     # prefix_len + j iff mask[i, j] (trees of any size beside causal extends; see
-    # kernels.masked_attention). Positions are then given, not derived.
+    # sglang_like_kernels.masked_attention). Positions are then given, not derived.
     custom_masks: list[torch.Tensor] | None = None
     is_decode: bool = False  # every extend_len == 1 and no tree mask
     # called with i once layer i has stored this batch's K/V (prefill/decode disaggregation

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         args = dataclasses.replace(args, cpu_pinning="on")
     engine = Engine(server_args=args)
     if engine.loop_cpu is not None:  # the HTTP side (this process) keeps off the loop's core
-        from sglang_like.cpu_runtime import keep_threads_off
+        from sglang_like.utils.cpu_runtime import keep_threads_off
 
         keep_threads_off(engine.loop_cpu, include_self=True)
     app = create_app(engine)

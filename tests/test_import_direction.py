@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("sglang_like", "frontend_dsl", "radix_cache", "constrained", "kernels")
+PACKAGES = ("sglang_like", "frontend_dsl", "radix_cache", "constrained", "sglang_like_kernels")
 
 # package -> packages it may import anywhere / only inside a function (lazily)
 ALLOWED: dict[str, set[str]] = {
-    "sglang_like": {"frontend_dsl", "radix_cache", "constrained", "kernels"},
+    "sglang_like": {"frontend_dsl", "radix_cache", "constrained", "sglang_like_kernels"},
     "frontend_dsl": set(),
     "radix_cache": set(),
     "constrained": set(),
-    "kernels": set(),
+    "sglang_like_kernels": set(),
 }
 ALLOWED_LAZY: dict[str, set[str]] = {"frontend_dsl": {"sglang_like"}}
 
@@ -41,6 +41,8 @@ class Edge:
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = list(rel.parts)
+    if parts[0] == "kernels":  # a plain folder, not a package: see pyproject.toml
+        parts = parts[1:]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -95,8 +97,13 @@ def import_edges(path: Path) -> list[Edge]:
     return edges
 
 
+def _package_dir(package: str) -> Path:
+    """Where a package's source lives (the kernels' under the plain folder kernels/)."""
+    return ROOT / "kernels" / package if package == "sglang_like_kernels" else ROOT / package
+
+
 def _package_files(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+    return sorted(_package_dir(package).rglob("*.py"))
 
 
 def violations(package: str, edges: list[Edge]) -> list[str]:
@@ -122,15 +129,16 @@ def test_imports_point_the_right_way(package: str) -> None:
 # ---- the checker itself, on snippets (so the test above can fail) ------------------------
 _SNIPPETS = [
     ("radix_cache", "import torch\nfrom sglang_like.req import Req\n", ["sglang_like"]),
-    ("kernels", "def f():\n    import constrained\n", ["constrained"]),
+    ("sglang_like_kernels", "def f():\n    import constrained\n", ["constrained"]),
     ("frontend_dsl", "from sglang_like import Engine\n", ["sglang_like"]),
     ("frontend_dsl", "def f():\n    from sglang_like.engine import Engine\n", []),
     ("frontend_dsl", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                      "    from sglang_like import Engine\n", []),
     ("frontend_dsl", "try:\n    import sglang_like\nexcept ImportError:\n    pass\n",
      ["sglang_like"]),
-    ("frontend_dsl", "class A:\n    x = __import__('os')\n    import kernels\n", ["kernels"]),
-    ("sglang_like", "import radix_cache\nfrom kernels import x\nimport frontend_dsl\n", []),
+    ("frontend_dsl", "class A:\n    x = __import__('os')\n    import sglang_like_kernels\n",
+     ["sglang_like_kernels"]),
+    ("sglang_like", "import radix_cache\nfrom sglang_like_kernels import x\nimport frontend_dsl\n", []),
     ("constrained", "from . import backend\nfrom .masks import y\n", []),
 ]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from sglang_like.config import ModelConfig, ServerArgs
 from sglang_like.engine_core.messages import GenerateReqInput
-from sglang_like.engine_loop import EngineLoop, LoopHooks
+from sglang_like.engine_core.loop import EngineLoop, LoopHooks
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 
@@ -67,7 +67,7 @@ class EngineCore:
                    "cache_node", "cache_match", "switch_disaggregation_mode")
 
     def __init__(self, server_args: ServerArgs, hooks: LoopHooks | None = None) -> None:
-        from sglang_like.engine_setup import build_engine_parts
+        from sglang_like.engine_core.setup import build_engine_parts
 
         parts = build_engine_parts(server_args)
         self.server_args, self.model_config = parts.server_args, parts.model_config

@@ -29,7 +29,7 @@ import zmq
 from sglang_like.engine_core import messages as m
 from sglang_like.engine_core.core import EngineCore, make_req
 from sglang_like.engine_core.pipe import FrameWriter
-from sglang_like.engine_loop import LoopHooks, error_output
+from sglang_like.engine_core.loop import LoopHooks, error_output
 from sglang_like.req import internal_error_message
 
 logger = logging.getLogger("sglang_like.engine_core")
@@ -149,7 +149,7 @@ def _pin_loop(core: EngineCore) -> int | None:
     """With cpu_pinning on (the server's auto) on CPU, one rank: claim a core for the loop's
     thread (this one) and move the process's other threads, the OpenMP workers among them,
     off it; the core's number, which the HTTP process keeps off too (see cpu_runtime)."""
-    from sglang_like.cpu_runtime import claim_loop_cpu, keep_threads_off
+    from sglang_like.utils.cpu_runtime import claim_loop_cpu, keep_threads_off
 
     sa = core.server_args
     if sa.cpu_pinning != "on" or core.info.device != "cpu" or sa.tp_size != 1:
@@ -187,7 +187,7 @@ def main(args_path: str) -> int:
         inbox.close(linger=0)
         out.close()  # delivers the message first
         return 1
-    from sglang_like.cpu_runtime import trim_heap
+    from sglang_like.utils.cpu_runtime import trim_heap
 
     trim_heap()  # the loader's temporaries
     core.info = dataclasses.replace(core.info, loop_cpu=_pin_loop(core))

@@ -13,7 +13,7 @@ import numpy as np
 if TYPE_CHECKING:  # torch is imported where tensors are made: reading metadata needs none
     import torch
 
-    from sglang_like.quant.gguf_blocks import GGUFBlockWeight
+    from sglang_like.layers.quantization.gguf_blocks import GGUFBlockWeight
 
 # llama.cpp per-block tensor names -> Hugging Face names (suffix .weight / .bias kept).
 _BLOCK_NAMES = {
@@ -184,7 +184,7 @@ def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
 def _packed(tensor: GGUFTensor, heads: int | None) -> GGUFBlockWeight:
     import torch
 
-    from sglang_like.quant.gguf_blocks import GGUFBlockWeight
+    from sglang_like.layers.quantization.gguf_blocks import GGUFBlockWeight
 
     weight = GGUFBlockWeight(tensor.qtype.name, tensor.shape, tensor.data)
     if heads is None:
@@ -204,7 +204,7 @@ def iter_hf_tensors(
     """
     import torch
 
-    from sglang_like.quant.gguf_blocks import PACKED_QTYPES
+    from sglang_like.layers.quantization.gguf_blocks import PACKED_QTYPES
 
     permuted = arch in ("llama", "mistral")
     for tensor in tensors:

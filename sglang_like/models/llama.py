@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-import kernels.cpu
+import sglang_like_kernels
+import sglang_like_kernels.cpu
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
-from sglang_like.models import native_decode as native
-from sglang_like.models.native_decode import AttnRows, NativeDecodePlan
-from sglang_like.models.rotary import RotaryEmbedding, RotaryTables
-from sglang_like.quant import QuantConfig, QuantLinear, WeightSource
+from sglang_like.layers import native_decode as native
+from sglang_like.layers.native_decode import AttnRows, NativeDecodePlan
+from sglang_like.layers.rotary import RotaryEmbedding, RotaryTables
+from sglang_like.layers.quantization import QuantConfig, QuantLinear, WeightSource
 from sglang_like.tp.parallel import TPShard
 
 
@@ -40,16 +40,16 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fb: Forw
            sm_scale: float) -> torch.Tensor:
     """The attention kernel this forward's shape calls for (K/V of its tokens stored)."""
     if fb.custom_masks is not None:
-        return kernels.masked_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
+        return sglang_like_kernels.masked_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
                                         fb.prefix_lens, fb.custom_masks, sm_scale)
     if fb.tree_mask is not None:
-        return kernels.tree_verify_attention(q, k_pool, v_pool, fb.req_to_token,
+        return sglang_like_kernels.tree_verify_attention(q, k_pool, v_pool, fb.req_to_token,
                                              fb.req_pool_indices, fb.prefix_lens, fb.tree_mask,
                                              sm_scale)
     if fb.is_decode:
-        return kernels.decode_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
+        return sglang_like_kernels.decode_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
                                         fb.seq_lens, sm_scale)
-    return kernels.extend_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
+    return sglang_like_kernels.extend_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
                                     fb.prefix_lens, fb.extend_lens, sm_scale)
 
 
@@ -102,7 +102,7 @@ class LlamaAttention(nn.Module):
         qk = rope.rotate(qk)  # q and k heads in one pass, left in fp32 (the attention's math)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_pool, v_pool = pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id]
-        kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
+        sglang_like_kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
         out = attend(q, k_pool, v_pool, fb, self.sm_scale)
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return _reduce(out, self.tp, self.residual_dtype)
@@ -198,14 +198,14 @@ class LlamaForCausalLM(nn.Module):
         self._native_plan: NativeDecodePlan | None = None  # built at the first native step
 
     def _native_decode_supported(self) -> bool:
-        """Whether decode steps can run through kernels.cpu's fused ops: quantized weights
+        """Whether decode steps can run through sglang_like_kernels.cpu's fused ops: quantized weights
         (the exact `none` path stays on torch), a float32 residual stream, one rank, plain
         Llama attention (no q/k norm), and the native library built for this CPU."""
         c = self.config
         return (self.quant.is_quantized and self.dtype == torch.float32 and self.tp is None
                 and not c.qk_norm and c.head_dim % 8 == 0
                 and c.num_attention_heads % c.num_key_value_heads == 0
-                and kernels.cpu.available())
+                and sglang_like_kernels.cpu.available())
 
     def set_rope(self, max_positions: int, device: torch.device | str) -> None:
         c = self.config
@@ -304,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
                               attn: AttnRows, aux_layers: tuple[int, ...]
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward_layers` of a decode or verify batch through kernels.cpu (see
+        """`forward_layers` of a decode or verify batch through sglang_like_kernels.cpu (see
         native_decode): the same math as the layer modules, summed in another order."""
         if self._native_plan is None:
             self._native_plan = NativeDecodePlan(list(self.model.layers), self.rope.cos_table,

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 
-from sglang_like.stats_window import SlidingWindow
+from sglang_like.utils.stats_window import SlidingWindow
 
 _PREFIX = "sglang_like_"
 _LATENCY_BUCKETS = (

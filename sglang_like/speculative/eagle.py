@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import kernels
+import sglang_like_kernels
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
-from sglang_like.models import native_decode as native
+from sglang_like.layers import native_decode as native
 from sglang_like.models.llama import attend
-from sglang_like.models.rotary import RotaryEmbedding
-from sglang_like.quant.int8 import Int8EmbeddingMethod
+from sglang_like.layers.rotary import RotaryEmbedding
+from sglang_like.layers.quantization.int8 import Int8EmbeddingMethod
 from sglang_like.speculative.eagle1_head import Eagle1Head
 from sglang_like.speculative.eagle_head import Eagle3Head, load_draft_head
 from sglang_like.speculative.eagle_native import NativeEagleHead
@@ -44,10 +44,10 @@ from sglang_like.speculative.tree import DraftTree, with_copies
 if TYPE_CHECKING:
     from sglang_like.model_runner import ModelRunner
     from sglang_like.req import Req
-    from sglang_like.schedule_batch import ScheduleBatch
+    from sglang_like.scheduler.batch import ScheduleBatch
     from sglang_like.scheduler import Scheduler
     from sglang_like.speculative import SpecConfig
-    from sglang_like.speculative.verify import TreeWalk
+    from sglang_like.scheduler.spec_verify import TreeWalk
 
 
 # Target features a request keeps while its drafting is paused or held, in bf16 (the head's
@@ -181,7 +181,7 @@ class EagleDrafter:
         q, k, v, residual = head.attention_inputs(self._embed(fb.input_ids), hidden)
         tables = self.rope.tables(fb.positions)
         q, k = tables.rotate(q), tables.rotate(k)
-        kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
+        sglang_like_kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
         out = attend(q, k_pool, v_pool, fb, self.sm_scale)
         return head.finish(out.reshape(out.shape[0], -1), residual)
 

@@ -170,7 +170,7 @@ class _MidLayer(nn.Module):
 class Eagle3Head(nn.Module):
     """The head's weights and its math in pieces, shared by inference (attention over the
     draft KV pool, `sglang_like.speculative.eagle`) and training (dense attention with the
-    training-time-test unroll, `sglang_like.speculative.train_eagle`)."""
+    training-time-test unroll, `training.train_eagle`)."""
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()

@@ -33,7 +33,7 @@ _REMEASURE_STEPS = 32
 # ways on a 2-core AMD EPYC, int4: a verify's tree rows over a batch of 8 (NGRAM always on,
 # the bench's code prompts, step times by row count in one run): 0.75-0.8 from 8 rows to
 # 14-30, about 0.86 from 20 to 30; and more requests' decode rows with the steps of each pair
-# back to back (scripts/bench_row_cost.py, 5 rounds, medians): 0.39 from 8 rows to 12 (spread
+# back to back (benchmarks/bench_row_cost.py, 5 rounds, medians): 0.39 from 8 rows to 12 (spread
 # 0.17-0.61), 0.77 from 16 to 24, 1.07 from 32 to 48 (1 to 4: 0.13). A flat half a row priced
 # NGRAM's 0.69 tokens a row at batch 32 as paying: 818 rows bought 568 tokens, 0.95x of off;
 # 0.4 at 8 rows verified 1.38-1.41 tokens per verify at batch 8 at 0.82-0.88x of off.

@@ -1,5 +1,5 @@
 """TPGroup: rank 0's side of a tensor-parallel group. It starts ranks 1..N-1 (one process
-each, `python -m sglang_like.tp.worker`), ships each forward's batch to them, runs the
+each, `python -m sglang_like.engine_core.tp_worker`), ships each forward's batch to them, runs the
 all-reduces with them and watches that they live; `close` stops them.
 
 Start-up: rank 0 opens a TCPStore on a free loopback port (the rendezvous of
@@ -125,7 +125,7 @@ class TPGroup:
                 "num_threads": num_threads, "parent_pid": os.getpid(),
             }, f)
         self.procs.append(subprocess.Popen(
-            [sys.executable, "-m", "sglang_like.tp.worker", args_path],
+            [sys.executable, "-m", "sglang_like.engine_core.tp_worker", args_path],
             stdin=subprocess.DEVNULL, env=_child_env()))
 
     def wait_ready(self) -> None:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from sglang_like.config import ModelConfig
-from sglang_like.quant import GGUFBlockWeight, WeightSource
+from sglang_like.layers.quantization import GGUFBlockWeight, WeightSource
 
 # Intermediate columns move between ranks in chunks of 64: GGUF 32-blocks and the int4 group
 # sizes (32, 64) then divide every rank's share of down_proj's input.

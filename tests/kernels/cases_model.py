@@ -23,14 +23,14 @@ from types import ModuleType
 
 import torch
 
-import kernels
-from kernels import reference
+import sglang_like_kernels
+from sglang_like_kernels import reference
 from sglang_like.config import ModelConfig
 from sglang_like.model_loader import expected_weight_shapes, load_tokenizer
 from sglang_like.model_runner import ModelRunner
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
-from sglang_like.schedule_batch import ScheduleBatch
+from sglang_like.scheduler.batch import ScheduleBatch
 from sglang_like.scheduler import Scheduler, SchedulerConfig
 
 CONFIG = ModelConfig(
@@ -111,7 +111,7 @@ def run(seed: int) -> dict[str, object]:
     count_calls(reference, (*KERNEL_NAMES, "_cascade_decode"), counts)
     if os.environ.get("SGLANG_LIKE_KERNELS") == "triton":
         assert os.environ.get("TRITON_INTERPRET") == "1", "triton on CPU needs the interpreter"
-        from kernels import triton_ops
+        from sglang_like_kernels import triton_ops
 
         count_calls(triton_ops, KERNEL_NAMES, counts)
     torch.manual_seed(seed)
@@ -145,8 +145,8 @@ def run(seed: int) -> dict[str, object]:
         "output_ids": {rid: list(r.output_ids) for rid, r in reqs.items()},
         "cached_tokens": {rid: r.num_cached_tokens for rid, r in reqs.items()},
         "calls": dict(counts),
-        "triton_imported": "kernels.triton_ops" in sys.modules,
-        "kernels_mode": kernels._MODE,
+        "triton_imported": "sglang_like_kernels.triton_ops" in sys.modules,
+        "kernels_mode": sglang_like_kernels._MODE,
     }
 
 

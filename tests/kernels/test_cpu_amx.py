@@ -1,4 +1,4 @@
-"""The AMX kernels (kernels/cpu/amx.c) against float64 math on the weights they define.
+"""The AMX kernels (kernels/sglang_like_kernels/cpu/amx.c) against float64 math on the weights they define.
 
 It runs only where the CPU has AMX-BF16 and the OS grants tile state (Intel Sapphire Rapids
 and later); elsewhere these tests skip and int4 runs torch's kernel, which
@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-import kernels.cpu.amx as amx
-from sglang_like.quant.int4 import Int4Method
-from sglang_like.quant.int8 import quantize_blocks_int8
-from sglang_like.quant.q8_head import Q8HeadMethod
+import sglang_like_kernels.cpu.amx as amx
+from sglang_like.layers.quantization.int4 import Int4Method
+from sglang_like.layers.quantization.int8 import quantize_blocks_int8
+from sglang_like.layers.quantization.q8_head import Q8HeadMethod
 
 pytestmark = pytest.mark.skipif(not amx.available(), reason="needs AMX-BF16 (and a C compiler)")
 
@@ -142,7 +142,7 @@ def test_codes_kernel_gives_nan_for_a_non_finite_block_and_zero_for_a_tiny_one()
 
 
 def test_env_var_turns_amx_off_and_rejects_unknown_values():
-    code = "import kernels.cpu.amx as a; print(a.available())"
+    code = "import sglang_like_kernels.cpu.amx as a; print(a.available())"
     for value, want in (("off", "False"), ("auto", "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "SGLANG_LIKE_AMX": value}, check=True)

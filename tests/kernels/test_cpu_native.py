@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.cpu as kc
-from kernels import reference
-from kernels.cpu import ops
-from sglang_like.models.rotary import RotaryEmbedding
-from sglang_like.quant import q4_1_blocks
-from sglang_like.quant.gguf_blocks import GGUFBlockWeight
-from sglang_like.quant.int8 import quantize_blocks_int8
+import sglang_like_kernels.cpu as kc
+from sglang_like_kernels import reference
+from sglang_like_kernels.cpu import ops
+from sglang_like.layers.rotary import RotaryEmbedding
+from sglang_like.layers.quantization import q4_1_blocks
+from sglang_like.layers.quantization.gguf_blocks import GGUFBlockWeight
+from sglang_like.layers.quantization.int8 import quantize_blocks_int8
 
 pytestmark = pytest.mark.skipif(not kc.available(), reason="needs a C compiler and AVX2")
 VARIANTS = kc.supported_isas()
@@ -387,7 +387,7 @@ def test_decode_step_x16_is_the_per_op_calls_bit_for_bit(variant, pool_dtype, t)
 
 
 def test_env_var_turns_the_kernels_off_and_rejects_unknown_values():
-    code = ("import kernels.cpu as kc, torch; from sglang_like.quant import QuantConfig;"
+    code = ("import sglang_like_kernels.cpu as kc, torch; from sglang_like.layers.quantization import QuantConfig;"
             "print(kc.available(), kc.isa())")
     env = {**os.environ, "SGLANG_LIKE_CPU_KERNELS": "off"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+import sglang_like_kernels
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -55,13 +55,13 @@ def test_each_run_used_only_its_backend(runs: dict[str, dict]) -> None:
     assert ref["kernels_mode"] == "reference" and tri["kernels_mode"] == "triton"
     assert not ref["triton_imported"]
     for name in KERNEL_NAMES:
-        assert ref["calls"].get(f"kernels.reference.{name}", 0) > 0, name
-        assert tri["calls"].get(f"kernels.triton_ops.{name}", 0) > 0, name
-        assert tri["calls"].get(f"kernels.reference.{name}", 0) == 0, name
+        assert ref["calls"].get(f"sglang_like_kernels.reference.{name}", 0) > 0, name
+        assert tri["calls"].get(f"sglang_like_kernels.triton_ops.{name}", 0) > 0, name
+        assert tri["calls"].get(f"sglang_like_kernels.reference.{name}", 0) == 0, name
     # the same forwards made the same kernel calls
     for name in KERNEL_NAMES:
-        want = ref["calls"][f"kernels.reference.{name}"]
-        assert tri["calls"][f"kernels.triton_ops.{name}"] == want, name
+        want = ref["calls"][f"sglang_like_kernels.reference.{name}"]
+        assert tri["calls"][f"sglang_like_kernels.triton_ops.{name}"] == want, name
 
 
 def test_the_run_covers_chunking_radix_reuse_and_cascade_decode(runs: dict[str, dict]) -> None:
@@ -73,7 +73,7 @@ def test_the_run_covers_chunking_radix_reuse_and_cascade_decode(runs: dict[str, 
     assert ref["cached_tokens"] == {"a": 0, "b": SHARED_PREFIX}
     decodes = [s for s in steps if s["extend_lens"] == [1, 1]]
     assert len(decodes) >= MAX_NEW - 2
-    assert ref["calls"].get("kernels.reference._cascade_decode", 0) > 0
+    assert ref["calls"].get("sglang_like_kernels.reference._cascade_decode", 0) > 0
     assert {rid: len(ids) for rid, ids in ref["output_ids"].items()} == {"a": MAX_NEW, "b": MAX_NEW}
     # a model that always says the same thing would make the comparison weak
     assert len(set(ref["output_ids"]["a"] + ref["output_ids"]["b"])) > MAX_NEW
@@ -100,18 +100,18 @@ def test_backend_switch_values(value: str | None, mode: str, monkeypatch) -> Non
         monkeypatch.delenv("SGLANG_LIKE_KERNELS", raising=False)
     else:
         monkeypatch.setenv("SGLANG_LIKE_KERNELS", value)
-    assert kernels._read_mode() == mode
+    assert sglang_like_kernels._read_mode() == mode
 
 
 @pytest.mark.parametrize("value", ["cuda", "torch", "1"])
 def test_backend_switch_rejects_unknown_values(value: str, monkeypatch) -> None:
     monkeypatch.setenv("SGLANG_LIKE_KERNELS", value)
     with pytest.raises(ValueError, match="SGLANG_LIKE_KERNELS"):
-        kernels._read_mode()
+        sglang_like_kernels._read_mode()
 
 
 def test_forced_reference_on_cpu_and_auto_on_cpu(monkeypatch) -> None:
     x = torch.zeros(1)
     for mode in ("auto", "reference"):
         monkeypatch.setattr(kernels, "_MODE", mode)
-        assert kernels._backend(x) is kernels.reference
+        assert sglang_like_kernels._backend(x) is sglang_like_kernels.reference

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import sglang_like_kernels
+from sglang_like_kernels import reference
 
 
 def _naive_attend(q_row: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ def test_decode_matches_naive(lens, num_q_heads, num_kv_heads, head_dim, dtype):
     table, rows = _table(lens, 80, 200, gen)
     q = torch.randn(len(lens), num_q_heads, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor(lens)
-    out = kernels.decode_attention(
+    out = sglang_like_kernels.decode_attention(
         q, k_pool, v_pool, table, rows, seq_lens, 1 / math.sqrt(head_dim)
     )
     assert out.dtype == dtype and out.shape == q.shape
@@ -87,7 +87,7 @@ def test_decode_cascade_over_shared_prefix(shared, suffixes, num_q_heads, num_kv
     for b in range(len(suffixes)):
         table[rows[b], :shared] = common
     q = torch.randn(len(lens), num_q_heads, head_dim, generator=gen)
-    out = kernels.decode_attention(q, k_pool, v_pool, table, rows, torch.tensor(lens),
+    out = sglang_like_kernels.decode_attention(q, k_pool, v_pool, table, rows, torch.tensor(lens),
                                    1 / math.sqrt(head_dim))
     for b, n in enumerate(lens):
         slots = table[rows[b], :n].long()
@@ -117,7 +117,7 @@ def test_extend_matches_naive(prefix_lens, extend_lens):
     lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     table, rows = _table(lens, 40, 100, gen)
     q = torch.randn(sum(extend_lens), num_q_heads, head_dim, generator=gen)
-    out = kernels.extend_attention(
+    out = sglang_like_kernels.extend_attention(
         q,
         k_pool,
         v_pool,
@@ -151,7 +151,7 @@ def test_extend_after_a_shared_prefix(shared, private, extend_lens):
     for b in range(len(private)):
         table[rows[b], :shared] = common
     q = torch.randn(sum(extend_lens), num_q_heads, head_dim, generator=gen)
-    out = kernels.extend_attention(q, k_pool, v_pool, table, rows, torch.tensor(prefix_lens),
+    out = sglang_like_kernels.extend_attention(q, k_pool, v_pool, table, rows, torch.tensor(prefix_lens),
                                    torch.tensor(extend_lens), 1 / math.sqrt(head_dim))
     _assert_extend_matches_naive(out, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens)
 
@@ -170,7 +170,7 @@ def test_tree_verify_matches_naive():
             parent = parents[parent]
     tree_mask = mask.expand(len(prefix_lens), -1, -1).clone()
     q = torch.randn(len(prefix_lens) * num_draft, num_q_heads, head_dim, generator=gen)
-    out = kernels.tree_verify_attention(
+    out = sglang_like_kernels.tree_verify_attention(
         q,
         k_pool,
         v_pool,
@@ -194,7 +194,7 @@ def test_store_kv_writes_only_given_slots():
     k = torch.randn(3, 2, 4)
     v = torch.randn(3, 2, 4)
     slots = torch.tensor([7, 2, 5])
-    kernels.store_kv(k_pool, v_pool, slots, k, v)
+    sglang_like_kernels.store_kv(k_pool, v_pool, slots, k, v)
     torch.testing.assert_close(k_pool[slots], k.bfloat16())
     torch.testing.assert_close(v_pool[slots], v.bfloat16())
     untouched = [i for i in range(10) if i not in (7, 2, 5)]
@@ -233,7 +233,7 @@ def test_decode_plan_is_built_once_per_forward_and_rebuilt_after_writes(monkeypa
                         lambda *a: calls.append(1) or real(*a))
 
     def check():
-        out = kernels.decode_attention(q, k_pool, v_pool, table, rows, seq_lens, 8**-0.5)
+        out = sglang_like_kernels.decode_attention(q, k_pool, v_pool, table, rows, seq_lens, 8**-0.5)
         for b in range(3):
             slots = table[rows[b], : int(seq_lens[b])].long()
             want = _naive_attend(q[b], k_pool[slots], v_pool[slots])

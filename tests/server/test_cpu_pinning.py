@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sglang_like.cpu_runtime import CLAIM_DIR_ENV
+from sglang_like.utils.cpu_runtime import CLAIM_DIR_ENV
 
 CPUS = set(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="pinning needs two allowed cores")

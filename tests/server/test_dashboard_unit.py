@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from sglang_like.server.dashboard.history import StatsHistory
-from sglang_like.stats_window import SlidingWindow, percentile
+from sglang_like.utils.stats_window import SlidingWindow, percentile
 
 
 def _raw(t: float, prompt: int, cached: int, generated: int, evicted: int,

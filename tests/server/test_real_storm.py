@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from sglang_like.fault_injection import ENV_VAR
-from sglang_like.soak_load import LoadMix
+from sglang_like.utils.fault_injection import ENV_VAR
+from benchmarks.soak_load import LoadMix
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The 2-minute soak (issue 11): `python -m sglang_like.bench_soak --duration-s 120` against a
+"""The 2-minute soak (issue 11): `python -m benchmarks.bench_soak --duration-s 120` against a
 real server with faults injected at a low rate, clients that vanish, hostile bodies and a
 burst of 10x the queue limit. It exits non-zero when a target is missed (a 5xx that is not
 an injected fault, a request with no answer, a pool not clean, an unhealthy server after, a
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def test_two_minute_soak(tmp_path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "sglang_like.bench_soak", "--duration-s", "120",
+        [sys.executable, "-m", "benchmarks.bench_soak", "--duration-s", "120",
          "--warmup-s", "30", "--bucket-s", "30", "--no-progress", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     print(out.stdout[-4000:], out.stderr[-2000:])

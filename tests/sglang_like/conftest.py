@@ -7,7 +7,7 @@ import functools
 import pytest
 
 import sglang_like.engine as engine_mod
-import sglang_like.engine_setup as setup_mod
+import sglang_like.engine_core.setup as setup_mod
 from sglang_like.model_loader import load_model
 
 

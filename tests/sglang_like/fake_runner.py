@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from sglang_like.mem_pool import ReqToTokenPool
-from sglang_like.schedule_batch import ScheduleBatch
+from sglang_like.scheduler.batch import ScheduleBatch
 
 VOCAB = 2048
 FIRST_TOKEN = 300  # scripted tokens stay in [FIRST_TOKEN, FIRST_TOKEN + SPAN): plain text

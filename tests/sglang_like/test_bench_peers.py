@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_like.bench_peers import llama_bench_depths
+from benchmarks.bench_peers import llama_bench_depths
 
 
 def _fake_llama_bench(folder: Path, rows: list[dict], exit_code: int = 0) -> None:
@@ -39,7 +39,7 @@ def test_llama_bench_depths_says_which_binary_is_missing(tmp_path: Path) -> None
 
 
 def test_bench_offline_ratio_is_the_median_of_each_rounds_own():
-    from sglang_like.bench_offline import round_ratios
+    from benchmarks.bench_offline import round_ratios
 
     ours = [{"b1_tok_s": 200.0, "b32_tok_s": 1000.0, "rss_mb": 400.0},
             {"b1_tok_s": 100.0, "b32_tok_s": 500.0, "rss_mb": 400.0},

@@ -1,6 +1,6 @@
 """bench_speculative's summary: a config's `x off` is the median of its rounds' own ratios."""
 
-from sglang_like.bench_speculative import summarize_cells
+from benchmarks.bench_speculative import summarize_cells
 
 
 def _r(tok_s: float, accept: float | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""The engine loop's core (sglang_like.cpu_runtime): claims spread engines over cores and are
+"""The engine loop's core (sglang_like.utils.cpu_runtime): claims spread engines over cores and are
 released with their process; a process's threads move off a core and leave the caller alone.
 
 Each case runs in a child process, so the test process's own threads keep their cores."""
@@ -12,14 +12,14 @@ import textwrap
 
 import pytest
 
-from sglang_like.cpu_runtime import CLAIM_DIR_ENV
+from sglang_like.utils.cpu_runtime import CLAIM_DIR_ENV
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="pinning needs two allowed cores")
 
 _CLAIMANT = textwrap.dedent("""
     import sys
-    from sglang_like.cpu_runtime import claim_loop_cpu
+    from sglang_like.utils.cpu_runtime import claim_loop_cpu
     print(claim_loop_cpu(), flush=True)
     sys.stdin.readline()  # hold the claim until told
 """)
@@ -60,7 +60,7 @@ def test_claims_take_the_lowest_free_core_and_end_with_their_process(tmp_path) -
 
 _MOVER = textwrap.dedent("""
     import os, threading
-    from sglang_like.cpu_runtime import keep_threads_off
+    from sglang_like.utils.cpu_runtime import keep_threads_off
     cpu = min(os.sched_getaffinity(0))
     stop = threading.Event()
     ready = []

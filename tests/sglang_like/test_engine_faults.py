@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-import sglang_like.engine_loop as engine_loop
-from sglang_like.engine_io import RequestHandle
-from sglang_like.fault_injection import ENV_VAR
+import sglang_like.engine_core.loop as engine_loop
+from sglang_like.engine_core.io import RequestHandle
+from sglang_like.utils.fault_injection import ENV_VAR
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 
@@ -273,10 +273,10 @@ def test_sentencepiece_output_keeps_its_first_space() -> None:
     """A SentencePiece vocab: the first output token `▁hello` after a prompt decodes as
     " hello" (it needs the prompt as context; alone it decodes without the space)."""
     from radix_cache import KVSlotAllocator, RadixCache
-    from sglang_like.cache_manager import KVCacheManager
+    from sglang_like.scheduler.cache_manager import KVCacheManager
     from sglang_like.mem_pool import ReqToTokenPool
     from sglang_like.model_loader.gguf_tokenizer import tokenizer_from_gguf
-    from sglang_like.output_processor import OutputProcessor
+    from sglang_like.scheduler.output_processor import OutputProcessor
     from sglang_like.scheduler import SchedulerConfig
 
     from .test_tokenizer import _spm_metadata
@@ -299,7 +299,7 @@ def test_jump_forward_window_does_not_depend_on_streaming(engine: Any) -> None:
     than one back. A stream that had sent "j" used to get the one-back ids, the whole output
     the two-back ones; now both re-encode the same window (a stream holds back its last ids
     until no jump-forward can rewrite them)."""
-    from sglang_like.engine_io import build_output
+    from sglang_like.engine_core.io import build_output
 
     tok = engine.tokenizer
     j, kv = tok.encode("j"), tok.encode("kv")

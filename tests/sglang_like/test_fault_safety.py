@@ -8,7 +8,7 @@ import random
 import pytest
 
 from radix_cache import KVSlotAllocator, RadixCache
-from sglang_like.fault_injection import FaultInjector, InjectedFault
+from sglang_like.utils.fault_injection import FaultInjector, InjectedFault
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 
@@ -254,7 +254,7 @@ def test_min_new_tokens_ignores_a_finished_grammar_in_the_sampler():
     model shows it end to end in test_engine_faults)."""
     import torch
 
-    from sglang_like.sampler import Sampler
+    from sglang_like.layers.sampler import Sampler
 
     class _G:
         pass

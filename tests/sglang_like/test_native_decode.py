@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-import kernels.cpu as kc
-from sglang_like.quant import Int4Method, Q4NativeMethod, Q4X16Method
+import sglang_like_kernels.cpu as kc
+from sglang_like.layers.quantization import Int4Method, Q4NativeMethod, Q4X16Method
 
 from .prompts import PROMPTS
 
@@ -149,7 +149,7 @@ def test_masked_rows_lay_out_each_querys_keys() -> None:
     import torch
 
     from sglang_like.forward_batch import ForwardBatch
-    from sglang_like.models.native_decode import masked_rows
+    from sglang_like.layers.native_decode import masked_rows
 
     r2t = torch.zeros(3, 16, dtype=torch.int32)
     r2t[1, :7] = torch.tensor([10, 11, 12, 20, 21, 22, 23])  # prefix 3, tree of 4 after it
@@ -205,7 +205,7 @@ def test_fused_step_is_the_per_op_path_bit_for_bit(make_engine, monkeypatch):
     native call (native_decode._FusedX16); the per-op path (`SGLANG_LIKE_FUSED_DECODE=0`)
     runs the same code a call at a time. Alone, in a batch and under EAGLE-3 (its verify
     trees read the captured features): the same tokens and logprobs, exactly."""
-    from sglang_like.models import native_decode
+    from sglang_like.layers import native_decode
 
     monkeypatch.setenv("SGLANG_LIKE_INT4_KERNEL", "x16")
     plain = make_engine(quantization="int4")

@@ -9,11 +9,11 @@ import gguf
 import pytest
 import torch
 
-import kernels.cpu
-import kernels.cpu.amx
+import sglang_like_kernels.cpu
+import sglang_like_kernels.cpu.amx
 from sglang_like.model_loader import default_model_path
 from sglang_like.model_loader.gguf_file import read_gguf
-from sglang_like.quant import (
+from sglang_like.layers.quantization import (
     DenseMethod,
     Fp16FbgemmMethod,
     GGUFBlockWeight,
@@ -190,7 +190,7 @@ def test_odd_input_width_falls_back_from_int4(monkeypatch) -> None:
     assert isinstance(config.linear_method(100, 960), Int8Method)
     assert isinstance(config.linear_method(576, 970), Int8Method)  # the packer wants N % 16
     assert config.activation_dtype == torch.bfloat16
-    if kernels.cpu.available():
+    if sglang_like_kernels.cpu.available():
         monkeypatch.setenv("SGLANG_LIKE_INT4_KERNEL", "x16")
         assert isinstance(config.linear_method(576, 960), Q4X16Method)
         assert type(config.linear_method(576, 970)) is Q4NativeMethod  # x16 wants N % 16
@@ -198,7 +198,7 @@ def test_odd_input_width_falls_back_from_int4(monkeypatch) -> None:
         assert config.activation_dtype == torch.float32  # the kernel rounds to int8 itself
         assert config.kv_dtype == torch.bfloat16
         monkeypatch.setenv("SGLANG_LIKE_INT4_KERNEL", "auto")
-        want = Int4Method if kernels.cpu.amx.available() else Q4X16Method
+        want = Int4Method if sglang_like_kernels.cpu.amx.available() else Q4X16Method
         assert type(config.linear_method(576, 960)) is want
     assert isinstance(config.embedding_method(), Int8EmbeddingMethod)
     if q8_head_available():
@@ -329,13 +329,13 @@ def test_default_model_loads_packed(engines) -> None:
     assert model.weight_bytes() < 0.4 * fp32.weight_bytes()
 
 
-@pytest.mark.skipif(not kernels.cpu.available(), reason="needs the native CPU kernels")
+@pytest.mark.skipif(not sglang_like_kernels.cpu.available(), reason="needs the native CPU kernels")
 @pytest.mark.parametrize("method", [Q4X16Method(), Q4NativeMethod()])
 def test_q4_prefill_path_multiplies_what_the_kernel_does(method, monkeypatch) -> None:
     """A prefill chunk of 256+ rows runs a dense GEMM on the dequantized blocks, with the
     activations rounded to the kernel's int8 grid first: under an fp32 GEMM it equals the
     kernel's product (activation rounding ties aside) to float order."""
-    from sglang_like.quant.base import prefill_gemm_dtype
+    from sglang_like.layers.quantization.base import prefill_gemm_dtype
 
     monkeypatch.setenv("SGLANG_LIKE_PREFILL_GEMM", "fp32")
     prefill_gemm_dtype.cache_clear()  # read once per process: again under fp32, and after
@@ -379,7 +379,7 @@ def test_int4_prefill_path_equals_the_kernel(rows: int) -> None:
 def test_prefill_gemm_dtype_switch(monkeypatch: pytest.MonkeyPatch, gemm: str) -> None:
     """Both prefill GEMMs (`SGLANG_LIKE_PREFILL_GEMM`) compute the layer: int4 and int8 alike
     agree with their decode kernels to within bf16 rounding, and the switch is honoured."""
-    from sglang_like.quant.base import prefill_gemm_dtype
+    from sglang_like.layers.quantization.base import prefill_gemm_dtype
 
     monkeypatch.setenv("SGLANG_LIKE_PREFILL_GEMM", gemm)
     prefill_gemm_dtype.cache_clear()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_like import sampler as sampler_mod
+from sglang_like.layers import sampler as sampler_mod
 
 V = 8192
 

@@ -278,7 +278,7 @@ def test_no_drafting_in_a_batch_where_no_row_can_pay() -> None:
     8 rows both draft."""
     from types import SimpleNamespace
 
-    from sglang_like.speculative.propose import propose_trees
+    from sglang_like.scheduler.spec_propose import propose_trees
 
     class Drafter:
         def __init__(self, cheap):
@@ -317,7 +317,7 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
     """16 steps of a batch of 8 whose trees were all turned down: it drafts every 8th step
     only, until a tree is kept."""
 
-    from sglang_like.speculative.propose import propose_trees
+    from sglang_like.scheduler.spec_propose import propose_trees
 
     calls = []
 

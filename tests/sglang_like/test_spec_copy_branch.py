@@ -176,7 +176,7 @@ def test_copies_are_drafted_while_the_head_is_paused(make_engine, copy_prompts, 
 def test_copies_in_a_big_batch_are_drafted_rarely_while_turned_down() -> None:
     """A batch of 8 whose heads are paused and whose grafted copies were all turned down for
     16 steps drafts copies every 8th step only (as NGRAM does), until one is kept."""
-    from sglang_like.speculative.propose import propose_trees
+    from sglang_like.scheduler.spec_propose import propose_trees
 
     calls = []
     sure = [False]

@@ -97,7 +97,7 @@ def test_head_rope_settings_and_unsupported_variants(make_engine, tmp_path) -> N
     """A head's RoPE as its config.json gives it, in either spelling transformers writes
     (Llama 3.1's "llama3" scaling under rope_parameters here), reaches the drafter's tables;
     the switches of SGLang's head variants this runtime does not run are refused by name."""
-    from sglang_like.models.rotary import RotaryEmbedding
+    from sglang_like.layers.rotary import RotaryEmbedding
 
     folder = random_head(str(tmp_path / "head"), 49152, 576, 30)
     config = json.loads((Path(folder) / "config.json").read_text())

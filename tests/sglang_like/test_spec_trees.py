@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-import kernels
-import kernels.cpu
-from kernels import reference
+import sglang_like_kernels
+import sglang_like_kernels.cpu
+from sglang_like_kernels import reference
 from sglang_like.config import ServerArgs
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
@@ -220,7 +220,7 @@ def test_masked_attention_is_extend_under_causal_masks_and_tree_verify_under_tre
     q, k_pool, v_pool, table = _pool_case(0, lens, extra)
     rows, prefix = torch.arange(3), torch.tensor(lens)
     causal = [torch.ones(e, e, dtype=torch.bool).tril() for e in extra]
-    got = kernels.masked_attention(q, k_pool, v_pool, table, rows, prefix, causal, 0.25)
+    got = sglang_like_kernels.masked_attention(q, k_pool, v_pool, table, rows, prefix, causal, 0.25)
     want = reference.extend_attention(q, k_pool, v_pool, table, rows, prefix,
                                       torch.tensor(extra), 0.25)
     torch.testing.assert_close(got, want)
@@ -228,7 +228,7 @@ def test_masked_attention_is_extend_under_causal_masks_and_tree_verify_under_tre
     lens, extra = [6, 2], [4, 4]
     q, k_pool, v_pool, table = _pool_case(1, lens, extra)
     masks = [DraftTree([1, 2, 3, 4], [-1, 0, 0, 1]).mask(), DraftTree.chain(1, [2, 3, 4]).mask()]
-    got = kernels.masked_attention(q, k_pool, v_pool, table, torch.arange(2), torch.tensor(lens),
+    got = sglang_like_kernels.masked_attention(q, k_pool, v_pool, table, torch.arange(2), torch.tensor(lens),
                                    masks, 0.25)
     want = reference.tree_verify_attention(q, k_pool, v_pool, table, torch.arange(2),
                                            torch.tensor(lens), torch.stack(masks), 0.25)

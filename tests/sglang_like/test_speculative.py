@@ -13,8 +13,8 @@ import pytest
 import regex
 import torch
 
-import kernels
-import kernels.cpu
+import sglang_like_kernels
+import sglang_like_kernels.cpu
 
 from .prompts import PROMPTS
 from .spec_fakes import SPEC_QUANT, random_head
@@ -361,7 +361,7 @@ def test_fused_head_call_is_the_single_ops(make_engine, monkeypatch) -> None:
     to float rounding, as the single ops (`NativeEagleHead.forward`, `logits`, torch's
     log-softmax and top-k) on the same inputs. The token embedding taken from the target's
     int8 rows, as they are or x16-packed, or given as floats: the same bits."""
-    from kernels.cpu import ops
+    from sglang_like_kernels.cpu import ops
 
     engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="EAGLE3",
                          speculative_auto_disable=False)
@@ -412,10 +412,10 @@ def test_fused_head_call_is_the_single_ops(make_engine, monkeypatch) -> None:
     emb = engine.runner.model.model.embed_tokens
     assert isinstance(args[0], tuple) and args[0][0] is emb.weight  # the target's rows
     ids = args[0][2]
-    codes, scale = ((kernels.cpu.q8_x16_rows(emb.weight, emb.block_scale, ids))
+    codes, scale = ((sglang_like_kernels.cpu.q8_x16_rows(emb.weight, emb.block_scale, ids))
                     if emb.weight.dim() == 5 else (emb.weight[ids], emb.block_scale[ids]))
     pad = -len(ids) % 16  # x16 packs 16 rows at a time
-    packed = kernels.cpu.q8_x16_pack(torch.cat([codes, codes[:1].expand(pad, -1)]),
+    packed = sglang_like_kernels.cpu.q8_x16_pack(torch.cat([codes, codes[:1].expand(pad, -1)]),
                                      torch.cat([scale, scale[:1].expand(pad, -1)]))
     local = torch.arange(len(ids))
     floats = emb.method.embed(emb, ids).float().contiguous()
@@ -552,7 +552,7 @@ def test_sampling_is_lossless_on_a_tiny_model(tiny_folder, name, tmp_path) -> No
     """The joint distribution of the first 3 sampled tokens (top-k 3, temperature 1) with
     speculation on matches off: a chi-square test of homogeneity between independent seeds,
     at a fixed threshold (p < 0.001 fails)."""
-    import sglang_like.engine_setup as setup_mod
+    import sglang_like.engine_core.setup as setup_mod
     from sglang_like import Engine
     from sglang_like.model_loader import load_model
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sglang_like.fault_injection import ENV_VAR
+from sglang_like.utils.fault_injection import ENV_VAR
 
 pytestmark = pytest.mark.slow
 

@@ -167,7 +167,7 @@ def _generate_in_thread(engine: Any, result: dict) -> threading.Thread:
 
 def _workers_of(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children()
-            if "sglang_like.tp.worker" in " ".join(p.cmdline())]
+            if "sglang_like.engine_core.tp_worker" in " ".join(p.cmdline())]
 
 
 @pytest.mark.parametrize("in_process", [False, True])

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from sglang_like.models.rotary import RotaryEmbedding
+from sglang_like.layers.rotary import RotaryEmbedding
 from sglang_like.speculative.eagle_head import Eagle3Config
-from sglang_like.speculative.train_eagle import build_draft_vocab
-from sglang_like.speculative.train_eagle_core import (
+from training.train_eagle import build_draft_vocab
+from training.train_eagle_core import (
     TrainConfig,
     build_head,
     evaluate,
@@ -158,7 +158,7 @@ def test_init_head_continues_from_a_saved_head(tmp_path) -> None:
     import pytest
 
     from sglang_like.speculative.eagle_head import load_eagle3_head
-    from sglang_like.speculative.train_eagle_run import _load_init_head
+    from training.train_eagle_run import _load_init_head
 
     convs, table, d2t, t2d = _data(12)
     rope = _rope()
@@ -209,8 +209,8 @@ def test_packed_capture_equals_one_conversation_at_a_time() -> None:
     """The capture stage packs conversations into one prefill; each conversation's features
     and labels are what it gets alone (the real default model, served weights)."""
     from sglang_like.config import ServerArgs
-    from sglang_like.engine_setup import build_engine_parts
-    from sglang_like.speculative.train_eagle import capture_group
+    from sglang_like.engine_core.setup import build_engine_parts
+    from training.train_eagle import capture_group
 
     parts = build_engine_parts(ServerArgs(max_total_tokens=512))
     runner = parts.runner
@@ -253,7 +253,7 @@ def test_task_prompts_are_seeded_and_carry_their_material() -> None:
     import ast
     import random
 
-    from sglang_like.speculative import train_eagle_prompts as tp
+    from training import train_eagle_prompts as tp
 
     snippets = tp._stdlib_snippets()
     assert len(snippets) > 500
@@ -285,8 +285,8 @@ def test_everyday_questions_are_seeded_varied_and_not_the_evaluations_prompts() 
     (the speculative bench's chat workload, the shipped head's held-out test prompts)."""
     import random
 
-    from sglang_like.bench_speculative import WORKLOADS
-    from sglang_like.speculative import train_eagle_prompts as tp
+    from benchmarks.bench_speculative import WORKLOADS
+    from training import train_eagle_prompts as tp
 
     from .test_spec_heads import HELD_OUT
 

@@ -1,0 +1,168 @@
+"""Attention and masking kernels over the token-granular KV pool.
+
+Each public function runs the Triton launcher (``sglang_like_kernels.triton_ops``) when its tensors are
+on CUDA and the torch reference (``sglang_like_kernels.reference``) otherwise. Triton is imported only
+when a launcher first runs, so CPU users never pay for it.
+
+The environment variable ``SGLANG_LIKE_KERNELS`` overrides that choice; it is read once, when
+this package is imported:
+
+- ``auto`` (default, also when unset or empty): by the device of the tensors, as above;
+- ``triton``: the Triton launchers for every tensor. On CPU tensors this needs
+  ``TRITON_INTERPRET=1`` set before triton is imported (tests of the whole model);
+- ``reference``: the torch references for every tensor, CUDA included.
+
+Any other value is a ValueError at import.
+
+KV layout, per layer: ``k_pool``/``v_pool`` [num_slots, num_kv_heads, head_dim] (slot 0 is
+padding, never owned by a request); ``req_to_token`` [max_requests, max_context] int32 maps
+(request pool row, position) -> slot id.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from sglang_like_kernels import reference
+
+__all__ = [
+    "apply_token_bitmask_",
+    "decode_attention",
+    "extend_attention",
+    "masked_attention",
+    "store_kv",
+    "tree_verify_attention",
+]
+
+
+_ENV_VAR = "SGLANG_LIKE_KERNELS"
+_MODES = ("auto", "triton", "reference")
+
+
+def _read_mode() -> str:
+    mode = os.environ.get(_ENV_VAR, "").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{_ENV_VAR}={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
+
+
+_MODE = _read_mode()
+_triton_ops: ModuleType | None = None
+
+
+def _triton() -> ModuleType:
+    global _triton_ops
+    if _triton_ops is None:
+        from sglang_like_kernels import triton_ops
+
+        _triton_ops = triton_ops
+    return _triton_ops
+
+
+def _backend(tensor: torch.Tensor) -> ModuleType:
+    """The module that runs a call on `tensor` (hot path: a string compare and a flag)."""
+    if _MODE == "auto":
+        return _triton() if tensor.is_cuda else reference
+    return reference if _MODE == "reference" else _triton()
+
+
+def store_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into k_pool/v_pool rows slot_ids [T] int64, cast to pool dtype."""
+    _backend(k_pool).store_kv(k_pool, v_pool, slot_ids, k, v)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Decode attention: q [B, Hq, D] (query at position seq_len-1, K/V already stored).
+
+    req_pool_indices, seq_lens [B] int64. Returns [B, Hq, D] in q's dtype. GQA: query head
+    h reads kv head h // (Hq // Hkv).
+    """
+    return _backend(q).decode_attention(
+        q, k_pool, v_pool, req_to_token, req_pool_indices, seq_lens, sm_scale
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Prefill/extend attention: q [T, Hq, D] packed by request in batch order.
+
+    Request b's extend_lens[b] new K/V are stored at req_to_token[r, prefix_lens[b] :
+    prefix_lens[b] + extend_lens[b]]; its query i attends to keys 0..prefix_lens[b]+i.
+    prefix_lens, extend_lens [B] int64 (CPU or device). Returns [T, Hq, D] in q's dtype.
+    """
+    return _backend(q).extend_attention(
+        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale
+    )
+
+
+def tree_verify_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Speculative verify: q [B*N, Hq, D], N draft tokens per request.
+
+    Draft K/V are stored at positions prefix_len..prefix_len+N-1; query i attends to every
+    prefix key and to draft key j iff tree_mask[b, i, j] (bool [B, N, N], diagonal true).
+    Returns [B*N, Hq, D] in q's dtype.
+    """
+    return _backend(q).tree_verify_attention(
+        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, tree_mask, sm_scale
+    )
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    masks: list[torch.Tensor],
+    sm_scale: float,
+) -> torch.Tensor:
+    """Attention under a per-request mask (ragged trees mixed with extends): request b's
+    masks[b].shape[0] packed queries see its first prefix_lens[b] keys and key
+    prefix_lens[b] + j iff masks[b][i, j]. The torch reference on every device (a uniform
+    verify batch on CUDA goes through `tree_verify_attention` instead)."""
+    return reference.masked_attention(
+        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, masks, sm_scale
+    )
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits [B, V] float; bitmask [B, ceil(V/32)] int32 (little-endian bits).
+
+    Bit j % 32 of word j // 32 set means token j is allowed; other tokens become -inf.
+    """
+    _backend(logits).apply_token_bitmask_(logits, bitmask)

@@ -1,0 +1,393 @@
+"""Native CPU kernels (C with x86 intrinsics), built on first use with the system compiler.
+
+`q4_1_matmul` multiplies activations by weights held in GGUF's Q4_1 blocks (the default
+model's format) after quantizing each activation row to int8 per block of 32, as llama.cpp
+does: the integer dot is a `vpdpbusd` (AVX-512 VNNI) or `vpmaddubsw` (AVX2). Built twice
+from one source, one per instruction set; `isa()` is the variant this CPU runs, chosen at
+run time. `SGLANG_LIKE_CPU_KERNELS` overrides it (read once): `auto` (default), `avx2`,
+`avx512_vnni` or `off` (torch's kernels only).
+
+Intel AMX kernels (int4 linears and the LM head for batches) are a library of their own:
+`sglang_like_kernels.cpu.amx`, built only where the CPU has AMX.
+
+The shared library goes to `$SGLANG_LIKE_CACHE_DIR/kernels` (default
+`~/.cache/sglang_like/kernels`) under a name that hashes the source, the flags and the
+compiler, so a second start loads it at once; a failed build (no compiler) leaves the
+library unavailable and callers on torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequantize",
+           "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32", "q8_x16_argmax", "q8_x16_matmul",
+           "q8_x16_pack", "q8_x16_row_bounds", "q8_x16_rows"]
+
+_SOURCES = [Path(__file__).with_name(n)
+            for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "attention.c",
+                      "decode_step.c", "eagle_head.c")]
+_HEADERS = (Path(__file__).with_name("ops.h"), Path(__file__).with_name("simd.h"))
+_ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
+_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                    "-mavx512vnni", "-DQ4_VNNI"],
+}
+_COMMON = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+_CHOICES = ("auto", "off", *_FLAGS)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported_isas() -> list[str]:
+    """The variants this CPU can run, best first."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return []
+    flags = _cpu_flags()
+    out = []
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        out.append("avx512_vnni")
+    if {"avx2", "fma", "f16c"} <= flags:
+        out.append("avx2")
+    return out
+
+
+def _requested() -> str:
+    value = os.environ.get(_ENV_VAR, "").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise ValueError(f"{_ENV_VAR}={value!r}: expected one of {', '.join(_CHOICES)}")
+    return value
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SGLANG_LIKE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sglang_like")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(variant: str, sources: list[Path] | None = None,
+           flags: list[str] | None = None, headers: tuple[Path, ...] = ()) -> Path:
+    """A shared library (by default the variant's, of `_SOURCES`; `headers` count in
+    its cache key), compiled unless the cache has it (atomic: concurrent builders each write
+    a temporary file and rename it into place)."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             check=False).stdout.splitlines()[:1]
+    sources = _SOURCES if sources is None else sources
+    flags = _COMMON + (_FLAGS[variant] if flags is None else flags)
+    texts = [src.read_text() for src in (*sources, *headers)]
+    key = hashlib.sha256("\0".join([*texts, *flags, *version]).encode())
+    out = cache_dir() / f"cpu_kernels_{variant}_{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build the CPU kernels ({variant}):\n"
+                               f"{proc.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class _Library:
+    def __init__(self, variant: str, path: Path) -> None:
+        self.variant = variant
+        lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.q4_1_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
+        lib.q4_1_matmul.restype = ctypes.c_int
+        lib.q4_x16_matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.q4_x16_matmul.restype = ctypes.c_int
+        lib.q8_x16_matmul.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.q8_x16_matmul.restype = ctypes.c_int
+        lib.q8_x16_argmax.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
+        lib.q8_x16_argmax.restype = ctypes.c_int
+        lib.q4_x16_pack.argtypes = [ptr, i64, i64, ptr]
+        lib.q4_x16_pack.restype = None
+        lib.q4_x16_dequantize.argtypes = [ptr, i64, i64, ptr]
+        lib.q4_x16_dequantize.restype = None
+        lib.q4_1_dequantize.argtypes = [ptr, i64, i64, ptr]
+        lib.q4_1_dequantize.restype = None
+        lib.q4_1_isa.restype = ctypes.c_char_p
+        lib.q8_0_matmul_f32.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.q8_0_matmul_f32.restype = ctypes.c_int
+        i32, f32 = ctypes.c_int, ctypes.c_float
+        lib.add_rmsnorm.argtypes = [ptr, ptr, i32, ptr, ptr, i64, i64, f32, ptr, i32]
+        lib.add_rmsnorm.restype = None
+        lib.silu_mul.argtypes = [ptr, i32, i64, i64, ptr, i32]
+        lib.silu_mul.restype = None
+        lib.decode_attention_rope.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                              ptr, i32, ptr, ptr, i64, ptr, ptr, f32, ptr, i32]
+        lib.decode_attention_rope.restype = ctypes.c_int
+        lib.decode_step_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, i32,
+                                        ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, i64,
+                                        ptr]
+        lib.decode_step_x16.restype = ctypes.c_int
+        lib.eagle_head_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
+                                       i32, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr, i32,
+                                       ptr, i64, ptr, ptr, f32, ptr, ptr, i64, ptr, i64, ptr,
+                                       ptr]
+        lib.eagle_head_x16.restype = ctypes.c_int
+        lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
+        lib.argmax_rows.restype = None
+        built = lib.q4_1_isa().decode()
+        if built != variant:
+            raise RuntimeError(f"{path} is the {built} build, not {variant}")
+        self.matmul = lib.q4_1_matmul
+        self.x16_matmul = lib.q4_x16_matmul
+        self.x16_pack = lib.q4_x16_pack
+        self.q8_x16_matmul = lib.q8_x16_matmul
+        self.q8_x16_argmax = lib.q8_x16_argmax
+        self.x16_dequantize = lib.q4_x16_dequantize
+        self.dequantize = lib.q4_1_dequantize
+        self.q8_0_matmul_f32 = lib.q8_0_matmul_f32
+        self.add_rmsnorm = lib.add_rmsnorm
+        self.silu_mul = lib.silu_mul
+        self.decode_attention_rope = lib.decode_attention_rope
+        self.decode_step_x16 = lib.decode_step_x16
+        self.eagle_head_x16 = lib.eagle_head_x16
+        self.argmax_rows = lib.argmax_rows
+
+
+@functools.cache
+def _library(variant: str) -> _Library | None:
+    try:
+        return _Library(variant, _build(variant, headers=_HEADERS))
+    except (RuntimeError, OSError) as exc:
+        logger.warning("native CPU kernels (%s) unavailable, using torch's: %s", variant, exc)
+        return None
+
+
+def isa(variant: str | None = None) -> str | None:
+    """The variant calls run on (None: torch's kernels); `variant` asks for one explicitly
+    (tests run both on a CPU that has both)."""
+    if variant is None:
+        return _default_isa()
+    return variant if _library(variant) is not None else None
+
+
+@functools.lru_cache(maxsize=1)
+def _default_isa() -> str | None:
+    """This CPU's best variant, or the one `SGLANG_LIKE_CPU_KERNELS` names (once per process)."""
+    requested = _requested()
+    if requested == "off":
+        return None
+    supported = supported_isas()
+    if requested != "auto":
+        if requested not in supported:
+            raise ValueError(f"{_ENV_VAR}={requested}: this CPU runs only {supported}")
+        variant = requested
+    elif supported:
+        variant = supported[0]
+    else:
+        return None
+    return variant if _library(variant) is not None else None
+
+
+def available() -> bool:
+    return isa() is not None
+
+
+def _lib(variant: str | None) -> _Library:
+    """The library of `variant` (None: this CPU's best); the hot path is two cache hits."""
+    v = _default_isa() if variant is None else variant
+    lib = _library(v) if v is not None else None
+    if lib is None:
+        raise RuntimeError("native CPU kernels are unavailable on this machine")
+    return lib
+
+
+def _float_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it: float32 with contiguous rows (a row stride is allowed)."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check(rc: int, name: str, x: torch.Tensor) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{name} failed for x {tuple(x.shape)} (K must be a multiple of 32)")
+
+
+def q4_1_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
+                variant: str | None = None, invariant: bool = False) -> torch.Tensor:
+    """x [M, K] float32 (rows contiguous) @ W.T -> [M, N] float32; W [N, K] as Q4_1 blocks
+    `blocks` uint8 [N, K/32*20]. `invariant`: a lone row summed as in a batch (same bits;
+    slower at one row)."""
+    x = _float_rows(x)
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        _check(_lib(variant).matmul(blocks.data_ptr(), out_features, k, x.data_ptr(),
+                                    x.stride(0), m, y.data_ptr(), out_features,
+                                    int(invariant)),
+               "q4_1_matmul", x)
+    return y
+
+
+X16_ROWS = 16  # output rows per group of the x16 layout
+X16_RECORD_BYTES = 320  # per group and block of 32 columns
+
+
+def q4_x16_pack(blocks: torch.Tensor, out_features: int, in_features: int,
+                variant: str | None = None) -> torch.Tensor:
+    """Q4_1 blocks uint8 [N, K/32*20] -> the x16 layout uint8 [N/16, K/32*320] (q4_rows.c:
+    16 output rows interleaved per block, so one vector holds every row's codes)."""
+    if out_features % X16_ROWS or in_features % 32:
+        raise ValueError(f"x16 needs N % {X16_ROWS} == 0 and K % 32 == 0; got "
+                         f"{out_features}x{in_features}")
+    blocks = blocks.contiguous()
+    out = torch.empty(out_features // X16_ROWS, in_features // 32 * X16_RECORD_BYTES,
+                      dtype=torch.uint8)
+    _lib(variant).x16_pack(blocks.data_ptr(), out_features, in_features, out.data_ptr())
+    return out
+
+
+def q4_x16_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32, W in the x16 layout (`q4_x16_pack`);
+    activations quantized to int8 per block of 32. A row's result does not depend on M."""
+    x = _float_rows(x)
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        _check(_lib(variant).x16_matmul(packed.data_ptr(), out_features, k, x.data_ptr(),
+                                        x.stride(0), m, y.data_ptr(), out_features),
+               "q4_x16_matmul", x)
+    return y
+
+
+def q4_x16_dequantize(packed: torch.Tensor, out_features: int, in_features: int,
+                      variant: str | None = None) -> torch.Tensor:
+    """The float32 [N, K] matrix an x16-packed tensor holds."""
+    out = torch.empty(out_features, in_features, dtype=torch.float32)
+    _lib(variant).x16_dequantize(packed.data_ptr(), out_features, in_features, out.data_ptr())
+    return out
+
+
+def q8_x16_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-int8 rows (codes int8 [N, K], scales float32 [N, K/32]) -> the q8 x16 layout
+    (q8_rows.c): codes [N/16, K/32, 8, 16, 4], scales [N/16, K/32, 16]."""
+    n, k = codes.shape
+    if n % X16_ROWS or k % 32:
+        raise ValueError(f"x16 needs N % {X16_ROWS} == 0 and K % 32 == 0; got {n}x{k}")
+    g, nb = n // X16_ROWS, k // 32
+    packed = codes.view(g, X16_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return packed, scales.view(g, X16_ROWS, nb).permute(0, 2, 1).contiguous()
+
+
+def q8_x16_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `ids` of a q8 x16 matrix as (codes int8 [T, K], scales [T, K/32])."""
+    g, r = ids // X16_ROWS, ids % X16_ROWS
+    # views with (group, row) leading: one gather of T rows (K bytes each) per tensor
+    codes = packed.permute(0, 3, 1, 2, 4)[g, r]  # [T, K/32, 8, 4]
+    return codes.reshape(ids.shape[0], -1), scales.permute(0, 2, 1)[g, r]
+
+
+def q8_x16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                  variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32, W in the q8 x16 layout (`q8_x16_pack`);
+    activations quantized to int8 per block of 32. A row's result does not depend on M."""
+    x = _float_rows(x)
+    m, k = x.shape
+    n = packed.shape[0] * X16_ROWS
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _check(_lib(variant).q8_x16_matmul(packed.data_ptr(), scales.data_ptr(), n, k,
+                                           x.data_ptr(), x.stride(0), m, y.data_ptr(), n),
+               "q8_x16_matmul", x)
+    return y
+
+
+def q8_x16_row_bounds(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [N]: each row's largest |scale| * sum |code| over its blocks, rounded up
+    (what `q8_x16_argmax` bounds a logit's second activation part with)."""
+    l1 = packed.to(torch.int32).abs().sum(dim=(2, 4))  # [N/16, K/32, 16]; |-128| fits
+    bound = (l1.double() * scales.double().abs()).amax(dim=1).reshape(-1)
+    up = bound.float()
+    return torch.where(up.double() < bound, torch.nextafter(up, torch.tensor(float("inf"))), up)
+
+
+def q8_x16_argmax(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                  row_bounds: torch.Tensor, variant: str | None = None
+                  ) -> tuple[torch.Tensor, int]:
+    """(the argmax of each row of `q8_x16_matmul(x, packed, scales)` int64 [M], how many
+    16-row groups were computed in full): the same index as `argmax_rows` of those logits
+    (first among equals, NaN as the maximum), with the second activation part computed only
+    for the rows that can win (`row_bounds`: `q8_x16_row_bounds`). AVX-512 VNNI builds only
+    (NotImplementedError elsewhere)."""
+    x = _float_rows(x)
+    m, k = x.shape
+    n = packed.shape[0] * X16_ROWS
+    ids = torch.empty(m, dtype=torch.int64)
+    exact = ctypes.c_int64(0)
+    if m:
+        rc = _lib(variant).q8_x16_argmax(packed.data_ptr(), scales.data_ptr(),
+                                         row_bounds.data_ptr(), n, k, x.data_ptr(), x.stride(0),
+                                         m, ids.data_ptr(), ctypes.byref(exact))
+        if rc == -2:
+            raise NotImplementedError("q8_x16_argmax needs the avx512_vnni build")
+        _check(rc, "q8_x16_argmax", x)
+    return ids, exact.value
+
+
+def q8_0_matmul_f32(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32 with W = codes int8 [N, K] times scales
+    float32 [N, K/32] (one per 32 columns), activations kept float32."""
+    x = _float_rows(x)
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _check(_lib(variant).q8_0_matmul_f32(codes.data_ptr(), scales.data_ptr(), n, k,
+                                             x.data_ptr(), x.stride(0), m, y.data_ptr(), n),
+               "q8_0_matmul_f32", x)
+    return y
+
+
+def q4_1_dequantize(blocks: torch.Tensor, out_features: int, in_features: int,
+                    variant: str | None = None) -> torch.Tensor:
+    """The float32 [N, K] matrix the blocks hold."""
+    out = torch.empty(out_features, in_features, dtype=torch.float32)
+    _lib(variant).dequantize(blocks.data_ptr(), out_features, in_features, out.data_ptr())
+    return out

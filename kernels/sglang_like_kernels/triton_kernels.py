@@ -1,0 +1,292 @@
+"""The @triton.jit kernels over the KV pool; launchers with shapes live in sglang_like_kernels.triton_ops.
+
+Every kernel loads its inputs in their stored dtype and converts to fp32 at once (the
+interpreter has no bf16 arithmetic); ``DOT_DTYPE`` is the dtype fed to ``tl.dot``: fp32
+(exact, ``ieee``) under the interpreter and for fp32 pools, the pool's 16-bit dtype on GPU.
+Pool row offsets are computed in int64 so large pools cannot overflow.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_kv_kernel(
+    k_pool, v_pool, slot_ids, k, v,
+    stride_pool_s, stride_pool_h,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    num_heads, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program per token: pool[slot_ids[t]] = k[t], v[t] (same dtype as the pool)."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ids + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < head_dim)
+    src_k = k + t * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :]
+    src_v = v + t * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :]
+    dst = slot * stride_pool_s + offs_h[:, None] * stride_pool_h + offs_d[None, :]
+    tl.store(k_pool + dst, tl.load(src_k, mask=mask), mask=mask)
+    tl.store(v_pool + dst, tl.load(src_v, mask=mask), mask=mask)
+
+
+@triton.jit
+def _online_softmax_step(
+    q, k, v, allowed, m_i, l_i, acc, sm_scale,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Fold one key block into the running (max, sum, acc) of flash attention.
+
+    q [M, D] and k, v [N, D] are DOT_DTYPE; allowed [M, N]. Rows with no allowed key so far
+    keep m = -inf, l = 0, acc = 0 (no NaN: exponents are taken against a safe max of 0).
+    """
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_kv_block(
+    k_pool, v_pool, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
+    stride_pool_s, stride_pool_h,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """K and V rows [N, D] for positions offs_n of one req_to_token row (invalid -> 0)."""
+    slots = tl.load(token_row + offs_n, mask=n_valid, other=0).to(tl.int64)
+    offs = slots[:, None] * stride_pool_s + kv_head * stride_pool_h + offs_d[None, :]
+    mask = n_valid[:, None] & d_valid[None, :]
+    k = tl.load(k_pool + offs, mask=mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+    v = tl.load(v_pool + offs, mask=mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+    return k, v
+
+
+@triton.jit
+def decode_split_kernel(
+    q, k_pool, v_pool, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
+    sm_scale,
+    stride_q_b, stride_q_h, stride_pool_s, stride_pool_h, stride_table,
+    num_q_heads, group, head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Stage 1 of flash-decoding. Grid (B, Hkv, NUM_SPLITS).
+
+    Each program scores the `group` query heads of one kv head over one contiguous split
+    of the request's sequence and writes the normalized partial output to mid_out
+    [B, Hq, NUM_SPLITS, D] and its log-sum-exp to mid_lse [B, Hq, NUM_SPLITS] (both
+    contiguous fp32; lse is -inf when the split is empty).
+    """
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_valid = offs_g < group
+    d_valid = offs_d < head_dim
+    heads = kv_head * group + offs_g
+    q_ptrs = q + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :]
+    q_mask = g_valid[:, None] & d_valid[None, :]
+    q_blk = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    token_row = req_to_token + row * stride_table
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        k, v = _load_kv_block(
+            k_pool, v_pool, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
+            stride_pool_s, stride_pool_h, DOT_DTYPE,
+        )  # fmt: skip
+        allowed = g_valid[:, None] & n_valid[None, :]
+        m_i, l_i, acc = _online_softmax_step(
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, DOT_DTYPE
+        )
+
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, m_i + tl.log(l_safe), float("-inf"))
+    mid = (b * num_q_heads + heads) * NUM_SPLITS + split
+    tl.store(mid_out + mid[:, None] * head_dim + offs_d[None, :], acc / l_safe[:, None],
+             mask=q_mask)  # fmt: skip
+    tl.store(mid_lse + mid, lse, mask=g_valid)
+
+
+@triton.jit
+def decode_reduce_kernel(
+    mid_out, mid_lse, out,
+    stride_out_b, stride_out_h,
+    num_q_heads, head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Stage 2 of flash-decoding. Grid (B, Hq): merge the splits by their log-sum-exp."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (b * num_q_heads + head) * NUM_SPLITS
+    lse = tl.load(mid_lse + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    has_keys = lse > float("-inf")
+    weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds key 0, so max is finite
+    weights = tl.where(has_keys, weights, 0.0)
+    parts_mask = has_keys[:, None] & (offs_d[None, :] < head_dim)
+    parts = tl.load(mid_out + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
+                    mask=parts_mask, other=0.0)  # fmt: skip
+    merged = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    dst = out + b * stride_out_b + head * stride_out_h + offs_d
+    tl.store(dst, merged.to(out.dtype.element_ty), mask=offs_d < head_dim)
+
+
+@triton.jit
+def extend_kernel(
+    q, k_pool, v_pool, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+    extend_starts,
+    sm_scale,
+    stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
+    stride_table,
+    group, head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, Hq, cdiv(max extend_len, BLOCK_M)): one block of new queries of one head.
+
+    Query i of request b sits at position prefix_len + i and sees keys 0..prefix_len+i.
+    """
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    prefix_len = tl.load(prefix_lens + b).to(tl.int32)
+    extend_len = tl.load(extend_lens + b).to(tl.int32)
+    q_start = tl.load(extend_starts + b).to(tl.int64)
+    kv_head = head // group
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < extend_len
+    d_valid = offs_d < head_dim
+    q_mask = m_valid[:, None] & d_valid[None, :]
+    tokens = q_start + offs_m
+    q_ptrs = q + tokens[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
+    q_blk = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+    q_pos = prefix_len + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    token_row = req_to_token + row * stride_table
+    # Keys beyond the block's last query are never visible; an empty block loops 0 times.
+    key_end = prefix_len + tl.minimum(extend_len, m0 + BLOCK_M)
+    key_end = tl.where(m0 < extend_len, key_end, 0)
+    for n0 in range(0, key_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < key_end
+        k, v = _load_kv_block(
+            k_pool, v_pool, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
+            stride_pool_s, stride_pool_h, DOT_DTYPE,
+        )  # fmt: skip
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :] & m_valid[:, None]
+        m_i, l_i, acc = _online_softmax_step(
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, DOT_DTYPE
+        )
+
+    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]
+    tl.store(dst, result.to(out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def tree_verify_kernel(
+    q, k_pool, v_pool, out, req_to_token, req_pool_indices, prefix_lens, tree_mask,
+    sm_scale,
+    stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
+    stride_table,
+    num_draft, group, head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, Hq): the num_draft draft queries of one request and head.
+
+    Prefix keys 0..prefix_len-1 are all visible; draft key j (position prefix_len + j) is
+    visible to draft query i iff tree_mask[b, i, j] (tree_mask: contiguous int8 [B, N, N]).
+    BLOCK_M >= num_draft.
+    """
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    prefix_len = tl.load(prefix_lens + b).to(tl.int32)
+    kv_head = head // group
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < num_draft
+    d_valid = offs_d < head_dim
+    q_mask = m_valid[:, None] & d_valid[None, :]
+    tokens = b * num_draft + offs_m
+    q_ptrs = q + tokens[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
+    q_blk = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    token_row = req_to_token + row * stride_table
+    for n0 in range(0, prefix_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < prefix_len
+        k, v = _load_kv_block(
+            k_pool, v_pool, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
+            stride_pool_s, stride_pool_h, DOT_DTYPE,
+        )  # fmt: skip
+        allowed = m_valid[:, None] & n_valid[None, :]
+        m_i, l_i, acc = _online_softmax_step(
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, DOT_DTYPE
+        )
+
+    offs_j = tl.arange(0, BLOCK_M)
+    j_valid = offs_j < num_draft
+    k, v = _load_kv_block(
+        k_pool, v_pool, token_row, prefix_len + offs_j, j_valid, kv_head, offs_d, d_valid,
+        stride_pool_s, stride_pool_h, DOT_DTYPE,
+    )  # fmt: skip
+    pair_mask = m_valid[:, None] & j_valid[None, :]
+    mask_row = tree_mask + b * num_draft * num_draft
+    mask_ptrs = mask_row + offs_m[:, None] * num_draft + offs_j[None, :]
+    allowed = tl.load(mask_ptrs, mask=pair_mask, other=0) != 0
+    m_i, l_i, acc = _online_softmax_step(q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, DOT_DTYPE)
+
+    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]
+    tl.store(dst, result.to(out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def token_bitmask_kernel(
+    logits, bitmask, stride_logits, stride_bitmask, vocab_size,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, cdiv(V, BLOCK)): logits[b, j] = -inf where bit j % 32 of word j // 32 is 0."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < vocab_size
+    words = tl.load(bitmask + b * stride_bitmask + offs // 32, mask=valid, other=0)
+    allowed = ((words >> (offs % 32)) & 1) != 0
+    ptrs = logits + b * stride_logits + offs
+    # Only masked-out entries are written, so allowed logits keep their exact bits.
+    tl.store(ptrs, tl.full([BLOCK], float("-inf"), tl.float32).to(logits.dtype.element_ty),
+             mask=valid & ~allowed)  # fmt: skip

@@ -1,0 +1,149 @@
+"""Engine set-up: resolve the "auto" knobs, load the weights, build the runner and scheduler."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+from sglang_like.config import ModelConfig, ServerArgs
+from sglang_like.mem_pool import KVPool
+from sglang_like.model_loader import load_model
+from sglang_like.model_runner import ModelRunner
+from sglang_like.layers.quantization import QuantConfig, all_int4_blocks, resolve_quantization
+from sglang_like.scheduler import Scheduler, SchedulerConfig
+from sglang_like.speculative import SpecConfig, resolve_spec_config
+from sglang_like.tokenizer import Tokenizer
+
+_CPU_MAX_AUTO_SLOTS = 1 << 16
+
+
+class EngineParts(NamedTuple):
+    """What an Engine runs on; `server_args` has every "auto" resolved."""
+
+    server_args: ServerArgs
+    device: torch.device
+    dtype: torch.dtype
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    scheduler: Scheduler
+    eos_token_ids: frozenset[int]
+
+
+def build_engine_parts(server_args: ServerArgs) -> EngineParts:
+    """Load the model named by `server_args` and build its runner and scheduler (call it on
+    the thread that will run them: see Engine)."""
+    if server_args.cpu_pinning not in ("auto", "on", "off"):
+        raise ValueError(f"cpu_pinning must be auto, on or off; got "
+                         f"{server_args.cpu_pinning!r}")
+    device = _resolve_device(server_args.device)
+    dtype = _resolve_dtype(server_args.dtype, device)
+    spec = resolve_spec_config(server_args, default_model=server_args.model_path is None)
+    # One read of the checkpoint: GGUF blocks stay packed unless dense was asked for, and
+    # `auto` is decided from what was read (a dense method dequantizes blocks it is handed).
+    keep_packed = device.type == "cpu" and server_args.quantization != "none"
+    loaded = load_model(server_args.model_path, dtype, keep_packed=keep_packed)
+    quantization = resolve_quantization(
+        server_args.quantization, device=device, dtype_is_explicit=server_args.dtype != "auto",
+        source_has_int4_blocks=all_int4_blocks(loaded.weights),
+    )
+    quant = QuantConfig(quantization, dtype,
+                        deterministic=server_args.enable_deterministic_inference)
+    kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, device, default=quant.kv_dtype)
+    tokenizer = loaded.tokenizer
+    if server_args.tokenizer_path is not None:
+        from sglang_like.model_loader import load_tokenizer
+
+        tokenizer = load_tokenizer(server_args.tokenizer_path)
+    context_len = server_args.context_length or loaded.config.max_position_embeddings
+    num_slots = server_args.max_total_tokens or _auto_pool_size(
+        loaded.config, kv_dtype, device, server_args.mem_fraction_static
+    )
+    sa = server_args.replace(
+        context_length=context_len, max_total_tokens=num_slots, device=str(device),
+        dtype=str(dtype).removeprefix("torch."), quantization=quantization,
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+    )
+    runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype)
+    eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
+    drafter = build_drafter(spec, runner) if spec is not None else None
+    scheduler = Scheduler(
+        SchedulerConfig(
+            pool_size=num_slots, context_len=context_len, vocab_size=loaded.config.vocab_size,
+            max_running_requests=sa.max_running_requests,
+            max_prefill_tokens=sa.max_prefill_tokens,
+            chunked_prefill_size=sa.chunked_prefill_size, schedule_policy=sa.schedule_policy,
+            disable_radix_cache=sa.disable_radix_cache, eviction_policy=sa.eviction_policy,
+            enable_jump_forward=sa.enable_jump_forward, random_seed=sa.random_seed,
+            speculative_auto_disable=sa.speculative_auto_disable,
+        ),
+        runner, tokenizer, eos, drafter,
+    )
+    return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos)
+
+
+def _build_runner(sa: ServerArgs, config: ModelConfig, weights: dict[str, Any],
+                  device: torch.device, dtype: torch.dtype, quant: QuantConfig,
+                  kv_dtype: torch.dtype) -> ModelRunner:
+    """The model runner; with `tp_size` > 1 it is rank 0 of a tensor-parallel group whose
+    other ranks start here (they load while this rank builds its own shard)."""
+    tp_group = tp = None
+    if sa.tp_size > 1:
+        from sglang_like.tp.group import TPGroup
+
+        tp_group = TPGroup(sa, config, device)
+        tp = tp_group.shard
+    elif sa.tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1; got {sa.tp_size}")
+    return ModelRunner(
+        config, weights, dtype=dtype, device=device, num_kv_slots=sa.max_total_tokens,
+        context_len=sa.context_length, max_running_requests=sa.max_running_requests,
+        quant=quant, kv_dtype=kv_dtype, tp=tp, tp_group=tp_group,
+    )
+
+
+def build_drafter(spec: SpecConfig, runner: ModelRunner) -> Any:
+    """The drafter `spec` names, attached to the target's runner."""
+    if spec.algorithm == "NGRAM":
+        from sglang_like.speculative.ngram import NgramDrafter
+
+        return NgramDrafter(spec.num_draft_tokens, spec.ngram_min_window, spec.ngram_max_window,
+                            spec.ngram_breadth, spec.ngram_capacity)
+    from sglang_like.speculative.eagle import EagleDrafter
+
+    return EagleDrafter(spec, runner)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device,
+                   default: torch.dtype | None = None) -> torch.dtype:
+    if dtype == "auto":
+        if default is not None:
+            return default
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
+    return table[dtype]
+
+
+def _auto_pool_size(config: Any, dtype: torch.dtype, device: torch.device,
+                    fraction: float) -> int:
+    per_token = KVPool.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
+                                       config.head_dim, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int(free * fraction) // per_token, 1024)
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return max(min(int(avail * fraction) // per_token, _CPU_MAX_AUTO_SLOTS), 1024)

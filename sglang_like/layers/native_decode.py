@@ -1,0 +1,286 @@
+"""The native decode path of a Llama-family model: each layer as a few sglang_like_kernels.cpu calls.
+
+A decode batch (every request one new token, no tree) of up to `MAX_ROWS` requests runs
+RMSNorm fused with the residual add before it, the qkv matmul, RoPE + KV store + attention in
+one call, o_proj, RMSNorm, gate_up, silu*mul, down. The per-layer arguments are gathered once
+into plain tuples (`NativeDecodePlan`), so a step pays no nn.Module attribute lookups or
+module calls: at batch 1 those were about a millisecond of a 7-10 ms step.
+
+A batch under per-request masks (a speculative verify: trees, beside plain decode rows) of up
+to `MAX_ROWS` token rows runs the same calls: the attention kernel reads, for each
+query row, one row of a key table, so `masked_rows` builds a table with one row per query
+(the request's prefix slots, then the slots of the tree nodes its mask lets it see) once per
+forward, and every layer reads it.
+
+Where every linear is x16-packed int4 (`Q4X16Method`, `auto`'s int4 kernel without AMX), the
+whole step is one native call instead (`sglang_like_kernels.cpu.decode_step_x16`, decode_step.c): the same
+phases in one OpenMP team, the same bits. At one row the 240 calls a step of the default
+model made cost about as much as its matmuls. `SGLANG_LIKE_FUSED_DECODE=0` keeps the per-op
+calls (the tests compare the two).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from sglang_like_kernels.cpu import ops
+from sglang_like.layers.quantization.q4_native import Q4X16Method
+
+if TYPE_CHECKING:
+    from sglang_like.forward_batch import ForwardBatch
+    from sglang_like.mem_pool import KVPool
+    from sglang_like.models.llama import LlamaDecoderLayer, RMSNorm
+
+# Query rows up to which a decode or masked (verify) batch runs natively; larger ones, and
+# plain extends (prefill chunks without masks), keep the torch path. Measured here at int4
+# (2 cores, AVX-512), decode tok/s torch -> native: 16 requests 418 -> 525, 32: 484 -> 559
+# (short prompts); 16 / 32 / 64 requests sharing a 1,000-token cached prefix, where the torch
+# path's cascade attention reads the shared keys once: 331 -> 448, 391 -> 411, 469 -> 449.
+MAX_ROWS = 64
+# A masked batch (a speculative verify) runs natively up to this many rows, so that its rows
+# keep the float sums of the plain decode of the same requests: with the verify of 20
+# requests' trees (120 rows) on the torch path, greedy speculation and plain decode parted at
+# a near-tie 0.11 nats apart. 256: where the int4 linears keep one kernel (quant/int4.py).
+MAX_MASKED_ROWS = 256
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+FUSED_ENV = "SGLANG_LIKE_FUSED_DECODE"
+
+
+class AttnRows(NamedTuple):
+    """Which keys each query row attends to: the first seq_lens[t] slots of table[rows[t]]."""
+
+    table: torch.Tensor  # int32 [*, width], contiguous
+    rows: torch.Tensor  # int64 [T]
+    seq_lens: torch.Tensor  # int64 [T]
+
+
+def decode_rows(fb: ForwardBatch) -> AttnRows:
+    """A decode batch reads its requests' own rows of the slot table."""
+    return AttnRows(fb.req_to_token, fb.req_pool_indices, fb.seq_lens)
+
+
+def extend_rows(fb: ForwardBatch) -> AttnRows:
+    """A causal extend whose new tokens' slots are already in the table (a decode is an
+    extend of one): new token i of request b reads the first prefix_len + i + 1 slots of its
+    request's row."""
+    lens = fb.extend_lens
+    rows = fb.req_pool_indices.repeat_interleave(lens)
+    starts = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
+    within = torch.arange(fb.num_tokens) - starts
+    return AttnRows(fb.req_to_token, rows, fb.prefix_lens.repeat_interleave(lens) + within + 1)
+
+
+def masked_rows(fb: ForwardBatch) -> AttnRows:
+    """A batch under `fb.custom_masks` as one key row per query.
+
+    Request b's query i sees its prefix_len cached keys and the new key j iff mask[i, j]:
+
+        table row of query i:  | req_to_token[r, :prefix_len] | slots of its visible new keys |
+                               |<-------- prefix_len -------->|<----- mask[i].sum() ------->|
+
+    The new keys are taken in order (j ascending), so a chain's rows read exactly what a
+    plain decode at that position reads, in the same order. Where every request has one row
+    that sees all its new keys, already in its row of the slot table, that row is read as it
+    is (no table is built)."""
+    r2t, masks = fb.req_to_token, fb.custom_masks
+    assert masks is not None
+    if all(m.shape[0] == 1 and bool(m.all()) for m in masks):
+        # one row a request that sees every new key (an EAGLE chain's draft step, whose nodes
+        # are in the request's row): those rows of the slot table as they are, no copy
+        widths = torch.tensor([m.shape[1] for m in masks], dtype=torch.long)
+        return AttnRows(r2t, fb.req_pool_indices, fb.prefix_lens + widths)
+    prefixes = fb.prefix_lens.tolist()
+    width = max(p + m.shape[1] for p, m in zip(prefixes, masks, strict=True))
+    table = torch.empty(fb.num_tokens, max(width, 1), dtype=torch.int32)
+    seq_lens = torch.empty(fb.num_tokens, dtype=torch.long)
+    start = 0
+    for r, p, mask in zip(fb.req_pool_indices.tolist(), prefixes, masks, strict=True):
+        n, m = mask.shape
+        if n == 0:
+            continue
+        keys = r2t[r, : p + m]
+        seg = table[start : start + n]
+        seg[:, :p] = keys[:p]
+        if n == 1 and bool(mask.all()):
+            seg[:, p : p + m] = keys[p:]  # a decode row (or one-row extend) beside the trees
+            seq_lens[start] = p + m
+        else:
+            mask = mask.to(torch.bool)
+            # each row's visible columns first, ascending; the rest (sentinel m) after them
+            cols = torch.where(mask, torch.arange(m), m).sort(dim=1).values.clamp_(max=m - 1)
+            seg[:, p : p + m] = keys[p:][cols]
+            seq_lens[start : start + n] = mask.sum(dim=1) + p
+        start += n
+    return AttnRows(table, torch.arange(fb.num_tokens), seq_lens)
+
+
+class _Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
+    out_dtype: torch.dtype
+
+
+class _Layer(NamedTuple):
+    norm_in: _Norm
+    qkv: Linear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_id: int
+    sm_scale: float
+    o_in_dtype: torch.dtype
+    o_proj: Linear
+    norm_post: _Norm
+    gate_up: Linear
+    down_in_dtype: torch.dtype
+    down: Linear
+
+
+def _norm(module: RMSNorm) -> _Norm:
+    return _Norm(module.weight, module.eps, module.out_dtype)
+
+
+def _linear(layer: torch.nn.Module) -> Linear:
+    return layer.method.decode_fn(layer)
+
+
+class NativeDecodePlan:
+    """What every decode step of one model needs from its layers, gathered once."""
+
+    def __init__(self, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> None:
+        self.cos, self.sin = cos_table, sin_table
+        self.layers = [
+            _Layer(_norm(layer.input_layernorm), _linear(a.qkv_proj), a.num_heads,
+                   a.num_kv_heads, a.head_dim, a.layer_id, a.sm_scale,
+                   a.o_proj.method.input_dtype, _linear(a.o_proj),
+                   _norm(layer.post_attention_layernorm), _linear(layer.mlp.gate_up_proj),
+                   layer.mlp.down_proj.method.input_dtype, _linear(layer.mlp.down_proj))
+            for layer in layers for a in (layer.self_attn,)
+        ]
+        self.fused = _FusedX16.build(layers, cos_table, sin_table)
+
+    def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
+            aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(residual stream after the last layer, EAGLE-3 features or None), as
+        `LlamaForCausalLM.forward_layers`; x is the embedded batch, float32 [T, hidden], one
+        row per query of `attn`."""
+        if self.fused is not None and fb.on_layer is None:
+            return self.fused.run(x, fb, pool, attn, aux_layers)
+        attend, add_rmsnorm, silu_mul = ops.decode_attention_rope, ops.add_rmsnorm, ops.silu_mul
+        cos, sin = self.cos, self.sin
+        positions, out_slots, on_layer = fb.positions, fb.out_slots, fb.on_layer
+        table, rows, seq_lens = attn
+        k_buffers, v_buffers = pool.k_buffers, pool.v_buffers
+        layers = self.layers
+        last = len(layers) - 1
+        h = ops.rmsnorm(x, *layers[0].norm_in)
+        aux: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(layers):
+            if i in aux_layers:
+                aux[i] = x  # never written in place: each step makes a new residual tensor
+            a = attend(p.qkv(h), p.num_heads, p.num_kv_heads, p.head_dim, cos, sin, positions,
+                       k_buffers[p.layer_id], v_buffers[p.layer_id], out_slots, table, rows,
+                       seq_lens, p.sm_scale, p.o_in_dtype)
+            x, h = add_rmsnorm(x, p.o_proj(a), *p.norm_post)
+            down = p.down(silu_mul(p.gate_up(h), p.down_in_dtype))
+            if i < last:
+                x, h = add_rmsnorm(x, down, *layers[i + 1].norm_in)
+            else:
+                x = x + down.float()
+            if on_layer is not None:
+                on_layer(i)
+        features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
+        return x, features
+
+
+class _FusedX16:
+    """A whole decode step as one `decode_step_x16` call: the layers' addresses gathered once
+    into an int64 table [L, 8] (qkv, o, gate_up, down weights; the two norms; the layer's K and
+    V pools, filled in for each pool it runs over)."""
+
+    def __init__(self, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> None:
+        a0 = layers[0].self_attn
+        self.cos, self.sin = cos_table, sin_table
+        self.shape = (len(layers), a0.num_heads, a0.num_kv_heads, a0.head_dim,
+                      layers[0].mlp.intermediate_size)
+        self.eps = layers[0].input_layernorm.eps
+        self.sm_scale = a0.sm_scale
+        self.layer_ids = [layer.self_attn.layer_id for layer in layers]
+        self.ptrs = torch.tensor([
+            [lin.x16.data_ptr() for lin in _linears(layer)]
+            + [layer.input_layernorm.weight.data_ptr(),
+               layer.post_attention_layernorm.weight.data_ptr(), 0, 0]
+            for layer in layers], dtype=torch.int64)
+        # what the addresses point into, kept alive with them
+        self._held = [t for layer in layers for t in (
+            *(lin.x16 for lin in _linears(layer)), layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight)]
+        self._pool: KVPool | None = None
+        self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @classmethod
+    def build(cls, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+              sin_table: torch.Tensor) -> _FusedX16 | None:
+        """The fused step of these layers, or None where it does not apply: the env switch
+        off, a linear not x16 or with a bias, a norm not float32 out, layers that differ."""
+        if os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers:
+            return None
+        first = layers[0]
+        for layer in layers:
+            a = layer.self_attn
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (any(not isinstance(lin.method, Q4X16Method) or lin.bias is not None
+                    for lin in _linears(layer))
+                    or any(n.out_dtype != torch.float32 or n.eps != first.input_layernorm.eps
+                           or n.weight.dtype != torch.float32 for n in norms)
+                    or (a.num_heads, a.num_kv_heads, a.head_dim, layer.mlp.intermediate_size)
+                    != (first.self_attn.num_heads, first.self_attn.num_kv_heads,
+                        first.self_attn.head_dim, first.mlp.intermediate_size)):
+                return None
+        return cls(layers, cos_table.float().contiguous(), sin_table.float().contiguous())
+
+    def _refresh_pool(self, pool: KVPool) -> None:
+        """The pool's K/V buffer addresses into the table, once per pool (a pool makes its
+        buffers when it is built and keeps them; holding it keeps them alive)."""
+        if pool is self._pool:
+            return
+        for j, i in enumerate(self.layer_ids):
+            for col, buf in ((6, pool.k_buffers[i]), (7, pool.v_buffers[i])):
+                if not buf.is_contiguous():
+                    raise ValueError("the fused decode step needs contiguous KV pool buffers")
+                self.ptrs[j, col] = buf.data_ptr()
+        self._pool = pool
+
+    def _aux_slot(self, aux_layers: tuple[int, ...]) -> torch.Tensor:
+        slots = self._aux_slots.get(aux_layers)
+        if slots is None:
+            slots = torch.full((len(self.layer_ids),), -1, dtype=torch.int64)
+            for j, i in enumerate(aux_layers):
+                slots[i] = j
+            self._aux_slots[aux_layers] = slots
+        return slots
+
+    def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
+            aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._refresh_pool(pool)
+        x = x.to(torch.float32, copy=True).contiguous()  # updated in place, layer by layer
+        t, h = x.shape
+        features = torch.empty(t, len(aux_layers) * h) if aux_layers else None
+        num_layers, hq, hkv, d, inter = self.shape
+        table, rows, seq_lens = attn
+        ops.decode_step_x16(num_layers, x, self.ptrs, self.eps, pool.k_buffers[0].dtype,
+                        self.cos, self.sin, fb.positions, fb.out_slots, table, rows, seq_lens,
+                        hq, hkv, d, inter, self.sm_scale, self._aux_slot(aux_layers), features)
+        return x, features
+
+
+def _linears(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
+    a, m = layer.self_attn, layer.mlp
+    return a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj

@@ -1,0 +1,123 @@
+"""The LM head (and tied embedding) of a quantized model as block-int8 rows on the native
+Q8_0 kernel: float32 activations in, float32 logits out, one copy of the matrix."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+import sglang_like_kernels.cpu
+import sglang_like_kernels.cpu.amx
+from sglang_like_kernels.cpu.ops import argmax_rows
+from sglang_like.layers.quantization.base import WeightSource
+from sglang_like.layers.quantization.int8 import EMBED_BLOCK, Int8EmbeddingMethod, quantize_blocks_int8
+
+
+@functools.cache
+def q8_head_available() -> bool:
+    """Whether the native Q8_0 kernel is built on this machine (x86 with AVX2 and a compiler)."""
+    return sglang_like_kernels.cpu.available()
+
+
+class Q8HeadMethod(Int8EmbeddingMethod):
+    """The embedding's block-int8 rows (a GGUF Q8_0 matrix kept exactly, anything else
+    quantized at load; `embed` and `dequantize` as there), multiplied by
+    `sglang_like_kernels.cpu.q8_0_matmul_f32` whatever the row count (on AMX, the tile kernels below).
+
+    Why one copy at int8: the head is the model's largest matrix (49152x576 on the default
+    model). An fp16 copy for fbgemm's GEMM besides the rows the embedding gathers took 96 MB
+    of resident memory (fbgemm's packed form) for 57 MB of weights. The int8 kernel is
+    faster than fbgemm up to about 16 rows and slower above (measured with the caches cold,
+    AVX-512: 1.3 / 1.6 / 2.5 / 4.6 / 9.4 / 18 ms at 1 / 4 / 8 / 16 / 32 / 64 rows, fbgemm
+    1.8 / 2.7 / 3.5 / 4.7 / 6.5 / 11); a decode step of 32 rows spends about 3 ms more on
+    the head and the model is 96 MB smaller. Every row count runs the same sums per row, so
+    logits do not depend on the batch (fbgemm's fp16 copy rounds otherwise: a row's logprobs
+    moved by about 1e-3 across a cut between the two).
+
+    On CPUs with AMX, kernels/sglang_like_kernels/cpu/amx_q8.c runs instead. Below `amx_min_rows` rows (decode
+    steps, speculative verifies) its integer kernel: the codes as they are on the tile unit
+    (VNNI up to 4 rows, the same integer sums), activations as two int8 parts per 32 columns
+    (about 15 bits: 2e-5 of the logits' norm), one scaling per block; cold, 2.6 ms against
+    3.7 at 8 rows, 1.6 against 2.6 at 2, the same at one (the matrix streams either way).
+    From `amx_min_rows` its bf16 kernel: weights (code x scale) and activations each as two
+    bf16 parts, the float product (4e-6 relative), which the integer kernel's per-block
+    scaling falls behind from about 24 rows: 4.7 ms against 10.8 native at 32 rows, 7.4
+    against 22 at 64. The two round differently, so `batch_invariant` keeps the integer
+    kernel at every row count: every row's logits are then the same bits in any batch.
+
+    On CPUs with AVX-512 VNNI (no AMX), the rows are repacked 16 at a time for
+    kernels/sglang_like_kernels/cpu/q8_rows.c, which rounds the activations to two int8 parts per 32 columns
+    (about 15 bits: logits within 2e-5 of the float product's norm; one int8 part moved them
+    by 5e-3 and cost 1.4 points of top-1 agreement with fp32) and dots 16 rows' codes per
+    instruction: measured (AMD EPYC, 2 cores) 0.5 / 1.3 / 2.8 / 7.9 ms at 1 / 4 / 8 / 32 rows
+    against 2.3 / 3.3 / 4.8 / 16.2 for the float kernel. Every row count runs the same sums
+    per row. On AVX2 it measured no faster than the float kernel (even with one part), which
+    stays there.
+    """
+
+    amx_min_rows = 24
+    argmax_min_rows = 12  # fewer rows: the logits and their argmax (see `argmax`)
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
+
+    def create_weights(self, layer: nn.Module, sources: list[WeightSource],
+                       device: torch.device) -> None:
+        parts = [quantize_blocks_int8(s) for s in sources]  # a fused linear's partitions too
+        codes = torch.cat([c for c, _ in parts]) if len(parts) > 1 else parts[0][0]
+        scale = torch.cat([s for _, s in parts]) if len(parts) > 1 else parts[0][1]
+        if codes.shape[1] % EMBED_BLOCK != 0:
+            raise ValueError(f"the Q8_0 head needs in_features % {EMBED_BLOCK} == 0")
+        n, k = codes.shape
+        layer.amx = (n % 32 == 0 and k % 32 == 0 and device.type == "cpu"
+                     and sglang_like_kernels.cpu.amx.available())
+        layer.x16 = (not layer.amx and n % 16 == 0 and device.type == "cpu"
+                     and sglang_like_kernels.cpu.isa() == "avx512_vnni")
+        if layer.x16:  # one copy, in the kernel's layout; embed() gathers rows out of it
+            codes, scale = sglang_like_kernels.cpu.q8_x16_pack(codes.contiguous(), scale.contiguous())
+        layer.register_buffer("weight", codes.contiguous().to(device))
+        layer.register_buffer("block_scale", scale.contiguous().to(device))
+        if layer.x16:  # a float a row: what `argmax` bounds a logit's second part with
+            layer.register_buffer("row_bounds",
+                                  sglang_like_kernels.cpu.q8_x16_row_bounds(layer.weight, layer.block_scale))
+
+    def _rows(self, layer: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer.x16:
+            return sglang_like_kernels.cpu.q8_x16_rows(layer.weight, layer.block_scale, ids)
+        return layer.weight[ids], layer.block_scale[ids]
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        codes, scale = self._rows(layer, ids)
+        t, k = codes.shape
+        return (codes.float().view(t, scale.shape[1], -1) * scale.unsqueeze(-1)).view(t, k)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        n = layer.weight.shape[0] * (16 if layer.x16 else 1)
+        return self.embed(layer, torch.arange(n, device=layer.weight.device))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.x16:
+            return sglang_like_kernels.cpu.q8_x16_matmul(x, layer.weight, layer.block_scale)
+        if layer.amx:
+            int8 = self.batch_invariant or x.shape[0] < self.amx_min_rows
+            return sglang_like_kernels.cpu.amx.q8_matmul(x, layer.weight, layer.block_scale, int8=int8)
+        return sglang_like_kernels.cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
+
+    def argmax_supported(self, layer: nn.Module) -> bool:
+        return layer.x16
+
+    def argmax(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Greedy rows on the x16 kernel: from `argmax_min_rows` rows `q8_x16_argmax`, the
+        first activation part for every logit and both only for the 16-row groups that can
+        hold the maximum (on the default model 4-10 groups of 3072 a row); below, the logits
+        and their argmax. The same index either way. Measured (AMD EPYC, 2 cores, best of 5):
+        20-28% less time than the logits at 12-32 rows (4.7 against 6.5 ms at 32); at 8 rows
+        no less, at 1 the same."""
+        if x.shape[0] < self.argmax_min_rows:
+            return torch.tensor(argmax_rows(self.apply(layer, x)), dtype=torch.int64)
+        return sglang_like_kernels.cpu.q8_x16_argmax(x, layer.weight, layer.block_scale, layer.row_bounds)[0]
+
+    def decode_bytes(self, layer: nn.Module) -> int:
+        return self.weight_bytes(layer)  # every step reads the whole head

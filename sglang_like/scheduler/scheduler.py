@@ -1,0 +1,539 @@
+"""Scheduler: one `step()` = pick a mixed batch, run it, sample, finish requests."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from radix_cache import KVSlotAllocator, RadixCache
+from sglang_like.scheduler.cache_manager import KVCacheManager
+from sglang_like.utils.fault_injection import FaultInjector
+from sglang_like.mem_pool import ReqToTokenPool
+from sglang_like.scheduler.output_processor import OutputProcessor
+from sglang_like.req import FinishReason, Req, internal_error_message
+from sglang_like.layers.sampler import SampleOutput, Sampler, select_rows
+from sglang_like.scheduler.batch import ScheduleBatch
+from sglang_like.scheduler.policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
+from sglang_like.speculative.controller import SpecController
+from sglang_like.scheduler.spec_propose import propose_trees
+from sglang_like.speculative.tree import DraftTree
+from sglang_like.scheduler.spec_verify import TreeWalk, accept_trees
+
+logger = logging.getLogger(__name__)
+
+# Slots kept back per running request when admitting a new prefill, so that decoding does
+# not immediately run out and retract (requests still retract when this guess is short).
+_DECODE_RESERVE_PER_REQ = 8
+
+
+class ModelRunnerLike(Protocol):
+    """What the scheduler needs of a model runner (the real one, or a scripted fake in tests)."""
+
+    req_to_token_pool: ReqToTokenPool
+
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Logits [len(batch.logits_rows), vocab] float32."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's knobs, resolved from ServerArgs and the model."""
+
+    pool_size: int  # KV token slots
+    context_len: int
+    vocab_size: int
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int | None = 2048
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    eviction_policy: str = "lru"
+    enable_jump_forward: bool = True
+    random_seed: int = 0
+    check_accounting: bool = False  # assert the pool invariant after every step (tests)
+    speculative_auto_disable: bool = True  # speculate only where measured to pay
+
+    @property
+    def prefill_budget(self) -> int:
+        if self.chunked_prefill_size and self.chunked_prefill_size > 0:
+            return min(self.max_prefill_tokens, self.chunked_prefill_size)
+        return self.max_prefill_tokens
+
+    @property
+    def is_chunking(self) -> bool:
+        return bool(self.chunked_prefill_size and self.chunked_prefill_size > 0)
+
+
+class Scheduler:
+    """Continuous batching over a radix-cached KV pool. Single-threaded: the engine's loop
+    thread calls add_request / abort / step; nothing else touches a Req while it is here."""
+
+    def __init__(self, config: SchedulerConfig, runner: ModelRunnerLike, tokenizer: Any,
+                 eos_token_ids: frozenset[int], drafter: Any = None) -> None:
+        """`drafter` (speculative decoding, optional): `propose(reqs, max_depths, sched) ->
+        list[DraftTree | None]`; it may also have `after_forward(batch, walks, sched)`."""
+        self.config = config
+        self.runner = runner
+        allocator = KVSlotAllocator(config.pool_size)
+        tree = RadixCache(allocator, config.eviction_policy, disable=config.disable_radix_cache)
+        self.cache = KVCacheManager(allocator, tree, runner.req_to_token_pool)
+        self.sampler = Sampler(eos_token_ids, config.vocab_size)
+        self.faults = FaultInjector.from_env()
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, self.cache, config,
+                                       self.faults)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self._rng = random.Random(config.random_seed)
+        self._finished_outside_step: list[Req] = []
+        self.drafter = drafter
+        # prefill/decode disaggregation (sglang_like.disaggregation): None on a regular worker
+        self.disagg: Any = None
+        # rows cost a share of a step on CPU (its floor, measured there), next to nothing on CUDA
+        on_cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        self.spec_controller = SpecController(enabled=config.speculative_auto_disable,
+                                              **({"row_share": None} if on_cuda else {}))
+        self._drafting_s, self._num_decoders = 0.0, 0  # this step's drafting (the controller's)
+        self.spec_accept_lengths: collections.Counter[int] = collections.Counter()
+        # statistics
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_forward_steps = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens this worker's forwards ran
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        """Queue a validated request. One that can never fit ends at once with an abort."""
+        sp = req.sampling_params
+        if not sp.is_greedy:
+            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+            req.generator = torch.Generator().manual_seed(seed)
+        if req.seq_len + 1 > self.config.pool_size:
+            req.finish(FinishReason("abort", message=(
+                f"the prompt has {req.seq_len} tokens but the KV pool holds only "
+                f"{self.config.pool_size}; raise max_total_tokens")))
+            self._finished_outside_step.append(req)
+            return
+        if req.bootstrap is not None and self.disagg is not None:
+            self.disagg.add(req)  # a PD request: it meets its other half first
+            if req.is_finished:
+                self._finished_outside_step.append(req)
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """End a queued or running request now and free what it holds."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    req.finish(FinishReason("abort", message="aborted"))
+                    queue.remove(req)
+                    self.cache.release(req)
+                    self._finished_outside_step.append(req)
+                    return True
+        if self.disagg is not None:
+            req = self.disagg.abort(rid, self)
+            if req is not None:
+                self._finished_outside_step.append(req)
+                return True
+        return False
+
+    def abort_all(self, message: str) -> list[Req]:
+        reqs = self.waiting + self.running
+        for req in reqs:
+            req.finish(FinishReason("abort", message=message))
+            self.cache.release(req)
+        self.waiting, self.running = [], []
+        if self.disagg is not None:
+            reqs += self.disagg.abort_all(message, self)
+        return reqs
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_outside_step
+                    or (self.disagg is not None and self.disagg.has_news))
+
+    def flush_cache(self) -> bool:
+        """Empty the radix tree; refused (False) while requests are queued or running."""
+        if self.waiting or self.running or (self.disagg is not None
+                                            and self.disagg.num_inflight):
+            return False
+        self.cache.tree.reset()
+        flush = getattr(self.drafter, "flush", None)
+        if flush is not None:
+            flush()  # NGRAM's text of finished requests goes with the cache
+        return True
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one forward; return the requests with new output or that finished.
+
+        Never raises for a fault inside the step (a forward that fails, a bug in sampling or
+        a grammar): the requests of the failed batch end with `internal error: ...`, every
+        slot they held comes back, and the others go on.
+        """
+        touched = self._finished_outside_step
+        self._finished_outside_step = []
+        batch = ScheduleBatch()
+        try:
+            if self.disagg is not None:
+                self.disagg.poll(self, touched)
+            start = time.perf_counter()  # the step's cost includes drafting (in scheduling)
+            self._schedule_running(batch, touched)
+            self._schedule_waiting(batch, touched)
+            if batch.batch_size:
+                self._run(batch, touched, start)
+        except Exception as exc:  # noqa: BLE001 - ends the batch's requests, never the loop
+            logger.exception("scheduler step failed; ending the requests of its batch")
+            self._recover(batch, touched, exc)
+        if self.config.check_accounting:
+            held = self.disagg.held_slots() if self.disagg is not None else []
+            self.cache.check_accounting(self.running, pending_slots=len(held))
+        # once each (a PD request can arrive and decode in one step): a stream gets one chunk
+        return list(dict.fromkeys(touched)) if self.disagg is not None else touched
+
+    def _run(self, batch: ScheduleBatch, touched: list[Req], start: float) -> None:
+        self.faults.maybe_fail("forward")
+        sender = getattr(self.disagg, "before_forward", None)
+        if sender is not None:
+            batch.on_layer = sender(batch)  # streams each layer's KV to the decode worker
+        logits = greedy = None
+        try:
+            if self._argmax_only(batch):
+                greedy = self.runner.forward_greedy(batch)
+            else:
+                logits = self.runner.forward(batch)
+        finally:
+            if sender is not None:
+                self.disagg.after_forward()  # its slots are not freed with a write in flight
+        self.num_forward_steps += 1
+        walks: list[TreeWalk] = []
+        self._process(batch, logits, walks, touched, greedy)
+        if sender is not None:
+            self.disagg.after_process(batch)
+        after = getattr(self.drafter, "after_forward", None)
+        drafting = self._drafting_s
+        if after is not None:
+            t0 = time.perf_counter()
+            after(batch, walks, self)
+            drafting += time.perf_counter() - t0
+        ctl = self.spec_controller
+        if ctl.drafted_step == ctl.step:
+            ctl.record_drafting(self._num_decoders, drafting)
+        # the speculation controller prices rows by the step without its drafting (the
+        # verify rows and the walks stay in): drafting is priced on its own, per batch size
+        ctl.record_forward(batch.num_tokens, time.perf_counter() - start - drafting)
+
+    def _recover(self, batch: ScheduleBatch, touched: list[Req], exc: Exception) -> None:
+        """After a fault: end the batch's requests (all of them if the fault came before a
+        batch was formed, so a fault that repeats cannot spin), then take back every slot
+        that no one owns any more (allocated for the batch, not yet in a request's row)."""
+        message = internal_error_message(exc)
+        victims = list(dict.fromkeys(batch.reqs)) or self.waiting + self.running
+        seen = {id(r) for r in touched}
+        for req in victims:
+            req.finish(FinishReason("abort", message=message))
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            self.cache.release(req)
+            if id(req) not in seen:
+                touched.append(req)
+        for req in touched + self.waiting:  # only running requests may hold a row
+            if req.req_pool_idx is not None and req not in self.running:
+                self.cache.release(req)
+        held = self.disagg.held_reqs() if self.disagg is not None else []
+        num = self.cache.reclaim_orphans(
+            self.running, held, self.disagg.held_slots() if self.disagg is not None else ())
+        if num:
+            logger.warning("took back %d KV slots the failed step had allocated", num)
+        report = getattr(self.disagg, "report_ended", None)
+        if report is not None:  # a PD prefill worker tells the decode side now
+            report()
+
+    def _schedule_running(self, batch: ScheduleBatch, touched: list[Req]) -> None:
+        decoders = [r for r in self.running if r.num_uncomputed == 1]
+        while len(decoders) > self.cache.num_available_slots:
+            if not self._retract_one(batch, touched):
+                break
+            decoders = [r for r in self.running if r.num_uncomputed == 1]
+        t0 = time.perf_counter()
+        trees = self._propose_trees(decoders)
+        self._drafting_s = time.perf_counter() - t0
+        self._num_decoders = len(decoders)
+        budget = self.config.prefill_budget
+        # decodes first: the next prefill chunks are sized by what they leave
+        for req in sorted(self.running, key=lambda r: r.num_uncomputed != 1):
+            if req not in self.running:
+                continue  # retracted below to make room for an earlier one
+            tree = trees.get(id(req))
+            if tree is not None:
+                slots = self.cache.alloc_slots(tree.num_nodes)
+                if slots is not None:
+                    self.cache.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
+                    batch.add_tree(req, tree, slots)
+                    continue
+            n = self._next_extend_len(req, budget)
+            if n is None:
+                continue
+            slots = self.cache.alloc_slots(n) if n else None
+            while slots is None:
+                # Nothing left for even one token: part-prefilled requests may each hold
+                # what another needs. Retract the latest arrival not in this batch.
+                if not self._retract_one(batch, touched) or req not in self.running:
+                    break
+                n = self._next_extend_len(req, budget)
+                slots = self.cache.alloc_slots(n) if n else None
+            if slots is None:
+                continue
+            if n > 1:
+                budget -= n
+            self._add_to_batch(batch, req, n, slots)
+
+    def _next_extend_len(self, req: Req, budget: int) -> int | None:
+        """Tokens to run for a running request this step: 1 for a decode; for the rest of a
+        prefill the next chunk, within the token budget and the slots to be had (0: none
+        left, retract to go on). None: it waits for a later step (budget spent)."""
+        if req.num_uncomputed == 1:
+            return 1
+        n = min(req.num_uncomputed, budget)
+        if n <= 0:
+            return None
+        if not self.config.is_chunking:
+            return n if n == req.num_uncomputed else None
+        return min(n, self.cache.num_available_slots)
+
+    def _propose_trees(self, decoders: list[Req]) -> dict[int, DraftTree]:
+        return propose_trees(self, decoders) if self.drafter is not None else {}
+
+    def _schedule_waiting(self, batch: ScheduleBatch, touched: list[Req]) -> None:
+        budget = self.config.prefill_budget - sum(n for n in batch.extend_lens if n > 1)
+        if (not self.waiting or budget <= 0
+                or len(self.running) >= self.config.max_running_requests
+                or self.cache.req_to_token_pool.num_free_rows == 0):
+            return  # nothing can be admitted: skip ordering (a tree walk per waiting request)
+        reserve = _DECODE_RESERVE_PER_REQ * len(self.running)
+        picked: list[Req] = []
+        # One side-effect-free peek per waiting request per step: it orders the queue and
+        # sizes the admission; only an admitted request's match counts as a hit.
+        peeks: dict[int, tuple[int, int]] = {}
+
+        def peek(r: Req) -> tuple[int, int]:
+            if id(r) not in peeks:
+                peeks[id(r)] = self.cache.peek(r.fill_ids[: self._max_prefix_len(r)])
+            return peeks[id(r)]
+
+        lpm = self.config.schedule_policy == "lpm" and len(self.waiting) > 1
+        ordered = order_waiting(self.waiting, "lpm" if lpm else "fcfs", lambda r: peek(r)[0])
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if self.cache.req_to_token_pool.num_free_rows == 0:
+                break
+            cap = self._max_prefix_len(req)
+            match_len, match_unlocked = peek(req)
+            if any(common_prefix_len(req.fill_ids, p.fill_ids) - match_len
+                   >= IN_BATCH_SHARE_THRESHOLD for p in picked):
+                continue  # the picked request's prefix is in the tree by next step
+            extend = req.seq_len - match_len
+            n = min(extend, budget) if self.config.is_chunking else extend
+            if n > budget and batch.batch_size:
+                break
+            # the whole rest of the prompt must fit (not just its first chunk), besides
+            # the matched prefix, which locking takes out of the evictable slots
+            if extend + reserve > self.cache.num_available_slots - match_unlocked:
+                break
+            self.cache.match_and_lock(req, cap)
+            n = min(req.seq_len - req.kv_len, n)
+            slots = self.cache.alloc_slots(n)
+            if slots is None:  # the locked match changed what was evictable
+                self.cache.release(req)
+                break
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.perf_counter()
+                req.num_cached_tokens = req.kv_len
+                self.num_prompt_tokens += req.prompt_len
+                self.num_cached_prompt_tokens += req.kv_len
+            self.waiting.remove(req)
+            self.running.append(req)
+            picked.append(req)
+            self._add_to_batch(batch, req, n, slots)
+            budget -= n
+            reserve += _DECODE_RESERVE_PER_REQ
+
+    def _add_to_batch(self, batch: ScheduleBatch, req: Req, n: int, slots: list[int]) -> None:
+        self.num_computed_prompt_tokens += max(min(req.kv_len + n, req.prompt_len) - req.kv_len,
+                                               0)
+        self.cache.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
+        batch.add(req, n, slots)
+
+    def _max_prefix_len(self, req: Req) -> int:
+        cap = req.seq_len - 1  # at least one token must run to produce logits
+        if req.wants_input_logprobs and req.input_logprob_next_pos < req.prompt_len:
+            cap = min(cap, max(req.input_logprob_next_pos - 1, 0))
+        return cap
+
+    def _retract_one(self, batch: ScheduleBatch, touched: list[Req]) -> bool:
+        """Make room: send the most recently arrived running request that is not in this
+        batch back to the queue (its output so far is kept and recomputed later). When it
+        is the only one running, nothing else holds what it lacks: the pool cannot hold it,
+        it ends. False when neither is possible (all running requests are in the batch)."""
+        idle = [r for r in self.running if r not in batch.reqs]
+        if not idle:
+            return False
+        if len(self.running) == 1:
+            req = self.running[0]
+            self._end(req, FinishReason("abort", message=(
+                f"the KV pool ({self.config.pool_size} slots) is too small for this "
+                f"request's {req.seq_len} tokens")), touched)
+            return True
+        self._retract(max(idle, key=lambda r: r.arrival_time))
+        return True
+
+    def _retract(self, victim: Req) -> None:
+        self.running.remove(victim)
+        self.cache.release(victim)
+        victim.num_retractions += 1
+        self.waiting.insert(0, victim)
+        logger.info("retracted %s to free KV slots", victim.rid)
+
+    # ---- after the forward ---------------------------------------------------------------
+    def _argmax_only(self, batch: ScheduleBatch) -> bool:
+        """Whether every row of a decode batch takes its plain argmax (greedy, and no logprobs,
+        penalties, logit bias, grammar, or min_new_tokens holding EOS back): then the runner
+        may return the tokens instead of the logits (`forward_greedy`), where it has such a
+        path; not for a disaggregation role, whose steps stay as they are. A drafter's plain
+        decode steps (where no draft pays: 32 rows and up on CPU) take it, EAGLE's features
+        kept as in any forward."""
+        if (not batch.is_decode or self.disagg is not None
+                or not getattr(self.runner, "has_greedy_forward", False)):
+            return False
+        return all(self.takes_argmax(req) for req in batch.reqs)
+
+    @staticmethod
+    def takes_argmax(req: Req) -> bool:
+        """Whether the sampler would give this decoding request its logits row's plain
+        argmax, and nothing else: greedy, and no logprobs, penalties, logit bias, grammar, or
+        min_new_tokens holding EOS back (it has output, so it is decoding)."""
+        sp = req.sampling_params
+        return (sp.is_greedy and not req.return_logprob and not sp.has_penalties
+                and not sp.token_bias and req.grammar is None and bool(req.output_ids)
+                and len(req.output_ids) >= sp.min_new_tokens)
+
+    def _process(self, batch: ScheduleBatch, logits: torch.Tensor | None,
+                 walks: list[TreeWalk], touched: list[Req],
+                 greedy: list[int] | None = None) -> None:
+        """A forward's results: `logits`, or for an `_argmax_only` batch the token of each
+        logits row (`greedy`)."""
+        for i, req in enumerate(batch.reqs):
+            tree = batch.trees[i]
+            if tree is not None:  # a verify: its nodes are committed as the walk accepts them
+                first = sum(batch.extend_lens[:i])
+                walks.append(TreeWalk(req, tree, batch.out_slots[first : first + tree.num_nodes],
+                                      batch.sample_index[i]))
+                continue
+            req.kv_len += batch.extend_lens[i]
+        if logits is not None:
+            self._record_input_logprobs(batch, logits)
+        to_sample: list[int] = []
+        for i, req in enumerate(batch.reqs):
+            if batch.trees[i] is not None:
+                continue
+            if batch.sample_index[i] < 0 or not req.output_ids:
+                self.cache.cache_computed_prefix(req)  # a prompt (or chunk) just computed
+            if batch.sample_index[i] < 0:
+                continue
+            if req.is_prefill_only:
+                self._end(req, FinishReason("length", length=0), touched)
+                continue
+            to_sample.append(i)
+        if to_sample or walks:
+            self.faults.maybe_fail("sample")
+        if to_sample:
+            reqs = [batch.reqs[i] for i in to_sample]
+            if greedy is not None:
+                nothing: list[None] = [None] * len(reqs)
+                result = SampleOutput([greedy[batch.sample_index[i]] for i in to_sample],
+                                      nothing, nothing)
+            else:
+                rows = select_rows(logits, [batch.sample_index[i] for i in to_sample])
+                bitmask = self.outputs.grammar_bitmask(reqs)
+                result = self.sampler.sample(rows, reqs, bitmask)
+            for j, req in enumerate(reqs):
+                if req.is_finished:  # its grammar failed while the mask was built
+                    self._end(req, req.finished_reason, touched)
+                    continue
+                self.num_generated_tokens += 1
+                if self.drafter is not None and req.output_ids:
+                    req.spec.verify_ct += 1  # a decode forward without a tree counts as one
+                    self.spec_accept_lengths[1] += 1
+                self.outputs.append_token(req, result.next_token_ids[j], result.logprobs[j],
+                                          result.top_logprobs[j])
+                if req.is_finished:
+                    self._end(req, req.finished_reason, touched)
+                else:
+                    touched.append(req)
+        if walks:
+            accept_trees(self, walks, logits, touched)
+
+    def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        for req in batch.reqs:
+            record = req.logprobs
+            if req.wants_input_logprobs and req.logprob_start_len == 0 and not record.input_token:
+                # nothing predicts the first prompt token: its entry has no logprob
+                record.input_token.append((None, req.origin_input_ids[0]))
+                record.input_top.append(None)
+        if not any(batch.input_logprob_rows):
+            return
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        for i, req in enumerate(batch.reqs):
+            rows = batch.input_logprob_rows[i]
+            if not rows:
+                continue
+            record = req.logprobs
+            idx = torch.tensor([r[0] for r in rows])
+            targets = torch.tensor([r[1] for r in rows])
+            sub = lp[idx]
+            values = sub[torch.arange(len(rows)), targets].tolist()
+            for k, (_, token, _) in enumerate(rows):
+                record.input_token.append((values[k], token))
+                if req.top_logprobs_num > 0:
+                    v, ids = torch.topk(sub[k], req.top_logprobs_num)
+                    record.input_top.append(list(zip(v.tolist(), ids.tolist(), strict=True)))
+                else:
+                    record.input_top.append(None)
+
+    def _end(self, req: Req, reason: FinishReason, touched: list[Req]) -> None:
+        req.finish(reason)
+        if req in self.running:
+            self.running.remove(req)
+        self.cache.release(req)
+        finished = getattr(self.drafter, "finished", None)
+        if finished is not None:
+            finished(req)
+        touched.append(req)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def kv_pool_info(self) -> dict[str, int]:
+        tree = self.cache.tree
+        free = self.cache.allocator.num_free_slots
+        return {
+            "total_slots": self.config.pool_size,
+            "free_slots": free,
+            "cached_slots": tree.evictable_size + tree.protected_size,
+            "used_slots": self.config.pool_size - free - tree.evictable_size,
+            # slots 1..touched_slots have ever held K/V (the pool's pages are committed
+            # lazily, so its RSS grows with this until the cache fills the pool)
+            "touched_slots": self.cache.allocator.high_water,
+        }
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
