@@ -1,4 +1,4 @@
-"""Import direction between the five packages (ARCHITECTURE.md "Which way imports point").
+"""Import direction between the five packages (docs/architecture.md, "Which way imports point").
 
 Every module's imports are parsed with `ast`; an edge that points the wrong way fails. A
 subprocess check then imports the torch-free packages with torch blocked.

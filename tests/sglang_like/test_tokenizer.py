@@ -79,8 +79,8 @@ def test_every_digit_is_its_own_token(tok: Tokenizer, text: str) -> None:
 
 
 def test_plain_gpt2_regex_differs_on_space_before_digits(tok: Tokenizer, hf_tok) -> None:
-    # The difference ARCHITECTURE.md documents: transformers' GGUF conversion uses the plain GPT-2
-    # regex, under which "  7" keeps the space with the digit.
+    # The difference docs/architecture.md documents: transformers' GGUF conversion uses the
+    # plain GPT-2 regex, under which "  7" keeps the space with the digit.
     plain = Backend.from_str(hf_tok.backend_tokenizer.to_str())
     plain.pre_tokenizer = pt.ByteLevel(add_prefix_space=False, use_regex=True)
     text = "value  7 and 12"
