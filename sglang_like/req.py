@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sglang_like.sampling_params import SamplingParams
-from sglang_like.speculative.controller import SpecState
 
 if TYPE_CHECKING:  # the HTTP process builds Reqs' messages without torch
     import torch
@@ -46,6 +45,24 @@ class Logprobs:
     input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_token: list[tuple[float, int]] = field(default_factory=list)
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
+@dataclass
+class SpecState:
+    """Per-request speculation state (lives on the Req). Here, not in `speculative`, because
+    every Req carries one and the speculative package sits above Req: the controller
+    (`speculative.controller`) and the drafters write it, the scheduler reads its counters."""
+
+    verify_ct: int = 0  # decode forwards of this request (plain or tree): SGLang's spec_verify_ct
+    accepted_drafts: int = 0  # drafted tokens the target kept
+    backoff_until: int = 0  # the controller's step count before which it does not draft
+    num_failed_tries: int = 0  # pauses in a row since a tree was last verified
+    empty_steps: int = 0  # steps in a row whose drafts were all turned down (confident drafter)
+    copying: bool = False  # its last verified cheap tree had a draft accepted (_evidence_key)
+    joined: bool = False  # the controller has seen it (a new one starts in the batch's pause)
+    ngram: object | None = None  # NgramIndex
+    eagle: object | None = None  # EAGLE drafter state: next-step candidates, feature
+    eagle_pending: object | None = None  # (first position, target features) not yet drafted
 
 
 class Req:

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_like.config import SPECULATIVE_ALGORITHMS, ServerArgs
-from sglang_like.speculative.controller import SpecController, SpecState
+from sglang_like.req import SpecState  # re-exported: it lived here before it moved to req
+from sglang_like.speculative.controller import SpecController
 
 if TYPE_CHECKING:
     from sglang_like.speculative.ngram import NgramDrafter
     from sglang_like.speculative.tree import DraftTree
 
-# The torch-using parts load on first use: the HTTP process imports this package (a request's
-# SpecState) and must not pay for torch.
+# The torch-using parts load on first use: importing this package (the engine's set-up, a
+# test's SpecController) must not pay for torch.
 _LAZY = {"NgramDrafter": "sglang_like.speculative.ngram",
          "DraftTree": "sglang_like.speculative.tree"}
 

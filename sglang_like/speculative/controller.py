@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from sglang_like.req import SpecState
 from sglang_like.speculative.step_costs import StepCosts
 
 if TYPE_CHECKING:
@@ -68,24 +69,6 @@ _STALE_EVIDENCE_STEPS = 256
 def _backoff_end(step: int) -> int:
     """`step` rounded up to a multiple of _BACKOFF_STEPS: pauses end together."""
     return -(-step // _BACKOFF_STEPS) * _BACKOFF_STEPS
-
-
-@dataclass
-class SpecState:
-    """Per-request speculation state (lives on the Req)."""
-
-    verify_ct: int = 0  # decode forwards of this request (plain or tree): SGLang's spec_verify_ct
-    accepted_drafts: int = 0  # drafted tokens the target kept
-    backoff_until: int = 0  # the controller's step count before which it does not draft
-    num_failed_tries: int = 0  # pauses in a row since a tree was last verified
-    empty_steps: int = 0  # steps in a row whose drafts were all turned down (confident drafter)
-    copying: bool = False  # its last verified cheap tree had a draft accepted (_evidence_key)
-    joined: bool = False  # the controller has seen it (a new one starts in the batch's pause)
-    ngram: object | None = None  # NgramIndex
-    eagle: object | None = None  # EAGLE drafter state: next-step candidates, feature
-    eagle_pending: object | None = None  # (first position, target features) not yet drafted
-
-
 
 
 _MAX_EVIDENCE = 8  # match lengths from here on share one expectation
