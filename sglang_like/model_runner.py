@@ -1,4 +1,4 @@
-"""ModelRunner: owns the model and the KV pool; turns a ScheduleBatch into one forward."""
+"""ModelRunner: owns the model and the KV pool; turns a batch into one forward."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool, ReqToTokenPool
-from sglang_like.models.llama import LlamaForCausalLM
+from sglang_like.models.registry import model_class
 from sglang_like.layers.quantization import QuantConfig
-from sglang_like.scheduler.batch import ScheduleBatch
+from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.tp.comm import TPRankLost
 from sglang_like.tp.parallel import TPShard, shard_weights
 
@@ -20,9 +20,6 @@ if TYPE_CHECKING:
     from sglang_like.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
-
-_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-
 
 class ModelRunner:
     """Builds the model from Hugging Face-named weights and runs mixed extend/decode batches.
@@ -66,16 +63,12 @@ class ModelRunner:
                dtype: torch.dtype, device: torch.device, num_kv_slots: int, context_len: int,
                max_running_requests: int, quant: QuantConfig | None,
                kv_dtype: torch.dtype | None, tp: TPShard | None) -> None:
-        if model_config.architecture not in _SUPPORTED_ARCHS:
-            raise ValueError(
-                f"unsupported architecture {model_config.architecture!r}; "
-                f"supported: {', '.join(_SUPPORTED_ARCHS)}"
-            )
+        model_cls = model_class(model_config.architecture)  # ValueError if unsupported
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.quant = quant or QuantConfig("none", dtype)
-        model = LlamaForCausalLM(model_config, self.quant, tp)
+        model = model_cls(model_config, self.quant, tp)
         model.set_rope(context_len, device)
         if tp is not None:
             weights = shard_weights(weights, model_config, tp.plan)

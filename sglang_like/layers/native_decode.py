@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from sglang_like_kernels.cpu import ops
+from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerParts
 from sglang_like.layers.quantization.q4_native import Q4X16Method
 
 if TYPE_CHECKING:
     from sglang_like.forward_batch import ForwardBatch
+    from sglang_like.layers.norm import RMSNorm
     from sglang_like.mem_pool import KVPool
-    from sglang_like.models.llama import LlamaDecoderLayer, RMSNorm
 
 # Query rows up to which a decode or masked (verify) batch runs natively; larger ones, and
 # plain extends (prefill chunks without masks), keep the torch path. Measured here at int4
@@ -49,6 +50,13 @@ MAX_MASKED_ROWS = 256
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 FUSED_ENV = "SGLANG_LIKE_FUSED_DECODE"
+
+
+def supports(description: DecoderLayerDescription) -> bool:
+    """Whether the native kernels compute a layer so described: RMSNorm, SiLU-gated MLP,
+    RoPE on every layer, full attention without soft-cap, no q/k or sandwich norms, no
+    biases (the per-op and fused C paths implement exactly that)."""
+    return description == DecoderLayerDescription(norm_eps=description.norm_eps)
 
 
 class AttnRows(NamedTuple):
@@ -152,23 +160,25 @@ def _linear(layer: torch.nn.Module) -> Linear:
 class NativeDecodePlan:
     """What every decode step of one model needs from its layers, gathered once."""
 
-    def __init__(self, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+    def __init__(self, layers: list[DecoderLayerParts], cos_table: torch.Tensor,
                  sin_table: torch.Tensor) -> None:
+        unsupported = [p.layer_id for p in layers if not supports(p.description)]
+        if unsupported:
+            raise ValueError(f"layers {unsupported[:4]} are not what the native step computes")
         self.cos, self.sin = cos_table, sin_table
         self.layers = [
-            _Layer(_norm(layer.input_layernorm), _linear(a.qkv_proj), a.num_heads,
-                   a.num_kv_heads, a.head_dim, a.layer_id, a.sm_scale,
-                   a.o_proj.method.input_dtype, _linear(a.o_proj),
-                   _norm(layer.post_attention_layernorm), _linear(layer.mlp.gate_up_proj),
-                   layer.mlp.down_proj.method.input_dtype, _linear(layer.mlp.down_proj))
-            for layer in layers for a in (layer.self_attn,)
+            _Layer(_norm(p.input_norm), _linear(p.qkv_proj), p.num_heads, p.num_kv_heads,
+                   p.head_dim, p.layer_id, p.sm_scale, p.o_proj.method.input_dtype,
+                   _linear(p.o_proj), _norm(p.post_attention_norm), _linear(p.gate_up_proj),
+                   p.down_proj.method.input_dtype, _linear(p.down_proj))
+            for p in layers
         ]
         self.fused = _FusedX16.build(layers, cos_table, sin_table)
 
     def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
             aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(residual stream after the last layer, EAGLE-3 features or None), as
-        `LlamaForCausalLM.forward_layers`; x is the embedded batch, float32 [T, hidden], one
+        a model's `forward_layers`; x is the embedded batch, float32 [T, hidden], one
         row per query of `attn`."""
         if self.fused is not None and fb.on_layer is None:
             return self.fused.run(x, fb, pool, attn, aux_layers)
@@ -204,45 +214,42 @@ class _FusedX16:
     into an int64 table [L, 8] (qkv, o, gate_up, down weights; the two norms; the layer's K and
     V pools, filled in for each pool it runs over)."""
 
-    def __init__(self, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+    def __init__(self, layers: list[DecoderLayerParts], cos_table: torch.Tensor,
                  sin_table: torch.Tensor) -> None:
-        a0 = layers[0].self_attn
+        p0 = layers[0]
         self.cos, self.sin = cos_table, sin_table
-        self.shape = (len(layers), a0.num_heads, a0.num_kv_heads, a0.head_dim,
-                      layers[0].mlp.intermediate_size)
-        self.eps = layers[0].input_layernorm.eps
-        self.sm_scale = a0.sm_scale
-        self.layer_ids = [layer.self_attn.layer_id for layer in layers]
+        self.shape = (len(layers), p0.num_heads, p0.num_kv_heads, p0.head_dim,
+                      p0.intermediate_size)
+        self.eps = p0.input_norm.eps
+        self.sm_scale = p0.sm_scale
+        self.layer_ids = [p.layer_id for p in layers]
         self.ptrs = torch.tensor([
-            [lin.x16.data_ptr() for lin in _linears(layer)]
-            + [layer.input_layernorm.weight.data_ptr(),
-               layer.post_attention_layernorm.weight.data_ptr(), 0, 0]
-            for layer in layers], dtype=torch.int64)
+            [lin.x16.data_ptr() for lin in p.linears]
+            + [p.input_norm.weight.data_ptr(), p.post_attention_norm.weight.data_ptr(), 0, 0]
+            for p in layers], dtype=torch.int64)
         # what the addresses point into, kept alive with them
-        self._held = [t for layer in layers for t in (
-            *(lin.x16 for lin in _linears(layer)), layer.input_layernorm.weight,
-            layer.post_attention_layernorm.weight)]
+        self._held = [t for p in layers for t in (
+            *(lin.x16 for lin in p.linears), p.input_norm.weight, p.post_attention_norm.weight)]
         self._pool: KVPool | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
-    def build(cls, layers: list[LlamaDecoderLayer], cos_table: torch.Tensor,
+    def build(cls, layers: list[DecoderLayerParts], cos_table: torch.Tensor,
               sin_table: torch.Tensor) -> _FusedX16 | None:
         """The fused step of these layers, or None where it does not apply: the env switch
         off, a linear not x16 or with a bias, a norm not float32 out, layers that differ."""
         if os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers:
             return None
         first = layers[0]
-        for layer in layers:
-            a = layer.self_attn
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        for p in layers:
+            norms = (p.input_norm, p.post_attention_norm)
             if (any(not isinstance(lin.method, Q4X16Method) or lin.bias is not None
-                    for lin in _linears(layer))
-                    or any(n.out_dtype != torch.float32 or n.eps != first.input_layernorm.eps
+                    for lin in p.linears)
+                    or any(n.out_dtype != torch.float32 or n.eps != first.input_norm.eps
                            or n.weight.dtype != torch.float32 for n in norms)
-                    or (a.num_heads, a.num_kv_heads, a.head_dim, layer.mlp.intermediate_size)
-                    != (first.self_attn.num_heads, first.self_attn.num_kv_heads,
-                        first.self_attn.head_dim, first.mlp.intermediate_size)):
+                    or (p.num_heads, p.num_kv_heads, p.head_dim, p.intermediate_size)
+                    != (first.num_heads, first.num_kv_heads, first.head_dim,
+                        first.intermediate_size)):
                 return None
         return cls(layers, cos_table.float().contiguous(), sin_table.float().contiguous())
 
@@ -279,8 +286,3 @@ class _FusedX16:
                         self.cos, self.sin, fb.positions, fb.out_slots, table, rows, seq_lens,
                         hq, hkv, d, inter, self.sm_scale, self._aux_slot(aux_layers), features)
         return x, features
-
-
-def _linears(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
-    a, m = layer.self_attn, layer.mlp
-    return a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj

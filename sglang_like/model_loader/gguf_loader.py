@@ -10,9 +10,9 @@ from sglang_like.config import ModelConfig
 from sglang_like.model_loader.gguf_file import iter_hf_tensors, read_gguf
 from sglang_like.model_loader.gguf_tokenizer import load_gguf_tokenizer, tokenizer_from_gguf
 from sglang_like.model_loader.loaded import LoadedModel, check_weights
+from sglang_like.models.registry import family_for_gguf
 from sglang_like.tokenizer import Tokenizer
 
-SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -44,8 +44,7 @@ def gguf_model_config(
 ) -> ModelConfig:
     """ModelConfig from GGUF metadata; tensor_shapes ([out, in] order) decide ties and biases."""
     arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} unsupported (want {SUPPORTED_GGUF_ARCHS})")
+    family_for_gguf(arch)  # a ValueError listing the supported architectures
     num_heads = int(_scalar(metadata, f"{arch}.attention.head_count"))
     hidden = int(_scalar(metadata, f"{arch}.embedding_length"))
     head_dim = metadata.get(f"{arch}.attention.key_length") or hidden // num_heads

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from sglang_like.config import ModelConfig
 from sglang_like.model_loader.hf_tokenizer import load_hf_tokenizer, read_json
 from sglang_like.model_loader.loaded import LoadedModel, check_weights
+from sglang_like.models.registry import hf_model_type
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -59,9 +59,7 @@ def hf_model_config(
     cfg: dict[str, Any], *, has_lm_head: bool, eos_token_ids: tuple[int, ...], model_path: str
 ) -> ModelConfig:
     """ModelConfig from a config.json dict; a missing tie flag is read off the checkpoint."""
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} unsupported (want {SUPPORTED_MODEL_TYPES})")
+    model_type = hf_model_type(cfg)  # a ValueError naming the supported ones
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     theta, scaling = rope_settings(cfg)

@@ -1,7 +1,6 @@
-"""Model implementations that run over a ForwardBatch and the token-granular KV pool."""
+"""Model families, one file each, built from `sglang_like.layers`; `registry` maps a
+checkpoint's architecture to its family's class."""
 
-from sglang_like.models.llama import LlamaForCausalLM
+from sglang_like.models.registry import FAMILIES, ModelFamily, model_class
 
-__all__ = ["LlamaForCausalLM"]
-
-LlamaForCausalLM.__doc__ = LlamaForCausalLM.__doc__ or "Decoder-only Llama-family model."
+__all__ = ["FAMILIES", "ModelFamily", "model_class"]

@@ -3,54 +3,33 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import sglang_like_kernels
 import sglang_like_kernels.cpu
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
-from sglang_like.mem_pool import KVPool
 from sglang_like.layers import native_decode as native
+from sglang_like.layers.activation import gated
+from sglang_like.layers.attention import Attention, attend
+from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerParts
+from sglang_like.layers.logits import LogitsHead
 from sglang_like.layers.native_decode import AttnRows, NativeDecodePlan
-from sglang_like.layers.rotary import RotaryEmbedding, RotaryTables
+from sglang_like.layers.norm import RMSNorm
 from sglang_like.layers.quantization import QuantConfig, QuantLinear, WeightSource
+from sglang_like.layers.rotary import RotaryEmbedding, RotaryTables
+from sglang_like.mem_pool import KVPool
 from sglang_like.tp.parallel import TPShard
 
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; the result is written in `out_dtype` (the dtype the next
-    matmul wants), so a quantized model casts once per norm rather than once per linear."""
-
-    def __init__(self, dim: int, eps: float, out_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-        self.out_dtype = out_dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's formula, x * rsqrt(mean(x^2) + eps) * w, in place on its own temporaries: the
-        # same bits as F.rms_norm, which measured 40% slower per call on CPU (32.8 vs 23.5 us)
-        xf = x.float()
-        inv = torch.mean(xf * xf, dim=-1, keepdim=True).add_(self.eps).rsqrt_()
-        return torch.mul(xf, inv).mul_(self.weight).to(self.out_dtype)
+__all__ = ["LlamaForCausalLM", "RMSNorm", "attend", "layer_description"]
 
 
-def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fb: ForwardBatch,
-           sm_scale: float) -> torch.Tensor:
-    """The attention kernel this forward's shape calls for (K/V of its tokens stored)."""
-    if fb.custom_masks is not None:
-        return sglang_like_kernels.masked_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
-                                        fb.prefix_lens, fb.custom_masks, sm_scale)
-    if fb.tree_mask is not None:
-        return sglang_like_kernels.tree_verify_attention(q, k_pool, v_pool, fb.req_to_token,
-                                             fb.req_pool_indices, fb.prefix_lens, fb.tree_mask,
-                                             sm_scale)
-    if fb.is_decode:
-        return sglang_like_kernels.decode_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
-                                        fb.seq_lens, sm_scale)
-    return sglang_like_kernels.extend_attention(q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices,
-                                    fb.prefix_lens, fb.extend_lens, sm_scale)
+def layer_description(config: ModelConfig) -> DecoderLayerDescription:
+    """The Llama family's layer: Llama and Mistral as the defaults say; Qwen2 biases q/k/v
+    (not o_proj); Qwen3 norms each head of q and k; Llama's `attention_bias` covers o_proj."""
+    bias = config.attention_bias
+    return DecoderLayerDescription(
+        norm_eps=config.rms_norm_eps, has_qk_norm=config.qk_norm, has_qkv_bias=bias,
+        has_o_bias=bias and config.architecture != "qwen2")
 
 
 def _reduce(y: torch.Tensor, tp: TPShard | None, dtype: torch.dtype) -> torch.Tensor:
@@ -65,6 +44,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig,
                  tp: TPShard | None = None) -> None:
         super().__init__()
+        desc = layer_description(config)
         self.layer_id = layer_id
         self.tp = tp
         self.residual_dtype = quant.dtype
@@ -72,16 +52,18 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = tp.plan.num_kv_heads if tp else config.num_key_value_heads
         self.head_dim = config.head_dim
         self.sm_scale = self.head_dim**-0.5
-        hidden, bias = config.hidden_size, config.attention_bias
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id,
+                              self.sm_scale)
+        hidden = config.hidden_size
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = QuantLinear(quant.linear_method(hidden, q_rows + 2 * kv_rows), hidden,
                                     [q_rows, kv_rows, kv_rows],
-                                    ["q_proj", "k_proj", "v_proj"], bias=bias)
-        # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
-        o_bias = bias and config.architecture != "qwen2" and (tp is None or tp.plan.is_first)
+                                    ["q_proj", "k_proj", "v_proj"], bias=desc.has_qkv_bias)
+        # a row-parallel bias is added once, by the first rank
+        o_bias = desc.has_o_bias and (tp is None or tp.plan.is_first)
         self.o_proj = QuantLinear(quant.linear_method(q_rows, hidden), q_rows, [hidden], ["o_proj"],
                                   bias=o_bias)
-        if config.qk_norm:
+        if desc.has_qk_norm:
             dtype = quant.activation_dtype
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -100,10 +82,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]),
                             self.k_norm(qk[:, self.num_heads :])], dim=1)
         qk = rope.rotate(qk)  # q and k heads in one pass, left in fp32 (the attention's math)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        k_pool, v_pool = pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id]
-        sglang_like_kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
-        out = attend(q, k_pool, v_pool, fb, self.sm_scale)
+        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, fb, pool)
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return _reduce(out, self.tp, self.residual_dtype)
 
@@ -127,9 +106,8 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return _reduce(self.down_proj(F.silu(gate) * up), self.tp, self.residual_dtype)
+        h = gated(self.gate_up_proj(x), self.intermediate_size, "silu")
+        return _reduce(self.down_proj(h), self.tp, self.residual_dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -137,6 +115,7 @@ class LlamaDecoderLayer(nn.Module):
                  tp: TPShard | None = None) -> None:
         super().__init__()
         act = quant.activation_dtype
+        self.description = layer_description(config)
         self.self_attn = LlamaAttention(config, layer_id, quant, tp)
         self.mlp = LlamaMLP(config, quant, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
@@ -148,6 +127,14 @@ class LlamaDecoderLayer(nn.Module):
         # the residual stream stays in the dense dtype; sub-layer outputs add into it
         x = x + self.self_attn(self.input_layernorm(x), fb, rope, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def parts(self) -> DecoderLayerParts:
+        """This layer as the native decode step reads it."""
+        a, m = self.self_attn, self.mlp
+        return DecoderLayerParts(self.description, self.input_layernorm, a.qkv_proj, a.o_proj,
+                                 self.post_attention_layernorm, m.gate_up_proj, m.down_proj,
+                                 a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size,
+                                 a.layer_id, a.sm_scale)
 
 
 class LlamaModel(nn.Module):
@@ -193,17 +180,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = QuantLinear(quant.head_method(config.hidden_size, embeds=False),
                                        config.hidden_size,
                                        [config.vocab_size], ["lm_head"])
+        self.head = LogitsHead(self.model.norm, self.lm_head)
         self.rope: RotaryEmbedding | None = None  # set by the runner: it knows the context
         self.native_decode = self._native_decode_supported()
         self._native_plan: NativeDecodePlan | None = None  # built at the first native step
 
     def _native_decode_supported(self) -> bool:
-        """Whether decode steps can run through sglang_like_kernels.cpu's fused ops: quantized weights
-        (the exact `none` path stays on torch), a float32 residual stream, one rank, plain
-        Llama attention (no q/k norm), and the native library built for this CPU."""
+        """Whether decode steps can run through the native kernels: quantized weights (the
+        exact `none` path stays on torch), a float32 residual stream, one rank, layers whose
+        description the native step computes, and the native library built for this CPU."""
         c = self.config
         return (self.quant.is_quantized and self.dtype == torch.float32 and self.tp is None
-                and not c.qk_norm and c.head_dim % 8 == 0
+                and native.supports(layer_description(c)) and c.head_dim % 8 == 0
                 and c.num_attention_heads % c.num_key_value_heads == 0
                 and sglang_like_kernels.cpu.available())
 
@@ -225,13 +213,12 @@ class LlamaForCausalLM(nn.Module):
         row (the id one past the last layer: the final hidden state after the norm, EAGLE-1/2's
         capture); None when `aux_layers` is empty."""
         x, features = self._layers_and_features(fb, pool, aux_layers)
-        x = self.model.norm(x[fb.logits_indices])
-        return self.lm_head(x).float(), features
+        return self.head.logits(x[fb.logits_indices]), features
 
     @property
     def has_head_argmax(self) -> bool:
         """Whether `forward_argmax` has a path of its own (the LM head's kernel does)."""
-        return self.tp is None and self.lm_head.has_argmax
+        return self.tp is None and self.head.has_argmax
 
     @torch.inference_mode()
     def forward_argmax(self, fb: ForwardBatch, pool: KVPool, aux_layers: tuple[int, ...] = ()
@@ -240,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         each row `forward` would return (the first among equals), which the head need not
         compute in full (`has_head_argmax`)."""
         x, features = self._layers_and_features(fb, pool, aux_layers)
-        return self.lm_head.argmax(self.model.norm(x[fb.logits_indices])), features
+        return self.head.argmax(x[fb.logits_indices]), features
 
     def _layers_and_features(self, fb: ForwardBatch, pool: KVPool,
                              aux_layers: tuple[int, ...]
@@ -304,11 +291,11 @@ class LlamaForCausalLM(nn.Module):
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
                               attn: AttnRows, aux_layers: tuple[int, ...]
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward_layers` of a decode or verify batch through sglang_like_kernels.cpu (see
-        native_decode): the same math as the layer modules, summed in another order."""
+        """`forward_layers` of a decode or verify batch through the native kernels (see
+        layers/native_decode): the same math as the layer modules, summed in another order."""
         if self._native_plan is None:
-            self._native_plan = NativeDecodePlan(list(self.model.layers), self.rope.cos_table,
-                                                 self.rope.sin_table)
+            self._native_plan = NativeDecodePlan([layer.parts() for layer in self.model.layers],
+                                                 self.rope.cos_table, self.rope.sin_table)
         return self._native_plan.run(x, fb, pool, attn, aux_layers)
 
     def default_aux_layers(self) -> tuple[int, ...]:

@@ -1,0 +1,62 @@
+"""Attention over the token-granular KV pool: one interface, the backend the batch calls for.
+
+`Attention` stores a layer's new K/V at the batch's slots and attends. The backends are
+`sglang_like_kernels`' functions (the Triton launcher on CUDA tensors, the torch reference
+elsewhere; `SGLANG_LIKE_KERNELS` overrides). The native CPU path runs attention inside the
+fused decode step instead (`layers.native_decode`), which reads the same pool.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+import sglang_like_kernels
+
+if TYPE_CHECKING:
+    from sglang_like.forward_batch import ForwardBatch
+    from sglang_like.mem_pool import KVPool
+
+
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fb: ForwardBatch,
+           sm_scale: float) -> torch.Tensor:
+    """The attention kernel this forward's shape calls for (K/V of its tokens stored):
+    per-request masks (a verify beside decode rows), one uniform tree mask (a CUDA verify),
+    a decode batch, or a causal extend. q [T, Hq, D] -> [T, Hq, D]."""
+    if fb.custom_masks is not None:
+        return sglang_like_kernels.masked_attention(
+            q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
+            fb.custom_masks, sm_scale)
+    if fb.tree_mask is not None:
+        return sglang_like_kernels.tree_verify_attention(
+            q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
+            fb.tree_mask, sm_scale)
+    if fb.is_decode:
+        return sglang_like_kernels.decode_attention(
+            q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, sm_scale)
+    return sglang_like_kernels.extend_attention(
+        q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
+        fb.extend_lens, sm_scale)
+
+
+class Attention:
+    """One layer's attention over the pool: K/V stored at `fb.out_slots`, then `attend`.
+
+    Holds no weights (the projections are the model's); `layer_id` picks the pool's buffers.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int,
+                 sm_scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_id = layer_id
+        self.sm_scale = sm_scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                 pool: KVPool) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        k_pool, v_pool = pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id]
+        sglang_like_kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
+        return attend(q, k_pool, v_pool, fb, self.sm_scale)

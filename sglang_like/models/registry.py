@@ -1,0 +1,79 @@
+"""Which class builds which checkpoint: Hugging Face architectures / model_type and GGUF
+`general.architecture` names mapped to a model family. Torch-free: classes are imported only
+when a model is built."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model file's reach: the checkpoints its class builds."""
+
+    name: str
+    model_class: str  # "module:Class"
+    model_types: tuple[str, ...]  # config.json "model_type" values
+    hf_architectures: tuple[str, ...]  # config.json "architectures" values
+    gguf_architectures: tuple[str, ...]  # GGUF "general.architecture" values
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily(
+        name="llama",
+        model_class="sglang_like.models.llama:LlamaForCausalLM",
+        model_types=("llama", "mistral", "qwen2", "qwen3"),
+        hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                          "Qwen3ForCausalLM"),
+        gguf_architectures=("llama", "mistral", "qwen2", "qwen3"),
+    ),
+)
+
+SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
+SUPPORTED_GGUF_ARCHS = tuple(a for f in FAMILIES for a in f.gguf_architectures)
+
+
+def _supported() -> str:
+    return "; ".join(f"{t} ({a})" for f in FAMILIES
+                     for t, a in zip(f.model_types, f.hf_architectures, strict=True))
+
+
+def hf_model_type(cfg: dict[str, Any]) -> str:
+    """The supported model_type of a config.json: its own, or where it has none, the one its
+    architectures name; a ValueError naming every supported model type otherwise."""
+    model_type = cfg.get("model_type")
+    archs = list(cfg.get("architectures") or [])
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return model_type
+        for t, a in zip(family.model_types, family.hf_architectures, strict=True):
+            if model_type is None and a in archs:
+                return t
+    raise ValueError(f"model_type {model_type!r} (architectures {archs}) unsupported; "
+                     f"supported: {_supported()}")
+
+
+def family_for_gguf(arch: str | None) -> ModelFamily:
+    """The family of a GGUF file's `general.architecture`; a ValueError listing the
+    supported ones otherwise."""
+    for family in FAMILIES:
+        if arch in family.gguf_architectures:
+            return family
+    raise ValueError(f"GGUF architecture {arch!r} unsupported; supported: "
+                     f"{', '.join(SUPPORTED_GGUF_ARCHS)}")
+
+
+def family_for(architecture: str) -> ModelFamily:
+    """The family of a `ModelConfig.architecture` (a model_type or GGUF architecture)."""
+    for family in FAMILIES:
+        if architecture in family.model_types or architecture in family.gguf_architectures:
+            return family
+    raise ValueError(f"unsupported architecture {architecture!r}; supported: {_supported()}")
+
+
+def model_class(architecture: str) -> type:
+    """The class that builds a model of this `ModelConfig.architecture`."""
+    module, _, name = family_for(architecture).model_class.partition(":")
+    return getattr(importlib.import_module(module), name)
