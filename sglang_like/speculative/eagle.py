@@ -36,7 +36,8 @@ from sglang_like.models.llama import attend
 from sglang_like.layers.rotary import RotaryEmbedding
 from sglang_like.layers.quantization.int8 import Int8EmbeddingMethod
 from sglang_like.speculative.eagle1_head import Eagle1Head
-from sglang_like.speculative.eagle_head import Eagle3Head, load_draft_head
+from sglang_like.speculative.eagle_head import Eagle3Head
+from sglang_like.speculative.head_loader import load_draft_head
 from sglang_like.speculative.eagle_native import NativeEagleHead
 from sglang_like.speculative.ngram import NgramDrafter
 from sglang_like.speculative.tree import DraftTree, with_copies

@@ -288,23 +288,3 @@ def load_eagle3_head(folder: str, device: torch.device | str = "cpu") -> Eagle3H
         tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
         tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
     return load_head_state(Eagle3Head(config), tensors, folder, device)
-
-
-def load_draft_head(folder: str, device: torch.device | str = "cpu"):
-    """An EAGLE-3 head (`load_eagle3_head`) or an EAGLE-1/2 one
-    (`eagle1_head.load_eagle1_head`), as its config.json's architectures say."""
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"draft model folder {folder!r} has no config.json")
-    with open(config_path, encoding="utf-8") as f:
-        raw = json.load(f)
-    archs = raw.get("architectures") or [ARCHITECTURE]
-    from sglang_like.speculative import eagle1_head
-
-    if archs[0] == eagle1_head.ARCHITECTURE:
-        return eagle1_head.load_eagle1_head(folder, raw, device)
-    if archs[0] != ARCHITECTURE:
-        raise ValueError(f"draft model {folder!r}: architectures {archs}; expected "
-                         f"{ARCHITECTURE!r} (EAGLE-3) or {eagle1_head.ARCHITECTURE!r} "
-                         "(EAGLE-1/2)")
-    return load_eagle3_head(folder, device)

@@ -142,7 +142,7 @@ def test_eagle1_head_round_trips_in_sglang_layout(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 
     from sglang_like.speculative.eagle1_head import Eagle1Config, Eagle1Head
-    from sglang_like.speculative.eagle_head import load_draft_head
+    from sglang_like.speculative.head_loader import load_draft_head
 
     torch.manual_seed(0)
     head = Eagle1Head(Eagle1Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
