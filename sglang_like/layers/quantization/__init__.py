@@ -75,11 +75,10 @@ def resolve_quantization(
     repack code for code: the same weights, a third of int8's bytes) and int8 otherwise;
     an explicit `--dtype` means the user asked for dense weights, so `auto` is `none` then.
     `fp16` (asked for) keeps every matrix in fp16 for fbgemm. Its time grows less with rows
-    than the int kernels' (measured here, AVX2, default model: a 6-row forward cost 1.8x a
-    1-row one under int4, 1.36x under fp16), which speculative verify passes like, but a
-    1-row step reads twice int4's bytes: bench_speculative measured fp16 with speculation at
-    0.75-0.88x of int4 without it at batch 1, so `auto` keeps int4 with speculation on too
-    (and turning speculation on never changes the weights outputs come from).
+    than the int kernels', which speculative verify passes like, but a 1-row step reads twice
+    int4's bytes, which costs more than the verifies gain at batch 1; so `auto` keeps int4
+    with speculation on too (and turning speculation on never changes the weights outputs
+    come from). Measurements: docs/cpu-kernels.md.
     On CUDA `auto` is `none` (bf16): the int kernels here are CPU kernels.
     """
     if quantization not in QUANTIZATION_CHOICES:

@@ -30,8 +30,8 @@ _PREFILL_GEMM_ENV = "SGLANG_LIKE_PREFILL_GEMM"
 def prefill_gemm_dtype() -> torch.dtype:
     """The dtype a quantized layer's prefill GEMM runs in, once its weight is dequantized:
     bf16 where the CPU multiplies bf16 in hardware (AMX tiles, or AVX512-BF16), float32
-    elsewhere. oneDNN's bf16 GEMM with AMX measured 3.2 ms against MKL's fp32 21.6 ms for
-    1024 x 576 x 3072 on an Intel Xeon here; on AVX2 bf16 is emulated and slower than fp32.
+    elsewhere: with AMX, oneDNN's bf16 GEMM is several times faster than fp32 at prefill
+    sizes (docs/cpu-kernels.md); on AVX2 bf16 is emulated and slower than fp32.
     int4 and int8 take bf16 activations already, so only the dequantized weight rounds;
     Q4NativeMethod's fp32 activations round too, where it runs with bf16 hardware (it is
     chosen for AVX2-only CPUs, which have neither).

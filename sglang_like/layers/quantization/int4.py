@@ -61,27 +61,19 @@ class Int4Method(LinearMethod):
     GGUF Q4_0 / Q4_1 blocks map onto it code for code at group size 32 (only their f16 scales
     round to bf16); other sources are quantized at load with `group_size`.
 
-    The kernel is compute-bound on AVX2 and falls behind MKL's fp32 GEMM once a forward has
-    a few hundred rows (measured for 3072x576: 11.5 vs 9.1 ms at 256 rows, 49 vs 22 ms at
-    1024), so prefill chunks of `dense_min_rows` rows or more dequantize the layer into fp32
-    (about 2 ms per 1.8M weights) and run a dense GEMM (`base.dense_forward`: bf16 on CPUs
-    with bf16 matrix hardware). The codes are read back out of the kernel's own layout when
-    it is the blocked one torch uses on x86 (see `_blocked_layout`); where it is not, a
-    portable nibble copy is kept (+0.5 byte per weight).
+    The kernel is compute-bound on AVX2 and falls behind MKL's fp32 GEMM once a forward has a
+    few hundred rows, so prefill chunks of `dense_min_rows` rows or more dequantize the layer
+    into fp32 and run a dense GEMM (`base.dense_forward`: bf16 on CPUs with bf16 matrix
+    hardware). The codes are read back out of the kernel's own layout when it is the blocked one
+    torch uses on x86 (see `_blocked_layout`); where it is not, a portable nibble copy is kept
+    (+0.5 byte per weight).
 
     On CPUs with AMX (Sapphire Rapids and later), every forward runs an AMX kernel on the
-    same bytes instead, chosen by row count. A decode step's 120 int4 matmuls on the default
-    model, weights streamed as in a real step (ms; the machine moved 10-20% between runs):
-
-        rows                    1      4      8      32     48     64     96
-        codes (amx_q4_codes.c)  3.2    5.2    6.2    11.3   16.1   19.7   28.2
-        before: integer         3.2    5.0    6.5    16.5   -      28.1   -
-        bf16 (amx_q4.c)         -      -      12.2   13.2   19.4   19.6   25.0
-
-    From about 64 rows the bf16 kernel is as fast or faster (at 96, 25.0 against 28.2), but
-    the codes kernel keeps every forward below 256 rows on one kernel, as before (verifies
+    same bytes instead, chosen by row count. From about 64 rows the bf16 kernel is as fast or
+    faster, but the codes kernel keeps every forward below 256 rows on one kernel (verifies
     of a batch of 20 run 120 rows; a prompt's first prefill and its cached re-extend run
-    different row counts): with the switch at 64, those answered up to 0.14 nats apart.
+    different row counts): with a switch at 64, those answered measurably apart. The
+    timings by row count are in docs/cpu-kernels.md.
 
     - Below `amx_bf16_min_rows` (decode, speculative verifies, short prompts) the codes
       kernel: the activations rounded onto a grid per 32 columns on which every dot is an

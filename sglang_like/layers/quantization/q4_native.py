@@ -3,24 +3,17 @@
 Two layouts of the same numbers (activations quantized to int8 per 32 columns, as llama.cpp
 does; the same sums to float rounding):
 
-- `Q4X16Method` (kernels/sglang_like_kernels/cpu/q4_rows.c), `auto`'s choice wherever the native kernels build
-  and the CPU has no AMX: 16 output rows interleaved per block, so one `vpdpbusd` (AVX2: two
-  `vpmaddubsw` halves) dots 4 columns of all 16 rows and the float scaling is paid per 16
-  rows; an activation row costs a few instructions per block. The 120 matmuls of a decode
-  step of the default model, ms (AMD EPYC, 2 cores, AVX-512; the machine moves 10-20%):
+- `Q4X16Method` (kernels/sglang_like_kernels/cpu/q4_rows.c), `auto`'s choice wherever the
+  native kernels build and the CPU has no AMX: 16 output rows interleaved per block, so one
+  `vpdpbusd` (AVX2: two `vpmaddubsw` halves) dots 4 columns of all 16 rows and the float
+  scaling is paid per 16 rows; an activation row costs a few instructions per block, so a
+  speculative verify of 4-8 rows costs about what one decode row does under torch's kernel
+  (timings: docs/cpu-kernels.md).
+- `Q4NativeMethod` (kernels/sglang_like_kernels/cpu/q4_1.c): row-major blocks, one weight row
+  at a time. `SGLANG_LIKE_INT4_KERNEL=native` asks for it.
 
-      rows                         1      2      4      8      16     32
-      x16 (AVX-512 VNNI)           3.1    3.0    4.7    6.4    12.7   18.7
-      torch int4 (Int4Method)      4.1    5.5    6.4    11.9   25.0   42.6
-      q4_1.c (Q4NativeMethod)      5.1    7.1    9.4    21.2   37.1   81.3
-
-  A speculative verify of 4-8 rows now costs about what one decode row did under torch's
-  kernel, and a batch of 32 a third.
-- `Q4NativeMethod` (kernels/sglang_like_kernels/cpu/q4_1.c): row-major blocks, one weight row at a time.
-  `SGLANG_LIKE_INT4_KERNEL=native` asks for it.
-
-Top-1 agreement with fp32 is 97.5% against 99.2% for torch's kernel (bf16 activations):
-int8 activations cost a little accuracy, within the int4 bar (95%).
+int8 activations cost a little accuracy against torch's kernel (bf16 activations), within
+the int4 bar of 95% top-1 agreement with fp32 (figures: docs/cpu-kernels.md).
 """
 
 from __future__ import annotations
@@ -146,8 +139,9 @@ class Q4NativeMethod(LinearMethod):
 
 
 class Q4X16Method(Q4NativeMethod):
-    """Weights in the x16 layout (kernels/sglang_like_kernels/cpu/q4_rows.c: 16 output rows interleaved per
-    block of 32 columns, 20 bytes per 32 weights as Q4_1); float32 activations in and out.
+    """Weights in the x16 layout (kernels/sglang_like_kernels/cpu/q4_rows.c: 16 output rows
+    interleaved per block of 32 columns, 20 bytes per 32 weights as Q4_1); float32
+    activations in and out.
     Every row count below `dense_min_rows` runs the kernel (a row's result is the same
     alone, in a batch or in a verify); from there the layer is dequantized for a GEMM on the
     activations rounded as the kernel rounds them (see Q4NativeMethod)."""

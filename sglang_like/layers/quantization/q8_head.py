@@ -24,37 +24,33 @@ def q8_head_available() -> bool:
 class Q8HeadMethod(Int8EmbeddingMethod):
     """The embedding's block-int8 rows (a GGUF Q8_0 matrix kept exactly, anything else
     quantized at load; `embed` and `dequantize` as there), multiplied by
-    `sglang_like_kernels.cpu.q8_0_matmul_f32` whatever the row count (on AMX, the tile kernels below).
+    `sglang_like_kernels.cpu.q8_0_matmul_f32` whatever the row count (on AMX, the tile
+    kernels below).
 
     Why one copy at int8: the head is the model's largest matrix (49152x576 on the default
-    model). An fp16 copy for fbgemm's GEMM besides the rows the embedding gathers took 96 MB
-    of resident memory (fbgemm's packed form) for 57 MB of weights. The int8 kernel is
-    faster than fbgemm up to about 16 rows and slower above (measured with the caches cold,
-    AVX-512: 1.3 / 1.6 / 2.5 / 4.6 / 9.4 / 18 ms at 1 / 4 / 8 / 16 / 32 / 64 rows, fbgemm
-    1.8 / 2.7 / 3.5 / 4.7 / 6.5 / 11); a decode step of 32 rows spends about 3 ms more on
-    the head and the model is 96 MB smaller. Every row count runs the same sums per row, so
-    logits do not depend on the batch (fbgemm's fp16 copy rounds otherwise: a row's logprobs
-    moved by about 1e-3 across a cut between the two).
+    model). An fp16 copy for fbgemm's GEMM besides the rows the embedding gathers took more
+    resident memory (fbgemm's packed form) than the weights themselves. The int8 kernel is
+    faster than fbgemm up to about 16 rows and slower above, a price paid for a smaller model
+    and for logits that do not depend on the batch: every row count runs the same sums per
+    row (a cut over to fbgemm's fp16 copy would round otherwise). Timings:
+    docs/cpu-kernels.md.
 
-    On CPUs with AMX, kernels/sglang_like_kernels/cpu/amx_q8.c runs instead. Below `amx_min_rows` rows (decode
-    steps, speculative verifies) its integer kernel: the codes as they are on the tile unit
-    (VNNI up to 4 rows, the same integer sums), activations as two int8 parts per 32 columns
-    (about 15 bits: 2e-5 of the logits' norm), one scaling per block; cold, 2.6 ms against
-    3.7 at 8 rows, 1.6 against 2.6 at 2, the same at one (the matrix streams either way).
-    From `amx_min_rows` its bf16 kernel: weights (code x scale) and activations each as two
-    bf16 parts, the float product (4e-6 relative), which the integer kernel's per-block
-    scaling falls behind from about 24 rows: 4.7 ms against 10.8 native at 32 rows, 7.4
-    against 22 at 64. The two round differently, so `batch_invariant` keeps the integer
-    kernel at every row count: every row's logits are then the same bits in any batch.
+    On CPUs with AMX, kernels/sglang_like_kernels/cpu/amx_q8.c runs instead. Below `amx_min_rows`
+    rows (decode steps, speculative verifies) its integer kernel: the codes as they are on the tile
+    unit (VNNI up to 4 rows, the same integer sums), activations as two int8 parts per 32 columns
+    (about 15 bits: 2e-5 of the logits' norm), one scaling per block: faster than the native kernel
+    from 2 rows, the same at one (the matrix streams either way). From `amx_min_rows` its bf16
+    kernel: weights (code x scale) and activations each as two bf16 parts, the float product (4e-6
+    relative), which the integer kernel's per-block scaling falls behind from about 24 rows. The two
+    round differently, so `batch_invariant` keeps the integer kernel at every row count: every row's
+    logits are then the same bits in any batch.
 
     On CPUs with AVX-512 VNNI (no AMX), the rows are repacked 16 at a time for
-    kernels/sglang_like_kernels/cpu/q8_rows.c, which rounds the activations to two int8 parts per 32 columns
-    (about 15 bits: logits within 2e-5 of the float product's norm; one int8 part moved them
-    by 5e-3 and cost 1.4 points of top-1 agreement with fp32) and dots 16 rows' codes per
-    instruction: measured (AMD EPYC, 2 cores) 0.5 / 1.3 / 2.8 / 7.9 ms at 1 / 4 / 8 / 32 rows
-    against 2.3 / 3.3 / 4.8 / 16.2 for the float kernel. Every row count runs the same sums
-    per row. On AVX2 it measured no faster than the float kernel (even with one part), which
-    stays there.
+    kernels/sglang_like_kernels/cpu/q8_rows.c, which rounds the activations to two int8 parts per 32
+    columns (about 15 bits: logits within 2e-5 of the float product's norm; one int8 part cost top-1
+    agreement with fp32) and dots 16 rows' codes per instruction, about twice as fast as the float
+    kernel or more. Every row count runs the same sums per row. On AVX2 it was no faster than the
+    float kernel (even with one part), which stays there.
     """
 
     amx_min_rows = 24
@@ -112,9 +108,8 @@ class Q8HeadMethod(Int8EmbeddingMethod):
         """Greedy rows on the x16 kernel: from `argmax_min_rows` rows `q8_x16_argmax`, the
         first activation part for every logit and both only for the 16-row groups that can
         hold the maximum (on the default model 4-10 groups of 3072 a row); below, the logits
-        and their argmax. The same index either way. Measured (AMD EPYC, 2 cores, best of 5):
-        20-28% less time than the logits at 12-32 rows (4.7 against 6.5 ms at 32); at 8 rows
-        no less, at 1 the same."""
+        and their argmax. The same index either way. It saves time from about 12 rows, not
+        below (docs/cpu-kernels.md)."""
         if x.shape[0] < self.argmax_min_rows:
             return torch.tensor(argmax_rows(self.apply(layer, x)), dtype=torch.int64)
         return sglang_like_kernels.cpu.q8_x16_argmax(x, layer.weight, layer.block_scale, layer.row_bounds)[0]
