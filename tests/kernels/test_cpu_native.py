@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu) against torch math, on every variant this CPU runs.
+"""The native CPU kernels (kernels/sglang_like_kernels/cpu) against torch math, on every variant this CPU runs.
 
 A machine with AVX-512 VNNI runs both builds (the AVX2 one too), so one session's tests cover
 the code an AVX2-only machine would run.

@@ -113,5 +113,5 @@ def test_backend_switch_rejects_unknown_values(value: str, monkeypatch) -> None:
 def test_forced_reference_on_cpu_and_auto_on_cpu(monkeypatch) -> None:
     x = torch.zeros(1)
     for mode in ("auto", "reference"):
-        monkeypatch.setattr(kernels, "_MODE", mode)
+        monkeypatch.setattr(sglang_like_kernels, "_MODE", mode)
         assert sglang_like_kernels._backend(x) is sglang_like_kernels.reference
