@@ -115,9 +115,9 @@ class ServerArgs:
     # lowest no other engine core on this machine holds) and its OpenMP workers keep off it;
     # the process reading its output must keep off it too (sglang_like.utils.cpu_runtime says why;
     # `Engine.loop_cpu`). "auto": "on" under the server, which moves its HTTP process off the
-    # core; with the Engine API (whose caller's threads are the caller's) the OS places them:
-    # pinned with the caller not moved, batch-1 streaming read 0.93x of unpinned. "off": the
-    # OS places them
+    # core; with the Engine API (whose caller's threads are the caller's) the OS places them,
+    # since pinning with the caller not moved made streaming slower (docs/benchmarks.md).
+    # "off": the OS places them
     cpu_pinning: str = "auto"  # "auto" | "on" | "off"
     # Scale-out (sglang_like.tp, sglang_like.disaggregation): tensor parallelism over
     # tp_size engine-core ranks (torch.distributed: gloo on CPU, NCCL on CUDA); and SGLang's

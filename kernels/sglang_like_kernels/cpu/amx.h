@@ -45,8 +45,8 @@ static inline void load_scale_zero(const uint16_t *sz, int64_t g, int64_t N, int
 }
 
 // Block b's codes of the next 64-row block (next_codes, NULL for none), K / 2 cache lines
-// over both halves' blocks, so that streaming the weights overlaps the tile work (one row
-// measured 6.5 ms a 120-matmul step without, against torch's 3.5)
+// over both halves' blocks, so that streaming the weights overlaps the tile work (without
+// it one row ran at half torch's speed; docs/cpu-kernels.md)
 static inline void prefetch_next_codes(const uint8_t *next_codes, int half, int64_t nb,
                                        int64_t b) {
     if (!next_codes) return;

@@ -17,16 +17,11 @@
 //   8 sum Q), vpdpbusd over the codes as bytes.
 // Both then scale D in the same two fused multiply-adds, so a row's result is the same bits
 // alone or in any batch, whichever path its batch took (a lone decode, its speculative
-// verify and a batch of 32 agree). A decode step's 120 int4 matmuls on the default model
-// (ms, weights streamed as in a real step, old and new in the same runs):
-//     rows                               1     4     8     32    64
-//     this kernel                        3.2   5.2   6.2   11.3  19.7
-//     before: activations as two int8    3.2   5.0   6.5   16.5  28.1
-//     parts, two tile products and nine
-//     vector operations a block
-//     bf16 kernel (amx_q4.c)             -     -     12.2  13.2  19.6
-// Putting the activations on the grid costs about 1 ms of the 11.3 at 32 rows (without it,
-// the tiles' sums are not the VNNI path's: not batch invariant).
+// verify and a batch of 32 agree). Putting the activations on the grid costs a little of
+// each call, but without it the tiles' sums are not the VNNI path's: not batch invariant.
+// Against the integer kernel it replaced (activations as two int8 parts, two tile products
+// and nine vector operations a block) it is faster from 8 rows; timings in
+// docs/cpu-kernels.md.
 
 #include "amx.h"
 

@@ -24,9 +24,8 @@ static inline __m256 load8(const void *base, int bf16, int64_t off) {
 
 // Keys are gathered by slot: a request's slots are scattered over the pool once requests come
 // and go, so the hardware prefetchers do not see them coming. Each key's K and V rows (one kv
-// head's D values) are prefetched this many keys ahead of its dot product: at batch 32 over
-// 30 layers' pools with scattered slots, 189 -> 130 us a call for 60 keys, 477 -> 199 for
-// 100; a batch-32 decode step of the default model spent 6.9 ms in attention, now 4.0.
+// head's D values) are prefetched this many keys ahead of its dot product (docs/cpu-kernels.md
+// has what it saved).
 #define KV_PREFETCH 8
 
 static inline void prefetch_row(const void *base, int bf16, int64_t off, int64_t D) {
@@ -216,12 +215,9 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
     // head's pass prefetches the whole slot rows (all kv heads: 3 x 128 contiguous bytes of K
     // and of V a slot for the default model) into L2 for the others. Item per (head, chunk), a
     // thread read 128 of every 384 bytes and the other heads' items came back for the rest
-    // later. 30 layers, 2 threads (scripts/bench_decode_attention.py, interleaved with the
-    // item-per-head commit, best of 9, 3 runs): one row over 4k keys 9.4-12.1 -> 7.4-8.4 ms,
-    // over 2k 5.8-7.8 -> 4.4-5.9; a 3-row verify over 2k 10.1-14.2 -> 7.2-8.8; at 1k even.
-    // Where no row is that long (a decode batch or a verify of short contexts) an item per
-    // head stays: with a chunk or two per row, whole chunks balance worse across the threads
-    // (a 6-row verify over 268 keys read 1.7-2.5 ms by chunk against 1.8-2.0).
+    // later. Where no row is that long (a decode batch or a verify of short contexts) an item
+    // per head stays: with a chunk or two per row, whole chunks balance worse across the
+    // threads. Measured with `python -m benchmarks.bench_decode_attention`; docs/cpu-kernels.md.
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     p->by_chunk = longest >= 2 * threads * KV_CHUNK;

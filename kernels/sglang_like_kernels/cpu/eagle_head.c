@@ -3,7 +3,7 @@
 // The head runs three times per verify at batch 1 (over the committed rows, then each draft
 // step), each time over a few rows: as a dozen single ops (norms, fc, q/k/v, attention, o,
 // gate/up, down, the draft LM head, each a Python -> ctypes crossing, tensors and an OpenMP
-// fork/join) a call cost ~0.4 ms, a fifth of a batch-1 step. Here it is phases of one
+// fork/join) a call cost about a fifth of a batch-1 step. Here it is phases of one
 // parallel region, each the fused decode step's own code (ops.h):
 //
 //   [fc over target features] | norm(embed) ++ norm(hidden), quantize | qkv | RoPE + k/v

@@ -60,8 +60,8 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> list[int]:
     """torch.argmax(x, dim=-1).tolist() of a float32 [R, N] matrix whose rows are contiguous
     (any row stride): the first maximum of each row, a NaN counting as the maximum. torch's
-    CPU argmax reads about 2 GB/s (0.75 ms for a batch-32 step's logits); this reads from
-    cache at SIMD width and splits rows over the team."""
+    CPU argmax is slow on a batch's logits (docs/cpu-kernels.md); this reads from cache at
+    SIMD width and splits rows over the team."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
         raise TypeError("argmax_rows takes a float32 [R, N] matrix with contiguous rows")
     r, n = x.shape

@@ -33,8 +33,7 @@
 #define X16_RECORD 320  // bytes per (group, block)
 // each record's cache lines are prefetched this far ahead of its use: a thread streams its
 // groups' records in order, and the prefetch keeps more of them in flight than the hardware
-// prefetcher does (120 matmuls of a decode step at 1 / 4 / 8 rows, 3 runs interleaved on a
-// noisy 2-core AMD EPYC, ms: 3.0-4.5 / 3.2-5.4 / 4.8-7.8 against 4.0-4.2 / 4.5-6.3 / 7.7-10.7)
+// prefetcher does (docs/cpu-kernels.md)
 #define X16_PREFETCH (4 * X16_RECORD)
 
 void *q4_1_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t **q,
