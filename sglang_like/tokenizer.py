@@ -96,13 +96,6 @@ class Tokenizer:
         self.special_tokens_map: dict[str, str] = dict(special_tokens_map or {})
         self._template: jinja2.Template | None = None
 
-    @classmethod
-    def from_hf_dir(cls, path: str) -> Tokenizer:
-        """Load tokenizer.json (+ tokenizer_config.json, generation_config.json) from a folder."""
-        from sglang_like.model_loader.hf_tokenizer import load_hf_tokenizer
-
-        return load_hf_tokenizer(path)
-
     @property
     def backend(self) -> tokenizers.Tokenizer:
         return self._backend

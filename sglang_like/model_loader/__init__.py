@@ -16,6 +16,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from sglang_like.model_loader.gguf_tokenizer import load_gguf_tokenizer
+from sglang_like.model_loader.hf_tokenizer import load_hf_tokenizer
 from sglang_like.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -103,6 +104,6 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     if path is not None and os.path.isdir(path) and os.path.isfile(
         os.path.join(path, "tokenizer.json")
     ):
-        return Tokenizer.from_hf_dir(path)
+        return load_hf_tokenizer(path)
     kind, resolved = _resolve(path)
-    return load_gguf_tokenizer(resolved) if kind == "gguf" else Tokenizer.from_hf_dir(resolved)
+    return load_gguf_tokenizer(resolved) if kind == "gguf" else load_hf_tokenizer(resolved)
