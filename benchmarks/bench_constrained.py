@@ -20,9 +20,10 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import sglang_like_kernels
 import torch
 
-import sglang_like_kernels
+from benchmarks.common import best_of_s
 
 LONG_KEYS_SCHEMA: dict = {
     "type": "object",
@@ -108,16 +109,6 @@ COMPILE_SPECS: dict[str, tuple[str, str]] = {
 }
 
 
-def _best_of(fn: Callable[[], Any], repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 # ---- decode step ---------------------------------------------------------------------------
 def decode_step_s(engine: Any, batch: int, repeats: int) -> float:
     """One unconstrained decode step of `batch` requests: the slope of generate time in steps."""
@@ -129,7 +120,7 @@ def decode_step_s(engine: Any, batch: int, repeats: int) -> float:
 
     run(2)()  # warm up and cache the prompts
     short, long = 4, 36
-    return (_best_of(run(long), repeats) - _best_of(run(short), repeats)) / (long - short)
+    return (best_of_s(run(long), repeats) - best_of_s(run(short), repeats)) / (long - short)
 
 
 # ---- mask cost -----------------------------------------------------------------------------
@@ -163,7 +154,7 @@ def mask_cost_s(engine: Any, token_ids: list[int], batch: int, repeats: int) -> 
                 torch.cuda.synchronize()
 
         step()
-        total += _best_of(step, 3)
+        total += best_of_s(step, 3)
         count += 1
     return total / count
 
@@ -179,7 +170,7 @@ def jump_forward_run(engine: Any, batch: int, repeats: int) -> dict[str, float]:
 
     run()  # warm up: compile, cache the prompt
     steps_before = engine.scheduler.num_forward_steps
-    seconds = _best_of(run, repeats)
+    seconds = best_of_s(run, repeats)
     steps = (engine.scheduler.num_forward_steps - steps_before) / repeats
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     chars = sum(len(o["text"]) for o in outs)
@@ -304,7 +295,8 @@ def print_table(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_constrained", description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", default=["xgrammar", "outlines"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--jf-batch", type=int, default=8)

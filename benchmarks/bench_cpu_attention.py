@@ -1,6 +1,6 @@
 """CPU decode attention over a radix-shared prefix: cascade path vs the plain path.
 
-    python benchmarks/bench_cpu_attention.py [--batch 64] [--prefix 1000] [--suffix 130]
+    python -m benchmarks.bench_cpu_attention [--batch 64] [--prefix 1000] [--suffix 130]
 
 The shape is the bench_offline workload: `batch` requests whose KV rows begin with the same
 `prefix` slots (a radix hit), each with its own `suffix` tokens. Times one layer of decode
@@ -13,32 +13,31 @@ token materialized) was no faster than per-request SDPA.
 from __future__ import annotations
 
 import argparse
-import time
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import torch
-
 from sglang_like_kernels import reference
 
+from benchmarks.common import best_of_s
 
-def _best_ms(fn, repeats: int) -> float:
+
+def _best_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """The fastest of `repeats` calls after one to warm up, in ms."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1000
+    return 1000 * best_of_s(fn, repeats)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_cpu_attention", description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prefix", type=int, default=1000)
     ap.add_argument("--suffix", type=int, default=130)
     ap.add_argument("--extend", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     b, p, s, e = args.batch, args.prefix, args.suffix, args.extend
     hq, hkv, d = 9, 3, 64  # SmolLM2-135M
     gen = torch.Generator().manual_seed(0)
@@ -56,12 +55,12 @@ def main() -> None:
     q_ext = torch.randn(b * e, hq, d, generator=gen)
     prefix_lens, extend_lens = torch.full((b,), p + s), torch.full((b,), e)
 
-    def decode():
+    def decode() -> None:
         # time a whole call, plan included (the model builds it once per forward, 30 layers)
         reference._plan_memo.__dict__.clear()
         reference.decode_attention(q_dec, k_pool, v_pool, table, rows, seq_lens, scale)
 
-    def extend():
+    def extend() -> None:
         reference.extend_attention(q_ext, k_pool, v_pool, table, rows, prefix_lens,
                                    extend_lens, scale)
 

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -38,8 +36,14 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from benchmarks.bench_serving_peers import _stop as stop_server
-from benchmarks.bench_serving_peers import _wait_healthy
+from benchmarks.common import (
+    RESULTS_DIR,
+    free_port,
+    launch_server_cmd,
+    percentile,
+    start_server,
+    stop_server,
+)
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
@@ -86,24 +90,10 @@ def bench_snapshot(sizes: list[int]) -> list[dict[str, Any]]:
 
 
 # ---- 2. a real server --------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
-           "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc, 300)
-    except RuntimeError:
-        proc.kill()
-        raise
-    return proc, url
+def start_dashboard_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """Our server on a free loopback port with `extra` options: (process, URL)."""
+    port = free_port()
+    return start_server(launch_server_cmd(port, *extra), port)
 
 
 def build_tree(url: str, num_nodes: int, batch: int = 64) -> int:
@@ -216,10 +206,9 @@ def bench_watchers(url: str, tokens: int, repeats: int, chromium: str | None
         steps[name].append(after["num_forward_steps"] - before["num_forward_steps"])
     rows = []
     for name, g in gaps.items():
-        g = sorted(g)
         rows.append({
             "watcher": name, "tokens": len(g), "tok_s": len(g) / sum(g),
-            "itl_p50_ms": 1000 * g[len(g) // 2], "itl_p99_ms": 1000 * g[int(len(g) * 0.99)],
+            "itl_p50_ms": 1000 * percentile(g, 50), "itl_p99_ms": 1000 * percentile(g, 99),
             "busy_us_per_step": 1e6 * sum(busy[name]) / max(sum(steps[name]), 1),
         })
     return rows, gaps
@@ -287,12 +276,13 @@ def plot(gaps: dict[str, list[float]], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_dashboard", description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=10_000, help="tree size to build")
     parser.add_argument("--stream-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--chromium", default="/usr/bin/chromium")
-    parser.add_argument("--plot", default="bench_results/dashboard_itl.png")
+    parser.add_argument("--plot", default=os.path.join(RESULTS_DIR, "dashboard_itl.png"))
     parser.add_argument("--server-args", default="--max-total-tokens 131072",
                         help="extra launch_server arguments")
     args = parser.parse_args(argv)
@@ -311,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['nodes']:>8} {row['max_nodes']:>10} {row['loop_ms']:>8.2f} "
               f"{row['http_ms']:>8.2f} {row['kib']:>10.0f}")
 
-    proc, url = start_server(args.server_args.split())
+    proc, url = start_dashboard_server(args.server_args.split())
     try:
         nodes = build_tree(url, args.nodes)
         rows, gaps = bench_watchers(url, args.stream_tokens, args.repeats, chromium)

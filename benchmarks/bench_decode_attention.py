@@ -1,6 +1,6 @@
-"""The native decode attention (kernels/sglang_like_kernels/cpu/attention.c) over the default model's shape, alone.
+"""The native CPU decode attention alone (kernels/.../cpu/attention.c), default model's shape.
 
-    python benchmarks/bench_decode_attention.py [--keys 268,1024,4096] [--rows 1,3,6]
+    python -m benchmarks.bench_decode_attention [--keys 268,1024,4096] [--rows 1,3,6]
 
 `rows` query rows of one request read the same `keys` cached keys (bf16 pool, the default's),
 each then its own path of a few tree nodes, as a speculative verify does (1 row: a plain
@@ -17,7 +17,6 @@ import statistics
 import time
 
 import torch
-
 from sglang_like_kernels.cpu import ops
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30  # SmolLM2-135M
@@ -50,12 +49,14 @@ def step_ms(keys: int, rows: int, repeats: int) -> tuple[float, float]:
     return min(times) * 1e3, statistics.median(times) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_decode_attention",
+        description=__doc__.splitlines()[0])
     ap.add_argument("--keys", default="268,1024,4096")
     ap.add_argument("--rows", default="1,3,6")
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(f"threads={torch.get_num_threads()} ISA {torch.backends.cpu.get_cpu_capability()}; "
           f"{LAYERS} layers of {HQ} query / {HKV} KV heads x {D}, bf16 pool")
     print(f"{'keys':>6}{'rows':>6}{'best ms':>10}{'median ms':>11}{'KV MB':>8}{'GB/s':>7}")

@@ -1,11 +1,16 @@
-"""Radix cache on vs off for two DSL workloads: a fork-heavy tree of thought (3 x 3 branches)
-and few-shot QA over 64 inputs with run_batch. Prints wall time and the cache hit rate.
+"""Radix cache on vs off for two frontend-DSL workloads: wall time and cache hit rate.
 
-Runs in-process only (it builds one engine per setting): python benchmarks/bench_dsl_cache.py
+    python -m benchmarks.bench_dsl_cache [--num-inputs 64] [--max-tokens 8]
+
+The workloads: a fork-heavy tree of thought (3 x 3 branches) and few-shot QA over
+`--num-inputs` inputs with run_batch. In-process only: one engine per setting.
 """
+
+from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import frontend_dsl as sgl
 
@@ -18,13 +23,13 @@ COUNTRIES = ["France", "Germany", "Spain", "Egypt", "Brazil", "India", "China", 
 
 
 @sgl.function
-def few_shot(s, country, max_tokens):
+def few_shot(s: Any, country: str, max_tokens: int) -> None:
     s += FEW_SHOT + f"Q: What is the capital of {country}?\nA:"
     s += sgl.gen("answer", max_tokens=max_tokens, stop="\n", temperature=0)
 
 
 @sgl.function
-def tree_of_thought(s, question, max_tokens):
+def tree_of_thought(s: Any, question: str, max_tokens: int) -> None:
     s += "Solve the problem step by step.\nProblem: " + question + "\n"
     plans = s.fork(3)
     for i, plan in enumerate(plans):
@@ -36,13 +41,13 @@ def tree_of_thought(s, question, max_tokens):
     plans.join()
 
 
-def _hit_rate(metas: list[dict]) -> float:
+def _hit_rate(metas: list[dict[str, Any]]) -> float:
     cached = sum(m.get("cached_tokens", 0) for m in metas)
     total = sum(m["prompt_tokens"] for m in metas)
     return cached / max(total, 1)
 
 
-def run(disable_radix_cache: bool, num_inputs: int, max_tokens: int) -> dict:
+def run(disable_radix_cache: bool, num_inputs: int, max_tokens: int) -> dict[str, Any]:
     backend = sgl.Runtime(disable_radix_cache=disable_radix_cache, max_total_tokens=32768)
     out = {}
     t0 = time.perf_counter()
@@ -62,11 +67,12 @@ def run(disable_radix_cache: bool, num_inputs: int, max_tokens: int) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_dsl_cache",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--num-inputs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for disabled in (False, True):
         r = run(disabled, args.num_inputs, args.max_tokens)
         print(f"radix cache {'off' if disabled else 'on '}: few-shot x{args.num_inputs} "

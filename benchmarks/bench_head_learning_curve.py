@@ -1,7 +1,7 @@
 """What more training buys the EAGLE-3 head: acceptance against the data it was trained on.
 
-    python benchmarks/bench_head_learning_curve.py                  # every head in git history
-    python benchmarks/bench_head_learning_curve.py --heads DIR ...  # or these folders
+    python -m benchmarks.bench_head_learning_curve                  # every head in git history
+    python -m benchmarks.bench_head_learning_curve --heads DIR ...  # or these folders
 
 Each head the project shipped is in git history (every commit that changed the shipped
 head's weights); each was continued from the one before, so its card lists the data of every
@@ -29,6 +29,8 @@ import sys
 import tempfile
 
 from tqdm import tqdm
+
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, WORKLOADS
 
 HEAD_DIR = "sglang_like/speculative/heads/smollm2-135m-instruct-eagle3"
 _TOKENS = re.compile(r"(\d+) tokens in all")
@@ -61,7 +63,6 @@ def heads_from_git(repo: str, into: str) -> list[tuple[str, str]]:
 def acceptance(path: str, workloads: list[str], max_new_tokens: int) -> dict[str, float]:
     """Tokens per verify of the head at `path` per workload (greedy, speculating every step)."""
     from sglang_like import Engine
-    from benchmarks.bench_speculative import WORKLOADS
 
     engine = Engine(engine_in_process=True, max_total_tokens=16384,
                     speculative_algorithm="EAGLE3", speculative_draft_model_path=path,
@@ -95,7 +96,9 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_head_learning_curve",
+        description=__doc__.splitlines()[0])
     ap.add_argument("--heads", nargs="*", default=None,
                     help="head folders (with their cards); default: every head in git history")
     ap.add_argument("--workloads", nargs="+", default=["chat", "extraction", "code"])
@@ -103,15 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--goal", type=float, default=2.5)
     ap.add_argument("--fit-from", type=float, default=5e5,
                     help="fit over heads trained on at least this many tokens")
-    ap.add_argument("--out-dir", default="bench_results")
+    ap.add_argument("--out-dir", default=RESULTS_DIR)
     args = ap.parse_args(argv)
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
         if args.heads:
             heads = [(os.path.basename(os.path.normpath(h)), h) for h in args.heads]
         else:
-            heads = heads_from_git(repo, tmp)
+            heads = heads_from_git(REPO_ROOT, tmp)
         rows = []
         for label, path in tqdm(heads, unit="head"):
             with open(os.path.join(path, "README.md"), encoding="utf-8") as f:

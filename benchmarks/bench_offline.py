@@ -30,6 +30,14 @@ from typing import Any
 import torch
 
 from benchmarks.bench_shared_prefix import run_shared_prefix
+from benchmarks.common import (
+    RESULTS_DIR,
+    decode_tok_s,
+    llama_batched_bench,
+    llama_bench,
+    llama_bench_depths,
+    stream_decode_seconds,
+)
 
 # name -> Engine kwargs (and "env": variables its worker process runs under)
 FORMATS = {
@@ -52,27 +60,11 @@ FORMATS = {
                   "env": {"ATEN_CPU_CAPABILITY": "avx2", "SGLANG_LIKE_CPU_KERNELS": "avx2"}},
 }
 DEFAULT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4-torch-ops", "int4-avx2")
-_PROMPT = "Tell me a story about a robot who learns to paint."
 
 
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _decode_tok_s(engine: Any, batch: int, new_tokens: int) -> float:
-    """Decode tokens/s of `batch` streams: a full run less a prefill-only run (+1 token)."""
-    prompts = [f"{_PROMPT} Chapter {i}." for i in range(batch)]
-    params = {"temperature": 0, "ignore_eos": True}
-    engine.flush_cache()
-    t0 = time.perf_counter()
-    engine.generate(prompts, {**params, "max_new_tokens": 1})
-    prefill = time.perf_counter() - t0
-    engine.flush_cache()
-    t0 = time.perf_counter()
-    engine.generate(prompts, {**params, "max_new_tokens": new_tokens + 1})
-    total = time.perf_counter() - t0
-    return batch * new_tokens / max(total - prefill, 1e-9)
 
 
 def _filler_ids(engine: Any, num_tokens: int) -> list[int]:
@@ -86,13 +78,9 @@ def _depth_decode_tok_s(engine: Any, depth: int, new_tokens: int) -> float:
     the tokens after the first over the time after the first (the prefill left out)."""
     ids = _filler_ids(engine, depth)
     engine.flush_cache()
-    first = None
-    chunks = engine.generate(input_ids=ids, sampling_params={
-        "max_new_tokens": new_tokens + 1, "temperature": 0, "ignore_eos": True}, stream=True)
-    for chunk in chunks:
-        if first is None and chunk["output_ids"]:
-            first = time.perf_counter()
-    return new_tokens / (time.perf_counter() - first)
+    _, seconds = stream_decode_seconds(engine, {
+        "max_new_tokens": new_tokens + 1, "temperature": 0, "ignore_eos": True}, input_ids=ids)
+    return new_tokens / seconds
 
 
 def _prefill_tok_s(engine: Any, num_tokens: int) -> float:
@@ -121,9 +109,9 @@ def worker(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
            "linear": type(model.model.layers[0].mlp.down_proj.method).__name__,
            "native_decode": bool(model.native_decode), "native_isa": sglang_like_kernels.cpu.isa(),
            "weight_mb": model.weight_bytes() / 1e6, "decode_mb": model.decode_bytes() / 1e6}
-    out["b1_tok_s"] = _decode_tok_s(engine, 1, args.new_tokens)
+    out["b1_tok_s"] = decode_tok_s(engine, 1, args.new_tokens)
     for batch in args.batch_sizes:
-        out[f"b{batch}_tok_s"] = _decode_tok_s(engine, batch, args.batch_new_tokens)
+        out[f"b{batch}_tok_s"] = decode_tok_s(engine, batch, args.batch_new_tokens)
     out["prefill_tok_s"] = _prefill_tok_s(engine, args.prefill_tokens)
     engine.get_server_info()  # a round trip through the loop: it has gone idle (and trimmed)
     out["rss_mb"] = _rss_mb()  # before the long contexts: the weights' and a 1k prefill's
@@ -146,9 +134,8 @@ def measure_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
 
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of several runs of a format: each speed their median, the rest the first's.
-    Formats measured one after another minutes apart inherit the machine's drift (int4-eagle3
-    read 0.70x of int4 at batch 32 in such a run, with drafting paused all along, so the same
-    work); rounds that interleave them and keep medians do not."""
+    Formats measured one after another minutes apart inherit the machine's drift into their
+    ratios; rounds that interleave them and keep medians do not."""
     row = dict(runs[0])
     for key in list(row):
         if key.endswith("_tok_s"):
@@ -180,7 +167,6 @@ def _run_worker(fmt: str, argv: list[str]) -> dict[str, Any]:
 def _peer(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.skip_peer or not args.llama_cpp_bin:
         return None
-    from benchmarks.bench_peers import llama_batched_bench, llama_bench, llama_bench_depths
     from sglang_like.model_loader import default_model_path
 
     model = args.model_path or default_model_path()
@@ -271,7 +257,8 @@ def draw_throughput(rows: list[dict[str, Any]], peer: dict[str, Any] | None,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_offline", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                     help=f"comma list of {', '.join(FORMATS)}")
@@ -293,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="also the 64 x 1000-token shared-prefix batch (ours vs HF generate)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--output-json", default=None)
-    ap.add_argument("--plot", default="bench_results/bench_offline_throughput.png",
+    ap.add_argument("--plot", default=os.path.join(RESULTS_DIR, "bench_offline_throughput.png"),
                     help="where to draw decode tokens/s by batch size ('' for none)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

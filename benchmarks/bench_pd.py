@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -35,9 +34,17 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from sglang_like.bench_serving import percentile
-from benchmarks.bench_serving_peers import _stop, _wait_healthy
-from sglang_like.launch_router import free_port
+from benchmarks.common import (
+    RESULTS_DIR,
+    free_port,
+    launch_server_cmd,
+    percentile,
+    popen_router,
+    router_worker_urls,
+    running_server,
+    server_url,
+    stop_server,
+)
 
 
 def _long_prompt(i: int, num_tokens: int) -> str:
@@ -109,44 +116,23 @@ def _summary(name: str, run: dict[str, Any]) -> dict[str, Any]:
 
 def _colocated(args: argparse.Namespace, *extra: str) -> tuple[dict[str, Any], dict[str, Any]]:
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
-           "--log-level", "warning", *args.server_args, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc, 300)
+    with running_server(launch_server_cmd(port, *args.server_args, *extra), port) as url:
         return asyncio.run(_drive(url, args)), {}
-    finally:
-        _stop(proc)
 
 
 def _pd_pair(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_like.launch_router", "--pd-disaggregation",
            "--port", str(port), "--log-level", "warning", *args.server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    urls: list[str] = []
+    proc = popen_router(cmd)
     try:
-        deadline = time.monotonic() + 300
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("sglang_like: sglang-router"):
-                urls = line.rsplit(": ", 1)[1].split()
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the PD cluster did not start")
-        if not urls:
-            raise RuntimeError(f"the PD cluster exited with {proc.wait()}")
-        import threading
-
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        run = asyncio.run(_drive(f"http://127.0.0.1:{port}", args))
+        urls = router_worker_urls(proc)
+        run = asyncio.run(_drive(server_url(port), args))
         prefill = httpx.get(urls[0] + "/get_server_info", timeout=30).json()
         decode = httpx.get(urls[1] + "/get_server_info", timeout=30).json()
         return run, {"prefill": prefill["disaggregation"], "decode": decode}
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def _transfer_rows(stats: dict[str, Any], long_tokens_min: int) -> dict[str, Any]:
@@ -203,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-chunk", type=int, default=256,
                    help="also run the colocated server with this --chunked-prefill-size (the "
                         "knob a colocated deployment trades TTFT against ITL with); 0: skip")
-    p.add_argument("--out-dir", default="bench_results")
+    p.add_argument("--out-dir", default=RESULTS_DIR)
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="options for every server (last on the line)")
     return p

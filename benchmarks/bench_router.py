@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -34,20 +33,19 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from benchmarks.bench_serving_peers import (
-    _drive,
-    _stop,
-    _wait_healthy,
+from benchmarks.common import (
+    add_served_workload_args,
+    drive_served,
+    free_port,
+    launch_server_cmd,
     offline_tpot_ms,
+    popen_router,
+    router_worker_urls,
     served_prompt,
+    server_url,
+    stop_server,
+    wait_healthy,
 )
-from sglang_like.launch_router import free_port
-
-
-def _server_cmd(port: int, args: argparse.Namespace, *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
-           "--log-level", "warning", *extra]
-    return cmd + (["--model-path", args.model_path] if args.model_path else [])
 
 
 @dataclass
@@ -62,31 +60,20 @@ class Setup:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return server_url(self.port)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.PIPE if self.router else subprocess.DEVNULL,
-            stderr=subprocess.STDOUT if self.router else subprocess.DEVNULL, text=True,
-            env=self.env, start_new_session=True)
+        if self.router:
+            self.proc = popen_router(self.cmd, env=self.env)
+        else:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, env=self.env,
+                                         start_new_session=True)
 
     def wait(self) -> None:
         if self.router:
-            self.workers = _wait_router(self.proc)
-        _wait_healthy(self.url, self.proc, 300)
-
-
-def _wait_router(proc: subprocess.Popen) -> list[str]:
-    """launch_router's replica URLs, from the line it prints once the router serves."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"listening on \S+ in front of \d+ replica\(s\): (.+)$", line)
-        if match:
-            import threading
-
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return match.group(1).split()
-    raise RuntimeError(f"launch_router exited with {proc.wait()} before serving")
+            self.workers = router_worker_urls(self.proc)
+        wait_healthy(self.url, self.proc, 300)
 
 
 def _latencies(url: str, n: int) -> list[float]:
@@ -126,23 +113,16 @@ def _curl_tpot_ms(url: str, num_tokens: int, prompt: str) -> float:
     return (total - first) / (num_tokens - 1) * 1e3
 
 
-def _drive_one(url: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
-    one = argparse.Namespace(**{**vars(args), "concurrency": [concurrency]})
-    return _drive(url, one)[0]
-
-
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_router", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--baseline-repo", default=None,
                     help="a checkout of the commit before the engine process (its server is "
                          "the baseline); default: this tree with --engine-in-process")
     ap.add_argument("--rounds", type=int, default=3,
                     help="concurrency-1 runs of every setup, interleaved (medians reported)")
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--prefix-words", type=int, default=700,
-                    help="shared system prompt length in words (~900 tokens at 700)")
-    ap.add_argument("--min-prompts", type=int, default=8)
+    add_served_workload_args(ap)
     ap.add_argument("--high-concurrency", type=int, default=32)
     ap.add_argument("--overhead-requests", type=int, default=40)
     ap.add_argument("--skip-router", action="store_true")
@@ -155,10 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         setups = [Setup("one process (before)", [], free_port(), env=env)]
     else:
         setups = [Setup("one process", [], free_port())]
-    setups[0].cmd = _server_cmd(setups[0].port, args,
-                                *([] if args.baseline_repo else ["--engine-in-process"]))
+    setups[0].cmd = launch_server_cmd(
+        setups[0].port, *([] if args.baseline_repo else ["--engine-in-process"]),
+        model_path=args.model_path)
     two = Setup("two processes", [], free_port())
-    two.cmd = _server_cmd(two.port, args)
+    two.cmd = launch_server_cmd(two.port, model_path=args.model_path)
     setups.append(two)
     if not args.skip_router:
         port = free_port()
@@ -184,12 +165,12 @@ def main(argv: list[str] | None = None) -> None:
             # on the served prompts: each decode step attends over their ~900-token prefix
             offline.append(offline_tpot_ms(offline_engine, args))
             for s in setups:
-                c1[s.name].append(_drive_one(s.url, 1, args))
+                c1[s.name].append(drive_served(s.url, args, 1))
                 if use_curl:
                     curl[s.name].append(_curl_tpot_ms(s.url, 2 * args.output_len,
                                                       served_prompt(args)))
         offline_engine.shutdown()
-        high = {s.name: _drive_one(s.url, args.high_concurrency, args)
+        high = {s.name: drive_served(s.url, args, args.high_concurrency)
                 for s in tqdm(setups, desc=f"concurrency {args.high_concurrency}")}
         overhead = None
         if not args.skip_router:
@@ -199,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         offline_engine.shutdown()
         for s in setups:
             if s.proc is not None:
-                _stop(s.proc)
+                stop_server(s.proc)
     _report(args, setups, c1, high, offline, overhead, curl)
 
 

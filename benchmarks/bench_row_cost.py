@@ -1,6 +1,6 @@
 """What a token row more costs a decode step, against the step's average row.
 
-    python benchmarks/bench_row_cost.py [--pairs 1:4,8:12,16:24,32:48] [--rounds 5]
+    python -m benchmarks.bench_row_cost [--pairs 1:4,8:12,16:24,32:48] [--rounds 5]
 
 The speculation controller prices a verify's extra rows by this (`_ROW_SHARE` in
 sglang_like/speculative/step_costs.py): a tree pays only where its drafts are expected to
@@ -19,6 +19,8 @@ import statistics
 
 from tqdm import tqdm
 
+from benchmarks.common import decode_tok_s
+
 
 def _pairs(text: str) -> list[tuple[int, int]]:
     out = []
@@ -31,7 +33,8 @@ def _pairs(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_row_cost", description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=_pairs, default=_pairs("1:4,8:12,16:24,32:48"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -39,7 +42,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     from sglang_like import Engine
-    from benchmarks.bench_offline import _decode_tok_s
 
     engine = Engine(engine_in_process=True, quantization=args.quantization)
     shares: dict[tuple[int, int], list[float]] = {p: [] for p in args.pairs}
@@ -48,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.generate("Warm up.", {"max_new_tokens": 8})
         for _ in tqdm(range(args.rounds), unit="round"):
             for b, b2 in args.pairs:
-                t1 = b / _decode_tok_s(engine, b, args.new_tokens)
-                t2 = b2 / _decode_tok_s(engine, b2, args.new_tokens)
+                t1 = b / decode_tok_s(engine, b, args.new_tokens)
+                t2 = b2 / decode_tok_s(engine, b2, args.new_tokens)
                 steps[(b, b2)].append((t1, t2))
                 shares[(b, b2)].append((t2 - t1) / (b2 - b) / (t1 / b))
     finally:

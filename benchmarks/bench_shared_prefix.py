@@ -1,8 +1,16 @@
-"""The shared-prefix batch (64 requests x a 1,000-token common preamble), ours beside HF
-generate on the same fp32 weights: `python -m benchmarks.bench_offline --shared-prefix`."""
+"""The shared-prefix batch, ours beside HF generate on the same fp32 weights.
+
+    python -m benchmarks.bench_shared_prefix [--num-requests 64] [--prefix-len 1000]
+    python -m benchmarks.bench_offline --shared-prefix     # the same after the offline table
+
+`--num-requests` requests share a `--prefix-len`-token preamble, each with its own short
+question; ours runs them as one batch (default quantization, then fp32: the radix cache
+holds the preamble once), HF generate on the very fp32 weights ours runs, in one batch.
+"""
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any
 
@@ -109,3 +117,21 @@ def run_shared_prefix(model_path: str | None, *, num_requests: int = 64, prefix_
         hit = f"{r['cache_hit_rate']:>11.1%}" if "cache_hit_rate" in r else ""
         print(f"{name:<16}{r['tok_s']:>10.1f}{r['seconds']:>10.1f}{hit}")
     return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_shared_prefix",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prefix-len", type=int, default=1000)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--skip-hf", action="store_true", help="ours only")
+    args = ap.parse_args(argv)
+    run_shared_prefix(args.model_path, num_requests=args.num_requests,
+                      prefix_len=args.prefix_len, new_tokens=args.new_tokens,
+                      skip_hf=args.skip_hf)
+
+
+if __name__ == "__main__":
+    main()

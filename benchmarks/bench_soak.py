@@ -30,10 +30,16 @@ from typing import Any
 
 import httpx
 
-from sglang_like.bench_serving import percentile
-from benchmarks.bench_serving_peers import _stop, _wait_healthy
-from sglang_like.utils.fault_injection import ENV_VAR
+from benchmarks.common import (
+    RESULTS_DIR,
+    free_port,
+    launch_server_cmd,
+    percentile,
+    start_server,
+    stop_server,
+)
 from benchmarks.soak_load import LoadMix, Record
+from sglang_like.utils.fault_injection import ENV_VAR
 
 DEFAULT_FAULTS = "forward=0.005,sample=0.002,grammar=0.005,seed=1"
 
@@ -46,25 +52,14 @@ def _rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = args.port or _free_port()
-    cmd = [sys.executable, "-m", "sglang_like.launch_server", "--port", str(port),
-           "--log-level", "error", "--context-length", str(args.context_length),
-           "--max-running-requests", str(args.max_running_requests),
-           "--max-queued-requests", str(args.max_queued_requests), *args.server_arg]
-    env = {**os.environ, ENV_VAR: args.faults}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, proc, 300)
-    return proc, url
+def start_soak_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """Our server with the soak's limits and SGLANG_LIKE_FAULT_INJECT set: (process, URL)."""
+    port = args.port or free_port()
+    cmd = launch_server_cmd(port, "--context-length", str(args.context_length),
+                            "--max-running-requests", str(args.max_running_requests),
+                            "--max-queued-requests", str(args.max_queued_requests),
+                            *args.server_arg, log_level="error")
+    return start_server(cmd, port, env={**os.environ, ENV_VAR: args.faults})
 
 
 async def _wait_idle(url: str, timeout_s: float) -> dict:
@@ -281,18 +276,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra launch_server argument (repeatable)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="bench_results")
+    p.add_argument("--out-dir", default=RESULTS_DIR)
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    proc, url = start_server(args)
+    proc, url = start_soak_server(args)
     try:
         summary = asyncio.run(_soak(args, url, proc))
     finally:
-        _stop(proc)
+        stop_server(proc)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "soak.json"), "w") as f:
         json.dump(summary, f, indent=1)

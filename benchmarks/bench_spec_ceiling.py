@@ -1,7 +1,7 @@
 """How fast any copying drafter could make batch-1 decode on this machine: a ceiling.
 
-    python benchmarks/bench_spec_ceiling.py [--workloads extraction code chat] [--max-depth 5]
-                                         [--rounds 3]
+    python -m benchmarks.bench_spec_ceiling [--workloads extraction code chat] [--max-depth 5]
+                                            [--rounds 3]
 
 NGRAM-style drafters (and EAGLE's copied branch) continue the text after an earlier place
 where the request's last token appeared: in its own prompt and output, or in an earlier
@@ -26,7 +26,7 @@ NGRAM columns are the real drafter in the same run (drafting every step, the con
 machine's speed drifts between rounds); the table gives the rounds' median and range.
 A target above the ceiling cannot be met by a copying drafter here; only cheaper verify rows
 (a faster machine's matmuls) or better drafts from elsewhere (a draft model) can move it.
-The table is also written to `bench_results/spec_ceiling.json`.
+The table is also written to `--out` (bench_results/spec_ceiling.json).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 from tqdm import tqdm
+
+from benchmarks.common import RESULTS_DIR, WORKLOADS
 
 
 def _agreement(text: np.ndarray, last: int, future: np.ndarray, max_depth: int,
@@ -136,9 +138,9 @@ def _judge(log: list[tuple[str, int, float, float, float]],
 
 def main(argv: list[str] | None = None) -> None:
     from sglang_like import Engine
-    from benchmarks.bench_speculative import WORKLOADS
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_spec_ceiling", description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["extraction", "code", "chat"],
                     choices=list(WORKLOADS))
     ap.add_argument("--max-depth", type=int, default=5,
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3,
                     help="each a pass over the workloads, priced by its own step costs")
-    ap.add_argument("--out", default="bench_results/spec_ceiling.json")
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "spec_ceiling.json"))
     args = ap.parse_args(argv)
 
     engine = Engine(engine_in_process=True, speculative_algorithm="NGRAM",

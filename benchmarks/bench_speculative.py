@@ -28,6 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.common import RESULTS_DIR, WORKLOADS, stream_decode_seconds
 from sglang_like.speculative import DEFAULT_HEAD
 
 CONFIGS = {
@@ -38,75 +39,12 @@ CONFIGS = {
 }
 DEFAULT_CONFIGS = ["off", "NGRAM", "EAGLE3"]
 
-_DOC = (
-    "Invoice INV-2291 was issued on 14 March 2024 by Northwind Traders, 1200 Harbor Road, "
-    "Seattle, WA 98101, to Contoso Ltd, 55 King Street, Manchester M2 4LQ, United Kingdom. "
-    "The order contained 12 units of the Model X20 barcode scanner at 89.50 USD each and 3 "
-    "units of the Dock S4 charging cradle at 45.00 USD each. Shipping was 25.00 USD and tax "
-    "was 108.40 USD, for a total of 1342.40 USD. Payment is due within 30 days to account "
-    "number 4417-2209-8831 at First Harbor Bank. Contact: Maria Lopez, maria.lopez@northwind"
-    ".example, phone +1 206 555 0143."
-)
-_CODE = '''def total_price(items, tax_rate):
-    total = 0
-    for item in items:
-        total = total + item["price"] * item["quantity"]
-    total = total + total * tax_rate
-    return round(total, 2)
-
-
-def cheapest(items):
-    best = None
-    for item in items:
-        if best is None or item["price"] < best["price"]:
-            best = item
-    return best
-'''
-WORKLOADS = {
-    "chat": [
-        "What are three good habits for staying healthy?",
-        "Explain how a bicycle works to a child.",
-        "Why is the sky blue?",
-        "Give me some tips for a job interview.",
-        "What is the difference between weather and climate?",
-        "Describe a nice day at the beach.",
-        "How do plants make their food?",
-        "What should I pack for a weekend hiking trip?",
-    ],
-    "extraction": [
-        f"Here is a document:\n\n{_DOC}\n\nExtract these fields as JSON: {fields}."
-        for fields in (
-            "invoice_number, date, seller, buyer, total",
-            "seller, seller_address, buyer, buyer_address",
-            "items (name, quantity, unit_price), shipping, tax, total",
-            "contact_name, contact_email, contact_phone, account_number, bank",
-        )
-    ],
-    "code": [
-        f"Here is some Python code:\n\n{_CODE}\n{task}"
-        for task in (
-            "Rewrite it with type hints on every function. Show the whole code.",
-            "Rename the variable `total` to `amount` everywhere. Show the whole code.",
-            "Add a docstring to each function. Show the whole code.",
-            "Rewrite `cheapest` to use the built-in min(). Show the whole code.",
-        )
-    ],
-}
-
-
 def _stream_decode_rate(engine: Any, prompt: str, params: dict) -> tuple[int, int, float]:
     """(completion tokens, verify passes, decode seconds after the first token) of one
     streamed request."""
-    t0 = time.perf_counter()
-    first = None
-    last: dict = {}
-    for chunk in engine.generate(prompt, params, stream=True):
-        if first is None and chunk["output_ids"]:
-            first = time.perf_counter()
-        last = chunk
-    end = time.perf_counter()
+    last, seconds = stream_decode_seconds(engine, params, prompt=prompt)
     meta = last["meta_info"]
-    return meta["completion_tokens"], meta["spec_verify_ct"], end - (first or t0)
+    return meta["completion_tokens"], meta["spec_verify_ct"], seconds
 
 
 def _measure(engine: Any, prompts: list[str], batch: int, params: dict) -> dict:
@@ -294,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="NGRAM --speculative-ngram-max-bfs-breadth (default: the engine's)")
     p.add_argument("--always-speculate", action="store_true",
                    help="turn the controller off: speculate wherever a draft exists")
-    p.add_argument("--out-dir", default="bench_results")
+    p.add_argument("--out-dir", default=RESULTS_DIR)
     args = p.parse_args(argv)
     report = run(args)
     os.makedirs(args.out_dir, exist_ok=True)

@@ -3,8 +3,8 @@
     python -m benchmarks.bench_tp [--quantization auto] [--rounds 5]
 
 Both engines are loaded at once and measured in interleaved rounds (machines here drift more
-than the differences): batch-1 decode ms/token (65 tokens minus 1, so prefill drops out) and
-one ~1,000-token prompt's prefill time; medians printed. On 2 cores TP=2 gives each rank one
+than the differences): batch-1 decode ms/token (64 tokens less a prefill-only run) and one
+~1,000-token prompt's prefill time; medians printed. On 2 cores TP=2 gives each rank one
 core: it shows what the split costs (broadcast, all-reduces) rather than a speed-up.
 """
 
@@ -16,17 +16,12 @@ import time
 
 from tqdm import tqdm
 
+from benchmarks.common import decode_tok_s
 from sglang_like.engine import Engine
 
 
 def _decode_ms(engine: Engine) -> float:
-    def run(n: int) -> float:
-        t0 = time.perf_counter()
-        engine.generate("The history of the Roman Empire",
-                        {"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
-        return time.perf_counter() - t0
-
-    return (run(65) - run(1)) / 64 * 1000
+    return 1000 / decode_tok_s(engine, 1, 64)
 
 
 def _prefill_ms(engine: Engine, tag: str) -> tuple[float, int]:

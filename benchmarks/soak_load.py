@@ -1,5 +1,7 @@
 """A hostile mix of HTTP clients for soaks and storms (bench_soak, the server storm test).
 
+    python -m benchmarks.soak_load --url http://127.0.0.1:30000 [--duration-s 60]
+
 Each action is what some real user does: a plain or constrained /generate, n=2, an OpenAI
 chat or completion through the official `openai` client (retries off, so statuses are the
 server's own), a stream whose client goes away at a random point, a request aborted by its
@@ -9,10 +11,13 @@ gets no answer within its deadline is recorded as such ("no answer"), never wait
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
+import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,9 +159,9 @@ class LoadMix:
 
     async def burst(self, num_requests: int) -> list[Record]:
         """`num_requests` /generate calls at once (a flash crowd: 429s expected). Each asks
-        for 32 tokens: calls of 1-8 tokens (the mix's) were served about as fast as a client
-        on the same two cores opened their connections, so the waiting queue of a server with
-        its engine on a core of its own never filled (two soaks in three without a 429)."""
+        for 32 tokens: calls as short as the mix's are served about as fast as a client on the
+        same two cores opens their connections, so the server's waiting queue may never
+        fill."""
         return list(await asyncio.gather(*(self.one("burst") for _ in range(num_requests))))
 
     def _pick(self) -> str:
@@ -323,3 +328,42 @@ class LoadMix:
         err = data.get("error", {}) if isinstance(data, dict) else {}
         message = err.get("message") if isinstance(err, dict) else None
         return status, None, f"{what}: {message}"
+
+
+async def _drive(args: argparse.Namespace) -> list[Record]:
+    mix = LoadMix(args.url, args.context_length, seed=args.seed)
+    try:
+        await mix.run_for(args.duration_s, args.concurrency)
+    finally:
+        await mix.aclose()
+    return mix.records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Drive a running server with the mix and print the statuses per action; exit 1 on a
+    request with no answer or a 5xx that is not an injected fault's."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.soak_load",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--url", required=True, help="a running server")
+    ap.add_argument("--duration-s", type=float, default=60.0)
+    ap.add_argument("--concurrency", type=int, default=8, help="clients looping actions")
+    ap.add_argument("--context-length", type=int, default=1024,
+                    help="the server's (oversized prompts go past it)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    records = asyncio.run(_drive(args))
+    by_action: dict[str, Counter] = {}
+    for r in records:
+        by_action.setdefault(r.action, Counter())[r.status] += 1
+    print(f"{len(records)} actions in {args.duration_s:.0f} s")
+    for action, statuses in sorted(by_action.items()):
+        print(f"  {action:<12}" + ", ".join(f"{k} x {v}" for k, v in sorted(statuses.items())))
+    bad = [r for r in records
+           if r.status == 0 or (r.status >= 500 and not r.is_injected_fault)]
+    for r in bad[:5]:
+        print(f"  {r.action}: {r.status} {r.message}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,6 @@
-"""bench_peers' parsing of llama.cpp's bench tools (a stand-in script prints what llama-bench
-prints with `-o json`; the real binaries are measured by the benchmarks, not the suite)."""
+"""The parsing of llama.cpp's bench tools in benchmarks.common (a stand-in script prints what
+llama-bench prints with `-o json`; the real binaries are measured by the benchmarks, not the
+suite), and bench_offline's ratios to the peer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_peers import llama_bench_depths
+from benchmarks.common import llama_bench_depths
 
 
 def _fake_llama_bench(folder: Path, rows: list[dict], exit_code: int = 0) -> None:

@@ -23,24 +23,13 @@ def test_without_off_no_ratio():
     assert cell["NGRAM"]["tok_s"] == 20.0 and "x_off" not in cell["NGRAM"]
 
 
-def _learning_curve():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[2] / "scripts" / "bench_head_learning_curve.py"
-    spec = importlib.util.spec_from_file_location("bench_head_learning_curve", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_learning_curve_counts_a_heads_whole_lineage_and_fits_over_log_data():
     import math
     import pathlib
 
+    from benchmarks import bench_head_learning_curve as lc
     from sglang_like.speculative import DEFAULT_HEAD
 
-    lc = _learning_curve()
     card = "- Data: ...\n  318159 answer tokens, 462842 tokens in all.\n## Earlier training\n" \
            "  866681 tokens in all.\n### Earlier\n  870721 tokens in all.\n"
     assert lc.lineage_tokens(card) == 462842 + 866681 + 870721

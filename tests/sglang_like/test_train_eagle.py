@@ -285,7 +285,7 @@ def test_everyday_questions_are_seeded_varied_and_not_the_evaluations_prompts() 
     (the speculative bench's chat workload, the shipped head's held-out test prompts)."""
     import random
 
-    from benchmarks.bench_speculative import WORKLOADS
+    from benchmarks.common import WORKLOADS
     from training import train_eagle_prompts as tp
 
     from .test_spec_heads import HELD_OUT
