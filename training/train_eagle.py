@@ -12,15 +12,17 @@ Stages, each checkpointed under the work dir so that re-running the command resu
 3. capture  teacher forcing through the serving path (`forward_features`, int4 as served):
             fp16 EAGLE-3 features and the top-k of the target's log-probabilities over the
             draft vocabulary per position (soft labels). One file per data shard.
-4. train    training-time-test unroll (`train_eagle_core`), AdamW + warmup/cosine,
-            checkpoint with optimizer and RNG state every few minutes.
-5. export   `Eagle3Head.save` into --out plus a README card; reloaded to check.
+4. train    (`train_eagle_run`, the step in `train_eagle_core`) training-time-test unroll,
+            AdamW + warmup/cosine, checkpoint with optimizer and RNG state every few minutes.
+5. export   (`train_eagle_run`) `Eagle3Head.save` into --out plus a README card; reloaded
+            to check.
+
+This module holds stages 2 and 3 and the command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
@@ -29,65 +31,13 @@ from typing import Any
 
 import torch
 
+from sglang_like.speculative import DEFAULT_HEAD
+from training.train_eagle_core import add_timing, data_shards, log, save_atomic
+from training.train_eagle_data import stage_data
+from training.train_eagle_run import stage_export, stage_train
+
 DEFAULT_WORK_DIR = os.path.expanduser("~/.cache/sglang_like/eagle3-train")
-DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-instruct-eagle3")
 STAGES = ("data", "vocab", "capture", "train", "export")
-DATA_KEYS = ("seed", "shard_size", "user_max_tokens", "answer_max_tokens", "rework_frac",
-             "code_frac", "doc_frac", "chat_frac")
-
-
-def _log(msg: str) -> None:
-    print(f"[train_eagle {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _save_atomic(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _timings(work: str) -> dict[str, float]:
-    path = os.path.join(work, "timings.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    return {}
-
-
-def _add_timing(work: str, stage: str, seconds: float) -> None:
-    t = _timings(work)
-    t[stage] = t.get(stage, 0.0) + seconds
-    with open(os.path.join(work, "timings.json"), "w", encoding="utf-8") as f:
-        json.dump(t, f, indent=2)
-
-
-def data_config(work: str, args: argparse.Namespace) -> argparse.Namespace:
-    """The data stage's settings as it recorded them (those of `args` where it did not)."""
-    path = os.path.join(work, "data_config.json")
-    saved = {}
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-    return argparse.Namespace(**(vars(args) | saved))
-
-
-def _data_shards(work: str) -> list[str]:
-    ddir = os.path.join(work, "data")
-    return sorted(os.path.join(ddir, f) for f in os.listdir(ddir)
-                  if f.startswith("shard_") and f.endswith(".pt"))
-
-
-def _data_stats(work: str) -> dict[str, int]:
-    convs = ans = tot = 0
-    distinct: set[int] = set()
-    for path in _data_shards(work):
-        for c in torch.load(path)["convs"]:
-            convs += 1
-            ans += len(c["ids"]) - c["prompt_len"]
-            tot += len(c["ids"])
-            distinct.update(c["ids"][c["prompt_len"]:])
-    return {"conversations": convs, "answer_tokens": ans, "total_tokens": tot,
-            "distinct_answer_tokens": len(distinct)}
 
 
 # ---- 2. draft vocabulary -----------------------------------------------------------------------
@@ -119,13 +69,13 @@ def build_draft_vocab(answer_ids: list[list[int]], vocab_size: int, draft_vocab_
 def stage_vocab(args: argparse.Namespace, work: str) -> None:
     path = os.path.join(work, "vocab.pt")
     if os.path.isfile(path):
-        _log("vocab: present, skipped")
+        log("vocab: present, skipped")
         return
     t0 = time.perf_counter()
-    first = torch.load(_data_shards(work)[0])
+    first = torch.load(data_shards(work)[0])
     # the target's vocab size and its stop ids (eos, <|im_end|>) as the data stage saw them
     vocab_size, eos = first.get("vocab_size", 49152), set(first.get("stop_ids", (0, 2)))
-    answers = [c["ids"][c["prompt_len"]:] for p in _data_shards(work)
+    answers = [c["ids"][c["prompt_len"]:] for p in data_shards(work)
                for c in torch.load(p)["convs"]]
     if args.init_head:
         # a continued head keeps its draft vocabulary (its LM head's rows are those tokens)
@@ -140,9 +90,9 @@ def stage_vocab(args: argparse.Namespace, work: str) -> None:
         d2t, t2d = build_draft_vocab(answers, vocab_size, args.draft_vocab_size, eos)
     total = sum(len(a) for a in answers)
     covered = sum(int(t2d[torch.tensor(a)].sum()) for a in answers if a)
-    _save_atomic({"d2t": d2t, "t2d": t2d, "coverage": covered / max(total, 1)}, path)
-    _add_timing(work, "vocab", time.perf_counter() - t0)
-    _log(f"vocab: {args.draft_vocab_size} draft tokens cover {covered / max(total, 1):.2%} "
+    save_atomic({"d2t": d2t, "t2d": t2d, "coverage": covered / max(total, 1)}, path)
+    add_timing(work, "vocab", time.perf_counter() - t0)
+    log(f"vocab: {args.draft_vocab_size} draft tokens cover {covered / max(total, 1):.2%} "
          f"of {total} answer tokens")
 
 
@@ -155,10 +105,10 @@ def stage_capture(args: argparse.Namespace, work: str) -> None:
 
     cdir = os.path.join(work, "capture")
     os.makedirs(cdir, exist_ok=True)
-    shards = _data_shards(work)
+    shards = data_shards(work)
     todo = [p for p in shards if not os.path.isfile(os.path.join(cdir, os.path.basename(p)))]
     if not todo:
-        _log("capture: all shards present, skipped")
+        log("capture: all shards present, skipped")
         return
     t0 = time.perf_counter()
     vocab = torch.load(os.path.join(work, "vocab.pt"))
@@ -190,12 +140,12 @@ def stage_capture(args: argparse.Namespace, work: str) -> None:
                 group.append(c)
             if group:
                 out += forward(group)
-            _save_atomic({"convs": out, "aux_layers": list(aux)},
+            save_atomic({"convs": out, "aux_layers": list(aux)},
                          os.path.join(cdir, os.path.basename(path)))
     bar.close()
     dt = time.perf_counter() - t0
-    _add_timing(work, "capture", dt)
-    _log(f"capture: {dt:.0f}s wall ({ntok} tokens)")
+    add_timing(work, "capture", dt)
+    log(f"capture: {dt:.0f}s wall ({ntok} tokens)")
 
 
 def capture_group(runner: Any, aux: tuple[int, ...], draft_to_target: torch.Tensor,
@@ -237,38 +187,13 @@ def capture_group(runner: Any, aux: tuple[int, ...], draft_to_target: torch.Tens
     return out
 
 
-def _embedding_and_head(draft_to_target: torch.Tensor) -> tuple[Any, torch.Tensor, dict]:
-    """The target's embedding lookup (fp32, frozen) and its LM-head rows of the draft vocab
-    (tied: the embedding rows), dequantized, and its config facts."""
-    from sglang_like.config import ServerArgs
-    from sglang_like.engine_core.setup import build_engine_parts
-
-    parts = build_engine_parts(ServerArgs(max_total_tokens=16))
-    model = parts.runner.model
-    emb = model.model.embed_tokens
-
-    def embed(ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return emb.method.embed(emb, ids.long()).float()
-
-    head_rows = embed(draft_to_target)  # tied embeddings: the LM head = embedding rows
-    mc = parts.model_config
-    facts = {"hidden_size": mc.hidden_size, "num_attention_heads": mc.num_attention_heads,
-             "num_key_value_heads": mc.num_key_value_heads, "vocab_size": mc.vocab_size,
-             "intermediate_size": mc.intermediate_size, "head_dim": mc.head_dim,
-             "rope_theta": getattr(mc, "rope_theta", 10000.0),
-             "rms_norm_eps": float(f"{getattr(mc, 'rms_norm_eps', 1e-5):.6g}"),  # f32 in GGUF
-             "max_position_embeddings": mc.max_position_embeddings,
-             "aux_layers": list(model.default_aux_layers())}
-    return embed, head_rows, facts
-
-
 # ---- CLI -------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m training.train_eagle",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", default=DEFAULT_WORK_DIR)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--out", default=DEFAULT_HEAD,
+                    help="the head's folder (default: the shipped head's, replaced)")
     ap.add_argument("--stop-after", choices=STAGES, default="export")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -321,24 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     work = os.path.abspath(os.path.expanduser(args.work_dir))
     os.makedirs(work, exist_ok=True)
-    stop = STAGES.index(args.stop_after)
-    from training.train_eagle_data import stage_data
-
-    stage_data(args, work)
-    if stop < 1:
-        return
-    stage_vocab(args, work)
-    if stop < 2:
-        return
-    stage_capture(args, work)
-    if stop < 3:
-        return
-    from training.train_eagle_run import stage_export, stage_train
-
-    stage_train(args, work)
-    if stop < 4:
-        return
-    stage_export(args, work)
+    stages = (stage_data, stage_vocab, stage_capture, stage_train, stage_export)
+    for stage in stages[: STAGES.index(args.stop_after) + 1]:
+        stage(args, work)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The EAGLE-3 training step: packed batches, the training-time-test unroll, the loop.
+"""The EAGLE-3 training step (packed batches, the training-time-test unroll, the loop) and
+the work dir's bookkeeping every stage shares (log lines, atomic saves, timings, data shards).
 
 Conventions (the ones inference runs; see `Eagle3Head`): a conversation is tokens x_0..x_{T-1}
 with target features f_p (the residual stream entering the capture layers at position p) and
@@ -14,6 +15,8 @@ attention apart and RoPE positions restart per conversation.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 import random
@@ -26,7 +29,74 @@ import torch
 
 from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head
 
+# the data stage's settings, recorded in the work dir so that the card reports what made the
+# data rather than the options of a later call
+DATA_KEYS = ("seed", "shard_size", "user_max_tokens", "answer_max_tokens", "rework_frac",
+             "code_frac", "doc_frac", "chat_frac")
 
+
+# ---- the work dir ---------------------------------------------------------------------------
+def log(msg: str) -> None:
+    """A timestamped progress line of the pipeline."""
+    print(f"[train_eagle {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def save_atomic(obj: Any, path: str) -> None:
+    """torch.save through a temporary file: an interrupted run leaves no half-written file
+    for the next one to take as done."""
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def timings(work: str) -> dict[str, float]:
+    """Wall seconds per stage, summed over every run in this work dir."""
+    path = os.path.join(work, "timings.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    return {}
+
+
+def add_timing(work: str, stage: str, seconds: float) -> None:
+    t = timings(work)
+    t[stage] = t.get(stage, 0.0) + seconds
+    with open(os.path.join(work, "timings.json"), "w", encoding="utf-8") as f:
+        json.dump(t, f, indent=2)
+
+
+def data_config(work: str, args: argparse.Namespace) -> argparse.Namespace:
+    """The data stage's settings as it recorded them (those of `args` where it did not)."""
+    path = os.path.join(work, "data_config.json")
+    saved = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    return argparse.Namespace(**(vars(args) | saved))
+
+
+def data_shards(work: str) -> list[str]:
+    """The data stage's shard files, in order."""
+    ddir = os.path.join(work, "data")
+    return sorted(os.path.join(ddir, f) for f in os.listdir(ddir)
+                  if f.startswith("shard_") and f.endswith(".pt"))
+
+
+def data_stats(work: str) -> dict[str, int]:
+    """Conversations, answer and total tokens, and distinct answer tokens of the data."""
+    convs = ans = tot = 0
+    distinct: set[int] = set()
+    for path in data_shards(work):
+        for c in torch.load(path)["convs"]:
+            convs += 1
+            ans += len(c["ids"]) - c["prompt_len"]
+            tot += len(c["ids"])
+            distinct.update(c["ids"][c["prompt_len"]:])
+    return {"conversations": convs, "answer_tokens": ans, "total_tokens": tot,
+            "distinct_answer_tokens": len(distinct)}
+
+
+# ---- the head --------------------------------------------------------------------------------
 @dataclass
 class TrainConfig:
     unroll: int = 5  # K
@@ -219,11 +289,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def _save_ckpt(path: str, head: Eagle3Head, opt: torch.optim.Optimizer, step: int,
                cfg: TrainConfig, history: list[dict]) -> None:
-    tmp = path + ".tmp"
-    torch.save({"step": step, "model": head.state_dict(), "optim": opt.state_dict(),
-                "config": asdict(cfg), "history": history,
-                "rng_torch": torch.get_rng_state(), "rng_py": random.getstate()}, tmp)
-    os.replace(tmp, path)
+    save_atomic({"step": step, "model": head.state_dict(), "optim": opt.state_dict(),
+                 "config": asdict(cfg), "history": history,
+                 "rng_torch": torch.get_rng_state(), "rng_py": random.getstate()}, path)
 
 
 def train_loop(head: Eagle3Head, convs: list[dict], embed_table: torch.Tensor, rope: Any,
@@ -293,6 +361,7 @@ def train_loop(head: Eagle3Head, convs: list[dict], embed_table: torch.Tensor, r
 
 
 def load_capture(paths: list[str]) -> list[dict]:
+    """The captured conversations of these files, in order."""
     convs = []
     for p in paths:
         convs.extend(torch.load(p)["convs"])

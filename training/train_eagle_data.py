@@ -15,7 +15,7 @@ import random
 import time
 from typing import Any
 
-from training.train_eagle import DATA_KEYS, _add_timing, _log, _save_atomic
+from training.train_eagle_core import DATA_KEYS, add_timing, log, save_atomic
 
 # Openers that start some self-prompted user turns, so that tasks the model rarely asks itself
 # about (code, structured output) are in the data too; "" leaves the turn to the model.
@@ -130,7 +130,7 @@ def stage_data(args: argparse.Namespace, work: str) -> None:
     todo = [s for s in range(args.num_shards)
             if not os.path.isfile(os.path.join(ddir, f"shard_{s:04d}.pt"))]
     if not todo:
-        _log("data: all shards present, skipped")
+        log("data: all shards present, skipped")
         return
     t_start = time.perf_counter()
     cfg_path = os.path.join(work, "data_config.json")
@@ -147,7 +147,7 @@ def stage_data(args: argparse.Namespace, work: str) -> None:
         bar = tqdm(todo, desc="data shards", unit="shard")
         for s in bar:
             if args.gen_budget_min and time.perf_counter() - t_start > args.gen_budget_min * 60:
-                _log(f"data: time budget of {args.gen_budget_min} min spent; "
+                log(f"data: time budget of {args.gen_budget_min} min spent; "
                      f"stopping before shard {s}")
                 break
             base = args.seed * 1_000_003 + s * args.shard_size
@@ -155,7 +155,7 @@ def stage_data(args: argparse.Namespace, work: str) -> None:
             if args.rework_frac > 0:
                 convs += _rework_shard(eng, tok, convs, stop_ids, im_end, args, base)
             convs += _task_shard(eng, tok, stop_ids, im_end, args, base)
-            _save_atomic({"convs": convs, "vocab_size": eng.model_config.vocab_size,
+            save_atomic({"convs": convs, "vocab_size": eng.model_config.vocab_size,
                           "stop_ids": sorted(stop_ids)},
                          os.path.join(ddir, f"shard_{s:04d}.pt"))
             ntok = sum(len(c["ids"]) - c["prompt_len"] for c in convs)
@@ -163,5 +163,5 @@ def stage_data(args: argparse.Namespace, work: str) -> None:
     finally:
         eng.shutdown()
     dt = time.perf_counter() - t_start
-    _add_timing(work, "data", dt)
-    _log(f"data: {dt:.0f}s wall")
+    add_timing(work, "data", dt)
+    log(f"data: {dt:.0f}s wall")

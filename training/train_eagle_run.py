@@ -12,21 +12,18 @@ from typing import Any
 import torch
 
 from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head, load_eagle3_head
-from training.train_eagle import (
-    _add_timing,
-    _data_shards,
-    _data_stats,
-    _embedding_and_head,
-    _log,
-    _save_atomic,
-    _timings,
-    data_config,
-)
 from training.train_eagle_core import (
     TrainConfig,
+    add_timing,
     build_head,
+    data_config,
+    data_shards,
+    data_stats,
     evaluate,
     load_capture,
+    log,
+    save_atomic,
+    timings,
     train_loop,
 )
 
@@ -43,6 +40,32 @@ def _split(n: int, heldout: float, seed: int) -> tuple[list[int], list[int]]:
     return sorted(order[k:]), sorted(order[:k])
 
 
+def _embedding_and_head(draft_to_target: torch.Tensor) -> tuple[Any, torch.Tensor, dict]:
+    """The target's embedding lookup (fp32, frozen) and its LM-head rows of the draft vocab
+    (tied: the embedding rows), dequantized, and its config facts."""
+    from sglang_like.config import ServerArgs
+    from sglang_like.engine_core.setup import build_engine_parts
+
+    parts = build_engine_parts(ServerArgs(max_total_tokens=16))
+    model = parts.runner.model
+    emb = model.model.embed_tokens
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return emb.method.embed(emb, ids.long()).float()
+
+    head_rows = embed(draft_to_target)  # tied embeddings: the LM head = embedding rows
+    mc = parts.model_config
+    facts = {"hidden_size": mc.hidden_size, "num_attention_heads": mc.num_attention_heads,
+             "num_key_value_heads": mc.num_key_value_heads, "vocab_size": mc.vocab_size,
+             "intermediate_size": mc.intermediate_size, "head_dim": mc.head_dim,
+             "rope_theta": getattr(mc, "rope_theta", 10000.0),
+             "rms_norm_eps": float(f"{getattr(mc, 'rms_norm_eps', 1e-5):.6g}"),  # f32 in GGUF
+             "max_position_embeddings": mc.max_position_embeddings,
+             "aux_layers": list(model.default_aux_layers())}
+    return embed, head_rows, facts
+
+
 def _setup(args: argparse.Namespace, work: str) -> dict[str, Any]:
     """Everything train and export share: vocab, embedding table, head config."""
     vocab = torch.load(os.path.join(work, "vocab.pt"))
@@ -54,7 +77,7 @@ def _setup(args: argparse.Namespace, work: str) -> dict[str, Any]:
     else:
         embed, _, facts = _embedding_and_head(draft_to_target)
         table = embed(torch.arange(facts["vocab_size"]))
-        _save_atomic({"table": table, "facts": facts}, cache)
+        save_atomic({"table": table, "facts": facts}, cache)
     config = Eagle3Config(
         hidden_size=facts["hidden_size"], intermediate_size=facts["intermediate_size"],
         num_attention_heads=facts["num_attention_heads"],
@@ -95,12 +118,12 @@ def stage_train(args: argparse.Namespace, work: str) -> None:
         with open(done, encoding="utf-8") as f:
             prev = json.load(f)
         if prev["config"]["steps"] >= args.steps:
-            _log("train: finished before, skipped")
+            log("train: finished before, skipped")
             return
         # a larger --steps continues from the checkpoint; the cosine is then over the new total
         segments = prev.get("segments") or [[0, prev["config"]["steps"],
                                               prev["config"]["steps"]]]
-        _log(f"train: extending {prev['config']['steps']} -> {args.steps} steps")
+        log(f"train: extending {prev['config']['steps']} -> {args.steps} steps")
     t0 = time.perf_counter()
     s = _setup(args, work)
     convs = load_capture(_capture_paths(work))
@@ -114,17 +137,17 @@ def stage_train(args: argparse.Namespace, work: str) -> None:
     if args.init_head:
         init_eval = _load_init_head(args, work, head, held, s, cfg)
     ntok = sum(int(c["ids"].numel()) for c in train)
-    _log(f"train: {len(train)} conversations ({ntok} tokens) train, {len(held)} held out; "
+    log(f"train: {len(train)} conversations ({ntok} tokens) train, {len(held)} held out; "
          f"K={cfg.unroll}, {cfg.steps} steps of <= {cfg.batch_tokens} tokens")
     ckpt = os.path.join(work, "train_ckpt.pt")
-    history = train_loop(head, train, s["table"], s["rope"], cfg, ckpt, progress=True, log=_log)
+    history = train_loop(head, train, s["table"], s["rope"], cfg, ckpt, progress=True, log=log)
     first = segments[-1][1] if segments else 0
     segments.append([first, len(history), cfg.steps])
     t_train = time.perf_counter() - t0
-    _add_timing(work, "train", t_train)
+    add_timing(work, "train", t_train)
     t1 = time.perf_counter()
     res = evaluate(head, held, s["table"], s["rope"], cfg.unroll, cfg.batch_tokens)
-    _add_timing(work, "eval", time.perf_counter() - t1)
+    add_timing(work, "eval", time.perf_counter() - t1)
     epochs = cfg.steps * cfg.batch_tokens / max(ntok, 1)  # upper bound (batches are not full)
     with open(done, "w", encoding="utf-8") as f:
         json.dump({"heldout": res, "train_conversations": len(train), "train_tokens": ntok,
@@ -133,7 +156,7 @@ def stage_train(args: argparse.Namespace, work: str) -> None:
                    "segments": segments, "init_head": args.init_head,
                    "heldout_init": init_eval,
                    "first_loss": history[0]["loss"]}, f, indent=2)
-    _log(f"train: {t_train:.0f}s wall; held-out top-1 per step: "
+    log(f"train: {t_train:.0f}s wall; held-out top-1 per step: "
          + " ".join(f"{r['acc']:.3f}" for r in res))
 
 
@@ -162,7 +185,7 @@ def _load_init_head(args: argparse.Namespace, work: str, head: Eagle3Head, held:
     res = evaluate(head, held, s["table"], s["rope"], cfg.unroll, cfg.batch_tokens)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=2)
-    _log("train: --init-head's held-out top-1 per step before this run: "
+    log("train: --init-head's held-out top-1 per step before this run: "
          + " ".join(f"{r['acc']:.3f}" for r in res))
     return res
 
@@ -183,9 +206,9 @@ def stage_export(args: argparse.Namespace, work: str) -> None:
             raise RuntimeError(f"export: {name} does not round-trip")
     with open(os.path.join(work, "train_done.json"), encoding="utf-8") as f:
         done = json.load(f)
-    _add_timing(work, "export", time.perf_counter() - t0)
+    add_timing(work, "export", time.perf_counter() - t0)
     _write_card(args, work, s, done)
-    _log(f"export: {args.out} written and reloaded")
+    log(f"export: {args.out} written and reloaded")
 
 
 def _machine() -> str:
@@ -240,8 +263,8 @@ def _task_args(args: argparse.Namespace) -> str:
 
 def _write_card(args: argparse.Namespace, work: str, s: dict, done: dict) -> None:
     args = data_config(work, args)
-    stats = _data_stats(work)
-    t = _timings(work)
+    stats = data_stats(work)
+    t = timings(work)
     cfg = done["config"]
     init = done.get("heldout_init")
     before = ([f" {r['acc']:.3f} |" for r in init] if init else [""] * len(done["heldout"]))
@@ -318,7 +341,7 @@ full vocab: the second is what greedy verification accepts, one draft at a time)
 
 ## Reproduce
 
-    python -m training.train_eagle {cont}--num-shards {len(_data_shards(work))} \\
+    python -m training.train_eagle {cont}--num-shards {len(data_shards(work))} \\
         --shard-size {args.shard_size} --user-max-tokens {args.user_max_tokens} \\
         --answer-max-tokens {args.answer_max_tokens} --rework-frac {args.rework_frac} \\
         {_task_args(args)}--draft-vocab-size {args.draft_vocab_size} \\
