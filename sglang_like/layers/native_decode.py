@@ -4,7 +4,7 @@ A decode batch (every request one new token, no tree) of up to `MAX_ROWS` reques
 RMSNorm fused with the residual add before it, the qkv matmul, RoPE + KV store + attention in
 one call, o_proj, RMSNorm, gate_up, silu*mul, down. The per-layer arguments are gathered once
 into plain tuples (`NativeDecodePlan`), so a step pays no nn.Module attribute lookups or
-module calls: at batch 1 those were about a millisecond of a 7-10 ms step.
+module calls (a large part of a batch-1 step).
 
 A batch under per-request masks (a speculative verify: trees, beside plain decode rows) of up
 to `MAX_ROWS` token rows runs the same calls: the attention kernel reads, for each
@@ -13,9 +13,9 @@ query row, one row of a key table, so `masked_rows` builds a table with one row 
 forward, and every layer reads it.
 
 Where every linear is x16-packed int4 (`Q4X16Method`, `auto`'s int4 kernel without AMX), the
-whole step is one native call instead (`sglang_like_kernels.cpu.decode_step_x16`, decode_step.c): the same
-phases in one OpenMP team, the same bits. At one row the 240 calls a step of the default
-model made cost about as much as its matmuls. `SGLANG_LIKE_FUSED_DECODE=0` keeps the per-op
+whole step is one native call instead (`sglang_like_kernels.cpu.decode_step_x16`,
+decode_step.c): the same phases in one OpenMP team, the same bits, without a step's hundreds of
+Python-to-C crossings, which at one row cost about as much as the matmuls. `SGLANG_LIKE_FUSED_DECODE=0` keeps the per-op
 calls (the tests compare the two).
 """
 
@@ -36,16 +36,14 @@ if TYPE_CHECKING:
     from sglang_like.layers.norm import RMSNorm
     from sglang_like.mem_pool import KVPool
 
-# Query rows up to which a decode or masked (verify) batch runs natively; larger ones, and
-# plain extends (prefill chunks without masks), keep the torch path. Measured here at int4
-# (2 cores, AVX-512), decode tok/s torch -> native: 16 requests 418 -> 525, 32: 484 -> 559
-# (short prompts); 16 / 32 / 64 requests sharing a 1,000-token cached prefix, where the torch
-# path's cascade attention reads the shared keys once: 331 -> 448, 391 -> 411, 469 -> 449.
+# Query rows up to which a decode batch runs natively; larger ones, and plain extends (prefill
+# chunks without masks), keep the torch path, whose cascade attention reads a shared prefix's
+# keys once (docs/cpu-kernels.md has the measurements behind 64).
 MAX_ROWS = 64
 # A masked batch (a speculative verify) runs natively up to this many rows, so that its rows
-# keep the float sums of the plain decode of the same requests: with the verify of 20
-# requests' trees (120 rows) on the torch path, greedy speculation and plain decode parted at
-# a near-tie 0.11 nats apart. 256: where the int4 linears keep one kernel (quant/int4.py).
+# keep the float sums of the plain decode of the same requests (on the torch path, greedy
+# speculation and plain decode can part at a near-tie). 256: where the int4 linears keep one
+# kernel (quantization/int4.py).
 MAX_MASKED_ROWS = 256
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
