@@ -59,6 +59,7 @@ def timings(work: str) -> dict[str, float]:
 
 
 def add_timing(work: str, stage: str, seconds: float) -> None:
+    """Add a run's wall seconds to `stage`'s total (a resumed stage counts every run)."""
     t = timings(work)
     t[stage] = t.get(stage, 0.0) + seconds
     with open(os.path.join(work, "timings.json"), "w", encoding="utf-8") as f:
