@@ -22,12 +22,17 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from sglang_like.disaggregation import messages as m
+import sglang_like.disaggregation.messages as m
 from sglang_like.disaggregation.channel import Channel
 from sglang_like.disaggregation.transfer import MooncakeKVTransfer
 from sglang_like.req import FinishReason, Req
+
+if TYPE_CHECKING:
+    from sglang_like.schedule_batch import ScheduleBatch
+    from sglang_like.scheduler.plugins import DisaggContext
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +59,8 @@ class _Peer:
 
 
 class DecodeManager:
-    """Owned by the scheduler (its `disagg`); every method but the channel's runs on the
-    loop thread."""
+    """Owned by the scheduler (its `disagg`, a `scheduler.plugins.DisaggHooks`); every method
+    but the channel's runs on the loop thread."""
 
     mode = "decode"
 
@@ -142,16 +147,18 @@ class DecodeManager:
         req.logprob_start_len = -1
         self._queue.append(req)
 
-    def poll(self, sched: Any, touched: list[Req]) -> None:
+    def poll(self, ctx: DisaggContext, touched: list[Req]) -> None:
+        """Apply what the channel heard (transfers done or failed, peers lost, deadlines),
+        then admit queued requests."""
         with self._lock:
             events, self._events = self._events, []
         for event in events:
-            self._apply(event, sched, touched)
-        self._admit(sched, touched)
+            self._apply(event, ctx, touched)
+        self._admit(ctx, touched)
 
-    def _admit(self, sched: Any, touched: list[Req]) -> None:
+    def _admit(self, ctx: DisaggContext, touched: list[Req]) -> None:
         """Give queued requests their slots (in arrival order) and register them."""
-        cache = sched.cache
+        cache = ctx.cache
         now = time.perf_counter()
         while self._queue:
             req = self._queue[0]
@@ -159,14 +166,14 @@ class DecodeManager:
             if state.deadline < now:
                 self._queue.pop(0)
                 self._end(req, f"no KV slots for this request within {self.timeout_s:g} s",
-                          sched, touched)
+                          ctx, touched)
                 continue
             if (cache.req_to_token_pool.num_free_rows == 0
-                    or len(sched.running) + len(self._transferring)
-                    >= sched.config.max_running_requests):
+                    or len(ctx.running) + len(self._transferring)
+                    >= ctx.max_running_requests):
                 return
             match_len, unlocked = cache.peek(req.origin_input_ids)
-            reserve = 8 * (len(sched.running) + len(self._transferring))
+            reserve = 8 * (len(ctx.running) + len(self._transferring))
             if req.prompt_len - match_len + 1 + reserve > cache.num_available_slots - unlocked:
                 return
             cache.match_and_lock(req, req.prompt_len)
@@ -177,55 +184,52 @@ class DecodeManager:
             self._queue.pop(0)
             state.start, state.slots = req.kv_len, slots
             cache.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
-            req.first_scheduled_time = time.perf_counter()
-            req.num_cached_tokens = req.kv_len
-            sched.num_prompt_tokens += req.prompt_len
-            sched.num_cached_prompt_tokens += req.kv_len
+            ctx.record_admission(req)
             self._transferring[state.room] = req
             self._watch(state.peer, state.room, state.deadline)
             self.channel.send(state.peer, m.encode(m.Register(
                 state.room, self.kv.layout, state.start, slots, req.prompt_len)))
 
-    def _apply(self, event: Any, sched: Any, touched: list[Req]) -> None:
+    def _apply(self, event: Any, ctx: DisaggContext, touched: list[Req]) -> None:
         if isinstance(event, tuple) and event[0] == "dead":
             peer = event[1]
             for room, (owner, _) in list(self._quarantine.items()):
                 if owner == peer:  # a dead worker writes nothing more
-                    sched.cache.allocator.free(self._quarantine.pop(room)[1])
+                    ctx.cache.allocator.free(self._quarantine.pop(room)[1])
             for room, req in list(self._transferring.items()):
                 if req.pd.peer == peer:
                     del self._transferring[room]
                     self._fail(req, f"the prefill worker {peer.decode()} stopped answering "
-                                    f"(no reply for {PEER_DEAD_S:g} s)", sched, touched)
+                                    f"(no reply for {PEER_DEAD_S:g} s)", ctx, touched)
             return
         if isinstance(event, tuple) and event[0] == "late":
             held = self._quarantine.pop(event[1], None)
             if held is not None:  # a cancel never confirmed: reuse the slots at last
                 logger.warning("bootstrap room %d: no answer to its cancel; freeing its slots",
                                event[1])
-                sched.cache.allocator.free(held[1])
+                ctx.cache.allocator.free(held[1])
                 return
             req = self._transferring.pop(event[1], None)
             if req is not None:
                 self._give_up(req, f"the KV of this request did not arrive within "
-                                   f"{self.timeout_s:g} s", sched, touched)
+                                   f"{self.timeout_s:g} s", ctx, touched)
             return
         room = event.room
         held = self._quarantine.pop(room, None)
         if held is not None:  # the prefill side let go of a room given up here
-            sched.cache.allocator.free(held[1])
+            ctx.cache.allocator.free(held[1])
             return
         req = self._transferring.pop(room, None)
         if req is None:
             return
         if isinstance(event, m.Done):
-            self._commit(req, event, sched, touched)
+            self._commit(req, event, ctx, touched)
         elif isinstance(event, m.Failed):
-            self._fail(req, f"the prefill worker failed: {event.message}", sched, touched)
+            self._fail(req, f"the prefill worker failed: {event.message}", ctx, touched)
         else:  # Cancelled without our cancel: nothing more comes for it
-            self._fail(req, "the prefill worker cancelled the transfer", sched, touched)
+            self._fail(req, "the prefill worker cancelled the transfer", ctx, touched)
 
-    def _commit(self, req: Req, done: m.Done, sched: Any, touched: list[Req]) -> None:
+    def _commit(self, req: Req, done: m.Done, ctx: DisaggContext, touched: list[Req]) -> None:
         """The prompt's KV is in place: the request continues as one that just prefilled."""
         state: DecodeRoom = req.pd
         req.kv_len = req.prompt_len
@@ -233,37 +237,30 @@ class DecodeManager:
         self.bytes_received += done.num_bytes
         self.num_transferred_tokens += req.prompt_len - state.start
         req.pd = None
-        sched.cache.cache_computed_prefix(req)  # this worker's tree keeps what it received
-        sched.running.append(req)
-        sched.outputs.append_token(req, done.token, done.logprob, done.top_logprobs)
-        sched.num_generated_tokens += 1
-        if req.is_finished:
-            sched._end(req, req.finished_reason, touched)
-        else:
-            touched.append(req)
+        ctx.join_running(req, done.token, done.logprob, done.top_logprobs, touched)
 
-    def _fail(self, req: Req, message: str, sched: Any, touched: list[Req]) -> None:
+    def _fail(self, req: Req, message: str, ctx: DisaggContext, touched: list[Req]) -> None:
         """End a transferring request whose slots nobody will write any more."""
-        sched.cache.allocator.free(req.pd.slots)
-        self._end(req, message, sched, touched)
+        ctx.cache.allocator.free(req.pd.slots)
+        self._end(req, message, ctx, touched)
 
-    def _give_up(self, req: Req, message: str, sched: Any, touched: list[Req]) -> None:
+    def _give_up(self, req: Req, message: str, ctx: DisaggContext, touched: list[Req]) -> None:
         """End a transferring request whose prefill worker may still write its slots: they
         are held until it confirms the cancel (or dies)."""
         state: DecodeRoom = req.pd
         self._quarantine[state.room] = (state.peer, state.slots)
         self._watch(state.peer, state.room, time.perf_counter() + self.timeout_s)
         self.channel.send(state.peer, m.encode(m.Cancel(state.room)))
-        self._end(req, message, sched, touched)
+        self._end(req, message, ctx, touched)
 
-    def _end(self, req: Req, message: str, sched: Any, touched: list[Req]) -> None:
+    def _end(self, req: Req, message: str, ctx: DisaggContext, touched: list[Req]) -> None:
         self.num_failed += 1
         req.finish(FinishReason("abort", message=message))
         req.pd = None
-        sched.cache.release(req)
+        ctx.cache.release(req)
         touched.append(req)
 
-    def abort(self, rid: str, sched: Any) -> Req | None:
+    def abort(self, rid: str, ctx: DisaggContext) -> Req | None:
         for req in self._queue:
             if req.rid == rid:
                 self._queue.remove(req)
@@ -274,21 +271,34 @@ class DecodeManager:
             if req.rid == rid:
                 del self._transferring[room]
                 ended: list[Req] = []
-                self._give_up(req, "aborted", sched, ended)
+                self._give_up(req, "aborted", ctx, ended)
                 return req
         return None
 
-    def abort_all(self, message: str, sched: Any) -> list[Req]:
+    def abort_all(self, message: str, ctx: DisaggContext) -> list[Req]:
         reqs: list[Req] = []
         for req in list(self._queue):
-            self.abort(req.rid, sched)
+            self.abort(req.rid, ctx)
             reqs.append(req)
         for req in list(self._transferring.values()):
-            self.abort(req.rid, sched)
+            self.abort(req.rid, ctx)
             reqs.append(req)
         for req in reqs:
             req.finished_reason = FinishReason("abort", message=message)
         return reqs
+
+    # ---- the forward's hooks: nothing to do on the decode side ---------------------------
+    def before_forward(self, batch: ScheduleBatch) -> Callable[[int], None] | None:
+        return None
+
+    def after_forward(self) -> None:
+        pass
+
+    def after_process(self, batch: ScheduleBatch) -> None:
+        pass
+
+    def report_ended(self) -> None:
+        pass  # a batch's requests are past their transfer: the prefill side is done with them
 
     # ---- accounting ----------------------------------------------------------------------
     @property

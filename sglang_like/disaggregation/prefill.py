@@ -20,12 +20,17 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from sglang_like.disaggregation import messages as m
+import sglang_like.disaggregation.messages as m
 from sglang_like.disaggregation.channel import Channel
 from sglang_like.disaggregation.transfer import MooncakeKVTransfer, slot_runs
 from sglang_like.req import FinishReason, Req
+
+if TYPE_CHECKING:
+    from sglang_like.schedule_batch import ScheduleBatch
+    from sglang_like.scheduler.plugins import DisaggContext
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +96,8 @@ class _Sender:
 
 
 class PrefillManager:
-    """Owned by the scheduler (its `disagg`); every method but the channel's runs on the
-    loop thread."""
+    """Owned by the scheduler (its `disagg`, a `scheduler.plugins.DisaggHooks`); every method
+    but the channel's runs on the loop thread."""
 
     mode = "prefill"
 
@@ -169,7 +174,7 @@ class PrefillManager:
         with self._lock:
             self._news = True
 
-    def poll(self, sched: Any, touched: list[Req]) -> None:
+    def poll(self, ctx: DisaggContext, touched: list[Req]) -> None:
         """Admit registered requests, apply cancels and deadlines, report rooms that ended."""
         with self._lock:
             self._news = False
@@ -193,7 +198,7 @@ class PrefillManager:
             state = PrefillRoom(room, peer, reg, sent_upto=reg.start, t_registered=t_reg)
             req.pd = state
             self._active[room] = (req, state)
-            sched.waiting.append(req)
+            ctx.enqueue(req)
         for room, (req, deadline) in list(self._waiting.items()):
             if deadline < now:
                 del self._waiting[room]
@@ -208,12 +213,12 @@ class PrefillManager:
                 touched.append(entry[0])
             elif room in self._active:
                 req, _ = self._active.pop(room)
-                sched.abort(req.rid)  # no write is in flight between steps
+                ctx.abort(req.rid)  # no write is in flight between steps
             self.channel.send(peer, m.encode(m.Cancelled(room)))
         self._first_deadline = min((d for _, d in self._waiting.values()), default=float("inf"))
         self.report_ended()
 
-    def before_forward(self, batch: Any) -> Any:
+    def before_forward(self, batch: ScheduleBatch) -> Callable[[int], None] | None:
         """The layer hook for this batch (None when no request of it sends KV)."""
         work: list[tuple[PrefillRoom, list[tuple[int, int, int]]]] = []
         for req, n, tree in zip(batch.reqs, batch.extend_lens, batch.trees, strict=True):
@@ -242,7 +247,8 @@ class PrefillManager:
         """The step's writes are done before its requests can free their slots."""
         self._sender.wait()
 
-    def after_process(self, batch: Any) -> None:
+    def after_process(self, batch: ScheduleBatch) -> None:
+        """Send Done (the first token) for each request of `batch` that has it."""
         for req in batch.reqs:
             state = req.pd
             if isinstance(state, PrefillRoom) and req.output_ids and not state.done_sent:
@@ -259,7 +265,7 @@ class PrefillManager:
                     prefill_cached_tokens=req.num_cached_tokens)))
         self.report_ended()
 
-    def abort(self, rid: str, sched: Any) -> Req | None:
+    def abort(self, rid: str, ctx: DisaggContext) -> Req | None:
         for room, (req, _) in list(self._waiting.items()):
             if req.rid == rid:
                 del self._waiting[room]
@@ -267,7 +273,7 @@ class PrefillManager:
                 return req
         return None  # a registered request is in the scheduler's queues
 
-    def abort_all(self, message: str, sched: Any) -> list[Req]:
+    def abort_all(self, message: str, ctx: DisaggContext) -> list[Req]:
         reqs = [req for req, _ in self._waiting.values()]
         self._waiting.clear()
         for req in reqs:

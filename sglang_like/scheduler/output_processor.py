@@ -14,7 +14,7 @@ from sglang_like.req import FinishReason, Req, internal_error_message
 
 if TYPE_CHECKING:
     from sglang_like.scheduler.cache_manager import KVCacheManager
-    from sglang_like.scheduler import SchedulerConfig
+    from sglang_like.scheduler.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,6 @@ import collections
 import logging
 import random
 import time
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -15,15 +14,17 @@ from radix_cache import KVSlotAllocator, RadixCache
 from sglang_like.scheduler.cache_manager import KVCacheManager
 from sglang_like.utils.fault_injection import FaultInjector
 from sglang_like.mem_pool import ReqToTokenPool
+from sglang_like.scheduler.config import SchedulerConfig
 from sglang_like.scheduler.output_processor import OutputProcessor
 from sglang_like.req import FinishReason, Req, internal_error_message
 from sglang_like.layers.sampler import SampleOutput, Sampler, select_rows
-from sglang_like.scheduler.batch import ScheduleBatch
+from sglang_like.schedule_batch import ScheduleBatch
+from sglang_like.scheduler.plugins import DisaggContext, DisaggHooks, DraftContext, Drafter
 from sglang_like.scheduler.policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
 from sglang_like.speculative.controller import SpecController
 from sglang_like.scheduler.spec_propose import propose_trees
 from sglang_like.speculative.tree import DraftTree
-from sglang_like.scheduler.spec_verify import TreeWalk, accept_trees
+from sglang_like.scheduler.spec_verify import TreeWalk, VerifyContext, accept_trees, takes_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -41,43 +42,13 @@ class ModelRunnerLike(Protocol):
         """Logits [len(batch.logits_rows), vocab] float32."""
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's knobs, resolved from ServerArgs and the model."""
-
-    pool_size: int  # KV token slots
-    context_len: int
-    vocab_size: int
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 8192
-    chunked_prefill_size: int | None = 2048
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    eviction_policy: str = "lru"
-    enable_jump_forward: bool = True
-    random_seed: int = 0
-    check_accounting: bool = False  # assert the pool invariant after every step (tests)
-    speculative_auto_disable: bool = True  # speculate only where measured to pay
-
-    @property
-    def prefill_budget(self) -> int:
-        if self.chunked_prefill_size and self.chunked_prefill_size > 0:
-            return min(self.max_prefill_tokens, self.chunked_prefill_size)
-        return self.max_prefill_tokens
-
-    @property
-    def is_chunking(self) -> bool:
-        return bool(self.chunked_prefill_size and self.chunked_prefill_size > 0)
-
-
 class Scheduler:
     """Continuous batching over a radix-cached KV pool. Single-threaded: the engine's loop
     thread calls add_request / abort / step; nothing else touches a Req while it is here."""
 
     def __init__(self, config: SchedulerConfig, runner: ModelRunnerLike, tokenizer: Any,
-                 eos_token_ids: frozenset[int], drafter: Any = None) -> None:
-        """`drafter` (speculative decoding, optional): `propose(reqs, max_depths, sched) ->
-        list[DraftTree | None]`; it may also have `after_forward(batch, walks, sched)`."""
+                 eos_token_ids: frozenset[int], drafter: Drafter | None = None) -> None:
+        """`drafter`: speculative decoding (optional), see `plugins.Drafter`."""
         self.config = config
         self.runner = runner
         allocator = KVSlotAllocator(config.pool_size)
@@ -92,8 +63,9 @@ class Scheduler:
         self._rng = random.Random(config.random_seed)
         self._finished_outside_step: list[Req] = []
         self.drafter = drafter
-        # prefill/decode disaggregation (sglang_like.disaggregation): None on a regular worker
-        self.disagg: Any = None
+        # prefill/decode disaggregation (sglang_like.disaggregation, set by the engine core):
+        # None on a regular worker
+        self.disagg: DisaggHooks | None = None
         # rows cost a share of a step on CPU (its floor, measured there), next to nothing on CUDA
         on_cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
         self.spec_controller = SpecController(enabled=config.speculative_auto_disable,
@@ -115,10 +87,9 @@ class Scheduler:
             seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
             req.generator = torch.Generator().manual_seed(seed)
         if req.seq_len + 1 > self.config.pool_size:
-            req.finish(FinishReason("abort", message=(
+            self.finish_outside_step(req, FinishReason("abort", message=(
                 f"the prompt has {req.seq_len} tokens but the KV pool holds only "
                 f"{self.config.pool_size}; raise max_total_tokens")))
-            self._finished_outside_step.append(req)
             return
         if req.bootstrap is not None and self.disagg is not None:
             self.disagg.add(req)  # a PD request: it meets its other half first
@@ -138,21 +109,35 @@ class Scheduler:
                     self._finished_outside_step.append(req)
                     return True
         if self.disagg is not None:
-            req = self.disagg.abort(rid, self)
+            req = self.disagg.abort(rid, self._disagg_context())
             if req is not None:
                 self._finished_outside_step.append(req)
                 return True
         return False
 
     def abort_all(self, message: str) -> list[Req]:
+        """End every queued, running and in-flight (PD) request now; returns them."""
         reqs = self.waiting + self.running
         for req in reqs:
             req.finish(FinishReason("abort", message=message))
             self.cache.release(req)
         self.waiting, self.running = [], []
         if self.disagg is not None:
-            reqs += self.disagg.abort_all(message, self)
+            reqs += self.disagg.abort_all(message, self._disagg_context())
         return reqs
+
+    def finish_outside_step(self, req: Req, reason: FinishReason) -> None:
+        """End a request the scheduler does not hold (it never joined: bad input, a grammar
+        that failed or is late, an abort while it compiled) and return it with the next
+        step's output, as if it had ended there."""
+        req.finish(reason)
+        self._finished_outside_step.append(req)
+
+    def take_finished_outside_step(self) -> list[Req]:
+        """The requests ended outside a step that no step has returned yet: the caller
+        answers them now (the loop, shutting down)."""
+        ended, self._finished_outside_step = self._finished_outside_step, []
+        return ended
 
     @property
     def has_work(self) -> bool:
@@ -183,7 +168,7 @@ class Scheduler:
         batch = ScheduleBatch()
         try:
             if self.disagg is not None:
-                self.disagg.poll(self, touched)
+                self.disagg.poll(self._disagg_context(), touched)
             start = time.perf_counter()  # the step's cost includes drafting (in scheduling)
             self._schedule_running(batch, touched)
             self._schedule_waiting(batch, touched)
@@ -200,9 +185,10 @@ class Scheduler:
 
     def _run(self, batch: ScheduleBatch, touched: list[Req], start: float) -> None:
         self.faults.maybe_fail("forward")
-        sender = getattr(self.disagg, "before_forward", None)
-        if sender is not None:
-            batch.on_layer = sender(batch)  # streams each layer's KV to the decode worker
+        disagg = self.disagg
+        if disagg is not None:
+            # a prefill worker streams each layer's KV to the decode worker
+            batch.on_layer = disagg.before_forward(batch)
         logits = greedy = None
         try:
             if self._argmax_only(batch):
@@ -210,18 +196,18 @@ class Scheduler:
             else:
                 logits = self.runner.forward(batch)
         finally:
-            if sender is not None:
-                self.disagg.after_forward()  # its slots are not freed with a write in flight
+            if disagg is not None:
+                disagg.after_forward()  # its slots are not freed with a write in flight
         self.num_forward_steps += 1
         walks: list[TreeWalk] = []
         self._process(batch, logits, walks, touched, greedy)
-        if sender is not None:
-            self.disagg.after_process(batch)
+        if disagg is not None:
+            disagg.after_process(batch)
         after = getattr(self.drafter, "after_forward", None)
         drafting = self._drafting_s
         if after is not None:
             t0 = time.perf_counter()
-            after(batch, walks, self)
+            after(batch, {id(w.req): w.committed for w in walks}, self._draft_context())
             drafting += time.perf_counter() - t0
         ctl = self.spec_controller
         if ctl.drafted_step == ctl.step:
@@ -254,9 +240,8 @@ class Scheduler:
             self.running, held, self.disagg.held_slots() if self.disagg is not None else ())
         if num:
             logger.warning("took back %d KV slots the failed step had allocated", num)
-        report = getattr(self.disagg, "report_ended", None)
-        if report is not None:  # a PD prefill worker tells the decode side now
-            report()
+        if self.disagg is not None:  # a PD prefill worker tells the decode side now
+            self.disagg.report_ended()
 
     def _schedule_running(self, batch: ScheduleBatch, touched: list[Req]) -> None:
         decoders = [r for r in self.running if r.num_uncomputed == 1]
@@ -311,7 +296,13 @@ class Scheduler:
         return min(n, self.cache.num_available_slots)
 
     def _propose_trees(self, decoders: list[Req]) -> dict[int, DraftTree]:
-        return propose_trees(self, decoders) if self.drafter is not None else {}
+        """This step's draft trees (by id of the Req), {} where the pool cannot take them."""
+        if self.drafter is None:
+            return {}
+        trees = propose_trees(self.drafter, self._draft_context(), decoders,
+                              self.config.context_len)
+        extra = sum(t.num_nodes - 1 for t in trees.values())
+        return trees if len(decoders) + extra <= self.cache.num_available_slots else {}
 
     def _schedule_waiting(self, batch: ScheduleBatch, touched: list[Req]) -> None:
         budget = self.config.prefill_budget - sum(n for n in batch.extend_lens if n > 1)
@@ -357,10 +348,7 @@ class Scheduler:
                 self.cache.release(req)
                 break
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.perf_counter()
-                req.num_cached_tokens = req.kv_len
-                self.num_prompt_tokens += req.prompt_len
-                self.num_cached_prompt_tokens += req.kv_len
+                self.record_admission(req)
             self.waiting.remove(req)
             self.running.append(req)
             picked.append(req)
@@ -417,15 +405,7 @@ class Scheduler:
             return False
         return all(self.takes_argmax(req) for req in batch.reqs)
 
-    @staticmethod
-    def takes_argmax(req: Req) -> bool:
-        """Whether the sampler would give this decoding request its logits row's plain
-        argmax, and nothing else: greedy, and no logprobs, penalties, logit bias, grammar, or
-        min_new_tokens holding EOS back (it has output, so it is decoding)."""
-        sp = req.sampling_params
-        return (sp.is_greedy and not req.return_logprob and not sp.has_penalties
-                and not sp.token_bias and req.grammar is None and bool(req.output_ids)
-                and len(req.output_ids) >= sp.min_new_tokens)
+    takes_argmax = staticmethod(takes_argmax)
 
     def _process(self, batch: ScheduleBatch, logits: torch.Tensor | None,
                  walks: list[TreeWalk], touched: list[Req],
@@ -481,7 +461,7 @@ class Scheduler:
                 else:
                     touched.append(req)
         if walks:
-            accept_trees(self, walks, logits, touched)
+            accept_trees(self._verify_context(), walks, logits, touched)
 
     def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         for req in batch.reqs:
@@ -511,6 +491,8 @@ class Scheduler:
                     record.input_top.append(None)
 
     def _end(self, req: Req, reason: FinishReason, touched: list[Req]) -> None:
+        """End a request of this step: out of the running batch, its slots released, the
+        drafter told, reported in `touched`."""
         req.finish(reason)
         if req in self.running:
             self.running.remove(req)
@@ -519,6 +501,47 @@ class Scheduler:
         if finished is not None:
             finished(req)
         touched.append(req)
+
+    # ---- what plug-ins may do (through their contexts) -------------------------------------
+    def record_admission(self, req: Req) -> None:
+        """Count `req` as scheduled now (its first time): its prompt, and what of it the
+        cache served."""
+        req.first_scheduled_time = time.perf_counter()
+        req.num_cached_tokens = req.kv_len
+        self.num_prompt_tokens += req.prompt_len
+        self.num_cached_prompt_tokens += req.kv_len
+
+    def join_running(self, req: Req, token: int, logprob: float | None, top_logprobs: Any,
+                     touched: list[Req]) -> None:
+        """A request whose prompt's KV was computed elsewhere and is in its row now (a PD
+        decode worker received it) joins the running batch as if its prefill had just run
+        here, with the first token sampled there; reported in `touched`, or ended there if
+        that token finishes it."""
+        self.cache.cache_computed_prefix(req)  # this worker's tree keeps what it received
+        self.running.append(req)
+        self.outputs.append_token(req, token, logprob, top_logprobs)
+        self.num_generated_tokens += 1
+        if req.is_finished:
+            self._end(req, req.finished_reason, touched)
+        else:
+            touched.append(req)
+
+    def _draft_context(self) -> DraftContext:
+        return DraftContext(self.spec_controller, self.cache.alloc_slots,
+                            self.cache.allocator.free, len(self.running) + len(self.waiting))
+
+    def _disagg_context(self) -> DisaggContext:
+        # built per call: abort_all replaces the queues' lists
+        return DisaggContext(self.cache, self.running, self.config.max_running_requests,
+                             self.waiting.append, self.abort, self.record_admission,
+                             self.join_running)
+
+    def _verify_context(self) -> VerifyContext:
+        return VerifyContext(self.cache, self.sampler, self.outputs, self.spec_controller,
+                             self.spec_accept_lengths, self._count_token, self._end)
+
+    def _count_token(self) -> None:
+        self.num_generated_tokens += 1
 
     # ---- introspection ---------------------------------------------------------------------
     def kv_pool_info(self) -> dict[str, int]:

@@ -6,34 +6,37 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sglang_like.req import Req
-    from sglang_like.scheduler import Scheduler
+    from sglang_like.scheduler.plugins import Drafter
+    from sglang_like.speculative.context import DraftContext
     from sglang_like.speculative.tree import DraftTree
 
 
-def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]:
-    """Draft trees for this step's decoders (by id of the Req); {} when speculation is
-    off, the pool is short, or the controller expects it not to pay. Every drafter drafts
+def propose_trees(drafter: Drafter, ctx: DraftContext, decoders: list[Req], context_len: int
+                  ) -> dict[int, DraftTree]:
+    """Draft trees for this step's decoders (by id of the Req); {} when there are none or the
+    controller expects drafting not to pay (whether the pool has room for the trees is the
+    caller's to check, after the drafting). Every drafter drafts
     first and the controller then keeps what is expected to pay: a cheap drafter's (NGRAM)
     trees cut by the depth rates measured for their evidence (`choose_trees`); a confident
     drafter's (EAGLE) nodes one by one, by the head's calibrated probabilities
     (`choose_nodes`): both keep the most likely nodes, as many as pay their rows."""
-    if sched.drafter is None or not decoders:
+    if not decoders:
         return {}
-    ctl = sched.spec_controller
+    ctl = ctx.controller
     if ctl.plain_step_stale(len(decoders)):
         return {}
-    cheap = getattr(sched.drafter, "drafts_cheaply", False)
+    cheap = getattr(drafter, "drafts_cheaply", False)
     if cheap and ctl.rows_never_pay(len(decoders)):
         return {}
     # a confident drafter with a cheap one grafted on (EAGLE's NGRAM branch) drafts its
     # cheap trees for the requests its head is paused for too (the pause is the head's),
-    # idling as a cheap drafter does (`_cheap_idles`)
-    copies = (not cheap and getattr(sched.drafter, "copier", None) is not None
-              and not ctl._cheap_idles(len(decoders)))
+    # idling as a cheap drafter does (`cheap_idles`)
+    copies = (not cheap and getattr(drafter, "copier", None) is not None
+              and not ctl.cheap_idles(len(decoders)))
     eligible, depths, heads = [], [], set()
     for req in decoders:
         depth = min(req.sampling_params.max_new_tokens - len(req.output_ids),
-                    sched.config.context_len - req.seq_len) - 1
+                    context_len - req.seq_len) - 1
         if req.is_decoding and depth >= 1:
             head = ctl.may_draft(req.spec)
             if head or copies:
@@ -44,9 +47,9 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
     if not eligible:
         return {}
     if cheap:
-        if ctl._cheap_idles(len(decoders)):
+        if ctl.cheap_idles(len(decoders)):
             return {}
-        drafted = sched.drafter.propose(eligible, depths, sched)
+        drafted = drafter.propose(eligible, depths, ctx)
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
         counts = ctl.choose_trees(len(decoders), [t for _, t in pairs],
                                   [r.spec for r, _ in pairs])
@@ -60,8 +63,7 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
                 ctl.hold(req.spec)
             return {}
         # `heads`: which requests' heads draft; the copies are drafted for all of them
-        drafted = sched.drafter.propose(eligible, depths, sched,
-                                        **({"heads": heads} if copies else {}))
+        drafted = drafter.propose(eligible, depths, ctx, **({"heads": heads} if copies else {}))
         pairs = [(r, t) for r, t in zip(eligible, drafted, strict=True) if t is not None]
         if pairs:
             ctl.drafted_step = ctl.step  # this step's drafting is worth measuring
@@ -78,5 +80,4 @@ def propose_trees(sched: Scheduler, decoders: list[Req]) -> dict[int, DraftTree]
                 kept_copies = kept_copies or any(trees[id(req)].copied or ())
         if copies:
             ctl.cheap_idle_steps = 0 if kept_copies else ctl.cheap_idle_steps + 1
-    extra = sum(t.num_nodes - 1 for t in trees.values())
-    return trees if len(decoders) + extra <= sched.cache.num_available_slots else {}
+    return trees

@@ -17,6 +17,8 @@ never accepted, and a grammar never needs rolling back (it only sees committed t
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,8 +28,41 @@ from sglang_like.layers.sampler import SampleOutput, argmax_rows, select_rows
 from sglang_like.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
-    from sglang_like.req import Req
-    from sglang_like.scheduler import Scheduler
+    from sglang_like.layers.sampler import Sampler
+    from sglang_like.req import FinishReason, Req
+    from sglang_like.scheduler.cache_manager import KVCacheManager
+    from sglang_like.scheduler.output_processor import OutputProcessor
+    from sglang_like.speculative.controller import SpecController
+
+
+def takes_argmax(req: Req) -> bool:
+    """Whether the sampler would give this decoding request its logits row's plain argmax, and
+    nothing else: greedy, and no logprobs, penalties, logit bias, grammar, or min_new_tokens
+    holding EOS back (it has output, so it is decoding)."""
+    sp = req.sampling_params
+    return (sp.is_greedy and not req.return_logprob and not sp.has_penalties
+            and not sp.token_bias and req.grammar is None and bool(req.output_ids)
+            and len(req.output_ids) >= sp.min_new_tokens)
+
+
+@dataclass(frozen=True)
+class VerifyContext:
+    """The parts of the scheduler a verify's walk uses, built by it for each verify.
+
+    The walk writes committed nodes' slots into their requests' rows and frees the others
+    (`cache`), takes tokens through `sampler` and `outputs` as a plain decode does, and
+    records what it committed: with the controller, in `accept_lengths` (the scheduler's
+    histogram) and one `count_token` call per token taken. A request it finishes goes to
+    `end` (the scheduler's way to end a request within a step, reporting it in `touched`).
+    """
+
+    cache: KVCacheManager
+    sampler: Sampler
+    outputs: OutputProcessor
+    controller: SpecController
+    accept_lengths: collections.Counter[int]
+    count_token: Callable[[], None]
+    end: Callable[[Req, FinishReason, list[Req]], None]
 
 
 @dataclass
@@ -42,16 +77,15 @@ class TreeWalk:
     committed: list[int] = field(default_factory=list)  # nodes whose slot entered the row
 
 
-def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
+def accept_trees(ctx: VerifyContext, walks: list[TreeWalk], logits: torch.Tensor,
                  touched: list[Req]) -> None:
     """Commit the longest agreeing path of every walk; free the other nodes' slots."""
-    pool = sched.cache.req_to_token_pool
+    pool = ctx.cache.req_to_token_pool
     active = list(walks)
-    # every request takes its row's plain argmax (`Scheduler.takes_argmax`): each node's
-    # token is read off one argmax over the verify's rows, the sampler's own choice for them,
-    # instead of a sampler call per depth (0.1-0.2 ms of a batch-1 step)
-    argmax = (argmax_rows(logits) if all(sched.takes_argmax(w.req) for w in walks)
-              else None)
+    # every request takes its row's plain argmax (`takes_argmax`): each node's token is read
+    # off one argmax over the verify's rows, the sampler's own choice for them, instead of a
+    # sampler call per depth (0.1-0.2 ms of a batch-1 step)
+    argmax = (argmax_rows(logits) if all(takes_argmax(w.req) for w in walks) else None)
     while active:
         reqs = [w.req for w in active]
         for w in active:  # the node's K/V (computed by the verify) becomes the request's
@@ -63,15 +97,15 @@ def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
                                   [None] * len(active), [None] * len(active))
         else:
             rows = select_rows(logits, [w.first_row + w.node for w in active])
-            result = sched.sampler.sample(rows, reqs, sched.outputs.grammar_bitmask(reqs))
+            result = ctx.sampler.sample(rows, reqs, ctx.outputs.grammar_bitmask(reqs))
         still = []
         for j, w in enumerate(active):
             req, token = w.req, result.next_token_ids[j]
             if req.is_finished:
                 continue  # its grammar failed while the mask was built: ended below
             num_out, kv_len = len(req.output_ids), req.kv_len
-            sched.num_generated_tokens += 1
-            sched.outputs.append_token(req, token, result.logprobs[j], result.top_logprobs[j])
+            ctx.count_token()
+            ctx.outputs.append_token(req, token, result.logprobs[j], result.top_logprobs[j])
             if req.is_finished or req.kv_len != kv_len or len(req.output_ids) != num_out + 1 or (
                     req.output_ids[-1] != token):
                 continue  # finished, or jump-forward rewrote the tail: the walk ends here
@@ -82,13 +116,13 @@ def accept_trees(sched: Scheduler, walks: list[TreeWalk], logits: torch.Tensor,
         active = still
     for w in walks:
         used = set(w.committed)
-        sched.cache.allocator.free([s for j, s in enumerate(w.slots) if j not in used])
+        ctx.cache.allocator.free([s for j, s in enumerate(w.slots) if j not in used])
         state = w.req.spec
         state.verify_ct += 1
         state.accepted_drafts += len(w.committed) - 1
-        sched.spec_controller.record_verify(state, len(w.committed), w.tree, w.committed)
-        sched.spec_accept_lengths[len(w.committed)] += 1
+        ctx.controller.record_verify(state, len(w.committed), w.tree, w.committed)
+        ctx.accept_lengths[len(w.committed)] += 1
         if w.req.is_finished:
-            sched._end(w.req, w.req.finished_reason, touched)
+            ctx.end(w.req, w.req.finished_reason, touched)
         else:
             touched.append(w.req)

@@ -216,7 +216,7 @@ class SpecController(StepCosts):
                 state.backoff_until = self.pause_until
         return not self.enabled or self.step + ahead >= state.backoff_until
 
-    def _cheap_idles(self, batch_size: int) -> bool:
+    def cheap_idles(self, batch_size: int) -> bool:
         """Whether a cheap drafter skips this step: in a batch of at least _IDLE_MIN_BATCH
         whose cheap trees were all turned down _IDLE_STEPS steps in a row, it drafts only
         every _IDLE_PERIOD-th step."""

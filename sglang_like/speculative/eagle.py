@@ -31,7 +31,7 @@ import torch
 import sglang_like_kernels
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.mem_pool import KVPool
-from sglang_like.layers import native_decode as native
+import sglang_like.layers.native_decode as native
 from sglang_like.models.llama import attend
 from sglang_like.layers.rotary import RotaryEmbedding
 from sglang_like.layers.quantization.int8 import Int8EmbeddingMethod
@@ -45,10 +45,9 @@ from sglang_like.speculative.tree import DraftTree, with_copies
 if TYPE_CHECKING:
     from sglang_like.model_runner import ModelRunner
     from sglang_like.req import Req
-    from sglang_like.scheduler.batch import ScheduleBatch
-    from sglang_like.scheduler import Scheduler
+    from sglang_like.schedule_batch import ScheduleBatch
     from sglang_like.speculative import SpecConfig
-    from sglang_like.scheduler.spec_verify import TreeWalk
+    from sglang_like.speculative.context import DraftContext
 
 
 # Target features a request keeps while its drafting is paused or held, in bf16 (the head's
@@ -103,6 +102,11 @@ class _Node:
 
 
 class EagleDrafter:
+    """EAGLE / EAGLE-3 drafting as the scheduler drives a drafter (`scheduler.plugins.Drafter`):
+    `propose` before a step's batch forms, `after_forward` after its forward. It owns the
+    head, its KV pool and each request's `spec.eagle` / `spec.eagle_pending`; the runner is
+    its own (it reads the target's features and the req_to_token rows)."""
+
     def __init__(self, spec: SpecConfig, runner: ModelRunner) -> None:
         self.spec = spec
         self.num_draft_tokens = spec.num_draft_tokens
@@ -214,20 +218,22 @@ class EagleDrafter:
         return outs, self.head.to_target_ids(ids), values
 
     # ---- after each target forward: extend the head over the committed positions --------
-    def after_forward(self, batch: ScheduleBatch, walks: list[TreeWalk],
-                      sched: Scheduler) -> None:
+    def after_forward(self, batch: ScheduleBatch, committed: dict[int, list[int]],
+                      ctx: DraftContext) -> None:
+        """Run the head over the positions `batch`'s forward committed: a verified request's
+        are its `committed` tree nodes (by id of the Req, in commit order), another's all of
+        its rows."""
         features = self.runner.last_features
         if features is None:
             return
-        walk_of = {id(w.req): w for w in walks}
         table = self.runner.req_to_token_pool.req_to_token
-        ctl = sched.spec_controller
+        ctl = ctx.controller
         # a batch too large for any tree to pay (`rows_never_pay`) holds its requests when it
         # drafts (`propose_trees`); they are held here already, so that the head neither runs
         # over the prompts of new ones nor catches up when a hold ends, for drafts that will
         # not come (at batch 32 the two were 3-4% of a 96-token run). Waiting requests count:
         # they join the batch, and a batch's prompts are prefilled a few at a time.
-        hold = ctl.rows_never_pay(len(sched.running) + len(sched.waiting))
+        hold = ctl.rows_never_pay(ctx.num_requests)
         # which rows of `features` each request committed; the requests the controller does
         # not let draft next step keep theirs as pending (see below), the others run the head
         # over them now. One gather per kind: a gather a request took twice this loop's own
@@ -241,19 +247,19 @@ class EagleDrafter:
         for i, req in enumerate(batch.reqs):
             n = batch.extend_lens[i]
             first = batch.prefix_lens[i]
-            w = walk_of.get(id(req))
+            nodes = committed.get(id(req))  # a verify: the tree nodes it committed
             start, row_start = row_start, row_start + n
             state = req.spec
             pending, state.eagle_pending = state.eagle_pending, None
             if req.is_finished or req.req_pool_idx is None:
                 state.eagle = None
                 continue
-            num = len(w.committed) if w is not None else n
+            num = len(nodes) if nodes is not None else n
             count = min(num, req.kv_len - first)  # jump-forward may drop a tail
             if count <= 0:
                 state.eagle = None
                 continue
-            rows = ([start + j for j in w.committed[:count]] if w is not None
+            rows = ([start + j for j in nodes[:count]] if nodes is not None
                     else range(start, start + count))
             if pending is not None and pending.first + pending.num_rows != first:
                 pending = None  # not the positions right before these: the head skips them
@@ -323,7 +329,7 @@ class EagleDrafter:
                                         req.kv_len - 1)
 
     # ---- a tree per request ---------------------------------------------------------------
-    def propose(self, reqs: list[Req], max_depths: list[int], sched: Scheduler,
+    def propose(self, reqs: list[Req], max_depths: list[int], ctx: DraftContext,
                 heads: set[int] | None = None) -> list[DraftTree | None]:
         """A tree per request: the head's (for those in `heads`, by id; None: all) with, when
         `heads` is given, NGRAM's continuation grafted on (`with_copies`)."""
@@ -333,7 +339,7 @@ class EagleDrafter:
                 and (heads is None or id(r) in heads)]
         copied: dict[int, tuple[DraftTree, list[float]]] = {}
         if self.copier is not None and heads is not None:
-            ctl = sched.spec_controller
+            ctl = ctx.controller
             for i, req in enumerate(reqs):
                 copies = self.copier.propose_one(req, min(_COPY_DEPTH, max_depths[i]))
                 if copies is not None:
@@ -342,14 +348,14 @@ class EagleDrafter:
             # a request copying surely gets the head's next-token candidates (drafted by
             # its extend) without the head's draft steps beyond them
             sure = {i for i in live if i in copied and copied[i][1][1] >= _COPY_SURE}
-            self._draft_trees(reqs, max_depths, sched, live, trees, sure)
+            self._draft_trees(reqs, max_depths, ctx, live, trees, sure)
         if copied:
-            calibration = sched.spec_controller.draft_calibration
+            calibration = ctx.controller.draft_calibration
             for i, (copies, probs) in copied.items():
                 trees[i] = with_copies(trees[i], copies, probs, calibration)
         return trees
 
-    def _draft_trees(self, reqs: list[Req], max_depths: list[int], sched: Scheduler,
+    def _draft_trees(self, reqs: list[Req], max_depths: list[int], ctx: DraftContext,
                      live: list[int], trees: list[DraftTree | None],
                      shallow: set[int] = frozenset()) -> None:
         """The head's trees of the `live` requests (those with candidates) into `trees`;
@@ -364,7 +370,7 @@ class EagleDrafter:
             beams[i] = list(range(len(nodes[i])))
         depth_cap = {i: 1 if i in shallow else min(spec.num_steps, max_depths[i]) for i in live}
         # beams too unlikely to be verified are not drafted deeper
-        min_lp = sched.spec_controller.min_draft_logprob()
+        min_lp = ctx.controller.min_draft_logprob()
         scratch: list[int] = []
         try:
             for depth in range(1, spec.num_steps):
@@ -374,13 +380,13 @@ class EagleDrafter:
                 if not step:
                     break
                 need = sum(len(beams[i]) for i in step)
-                got = sched.cache.alloc_slots(need)
+                got = ctx.alloc_slots(need)
                 if got is None:
                     break  # the pool is short: draft no deeper
                 scratch += got
                 self._draft_step(reqs, step, nodes, beams, got, depth)
         finally:
-            sched.cache.allocator.free(scratch)
+            ctx.free_slots(scratch)
         for i in live:
             trees[i] = self._select(reqs[i], nodes[i], min(spec.num_draft_tokens,
                                                            1 + spec.eagle_topk * depth_cap[i]),

@@ -14,6 +14,7 @@ from sglang_like.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
     from sglang_like.req import Req
+    from sglang_like.speculative.context import DraftContext
 
 
 # The tables key an n-gram by an integer hash and keep integers as values, built without a
@@ -243,8 +244,9 @@ class NgramDrafter:
         if self.recent is not None:
             self.recent.clear()
 
-    def propose(self, reqs: list[Req], max_depths: list[int], sched: object = None
+    def propose(self, reqs: list[Req], max_depths: list[int], ctx: DraftContext | None = None
                 ) -> list[DraftTree | None]:
+        """A tree per request (None: nothing matches); lookups need nothing of `ctx`."""
         return [self.propose_one(r, d) for r, d in zip(reqs, max_depths, strict=True)]
 
     def propose_one(self, req: Req, max_depth: int) -> DraftTree | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from sglang_like.mem_pool import ReqToTokenPool
-from sglang_like.scheduler.batch import ScheduleBatch
+from sglang_like.schedule_batch import ScheduleBatch
 
 VOCAB = 2048
 FIRST_TOKEN = 300  # scripted tokens stay in [FIRST_TOKEN, FIRST_TOKEN + SPAN): plain text
@@ -42,7 +42,7 @@ class ScriptedDrafter:
         self.num_draft_tokens = 1 + depth * (2 if branch else 1)
         self.num_proposed = 0
 
-    def propose(self, reqs, max_depths, sched):
+    def propose(self, reqs, max_depths, ctx):
         trees = []
         for req, cap in zip(reqs, max_depths, strict=True):
             from sglang_like.speculative.tree import DraftTree

@@ -1,15 +1,18 @@
-"""Speculation tests' helpers: a scheduler's face as `propose_trees` sees it (a batch of
-decoding requests, a drafter, and the plain steps the scheduler would have recorded), a random
-EAGLE-3 head, and the weights the real-model tests pin."""
+"""Speculation tests' helpers: the speculative step as the scheduler runs it (a batch of
+decoding requests, a drafter, its context, and the plain steps the scheduler would have
+recorded), a random EAGLE-3 head, and the weights the real-model tests pin."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from sglang_like.scheduler.spec_propose import propose_trees
 from sglang_like.speculative import SpecController, SpecState
+from sglang_like.speculative.context import DraftContext
 from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head
 
 # The weights the real-model tests run: what `auto` picks on the default model, pinned so the
@@ -29,16 +32,28 @@ def random_head(folder: str, vocab: int, hidden: int, layers: int) -> str:
     return folder
 
 
-def fake_batch(drafter: Any, ctl: SpecController, size: int = 8, **state: Any
-               ) -> tuple[SimpleNamespace, list[SimpleNamespace]]:
-    """(sched, reqs): `size` requests decoding (SpecState(**state) each) and `drafter`."""
-    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100), output_ids=[1],
-                            seq_len=10, is_decoding=True, spec=SpecState(**state))
+def draft_context(ctl: SpecController) -> DraftContext:
+    """A drafter's context around `ctl`, without a KV pool (these drafters take no slots)."""
+    return DraftContext(ctl, alloc_slots=lambda num: None, free_slots=lambda slots: None,
+                        num_requests=0)
+
+
+def decoding_reqs(size: int, **state: Any) -> list[SimpleNamespace]:
+    """`size` requests decoding (SpecState(**state) each), as `propose_trees` reads them."""
+    return [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100),
+                            output_ids=[1], seq_len=10, is_decoding=True, spec=SpecState(**state))
             for _ in range(size)]
-    sched = SimpleNamespace(drafter=drafter, spec_controller=ctl,
-                            config=SimpleNamespace(context_len=1000),
-                            cache=SimpleNamespace(num_available_slots=1000))
-    return sched, reqs
+
+
+def fake_batch(drafter: Any, ctl: SpecController, size: int = 8, **state: Any
+               ) -> tuple[Callable[[list[Any]], dict[int, Any]], list[SimpleNamespace]]:
+    """(propose, reqs): `size` requests decoding (SpecState(**state) each), and `propose(reqs)`,
+    the step's trees as `propose_trees` drafts them with `drafter` (context length 1000)."""
+
+    def propose(batch: list[Any]) -> dict[int, Any]:
+        return propose_trees(drafter, draft_context(ctl), batch, context_len=1000)
+
+    return propose, decoding_reqs(size, **state)
 
 
 def plain_step_to(ctl: SpecController, step: int, rows: int = 8, seconds: float = 0.02) -> None:

@@ -287,11 +287,11 @@ def test_controller_prices_a_step_with_its_drafting_and_the_drafts_extend(tokeni
     (here: 20 ms to draft, 10 to extend, around a scripted forward of well under a
     millisecond)."""
     class SlowDrafter(ScriptedDrafter):
-        def propose(self, reqs, max_depths, sched):
+        def propose(self, reqs, max_depths, ctx):
             time.sleep(0.02)
-            return super().propose(reqs, max_depths, sched)
+            return super().propose(reqs, max_depths, ctx)
 
-        def after_forward(self, batch, walks, sched):
+        def after_forward(self, batch, committed, ctx):
             time.sleep(0.01)
 
     sched, _ = make_spec(tokenizer, SlowDrafter(depth=2, right=2, branch=False))

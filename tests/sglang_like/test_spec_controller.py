@@ -9,7 +9,7 @@ import pytest
 
 from sglang_like.speculative import DraftTree, SpecController, SpecState
 
-from .spec_fakes import fake_batch, plain_step_to
+from .spec_fakes import decoding_reqs, fake_batch, plain_step_to
 
 
 def test_controller_compares_measured_rates_and_backs_off() -> None:
@@ -276,56 +276,42 @@ def test_no_drafting_in_a_batch_where_no_row_can_pay() -> None:
     drafts there (NGRAM's lookups, EAGLE's draft steps), and EAGLE's requests are held for
     32 steps (the head then stops extending over them), a hold new requests do not join: at
     8 rows both draft."""
-    from types import SimpleNamespace
-
-    from sglang_like.scheduler.spec_propose import propose_trees
 
     class Drafter:
         def __init__(self, cheap):
             self.drafts_cheaply, self.calls = cheap, 0
 
-        def propose(self, reqs, depths, sched):
+        def propose(self, reqs, depths, ctx):
             self.calls += 1
             return [None for _ in reqs]
-
-    def reqs(n):
-        return [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=100),
-                                output_ids=[1], seq_len=10, is_decoding=True, spec=SpecState())
-                for _ in range(n)]
 
     for cheap in (True, False):
         ctl = SpecController()
         ctl.record_forward(8, 0.02)
         ctl.record_forward(32, 0.04)
         drafter = Drafter(cheap)
-        sched = SimpleNamespace(drafter=drafter, spec_controller=ctl,
-                                config=SimpleNamespace(context_len=1000),
-                                cache=SimpleNamespace(num_available_slots=1000))
-        batch = reqs(32)
+        propose, batch = fake_batch(drafter, ctl, size=32)
         for _ in range(4):
-            assert propose_trees(sched, batch) == {}
+            assert propose(batch) == {}
         assert drafter.calls == 0
         if not cheap:
             assert all(not ctl.may_draft(r.spec) for r in batch)
             assert all(r.spec.backoff_until == 64 for r in batch)  # step 2 + 32, rounded up
             assert ctl.pauses_in_a_row == 0
-        propose_trees(sched, reqs(8))
+        propose(decoding_reqs(8))
         assert drafter.calls == 1
 
 
 def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_down() -> None:
     """16 steps of a batch of 8 whose trees were all turned down: it drafts every 8th step
     only, until a tree is kept."""
-
-    from sglang_like.scheduler.spec_propose import propose_trees
-
     calls = []
 
     class Drafter:
         drafts_cheaply = True
 
-        def propose(self, reqs, depths, sched):
-            calls.append(sched.spec_controller.step)
+        def propose(self, reqs, depths, ctx):
+            calls.append(ctx.controller.step)
             return [DraftTree([1, 2, 3], [-1, 0, 1], evidence=1) for _ in reqs]
 
     ctl = SpecController()
@@ -333,29 +319,29 @@ def test_cheap_drafter_in_a_big_batch_drafts_rarely_while_its_trees_are_turned_d
     ctl.depth_tried[(1, False)], ctl.depth_accepted[(1, False)] = [100.0, 0.0], [0.0, 0.0]
     ctl.record_forward(8, 0.02)
     ctl.record_forward(24, 0.04)
-    sched, reqs = fake_batch(Drafter(), ctl)
+    propose, reqs = fake_batch(Drafter(), ctl)
 
     def step_to(step):
         plain_step_to(ctl, step)
 
     for step in range(1, 49):
         step_to(step)
-        assert propose_trees(sched, reqs) == {}
+        assert propose(reqs) == {}
     assert calls == [*range(1, 17), 24, 32, 40, 48]
     # now their drafts are accepted: kept on the next drafting step
     ctl.depth_tried[(1, False)], ctl.depth_accepted[(1, False)] = [100.0, 100.0], [100.0, 100.0]
     step_to(56)
-    assert len(propose_trees(sched, reqs)) == 8 and ctl.cheap_idle_steps == 0
+    assert len(propose(reqs)) == 8 and ctl.cheap_idle_steps == 0
     step_to(57)
-    propose_trees(sched, reqs)
+    propose(reqs)
     assert calls[-1] == 57
     # the plain step of 8 rows, last measured more than 32 steps ago, runs again before
     # any drafting (every tree is priced against it)
     n = len(calls)
     ctl.step = 57 + 33
-    assert propose_trees(sched, reqs) == {} and len(calls) == n
+    assert propose(reqs) == {} and len(calls) == n
     ctl.record_forward(8, 0.02)
-    assert len(propose_trees(sched, reqs)) == 8 and len(calls) == n + 1
+    assert len(propose(reqs)) == 8 and len(calls) == n + 1
 
 
 def test_controller_prices_rows_by_the_median_of_recent_steps() -> None:

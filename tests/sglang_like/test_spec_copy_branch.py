@@ -176,16 +176,14 @@ def test_copies_are_drafted_while_the_head_is_paused(make_engine, copy_prompts, 
 def test_copies_in_a_big_batch_are_drafted_rarely_while_turned_down() -> None:
     """A batch of 8 whose heads are paused and whose grafted copies were all turned down for
     16 steps drafts copies every 8th step only (as NGRAM does), until one is kept."""
-    from sglang_like.scheduler.spec_propose import propose_trees
-
     calls = []
     sure = [False]
 
     class Drafter:  # EAGLE's interface: a head (paused here) and a copier
         copier = object()
 
-        def propose(self, reqs, depths, sched, heads=None):
-            calls.append((sched.spec_controller.step, heads is not None))
+        def propose(self, reqs, depths, ctx, heads=None):
+            calls.append((ctx.controller.step, heads is not None))
             chance = 0.9 if sure[0] else 0.01
             return [with_copies(None, DraftTree([1, 2, 3], [-1, 0, 1], evidence=2),
                                 [1.0, chance, chance], 1.0) for _ in reqs]
@@ -193,14 +191,14 @@ def test_copies_in_a_big_batch_are_drafted_rarely_while_turned_down() -> None:
     ctl = SpecController()
     ctl.record_forward(8, 0.02)
     ctl.record_forward(24, 0.04)
-    sched, reqs = fake_batch(Drafter(), ctl, backoff_until=10**6)  # every head paused
+    propose, reqs = fake_batch(Drafter(), ctl, backoff_until=10**6)  # every head paused
 
     for step in range(1, 49):
         plain_step_to(ctl, step)
-        assert propose_trees(sched, reqs) == {}
+        assert propose(reqs) == {}
     assert calls == [(s, True) for s in (*range(1, 17), 24, 32, 40, 48)]
     sure[0] = True  # now the copies are worth their rows: kept on the next drafting step
     plain_step_to(ctl, 56)
-    assert len(propose_trees(sched, reqs)) == 8 and ctl.cheap_idle_steps == 0
+    assert len(propose(reqs)) == 8 and ctl.cheap_idle_steps == 0
     plain_step_to(ctl, 57)
-    assert len(propose_trees(sched, reqs)) == 8 and calls[-1] == (57, True)
+    assert len(propose(reqs)) == 8 and calls[-1] == (57, True)

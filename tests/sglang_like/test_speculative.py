@@ -444,12 +444,12 @@ def test_a_paused_request_catches_the_head_up_over_what_it_skipped(make_engine,
         seen: dict[str, object] = {}
         after = drafter.after_forward
 
-        def snapshot(batch, walks, s):
-            after(batch, walks, s)
+        def snapshot(batch, committed, ctx):
+            after(batch, committed, ctx)
             req = batch.reqs[0]
             if not req.is_finished:  # the positions the head has run over so far
                 n = req.kv_len - 1 if req.spec.eagle is not None else 0
-                slots = s.cache.req_to_token_pool.req_to_token[req.req_pool_idx, :n].long()
+                slots = sched.cache.req_to_token_pool.req_to_token[req.req_pool_idx, :n].long()
                 seen["keys"] = drafter.pool.k_buffers[0][slots].clone()
                 seen["ids"] = list(req.fill_ids)
 
