@@ -217,8 +217,8 @@ class EngineLoop:
             return
         self._handles[req.rid] = handle
         if req.invalid_message is not None:
-            req.finish(FinishReason("abort", message=req.invalid_message))
-            self.scheduler._finished_outside_step.append(req)
+            self.scheduler.finish_outside_step(
+                req, FinishReason("abort", message=req.invalid_message))
         elif (req.grammar is None and req.sampling_params.constraint is not None
               and self._grammar_backend is not None):
             kind, spec = req.sampling_params.constraint
@@ -245,12 +245,11 @@ class EngineLoop:
                 except Exception as exc:  # noqa: BLE001 - a crashed compile: this request only
                     message = internal_error_message(exc)
             if message is not None:
-                req.finish(FinishReason("abort", message=message))
-                self.scheduler._finished_outside_step.append(req)
+                self.scheduler.finish_outside_step(req, FinishReason("abort", message=message))
                 continue
             if isinstance(grammar, InvalidGrammar):
-                req.finish(FinishReason("abort", message=grammar.message, status_code=400))
-                self.scheduler._finished_outside_step.append(req)
+                self.scheduler.finish_outside_step(req, FinishReason(
+                    "abort", message=grammar.message, status_code=400))
             else:
                 req.grammar = grammar
                 self.scheduler.add_request(req)
@@ -269,9 +268,8 @@ class EngineLoop:
         for target in targets:
             compiling = self._compiling.pop(target, None)
             if compiling is not None:
-                req = compiling[0]
-                req.finish(FinishReason("abort", message="aborted"))
-                self.scheduler._finished_outside_step.append(req)
+                self.scheduler.finish_outside_step(
+                    compiling[0], FinishReason("abort", message="aborted"))
             else:
                 self.scheduler.abort(target)
 
@@ -340,8 +338,7 @@ class EngineLoop:
         sched = self.scheduler
         if sched is not None:
             try:
-                ended = sched._finished_outside_step + sched.abort_all(message)
-                sched._finished_outside_step = []
+                ended = sched.take_finished_outside_step() + sched.abort_all(message)
             except Exception:  # noqa: BLE001 - a broken scheduler: the handles still answer
                 logger.exception("aborting the scheduler's requests failed")
                 ended = []
