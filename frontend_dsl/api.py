@@ -5,38 +5,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from frontend_dsl.global_config import global_config
+# The default-backend accessors live in global_config and _role in ir, so program.py and
+# state.py reach them without importing this module (which imports program); the public
+# two are re-exported here, where frontend_dsl and sglang_like.lang take them from.
+from frontend_dsl.global_config import _backend_or_default
+from frontend_dsl.global_config import get_default_backend as get_default_backend
+from frontend_dsl.global_config import set_default_backend as set_default_backend
 from frontend_dsl.ir import (
     CHOICES_METHODS,
-    Concat,
     Expr,
     Gen,
     GenParams,
     RoleBegin,
     RoleEnd,
     Select,
+    _role,
     _schema_str,
-    to_expr,
 )
 from frontend_dsl.speculative import ApiSpeculation
 from frontend_dsl.tools import as_tools, tool_call_schema
-
-
-def set_default_backend(backend: Any) -> None:
-    """Make `backend` the one programs use when run() gets no backend= (global_config's)."""
-    global_config.default_backend = backend
-
-
-def get_default_backend() -> Any:
-    """The backend set by set_default_backend, or None."""
-    return global_config.default_backend
-
-
-def _backend_or_default(backend: Any) -> Any:
-    backend = backend if backend is not None else global_config.default_backend
-    if backend is None:
-        raise ValueError("no backend: pass backend= or call set_default_backend(...) first")
-    return backend
 
 
 def flush_cache(backend: Any = None) -> bool:
@@ -150,12 +137,6 @@ def select(
     if choices_method not in CHOICES_METHODS:
         raise ValueError(f"select: choices_method must be one of {CHOICES_METHODS}")
     return Select(name, list(choices), temperature, choices_method)
-
-
-def _role(role: str, expr: Any = None) -> Expr:
-    if expr is None:
-        return Concat([RoleBegin(role), RoleEnd(role)])
-    return Concat([RoleBegin(role), to_expr(expr), RoleEnd(role)])
 
 
 def system(expr: Any = None) -> Expr:

@@ -203,6 +203,13 @@ def to_expr(value: Any) -> Expr:
     raise ValueError(f"cannot append a {type(value).__name__} to a program state")
 
 
+def _role(role: str, expr: Any = None) -> Expr:
+    """A whole `role` message: begin, `expr` (if any), end."""
+    if expr is None:
+        return Concat([RoleBegin(role), RoleEnd(role)])
+    return Concat([RoleBegin(role), to_expr(expr), RoleEnd(role)])
+
+
 def _schema_str(json_schema: Any) -> str | None:
     if json_schema is None or isinstance(json_schema, str):
         return json_schema

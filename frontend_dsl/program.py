@@ -8,8 +8,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from frontend_dsl.api import _backend_or_default, get_default_backend
 from frontend_dsl.chat_template import chatml_template
+from frontend_dsl.global_config import _backend_or_default, get_default_backend
 from frontend_dsl.interpreter import StreamExecutor
 from frontend_dsl.ir import DEFAULT_GEN_PARAMS, GenParams
 from frontend_dsl.state import ProgramState

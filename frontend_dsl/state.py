@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from frontend_dsl.interpreter import StreamExecutor
-from frontend_dsl.ir import RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, to_expr
+from frontend_dsl.ir import RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, _role, to_expr
 from frontend_dsl.tools import ToolCall, parse_tool_call
 
 _END = object()
@@ -42,8 +42,6 @@ class ProgramState:
     def _role(self, role: str, expr: Any) -> Any:
         if expr is None:
             return self._role_block(role)
-        from frontend_dsl.api import _role
-
         self += _role(role, expr)
         return None
 

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 
+from sglang_like.server.model_name import model_name_from_path
 from sglang_like.utils.stats_window import SlidingWindow
 
 _PREFIX = "sglang_like_"
@@ -231,10 +232,9 @@ def _ratio(num: Gauge, den: Gauge) -> float:
 
 def _served_name(server_info: dict[str, Any]) -> str:
     """The served model name from the engine's info, as ServerState derives it."""
-    from sglang_like.server.state import _model_name  # state imports this module
-
     path = server_info.get("model_path") or ""
-    return str(server_info.get("served_model_name") or (_model_name(path) if path else ""))
+    fallback = model_name_from_path(path) if path else ""
+    return str(server_info.get("served_model_name") or fallback)
 
 
 def _nonneg(value: Any) -> float:

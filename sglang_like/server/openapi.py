@@ -18,15 +18,19 @@ from pydantic import BaseModel
 
 from sglang_like.server.protocol import (
     AbortRequest,
+    CacheMatchRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
     SwitchModeRequest,
+    TokenizeRequest,
 )
 
 _REF = "#/components/schemas/{model}"
 _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     GenerateRequest, CompletionRequest, ChatCompletionRequest, AbortRequest, SwitchModeRequest,
+    TokenizeRequest, DetokenizeRequest, CacheMatchRequest,
 )
 _ERROR_TEXT = {
     400: "Bad request: the body or a parameter is invalid (the message says which)",
@@ -278,12 +282,8 @@ def operation(
 
 def component_schemas() -> dict[str, dict[str, Any]]:
     """The request models' schemas (their `$defs` lifted next to them) and the response shapes."""
-    # the tokenizer and dashboard routes' models live beside them (they import this module)
-    from sglang_like.server.dashboard.routes import CacheMatchRequest
-    from sglang_like.server.tokenize_api import DetokenizeRequest, TokenizeRequest
-
     schemas: dict[str, dict[str, Any]] = {}
-    for model in (*_REQUEST_MODELS, TokenizeRequest, DetokenizeRequest, CacheMatchRequest):
+    for model in _REQUEST_MODELS:
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

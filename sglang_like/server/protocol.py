@@ -1,4 +1,4 @@
-"""Request bodies of the native and OpenAI-compatible APIs (pydantic), and their sampling params."""
+"""Request bodies of the HTTP APIs (native, OpenAI, tokenizer, dashboard), their sampling params."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pydantic import (
     StrictInt,
     ValidationError,
     WithJsonSchema,
+    model_validator,
 )
 
 from sglang_like.sampling_params import SamplingParams
@@ -460,6 +461,61 @@ class ChatCompletionRequest(_OpenAISampling):
 
 for _model in (CompletionRequest, ChatCompletionRequest):
     _model.model_rebuild()
+
+
+# ---- tokenizer and dashboard routes -------------------------------------------------------
+# Kept here, not beside their routes, so openapi.py lists their schemas without importing the
+# route modules (which import openapi.py for `operation`).
+_MAX_PROMPTS = 1024
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: vLLM's and SGLang's body (text prompts; `model` is not checked)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[str] = documented(..., maxItems=_MAX_PROMPTS)
+    add_special_tokens: StrictBool = documented(
+        True, description="add the BOS/EOS the tokenizer's post-processor adds, as a text "
+        "prompt to /v1/completions gets; special tokens written in the text are always parsed"
+    )
+    return_token_strs: StrictBool = documented(False, description="also the token strings")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids (or a list of such lists) back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[TokenId] | list[list[TokenId]] = documented(..., maxItems=1 << 20)
+    skip_special_tokens: StrictBool = documented(
+        False, description="drop special tokens (vLLM keeps them; SGLang's default drops them)"
+    )
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class CacheMatchRequest(BaseModel):
+    """Exactly one of `text` (a raw prompt), `input_ids`, or `messages` (put through the chat
+    template with the generation prompt, as /v1/chat/completions would)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    input_ids: list[int] | None = Field(default=None, max_length=1_000_000)
+    messages: list[_Message] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> CacheMatchRequest:
+        given = [k for k in ("text", "input_ids", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of text, input_ids, messages")
+        return self
 
 
 def parse_model(model: type[_M], data: Any) -> _M:

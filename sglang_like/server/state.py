@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +9,7 @@ from starlette.requests import Request
 
 from sglang_like.config import ServerArgs
 from sglang_like.server.metrics import ServerMetrics
+from sglang_like.server.model_name import model_name_from_path
 from sglang_like.server.runner import EngineRunner
 
 
@@ -37,7 +36,7 @@ class ServerState:
         model_path = (
             getattr(model_config, "model_path", "") or args.model_path or "default"
         )
-        name = args.served_model_name or _model_name(model_path)
+        name = args.served_model_name or model_name_from_path(model_path)
         context_length = args.context_length or getattr(
             model_config, "max_position_embeddings", 2048
         )
@@ -46,15 +45,6 @@ class ServerState:
             engine, metrics, args.max_queued_requests, args.max_running_requests
         )
         return cls(engine, runner, metrics, args, model_path, name, int(context_length))
-
-
-_GGUF_SUFFIX = re.compile(r"(\.(Q\d\w*|F16|F32|BF16|IQ\w+))?\.gguf$", re.IGNORECASE)
-
-
-def _model_name(model_path: str) -> str:
-    """`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`; a folder -> its name."""
-    base = os.path.basename(os.path.normpath(model_path)) or model_path
-    return _GGUF_SUFFIX.sub("", base)
 
 
 def get_state(request: Request) -> ServerState:

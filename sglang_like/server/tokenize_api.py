@@ -8,44 +8,20 @@ import inspect
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, StrictBool
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.server.errors import ApiError, json_response, read_json_body
-from sglang_like.server.json_schemas import TokenId, documented
 from sglang_like.server.openapi import json_content, operation
-from sglang_like.server.protocol import parse_model
+from sglang_like.server.protocol import (
+    _MAX_PROMPTS,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_model,
+)
 from sglang_like.server.state import ServerState, get_state
 
 router = APIRouter()
-_MAX_PROMPTS = 1024
-
-
-class TokenizeRequest(BaseModel):
-    """POST /tokenize: vLLM's and SGLang's body (text prompts; `model` is not checked)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    prompt: str | list[str] = documented(..., maxItems=_MAX_PROMPTS)
-    add_special_tokens: StrictBool = documented(
-        True, description="add the BOS/EOS the tokenizer's post-processor adds, as a text "
-        "prompt to /v1/completions gets; special tokens written in the text are always parsed"
-    )
-    return_token_strs: StrictBool = documented(False, description="also the token strings")
-
-
-class DetokenizeRequest(BaseModel):
-    """POST /detokenize: token ids (or a list of such lists) back to text."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    tokens: list[TokenId] | list[list[TokenId]] = documented(..., maxItems=1 << 20)
-    skip_special_tokens: StrictBool = documented(
-        False, description="drop special tokens (vLLM keeps them; SGLang's default drops them)"
-    )
 
 
 def _ok(schema_name: str) -> dict[str, Any]:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import time
 from importlib import resources
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,7 +24,7 @@ from starlette.responses import Response
 from sglang_like.server.dashboard.history import StatsHistory
 from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.openapi import json_content, operation
-from sglang_like.server.protocol import parse_model
+from sglang_like.server.protocol import CacheMatchRequest, parse_model
 from sglang_like.server.state import get_state
 
 router = APIRouter()
@@ -209,29 +208,6 @@ async def cache_node(request: Request, node_id: str) -> Response:
 
 
 # ---- /cache_match -------------------------------------------------------------------------
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-
-
-class CacheMatchRequest(BaseModel):
-    """Exactly one of `text` (a raw prompt), `input_ids`, or `messages` (put through the chat
-    template with the generation prompt, as /v1/chat/completions would)."""
-
-    model_config = ConfigDict(extra="forbid")
-    text: str | None = None
-    input_ids: list[int] | None = Field(default=None, max_length=1_000_000)
-    messages: list[_Message] | None = Field(default=None, min_length=1)
-
-    @model_validator(mode="after")
-    def _one_input(self) -> CacheMatchRequest:
-        given = [k for k in ("text", "input_ids", "messages") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of text, input_ids, messages")
-        return self
-
-
 @router.post("/cache_match", openapi_extra=operation(
     body=CacheMatchRequest, ok=json_content({"type": "object"}), errors=(400, 401, 404)))
 async def cache_match(request: Request) -> Response:
