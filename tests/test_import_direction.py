@@ -177,3 +177,215 @@ def test_import_without_torch(module: str) -> None:
     assert proc.returncode == 0, (
         f"`import {module}` needs torch; the import chain:\n{proc.stderr[-3000:]}"
     )
+
+
+# ---- inside sglang_like: layers, bottom to top ----------------------------------------
+# A unit is a subpackage or a root module of sglang_like. A unit may import units of its own
+# layer or below (circles are caught separately), never above.
+SGLANG_LIKE_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in (
+    "config sampling_params req schedule_batch tokenizer detokenizer forward_batch mem_pool "
+    "utils function_call",
+    "layers",
+    "models tp model_loader",
+    "model_runner",
+    "speculative",
+    "scheduler",
+    "disaggregation",
+    "engine_core",
+    "engine",
+    "server",
+    "launch_server launch_router bench_serving __main__ lang __init__",
+))
+MAX_ROOT_MODULES = 16
+# imports that point up on purpose: (importing package, imported package), lazy only
+ALLOWED_UPWARD = {("frontend_dsl", "sglang_like")}
+TOOLS = ("benchmarks", "training", "scripts", "examples", "tests")
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in _package_files(package)}
+
+
+def _resolve_module(name: str, modules: dict[str, Path]) -> str | None:
+    """The module an import names: itself, or its nearest enclosing module we have."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def module_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules it imports (all of them: lazy and TYPE_CHECKING ones too); an
+    allowed upward import left out."""
+    edges: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        found: list[tuple[ast.AST, bool]] = []
+        _walk(ast.parse(path.read_text(encoding="utf-8")), False, found)
+        targets = set()
+        for node, lazy in found:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:  # `from pkg import sub` reaches the submodule, else pkg itself
+                base = _resolve(node, module, path.name == "__init__.py")
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                         for a in node.names]
+            for name in names:
+                target = _resolve_module(name, modules)
+                if target is None or target == module:
+                    continue
+                if lazy and (module.split(".")[0], target.split(".")[0]) in ALLOWED_UPWARD:
+                    continue
+                targets.add(target)
+        edges[module] = targets
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "sglang_like":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _rank(unit: str) -> int:
+    for rank, layer in enumerate(SGLANG_LIKE_LAYERS):
+        if unit in layer:
+            return rank
+    raise AssertionError(f"sglang_like.{unit} is in no layer: add it to SGLANG_LIKE_LAYERS")
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(edges.items()):
+        unit = _unit(module)
+        if unit is None:
+            continue
+        for target in sorted(targets):
+            other = _unit(target)
+            if other is not None and _rank(other) > _rank(unit):
+                bad.append(f"{module} -> {target} (layer {_rank(unit)} -> {_rank(other)})")
+    return bad
+
+
+def _unit_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        unit = _unit(module)
+        if unit is not None:
+            units.setdefault(unit, set()).update(
+                u for t in targets if (u := _unit(t)) is not None and u != unit)
+    return units
+
+
+def test_no_import_circles() -> None:
+    """Between modules and between sglang_like's units, lazy imports counted."""
+    edges = module_edges(_all_modules())
+    assert circles(edges) == []
+    assert circles(_unit_edges(edges)) == []
+
+
+def test_sglang_like_imports_point_down() -> None:
+    assert upward_imports(module_edges(_all_modules())) == []
+
+
+def test_runtime_never_imports_the_tools() -> None:
+    """Benchmarks, training and tests sit outside the runtime's import graph."""
+    bad = [f"{e.path}:{e.line}" for package in PACKAGES for f in _package_files(package)
+           for e in _tool_edges(f)]
+    assert bad == []
+
+
+def _tool_edges(path: Path) -> list[Edge]:
+    found: list[tuple[ast.AST, bool]] = []
+    _walk(ast.parse(path.read_text(encoding="utf-8")), False, found)
+    edges = []
+    for node, lazy in found:
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if node.level == 0 else [])
+        edges += [Edge(str(path.relative_to(ROOT)), node.lineno, n.split(".")[0], lazy)
+                  for n in names if n.split(".")[0] in TOOLS]
+    return edges
+
+
+def test_a_few_modules_at_the_root_of_sglang_like() -> None:
+    root = sorted(p.name for p in (ROOT / "sglang_like").glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+    assert {p.stem for p in (ROOT / "sglang_like").glob("*.py")} | {
+        p.name for p in (ROOT / "sglang_like").iterdir() if (p / "__init__.py").exists()
+    } <= set().union(*SGLANG_LIKE_LAYERS)
+
+
+# ---- the checkers themselves, on graphs (so the tests above can fail) --------------------
+@pytest.mark.parametrize(("edges", "expected"), [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+    ({"a": {"a"}}, []),
+])
+def test_circle_finder(edges: dict[str, set[str]], expected: list[list[str]]) -> None:
+    assert circles(edges) == expected
+
+
+def test_layer_checker_flags_an_upward_import() -> None:
+    edges = {"sglang_like.req": {"sglang_like.speculative.controller"},
+             "sglang_like.scheduler.scheduler": {"sglang_like.req"},
+             "sglang_like.speculative.eagle": {"sglang_like.model_runner"}}
+    assert upward_imports(edges) == [
+        "sglang_like.req -> sglang_like.speculative.controller (layer 0 -> 4)"]
+
+
+def test_module_edges_count_lazy_and_type_checking_imports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    pkg = tmp_path / "sglang_like"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "req.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                "    from sglang_like.scheduler import Scheduler\n")
+    (pkg / "scheduler.py").write_text("def f():\n    from sglang_like import req\n")
+    modules = {_module_name(p): p for p in sorted(pkg.glob("*.py"))}
+    edges = module_edges(modules)
+    assert edges["sglang_like.req"] == {"sglang_like.scheduler"}
+    assert edges["sglang_like.scheduler"] == {"sglang_like.req"}
+    assert circles(edges) == [["sglang_like.req", "sglang_like.scheduler"]]
