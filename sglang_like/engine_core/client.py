@@ -30,11 +30,11 @@ import zmq
 from sglang_like.config import ServerArgs
 from sglang_like.engine_core import messages as m
 from sglang_like.engine_core.core import CoreInfo
+from sglang_like.engine_core.io import RequestHandle
+from sglang_like.engine_core.loop import SHUTDOWN_MESSAGE, error_output
 from sglang_like.engine_core.pipe import FrameReader, make_pipe
 from sglang_like.engine_core.process import STATS_SIZE
 from sglang_like.engine_core.receiver import OutputReceiver
-from sglang_like.engine_core.io import RequestHandle
-from sglang_like.engine_core.loop import SHUTDOWN_MESSAGE, error_output
 
 logger = logging.getLogger(__name__)
 

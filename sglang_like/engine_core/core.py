@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_like.config import ModelConfig, ServerArgs
-from sglang_like.engine_core.messages import GenerateReqInput
 from sglang_like.engine_core.loop import EngineLoop, LoopHooks
+from sglang_like.engine_core.messages import GenerateReqInput
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 

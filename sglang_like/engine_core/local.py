@@ -12,10 +12,10 @@ import threading
 from typing import Any
 
 from sglang_like.config import ServerArgs
-from sglang_like.utils.cpu_runtime import release_openmp_threads, trim_heap
 from sglang_like.engine_core.core import CoreInfo, EngineCore, make_req
-from sglang_like.engine_core.messages import GenerateReqInput
 from sglang_like.engine_core.io import RequestHandle
+from sglang_like.engine_core.messages import GenerateReqInput
+from sglang_like.utils.cpu_runtime import release_openmp_threads, trim_heap
 
 
 class ThreadCoreClient:

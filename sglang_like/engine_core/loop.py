@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sglang_like.utils.cpu_runtime import trim_heap
 from sglang_like.engine_core.io import RequestHandle, build_output
 from sglang_like.req import FinishReason, Req, internal_error_message
+from sglang_like.utils.cpu_runtime import trim_heap
 from sglang_like.utils.stats_window import RequestLatency
 
 if TYPE_CHECKING:

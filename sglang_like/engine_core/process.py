@@ -28,8 +28,8 @@ import zmq
 
 from sglang_like.engine_core import messages as m
 from sglang_like.engine_core.core import EngineCore, make_req
-from sglang_like.engine_core.pipe import FrameWriter
 from sglang_like.engine_core.loop import LoopHooks, error_output
+from sglang_like.engine_core.pipe import FrameWriter
 from sglang_like.req import internal_error_message
 
 logger = logging.getLogger("sglang_like.engine_core")

@@ -8,10 +8,10 @@ from typing import Any, NamedTuple
 import torch
 
 from sglang_like.config import ModelConfig, ServerArgs
+from sglang_like.layers.quantization import QuantConfig, all_int4_blocks, resolve_quantization
 from sglang_like.mem_pool import KVPool
 from sglang_like.model_loader import load_model
 from sglang_like.model_runner import ModelRunner
-from sglang_like.layers.quantization import QuantConfig, all_int4_blocks, resolve_quantization
 from sglang_like.scheduler import Scheduler, SchedulerConfig
 from sglang_like.speculative import SpecConfig, resolve_spec_config
 from sglang_like.tokenizer import Tokenizer

@@ -31,9 +31,9 @@ _PARENT_POLL_MS = 500
 
 
 def _build_runner(spec: dict, slot: AllReduceSlot, device: torch.device):  # noqa: ANN202
+    from sglang_like.layers.quantization import QuantConfig
     from sglang_like.model_loader import load_model
     from sglang_like.model_runner import ModelRunner
-    from sglang_like.layers.quantization import QuantConfig
 
     sa = spec["server_args"]  # every "auto" resolved by rank 0
     dtype = getattr(torch, sa.dtype)  # e.g. "float32", as rank 0 resolved it

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang_like.detokenizer import IncrementalDetokenizer
-from sglang_like.utils.fault_injection import FaultInjector
 from sglang_like.req import FinishReason, Req, internal_error_message
+from sglang_like.utils.fault_injection import FaultInjector
 
 if TYPE_CHECKING:
     from sglang_like.scheduler.cache_manager import KVCacheManager

@@ -11,20 +11,20 @@ from typing import Any, Protocol
 import torch
 
 from radix_cache import KVSlotAllocator, RadixCache
-from sglang_like.scheduler.cache_manager import KVCacheManager
-from sglang_like.utils.fault_injection import FaultInjector
+from sglang_like.layers.sampler import SampleOutput, Sampler, select_rows
 from sglang_like.mem_pool import ReqToTokenPool
+from sglang_like.req import FinishReason, Req, internal_error_message
+from sglang_like.schedule_batch import ScheduleBatch
+from sglang_like.scheduler.cache_manager import KVCacheManager
 from sglang_like.scheduler.config import SchedulerConfig
 from sglang_like.scheduler.output_processor import OutputProcessor
-from sglang_like.req import FinishReason, Req, internal_error_message
-from sglang_like.layers.sampler import SampleOutput, Sampler, select_rows
-from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.scheduler.plugins import DisaggContext, DisaggHooks, DraftContext, Drafter
 from sglang_like.scheduler.policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
-from sglang_like.speculative.controller import SpecController
 from sglang_like.scheduler.spec_propose import propose_trees
-from sglang_like.speculative.tree import DraftTree
 from sglang_like.scheduler.spec_verify import TreeWalk, VerifyContext, accept_trees, takes_argmax
+from sglang_like.speculative.controller import SpecController
+from sglang_like.speculative.tree import DraftTree
+from sglang_like.utils.fault_injection import FaultInjector
 
 logger = logging.getLogger(__name__)
 

@@ -26,19 +26,19 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import sglang_like_kernels
 import torch
 
-import sglang_like_kernels
-from sglang_like.forward_batch import ForwardBatch
-from sglang_like.mem_pool import KVPool
 import sglang_like.layers.native_decode as native
-from sglang_like.models.llama import attend
-from sglang_like.layers.rotary import RotaryEmbedding
+from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers.quantization.int8 import Int8EmbeddingMethod
+from sglang_like.layers.rotary import RotaryEmbedding
+from sglang_like.mem_pool import KVPool
+from sglang_like.models.llama import attend
 from sglang_like.speculative.eagle1_head import Eagle1Head
 from sglang_like.speculative.eagle_head import Eagle3Head
-from sglang_like.speculative.head_loader import load_draft_head
 from sglang_like.speculative.eagle_native import NativeEagleHead
+from sglang_like.speculative.head_loader import load_draft_head
 from sglang_like.speculative.ngram import NgramDrafter
 from sglang_like.speculative.tree import DraftTree, with_copies
 

@@ -5,8 +5,8 @@ The head is one decoder layer plus fc and a draft-vocabulary LM head: about 10M 
 a forward on a 2-core machine, more than a quarter of the target's whole decode step). Here
 its linears take the target's own linear methods (int4 / int8 codes, a sixth to a quarter of
 the bytes), fused as the target's are (q/k/v, gate/up), and its norms, RoPE + KV store +
-attention and silu*mul run through sglang_like_kernels.cpu like the target's native decode path, so a
-head forward costs a few hundred microseconds.
+attention and silu*mul run through sglang_like_kernels.cpu like the target's native decode
+path, so a head forward costs a few hundred microseconds.
 
 The drafted tokens only choose what the target verifies (acceptance is decided by the
 target's own logits), so the head's rounding changes how often drafts are accepted, never
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
 from sglang_like_kernels.cpu import ops
+
 from sglang_like.layers.native_decode import AttnRows
 from sglang_like.layers.quantization import QuantConfig, QuantLinear
 from sglang_like.layers.quantization.q4_native import Q4X16Method

@@ -13,9 +13,9 @@ import pytest
 
 import sglang_like.engine_core.loop as engine_loop
 from sglang_like.engine_core.io import RequestHandle
-from sglang_like.utils.fault_injection import ENV_VAR
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
+from sglang_like.utils.fault_injection import ENV_VAR
 
 from .test_engine_api import _wait_idle
 
@@ -273,11 +273,11 @@ def test_sentencepiece_output_keeps_its_first_space() -> None:
     """A SentencePiece vocab: the first output token `▁hello` after a prompt decodes as
     " hello" (it needs the prompt as context; alone it decodes without the space)."""
     from radix_cache import KVSlotAllocator, RadixCache
-    from sglang_like.scheduler.cache_manager import KVCacheManager
     from sglang_like.mem_pool import ReqToTokenPool
     from sglang_like.model_loader.gguf_tokenizer import tokenizer_from_gguf
-    from sglang_like.scheduler.output_processor import OutputProcessor
     from sglang_like.scheduler import SchedulerConfig
+    from sglang_like.scheduler.cache_manager import KVCacheManager
+    from sglang_like.scheduler.output_processor import OutputProcessor
 
     from .test_tokenizer import _spm_metadata
 

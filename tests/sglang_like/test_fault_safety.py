@@ -8,9 +8,9 @@ import random
 import pytest
 
 from radix_cache import KVSlotAllocator, RadixCache
-from sglang_like.utils.fault_injection import FaultInjector, InjectedFault
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
+from sglang_like.utils.fault_injection import FaultInjector, InjectedFault
 
 from .fake_runner import ScriptedDrafter, expected_continuation
 from .test_scheduler import (

@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-
 import sglang_like_kernels
 import sglang_like_kernels.cpu
+import torch
 from sglang_like_kernels import reference
+
 from sglang_like.config import ServerArgs
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
@@ -228,8 +228,8 @@ def test_masked_attention_is_extend_under_causal_masks_and_tree_verify_under_tre
     lens, extra = [6, 2], [4, 4]
     q, k_pool, v_pool, table = _pool_case(1, lens, extra)
     masks = [DraftTree([1, 2, 3, 4], [-1, 0, 0, 1]).mask(), DraftTree.chain(1, [2, 3, 4]).mask()]
-    got = sglang_like_kernels.masked_attention(q, k_pool, v_pool, table, torch.arange(2), torch.tensor(lens),
-                                   masks, 0.25)
+    got = sglang_like_kernels.masked_attention(q, k_pool, v_pool, table, torch.arange(2),
+                                               torch.tensor(lens), masks, 0.25)
     want = reference.tree_verify_attention(q, k_pool, v_pool, table, torch.arange(2),
                                            torch.tensor(lens), torch.stack(masks), 0.25)
     torch.testing.assert_close(got, want)

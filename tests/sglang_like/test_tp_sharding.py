@@ -14,10 +14,10 @@ import torch
 
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
+from sglang_like.layers.quantization import GGUFBlockWeight
 from sglang_like.mem_pool import KVPool
 from sglang_like.model_loader.loaded import expected_weight_shapes
 from sglang_like.models.llama import LlamaForCausalLM
-from sglang_like.layers.quantization import GGUFBlockWeight
 from sglang_like.tp import (
     GroupAllReduce,
     ShmAllReduce,
