@@ -1,8 +1,8 @@
 """DraftContext: what a drafter may use of the scheduler, handed to it for each call.
 
 It lives here, below the scheduler, so that drafters can name it without importing the
-scheduler (which imports them); the scheduler builds one for every `propose` and
-`after_forward` call (`Scheduler.draft_context`) and the drafter must not keep it.
+scheduler (which imports them); the scheduler builds a fresh one for every `propose` and
+`after_forward` call, and the drafter must not keep it (`num_requests` is a snapshot).
 """
 
 from __future__ import annotations
