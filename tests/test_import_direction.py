@@ -138,7 +138,8 @@ _SNIPPETS = [
      ["sglang_like"]),
     ("frontend_dsl", "class A:\n    x = __import__('os')\n    import sglang_like_kernels\n",
      ["sglang_like_kernels"]),
-    ("sglang_like", "import radix_cache\nfrom sglang_like_kernels import x\nimport frontend_dsl\n", []),
+    ("sglang_like", "import radix_cache\nfrom sglang_like_kernels import x\n"
+                    "import frontend_dsl\n", []),
     ("constrained", "from . import backend\nfrom .masks import y\n", []),
 ]
 

@@ -1,7 +1,7 @@
 """Attention and masking kernels over the token-granular KV pool.
 
-Each public function runs the Triton launcher (``sglang_like_kernels.triton_ops``) when its tensors are
-on CUDA and the torch reference (``sglang_like_kernels.reference``) otherwise. Triton is imported only
+Each public function runs the Triton launcher (``triton_ops``) when its tensors are on CUDA
+and the torch reference (``reference``) otherwise. Triton is imported only
 when a launcher first runs, so CPU users never pay for it.
 
 The environment variable ``SGLANG_LIKE_KERNELS`` overrides that choice; it is read once, when

@@ -1,4 +1,4 @@
-"""The @triton.jit kernels over the KV pool; launchers with shapes live in sglang_like_kernels.triton_ops.
+"""The @triton.jit kernels over the KV pool; launchers with shapes live in triton_ops.
 
 Every kernel loads its inputs in their stored dtype and converts to fp32 at once (the
 interpreter has no bf16 arithmetic); ``DOT_DTYPE`` is the dtype fed to ``tl.dot``: fp32

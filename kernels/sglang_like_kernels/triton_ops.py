@@ -1,6 +1,6 @@
-"""Triton launchers: shapes, block sizes and grids for the kernels in sglang_like_kernels.triton_kernels.
+"""Triton launchers: shapes, block sizes and grids for the kernels in triton_kernels.
 
-The launchers take the same arguments as sglang_like_kernels.reference. They run on CUDA tensors, and
+The launchers take the same arguments as reference.py. They run on CUDA tensors, and
 on CPU tensors when TRITON_INTERPRET=1 was set before triton was imported (tests).
 Each ``*_meta`` helper returns the compile-time constants its launcher uses, so the
 ahead-of-time compile test builds exactly what runs.

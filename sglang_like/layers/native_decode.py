@@ -1,4 +1,8 @@
-"""The native decode path of a Llama-family model: each layer as a few sglang_like_kernels.cpu calls.
+"""The native decode path: each decoder layer as a few native CPU kernel calls, or one call a step.
+
+It reads each layer as `DecoderLayerParts` (layers/decoder.py): a declared description and the
+modules, never a model family's internals; `supports` says which descriptions the C kernels
+implement.
 
 A decode batch (every request one new token, no tree) of up to `MAX_ROWS` requests runs
 RMSNorm fused with the residual add before it, the qkv matmul, RoPE + KV store + attention in
@@ -15,7 +19,8 @@ forward, and every layer reads it.
 Where every linear is x16-packed int4 (`Q4X16Method`, `auto`'s int4 kernel without AMX), the
 whole step is one native call instead (`sglang_like_kernels.cpu.decode_step_x16`,
 decode_step.c): the same phases in one OpenMP team, the same bits, without a step's hundreds of
-Python-to-C crossings, which at one row cost about as much as the matmuls. `SGLANG_LIKE_FUSED_DECODE=0` keeps the per-op
+Python-to-C crossings, which at one row cost about as much as the matmuls.
+`SGLANG_LIKE_FUSED_DECODE=0` keeps the per-op
 calls (the tests compare the two).
 """
 

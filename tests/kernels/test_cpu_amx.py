@@ -1,4 +1,5 @@
-"""The AMX kernels (kernels/sglang_like_kernels/cpu/amx.c) against float64 math on the weights they define.
+"""The AMX kernels (kernels/sglang_like_kernels/cpu/amx.c) against float64 math on the weights
+they define.
 
 It runs only where the CPU has AMX-BF16 and the OS grants tile state (Intel Sapphire Rapids
 and later); elsewhere these tests skip and int4 runs torch's kernel, which

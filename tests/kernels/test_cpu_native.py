@@ -1,4 +1,5 @@
-"""The native CPU kernels (kernels/sglang_like_kernels/cpu) against torch math, on every variant this CPU runs.
+"""The native CPU kernels (kernels/sglang_like_kernels/cpu) against torch math, on every variant
+this CPU runs.
 
 A machine with AVX-512 VNNI runs both builds (the AVX2 one too), so one session's tests cover
 the code an AVX2-only machine would run.
@@ -387,7 +388,8 @@ def test_decode_step_x16_is_the_per_op_calls_bit_for_bit(variant, pool_dtype, t)
 
 
 def test_env_var_turns_the_kernels_off_and_rejects_unknown_values():
-    code = ("import sglang_like_kernels.cpu as kc, torch; from sglang_like.layers.quantization import QuantConfig;"
+    code = ("import sglang_like_kernels.cpu as kc, torch;"
+            "from sglang_like.layers.quantization import QuantConfig;"
             "print(kc.available(), kc.isa())")
     env = {**os.environ, "SGLANG_LIKE_CPU_KERNELS": "off"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

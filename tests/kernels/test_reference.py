@@ -151,8 +151,9 @@ def test_extend_after_a_shared_prefix(shared, private, extend_lens):
     for b in range(len(private)):
         table[rows[b], :shared] = common
     q = torch.randn(sum(extend_lens), num_q_heads, head_dim, generator=gen)
-    out = sglang_like_kernels.extend_attention(q, k_pool, v_pool, table, rows, torch.tensor(prefix_lens),
-                                   torch.tensor(extend_lens), 1 / math.sqrt(head_dim))
+    out = sglang_like_kernels.extend_attention(q, k_pool, v_pool, table, rows,
+                                               torch.tensor(prefix_lens),
+                                               torch.tensor(extend_lens), 1 / math.sqrt(head_dim))
     _assert_extend_matches_naive(out, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens)
 
 
@@ -233,7 +234,8 @@ def test_decode_plan_is_built_once_per_forward_and_rebuilt_after_writes(monkeypa
                         lambda *a: calls.append(1) or real(*a))
 
     def check():
-        out = sglang_like_kernels.decode_attention(q, k_pool, v_pool, table, rows, seq_lens, 8**-0.5)
+        out = sglang_like_kernels.decode_attention(q, k_pool, v_pool, table, rows, seq_lens,
+                                                   8**-0.5)
         for b in range(3):
             slots = table[rows[b], : int(seq_lens[b])].long()
             want = _naive_attend(q[b], k_pool[slots], v_pool[slots])

@@ -1,4 +1,5 @@
-"""The native decode path (kernels/sglang_like_kernels/cpu) on the default model: the same tokens as the torch path.
+"""The native decode path (kernels/sglang_like_kernels/cpu) on the default model: the same tokens
+as the torch path.
 
 A quantized model's decode batches of up to 64 requests run each layer as a few native calls
 (`LlamaForCausalLM._decode_layers_native`) and a one-row step's LM head reads the block-int8

@@ -1,7 +1,7 @@
 """Matmuls on Intel AMX tiles (amx.c, amx_q4.c, amx_q4_codes.c, amx_q8.c): int4 linears and
 the int8 LM head.
 
-Built like the other CPU kernels (`sglang_like_kernels.cpu._build`, cached by source hash) but as its
+Built like the other CPU kernels (`cpu._build`, cached by source hash) but as its
 own library, only on CPUs with AMX-BF16 (Sapphire Rapids and later): `available()` is False
 elsewhere (AMD, older Intel, AVX2-only machines) and callers keep torch's kernel. Linux gives
 a process the AMX tile state only on request; loading the library asks for it, and a kernel
@@ -114,7 +114,7 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
 def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
               int8: bool = False) -> torch.Tensor:
     """x [M, K] float32 @ W.T -> [M, N] float32 with W = codes int8 [N, K] times scales
-    float32 [N, K/32] (sglang_like_kernels.cpu.q8_0_matmul_f32's operands). `int8`: the integer kernel,
+    float32 [N, K/32] (cpu.q8_0_matmul_f32's operands). `int8`: the integer kernel,
     else the bf16 one (amx_q8.c)."""
     x = _rows(x, torch.float32)
     (m, k), n = x.shape, codes.shape[0]

@@ -18,7 +18,11 @@ from sglang_like.config import QUANTIZATION_CHOICES
 from sglang_like.layers.quantization.base import LinearMethod, WeightSource, dense
 from sglang_like.layers.quantization.dense import DenseMethod
 from sglang_like.layers.quantization.fp16_fbgemm import Fp16FbgemmMethod, fbgemm_fp16_available
-from sglang_like.layers.quantization.gguf_blocks import PACKED_QTYPES, GGUFBlockWeight, all_int4_blocks
+from sglang_like.layers.quantization.gguf_blocks import (
+    PACKED_QTYPES,
+    GGUFBlockWeight,
+    all_int4_blocks,
+)
 from sglang_like.layers.quantization.int4 import Int4Method, quantize_groups_int4
 from sglang_like.layers.quantization.int8 import (
     Int8EmbeddingMethod,

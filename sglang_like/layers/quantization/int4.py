@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import sglang_like_kernels.cpu.amx
-from sglang_like.layers.quantization.base import LinearMethod, WeightSource, dense, dense_forward, with_bias
+from sglang_like_kernels.cpu import amx
+from sglang_like.layers.quantization.base import (
+    LinearMethod,
+    WeightSource,
+    dense,
+    dense_forward,
+    with_bias,
+)
 from sglang_like.layers.quantization.gguf_blocks import BLOCK, GGUFBlockWeight
 
 _GGUF_INT4 = ("Q4_0", "Q4_1")
@@ -128,7 +134,7 @@ class Int4Method(LinearMethod):
         layer.register_buffer("scale_zero", scale_zero.to(device=device, dtype=torch.bfloat16))
         layer.group_size = group
         layer.block_n = _blocked_layout(packed, codes)
-        layer.amx = layer.block_n == 64 and device.type == "cpu" and sglang_like_kernels.cpu.amx.available()
+        layer.amx = layer.block_n == 64 and device.type == "cpu" and amx.available()
         layer.int4_matmul = self._matmul(layer)
         if layer.block_n is None:
             # the portable copy: byte j of a row holds columns 2j (low nibble) and 2j+1 (high)
@@ -141,8 +147,8 @@ class Int4Method(LinearMethod):
         op, w, group, sz = (torch._weight_int4pack_mm_for_cpu, layer.weight, layer.group_size,
                             layer.scale_zero)
         if layer.amx:
-            amx, bf16_rows = sglang_like_kernels.cpu.amx.q4_matmul, self.amx_bf16_min_rows
-            return lambda x: amx(x, w, sz, group, "codes" if x.shape[0] < bf16_rows else "bf16")
+            matmul, bf16_rows = amx.q4_matmul, self.amx_bf16_min_rows
+            return lambda x: matmul(x, w, sz, group, "codes" if x.shape[0] < bf16_rows else "bf16")
         dense_rows = self.dense_min_rows
 
         def matmul(x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang_like.layers.quantization.base import LinearMethod, WeightSource, dense, dense_forward, with_bias
+from sglang_like.layers.quantization.base import (
+    LinearMethod,
+    WeightSource,
+    dense,
+    dense_forward,
+    with_bias,
+)
 from sglang_like.layers.quantization.gguf_blocks import GGUFBlockWeight
 
 

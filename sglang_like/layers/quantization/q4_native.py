@@ -24,9 +24,15 @@ import numpy as np
 import torch
 from torch import nn
 
-import sglang_like_kernels.cpu
-import sglang_like_kernels.cpu.amx
-from sglang_like.layers.quantization.base import LinearMethod, WeightSource, dense, dense_forward, with_bias
+from sglang_like_kernels import cpu as native_cpu
+from sglang_like_kernels.cpu import amx
+from sglang_like.layers.quantization.base import (
+    LinearMethod,
+    WeightSource,
+    dense,
+    dense_forward,
+    with_bias,
+)
 from sglang_like.layers.quantization.gguf_blocks import BLOCK, GGUFBlockWeight
 
 Q4_1_BLOCK_BYTES = 20  # fp16 d | fp16 m | 16 nibble bytes
@@ -41,11 +47,11 @@ def int4_kernel() -> str:
     choice = os.environ.get(_ENV_VAR, "").strip().lower() or "auto"
     if choice not in ("auto", "x16", "native", "torch"):
         raise ValueError(f"{_ENV_VAR}={choice!r}: expected auto, x16, native or torch")
-    if choice in ("x16", "native") and not sglang_like_kernels.cpu.available():
+    if choice in ("x16", "native") and not native_cpu.available():
         raise ValueError(f"{_ENV_VAR}={choice} but the native CPU kernels are unavailable")
     if choice != "auto":
         return choice
-    return "x16" if sglang_like_kernels.cpu.available() and not sglang_like_kernels.cpu.amx.available() else "torch"
+    return "x16" if native_cpu.available() and not amx.available() else "torch"
 
 
 def int8_blocks_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -122,17 +128,17 @@ class Q4NativeMethod(LinearMethod):
         n = layer.blocks.shape[0]
         if x.shape[0] >= self.dense_min_rows:
             return dense_forward(int8_blocks_rounded(x), self.dequantize(layer))
-        return sglang_like_kernels.cpu.q4_1_matmul(x, layer.blocks, n, invariant=self.batch_invariant)
+        return native_cpu.q4_1_matmul(x, layer.blocks, n, invariant=self.batch_invariant)
 
     def decode_fn(self, layer: nn.Module):
-        matmul, blocks, n = sglang_like_kernels.cpu.q4_1_matmul, layer.blocks, layer.blocks.shape[0]
+        matmul, blocks, n = native_cpu.q4_1_matmul, layer.blocks, layer.blocks.shape[0]
         inv = self.batch_invariant
         return with_bias(lambda x: matmul(x, blocks, n, invariant=inv), layer.bias,
                          torch.float32)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         n, row_bytes = layer.blocks.shape
-        return sglang_like_kernels.cpu.q4_1_dequantize(layer.blocks, n, row_bytes // Q4_1_BLOCK_BYTES * BLOCK)
+        return native_cpu.q4_1_dequantize(layer.blocks, n, row_bytes // Q4_1_BLOCK_BYTES * BLOCK)
 
     def weight_bytes(self, layer: nn.Module) -> int:
         return layer.blocks.numel()
@@ -151,21 +157,21 @@ class Q4X16Method(Q4NativeMethod):
         blocks = self._blocks(sources, device)
         n = blocks.shape[0]
         k = blocks.shape[1] // Q4_1_BLOCK_BYTES * BLOCK
-        layer.register_buffer("x16", sglang_like_kernels.cpu.q4_x16_pack(blocks, n, k))
+        layer.register_buffer("x16", native_cpu.q4_x16_pack(blocks, n, k))
         layer.x16_shape = (n, k)
         layer.group_size = BLOCK
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
             return dense_forward(int8_blocks_rounded(x), self.dequantize(layer))
-        return sglang_like_kernels.cpu.q4_x16_matmul(x, layer.x16, layer.x16_shape[0])
+        return native_cpu.q4_x16_matmul(x, layer.x16, layer.x16_shape[0])
 
     def decode_fn(self, layer: nn.Module):
-        matmul, packed, n = sglang_like_kernels.cpu.q4_x16_matmul, layer.x16, layer.x16_shape[0]
+        matmul, packed, n = native_cpu.q4_x16_matmul, layer.x16, layer.x16_shape[0]
         return with_bias(lambda x: matmul(x, packed, n), layer.bias, torch.float32)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return sglang_like_kernels.cpu.q4_x16_dequantize(layer.x16, *layer.x16_shape)
+        return native_cpu.q4_x16_dequantize(layer.x16, *layer.x16_shape)
 
     def weight_bytes(self, layer: nn.Module) -> int:
         return layer.x16.numel()

@@ -8,17 +8,21 @@ import functools
 import torch
 from torch import nn
 
-import sglang_like_kernels.cpu
-import sglang_like_kernels.cpu.amx
+from sglang_like_kernels import cpu as native_cpu
+from sglang_like_kernels.cpu import amx
 from sglang_like_kernels.cpu.ops import argmax_rows
 from sglang_like.layers.quantization.base import WeightSource
-from sglang_like.layers.quantization.int8 import EMBED_BLOCK, Int8EmbeddingMethod, quantize_blocks_int8
+from sglang_like.layers.quantization.int8 import (
+    EMBED_BLOCK,
+    Int8EmbeddingMethod,
+    quantize_blocks_int8,
+)
 
 
 @functools.cache
 def q8_head_available() -> bool:
     """Whether the native Q8_0 kernel is built on this machine (x86 with AVX2 and a compiler)."""
-    return sglang_like_kernels.cpu.available()
+    return native_cpu.available()
 
 
 class Q8HeadMethod(Int8EmbeddingMethod):
@@ -68,20 +72,20 @@ class Q8HeadMethod(Int8EmbeddingMethod):
             raise ValueError(f"the Q8_0 head needs in_features % {EMBED_BLOCK} == 0")
         n, k = codes.shape
         layer.amx = (n % 32 == 0 and k % 32 == 0 and device.type == "cpu"
-                     and sglang_like_kernels.cpu.amx.available())
+                     and amx.available())
         layer.x16 = (not layer.amx and n % 16 == 0 and device.type == "cpu"
-                     and sglang_like_kernels.cpu.isa() == "avx512_vnni")
+                     and native_cpu.isa() == "avx512_vnni")
         if layer.x16:  # one copy, in the kernel's layout; embed() gathers rows out of it
-            codes, scale = sglang_like_kernels.cpu.q8_x16_pack(codes.contiguous(), scale.contiguous())
+            codes, scale = native_cpu.q8_x16_pack(codes.contiguous(), scale.contiguous())
         layer.register_buffer("weight", codes.contiguous().to(device))
         layer.register_buffer("block_scale", scale.contiguous().to(device))
         if layer.x16:  # a float a row: what `argmax` bounds a logit's second part with
             layer.register_buffer("row_bounds",
-                                  sglang_like_kernels.cpu.q8_x16_row_bounds(layer.weight, layer.block_scale))
+                                  native_cpu.q8_x16_row_bounds(layer.weight, layer.block_scale))
 
     def _rows(self, layer: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer.x16:
-            return sglang_like_kernels.cpu.q8_x16_rows(layer.weight, layer.block_scale, ids)
+            return native_cpu.q8_x16_rows(layer.weight, layer.block_scale, ids)
         return layer.weight[ids], layer.block_scale[ids]
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -95,11 +99,11 @@ class Q8HeadMethod(Int8EmbeddingMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.x16:
-            return sglang_like_kernels.cpu.q8_x16_matmul(x, layer.weight, layer.block_scale)
+            return native_cpu.q8_x16_matmul(x, layer.weight, layer.block_scale)
         if layer.amx:
             int8 = self.batch_invariant or x.shape[0] < self.amx_min_rows
-            return sglang_like_kernels.cpu.amx.q8_matmul(x, layer.weight, layer.block_scale, int8=int8)
-        return sglang_like_kernels.cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
+            return amx.q8_matmul(x, layer.weight, layer.block_scale, int8=int8)
+        return native_cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
 
     def argmax_supported(self, layer: nn.Module) -> bool:
         return layer.x16
@@ -112,7 +116,7 @@ class Q8HeadMethod(Int8EmbeddingMethod):
         below (docs/cpu-kernels.md)."""
         if x.shape[0] < self.argmax_min_rows:
             return torch.tensor(argmax_rows(self.apply(layer, x)), dtype=torch.int64)
-        return sglang_like_kernels.cpu.q8_x16_argmax(x, layer.weight, layer.block_scale, layer.row_bounds)[0]
+        return native_cpu.q8_x16_argmax(x, layer.weight, layer.block_scale, layer.row_bounds)[0]
 
     def decode_bytes(self, layer: nn.Module) -> int:
         return self.weight_bytes(layer)  # every step reads the whole head
