@@ -196,23 +196,35 @@ def test_greedy_verifies_read_tokens_off_one_argmax(make_engine, off_engine, cha
                          speculative_auto_disable=False)
     prompt = chat_prompts[3]  # copy a list: n-gram drafts are accepted
     params = {"max_new_tokens": 32, "temperature": 0}
-    sampler = engine.scheduler.sampler
-    calls: list[int] = []
+    sampler, runner = engine.scheduler.sampler, engine.scheduler.runner
+    calls: list[bool] = []  # one per sampler call: was it inside a verify step?
+    in_verify = [False]
     sample = sampler.sample
 
     def counted(logits, reqs, bitmask=None):
-        calls.append(len(reqs))
+        calls.append(in_verify[0])
         return sample(logits, reqs, bitmask)
 
+    def noting(forward):
+        def run(batch):
+            in_verify[0] = batch.has_trees
+            return forward(batch)
+        return run
+
     monkeypatch.setattr(sampler, "sample", counted)
+    for name in ("forward", "forward_greedy"):
+        monkeypatch.setattr(runner, name, noting(getattr(runner, name)))
     plain = engine.generate(prompt, params)
-    greedy_calls, calls[:] = len(calls), []
+    greedy_calls, calls[:] = list(calls), []
     with_lp = engine.generate(prompt, params, return_logprob=True)
     want = off_engine.generate(prompt, params)["output_ids"]
     assert plain["output_ids"] == with_lp["output_ids"] == want
     verifies = plain["meta_info"]["spec_verify_ct"]
     assert verifies < len(want) - 4  # drafts were accepted
-    assert greedy_calls <= 1  # the prompt's first token at most
+    assert not any(greedy_calls)  # no verify called the sampler
+    if runner.has_greedy_forward:  # (an LM head with an argmax kernel: x16, not AMX)
+        assert len(greedy_calls) <= 1  # the prompt's first token at most
+    assert sum(calls) >= verifies  # with logprobs, every verify goes through the sampler
     assert len(calls) >= len(want) - 1  # a sampler call per committed token with logprobs
 
 
