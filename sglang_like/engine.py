@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from sglang_like.config import ServerArgs
-from sglang_like.engine_core.messages import GenerateReqInput, encode
 from sglang_like.engine_core.io import RequestHandle, prepare_inputs
+from sglang_like.engine_core.messages import GenerateReqInput, encode
 from sglang_like.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ import torch
 
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
+from sglang_like.layers.quantization import QuantConfig
 from sglang_like.mem_pool import KVPool, ReqToTokenPool
 from sglang_like.models.registry import model_class
-from sglang_like.layers.quantization import QuantConfig
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.tp.comm import TPRankLost
 from sglang_like.tp.parallel import TPShard, shard_weights

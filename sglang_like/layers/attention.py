@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 import sglang_like_kernels
+import torch
 
 if TYPE_CHECKING:
     from sglang_like.forward_batch import ForwardBatch

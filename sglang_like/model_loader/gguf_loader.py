@@ -14,7 +14,6 @@ from sglang_like.models.registry import family_for_gguf
 from sglang_like.tokenizer import Tokenizer
 
 
-
 def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     value = metadata.get(key, default)
     if isinstance(value, list):  # per-layer arrays (e.g. head_count_kv) must be uniform here

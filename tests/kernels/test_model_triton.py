@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
 import sglang_like_kernels
+import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-
 import sglang_like_kernels
+import torch
 from sglang_like_kernels import reference
 
 

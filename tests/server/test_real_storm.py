@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from sglang_like.utils.fault_injection import ENV_VAR
 from benchmarks.soak_load import LoadMix
+from sglang_like.utils.fault_injection import ENV_VAR
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ import torch
 import sglang_like.engine_core.setup as setup_mod
 from sglang_like import Engine
 from sglang_like.forward_batch import ForwardBatch
+from sglang_like.layers.quantization import int4_kernel
 from sglang_like.model_loader import load_model, load_tokenizer
 from sglang_like.model_loader.hf_loader import hf_model_config
-from sglang_like.layers.quantization import int4_kernel
 
 transformers = pytest.importorskip("transformers")
 

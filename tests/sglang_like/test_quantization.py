@@ -7,12 +7,10 @@ import math
 
 import gguf
 import pytest
-import torch
-
 import sglang_like_kernels.cpu
 import sglang_like_kernels.cpu.amx
-from sglang_like.model_loader import default_model_path
-from sglang_like.model_loader.gguf_file import read_gguf
+import torch
+
 from sglang_like.layers.quantization import (
     DenseMethod,
     Fp16FbgemmMethod,
@@ -29,6 +27,8 @@ from sglang_like.layers.quantization import (
     q8_head_available,
     resolve_quantization,
 )
+from sglang_like.model_loader import default_model_path
+from sglang_like.model_loader.gguf_file import read_gguf
 
 from .prompts import PROMPTS
 

@@ -286,9 +286,8 @@ def test_everyday_questions_are_seeded_varied_and_not_the_evaluations_prompts() 
     import random
 
     from benchmarks.common import WORKLOADS
-    from training import train_eagle_prompts as tp
-
     from tests.sglang_like.test_spec_heads import HELD_OUT
+    from training import train_eagle_prompts as tp
 
     a, b = random.Random(3), random.Random(3)
     assert [tp.chat_task(a) for _ in range(50)] == [tp.chat_task(b) for _ in range(50)]

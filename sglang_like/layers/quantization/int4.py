@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from sglang_like_kernels.cpu import amx
 from torch import nn
 
-from sglang_like_kernels.cpu import amx
 from sglang_like.layers.quantization.base import (
     LinearMethod,
     WeightSource,

@@ -22,10 +22,10 @@ import os
 
 import numpy as np
 import torch
-from torch import nn
-
 from sglang_like_kernels import cpu as native_cpu
 from sglang_like_kernels.cpu import amx
+from torch import nn
+
 from sglang_like.layers.quantization.base import (
     LinearMethod,
     WeightSource,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
-
 from sglang_like_kernels import cpu as native_cpu
 from sglang_like_kernels.cpu import amx
 from sglang_like_kernels.cpu.ops import argmax_rows
+from torch import nn
+
 from sglang_like.layers.quantization.base import WeightSource
 from sglang_like.layers.quantization.int8 import (
     EMBED_BLOCK,
