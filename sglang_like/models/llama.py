@@ -10,7 +10,7 @@ from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers import native_decode as native
 from sglang_like.layers.activation import gated
-from sglang_like.layers.attention import Attention, attend
+from sglang_like.layers.attention import Attention
 from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerParts
 from sglang_like.layers.logits import LogitsHead
 from sglang_like.layers.native_decode import AttnRows, NativeDecodePlan
@@ -20,7 +20,7 @@ from sglang_like.layers.rotary import RotaryEmbedding, RotaryTables
 from sglang_like.mem_pool import KVPool
 from sglang_like.tp.parallel import TPShard
 
-__all__ = ["LlamaForCausalLM", "RMSNorm", "attend", "layer_description"]
+__all__ = ["LlamaForCausalLM", "layer_description"]
 
 
 def layer_description(config: ModelConfig) -> DecoderLayerDescription:

@@ -31,10 +31,10 @@ import torch
 
 import sglang_like.layers.native_decode as native
 from sglang_like.forward_batch import ForwardBatch
+from sglang_like.layers.attention import attend
 from sglang_like.layers.quantization.int8 import Int8EmbeddingMethod
 from sglang_like.layers.rotary import RotaryEmbedding
 from sglang_like.mem_pool import KVPool
-from sglang_like.models.llama import attend
 from sglang_like.speculative.eagle1_head import Eagle1Head
 from sglang_like.speculative.eagle_head import Eagle3Head
 from sglang_like.speculative.eagle_native import NativeEagleHead
