@@ -20,9 +20,9 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-import sglang_like_kernels
 import torch
 
+import sglang_like_kernels
 from benchmarks.common import best_of_s
 
 LONG_KEYS_SCHEMA: dict = {

@@ -18,9 +18,9 @@ from typing import Any
 from unittest import mock
 
 import torch
-from sglang_like_kernels import reference
 
 from benchmarks.common import best_of_s
+from sglang_like_kernels import reference
 
 
 def _best_ms(fn: Callable[[], Any], repeats: int) -> float:

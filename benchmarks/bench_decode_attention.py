@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+
 from sglang_like_kernels.cpu import ops
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 30  # SmolLM2-135M

@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
+
 from sglang_like_kernels import reference, triton_ops  # noqa: E402
 
 DEV = torch.device("cuda")

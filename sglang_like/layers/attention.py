@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import sglang_like_kernels
 import torch
+
+import sglang_like_kernels
 
 if TYPE_CHECKING:
     from sglang_like.forward_batch import ForwardBatch

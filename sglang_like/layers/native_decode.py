@@ -31,10 +31,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from sglang_like_kernels.cpu import ops
 
 from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerParts
 from sglang_like.layers.quantization.q4_native import Q4X16Method
+from sglang_like_kernels.cpu import ops
 
 if TYPE_CHECKING:
     from sglang_like.forward_batch import ForwardBatch

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 import sglang_like_kernels
 import sglang_like_kernels.cpu
 import sglang_like_kernels.cpu.ops
-import torch
-
 from sglang_like.req import Req
 
 _NEG_INF = float("-inf")

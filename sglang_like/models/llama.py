@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import sglang_like_kernels.cpu
 import torch
 from torch import nn
 
+import sglang_like_kernels.cpu
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers import native_decode as native

@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import sglang_like_kernels
 import torch
 
 import sglang_like.layers.native_decode as native
+import sglang_like_kernels
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers.attention import attend
 from sglang_like.layers.quantization.int8 import Int8EmbeddingMethod

@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from sglang_like_kernels.cpu import ops
 
 from sglang_like.layers.native_decode import AttnRows
 from sglang_like.layers.quantization import QuantConfig, QuantLinear
 from sglang_like.layers.quantization.q4_native import Q4X16Method
 from sglang_like.speculative.eagle_head import Eagle3Head
+from sglang_like_kernels.cpu import ops
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 

@@ -15,10 +15,11 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
-from sglang_like_kernels import triton_kernels as tk  # noqa: E402
-from sglang_like_kernels import triton_ops  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+from sglang_like_kernels import triton_kernels as tk  # noqa: E402
+from sglang_like_kernels import triton_ops  # noqa: E402
 
 # Shared memory per block each architecture can give a kernel (bytes).
 MAX_SHARED = {90: 227 * 1024, 80: 163 * 1024}

@@ -13,6 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before sglang_like_kernels.triton_ops im
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from sglang_like_kernels import reference, triton_ops  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -21,17 +21,17 @@ from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
 
-import sglang_like_kernels
 import torch
-from sglang_like_kernels import reference
 
+import sglang_like_kernels
 from sglang_like.config import ModelConfig
 from sglang_like.model_loader import expected_weight_shapes, load_tokenizer
 from sglang_like.model_runner import ModelRunner
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
+from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.scheduler import Scheduler, SchedulerConfig
-from sglang_like.scheduler.batch import ScheduleBatch
+from sglang_like_kernels import reference
 
 CONFIG = ModelConfig(
     architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128,

@@ -17,6 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before sglang_like_kernels.triton_ops im
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from sglang_like_kernels import reference, triton_ops  # noqa: E402
 
 NUM_LAYERS, HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, VOCAB = 2, 96, 4, 2, 24, 50

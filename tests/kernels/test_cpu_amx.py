@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import pytest
-import sglang_like_kernels.cpu.amx as amx
 import torch
 from torch import nn
 
+import sglang_like_kernels.cpu.amx as amx
 from sglang_like.layers.quantization.int4 import Int4Method
 from sglang_like.layers.quantization.int8 import quantize_blocks_int8
 from sglang_like.layers.quantization.q8_head import Q8HeadMethod

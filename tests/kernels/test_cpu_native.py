@@ -14,15 +14,15 @@ import sys
 import gguf
 import numpy as np
 import pytest
-import sglang_like_kernels.cpu as kc
 import torch
-from sglang_like_kernels import reference
-from sglang_like_kernels.cpu import ops
 
+import sglang_like_kernels.cpu as kc
 from sglang_like.layers.quantization import q4_1_blocks
 from sglang_like.layers.quantization.gguf_blocks import GGUFBlockWeight
 from sglang_like.layers.quantization.int8 import quantize_blocks_int8
 from sglang_like.layers.rotary import RotaryEmbedding
+from sglang_like_kernels import reference
+from sglang_like_kernels.cpu import ops
 
 pytestmark = pytest.mark.skipif(not kc.available(), reason="needs a C compiler and AVX2")
 VARIANTS = kc.supported_isas()

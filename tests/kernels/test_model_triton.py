@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import sglang_like_kernels
 import torch
+
+import sglang_like_kernels
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

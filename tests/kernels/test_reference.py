@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import sglang_like_kernels
 import torch
+
+import sglang_like_kernels
 from sglang_like_kernels import reference
 
 

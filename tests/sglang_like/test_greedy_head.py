@@ -46,9 +46,8 @@ def test_every_head_argmax_is_the_argmax_of_the_logits(engine, greedy_calls,
                                                         monkeypatch) -> None:
     """Each call of the head's argmax on the real model's hidden states picks the token
     argmax_rows picks from the same rows' logits."""
-    from sglang_like_kernels.cpu.ops import argmax_rows
-
     from sglang_like.layers.quantization.q8_head import Q8HeadMethod
+    from sglang_like_kernels.cpu.ops import argmax_rows
 
     checked: list[int] = []
     original = Q8HeadMethod.argmax

@@ -11,8 +11,8 @@ agree to float rounding.
 from __future__ import annotations
 
 import pytest
-import sglang_like_kernels.cpu as kc
 
+import sglang_like_kernels.cpu as kc
 from sglang_like.layers.quantization import Int4Method, Q4NativeMethod, Q4X16Method
 
 from .prompts import PROMPTS

@@ -7,10 +7,10 @@ import math
 
 import gguf
 import pytest
-import sglang_like_kernels.cpu
-import sglang_like_kernels.cpu.amx
 import torch
 
+import sglang_like_kernels.cpu
+import sglang_like_kernels.cpu.amx
 from sglang_like.layers.quantization import (
     DenseMethod,
     Fp16FbgemmMethod,

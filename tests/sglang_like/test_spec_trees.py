@@ -6,16 +6,16 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+
 import sglang_like_kernels
 import sglang_like_kernels.cpu
-import torch
-from sglang_like_kernels import reference
-
 from sglang_like.config import ServerArgs
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.speculative import DraftTree, ngram, resolve_spec_config
 from sglang_like.speculative.ngram import NgramDrafter, NgramIndex, RecentTexts
+from sglang_like_kernels import reference
 
 # ---- trees and drafting -----------------------------------------------------------------------
 

@@ -11,9 +11,10 @@ import random
 
 import pytest
 import regex
+import torch
+
 import sglang_like_kernels
 import sglang_like_kernels.cpu
-import torch
 
 from .prompts import PROMPTS
 from .spec_fakes import SPEC_QUANT, random_head

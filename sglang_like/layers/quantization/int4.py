@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from sglang_like_kernels.cpu import amx
 from torch import nn
 
 from sglang_like.layers.quantization.base import (
@@ -14,6 +13,7 @@ from sglang_like.layers.quantization.base import (
     with_bias,
 )
 from sglang_like.layers.quantization.gguf_blocks import BLOCK, GGUFBlockWeight
+from sglang_like_kernels.cpu import amx
 
 _GGUF_INT4 = ("Q4_0", "Q4_1")
 

@@ -22,8 +22,6 @@ import os
 
 import numpy as np
 import torch
-from sglang_like_kernels import cpu as native_cpu
-from sglang_like_kernels.cpu import amx
 from torch import nn
 
 from sglang_like.layers.quantization.base import (
@@ -34,6 +32,8 @@ from sglang_like.layers.quantization.base import (
     with_bias,
 )
 from sglang_like.layers.quantization.gguf_blocks import BLOCK, GGUFBlockWeight
+from sglang_like_kernels import cpu as native_cpu
+from sglang_like_kernels.cpu import amx
 
 Q4_1_BLOCK_BYTES = 20  # fp16 d | fp16 m | 16 nibble bytes
 _ENV_VAR = "SGLANG_LIKE_INT4_KERNEL"

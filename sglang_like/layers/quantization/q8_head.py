@@ -6,9 +6,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from sglang_like_kernels import cpu as native_cpu
-from sglang_like_kernels.cpu import amx
-from sglang_like_kernels.cpu.ops import argmax_rows
 from torch import nn
 
 from sglang_like.layers.quantization.base import WeightSource
@@ -17,6 +14,9 @@ from sglang_like.layers.quantization.int8 import (
     Int8EmbeddingMethod,
     quantize_blocks_int8,
 )
+from sglang_like_kernels import cpu as native_cpu
+from sglang_like_kernels.cpu import amx
+from sglang_like_kernels.cpu.ops import argmax_rows
 
 
 @functools.cache

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import sglang_like_kernels.cpu
 import torch
 
+import sglang_like_kernels.cpu
 from sglang_like.config import ModelConfig
 from sglang_like.layers import native_decode
 from sglang_like.layers.decoder import DecoderLayerDescription
