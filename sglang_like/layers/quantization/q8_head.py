@@ -60,8 +60,9 @@ class Q8HeadMethod(Int8EmbeddingMethod):
     amx_min_rows = 24
     argmax_min_rows = 12  # fewer rows: the logits and their argmax (see `argmax`)
 
-    def __init__(self, batch_invariant: bool = False) -> None:
+    def __init__(self, batch_invariant: bool = False, use_amx: bool = True) -> None:
         self.batch_invariant = batch_invariant
+        self.use_amx = use_amx  # False: the x16 (or float) kernel even where AMX is
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
@@ -71,7 +72,7 @@ class Q8HeadMethod(Int8EmbeddingMethod):
         if codes.shape[1] % EMBED_BLOCK != 0:
             raise ValueError(f"the Q8_0 head needs in_features % {EMBED_BLOCK} == 0")
         n, k = codes.shape
-        layer.amx = (n % 32 == 0 and k % 32 == 0 and device.type == "cpu"
+        layer.amx = (self.use_amx and n % 32 == 0 and k % 32 == 0 and device.type == "cpu"
                      and amx.available())
         layer.x16 = (not layer.amx and n % 16 == 0 and device.type == "cpu"
                      and native_cpu.isa() == "avx512_vnni")
