@@ -46,11 +46,7 @@ class Attention:
     Holds no weights (the projections are the model's); `layer_id` picks the pool's buffers.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int,
-                 sm_scale: float) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+    def __init__(self, layer_id: int, sm_scale: float) -> None:
         self.layer_id = layer_id
         self.sm_scale = sm_scale
 

@@ -57,9 +57,12 @@ FUSED_ENV = "SGLANG_LIKE_FUSED_DECODE"
 
 def supports(description: DecoderLayerDescription) -> bool:
     """Whether the native kernels compute a layer so described: RMSNorm, SiLU-gated MLP,
-    RoPE on every layer, full attention without soft-cap, no q/k or sandwich norms, no
-    biases (the per-op and fused C paths implement exactly that)."""
-    return description == DecoderLayerDescription(norm_eps=description.norm_eps)
+    RoPE on every layer, full attention without soft-cap, no q/k or sandwich norms. Biases
+    are added after the per-op path's linears (the one-call step refuses them itself)."""
+    d = description
+    return (d.norm == "rms" and d.activation == "silu" and not d.has_qk_norm and d.has_rope
+            and d.sliding_window is None and d.attn_logit_softcap is None
+            and not d.has_post_norms)
 
 
 class AttnRows(NamedTuple):

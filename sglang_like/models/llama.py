@@ -41,10 +41,9 @@ class LlamaAttention(nn.Module):
     """Self-attention over the KV pool; with `tp`, only this rank's KV-head groups (q/k/v
     rows column-parallel, o_proj row-parallel, its output summed over the ranks)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig,
-                 tp: TPShard | None = None) -> None:
+    def __init__(self, config: ModelConfig, desc: DecoderLayerDescription, layer_id: int,
+                 quant: QuantConfig, tp: TPShard | None = None) -> None:
         super().__init__()
-        desc = layer_description(config)
         self.layer_id = layer_id
         self.tp = tp
         self.residual_dtype = quant.dtype
@@ -52,8 +51,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = tp.plan.num_kv_heads if tp else config.num_key_value_heads
         self.head_dim = config.head_dim
         self.sm_scale = self.head_dim**-0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id,
-                              self.sm_scale)
+        self.attn = Attention(layer_id, self.sm_scale)
         hidden = config.hidden_size
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = QuantLinear(quant.linear_method(hidden, q_rows + 2 * kv_rows), hidden,
@@ -116,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         act = quant.activation_dtype
         self.description = layer_description(config)
-        self.self_attn = LlamaAttention(config, layer_id, quant, tp)
+        self.self_attn = LlamaAttention(config, self.description, layer_id, quant, tp)
         self.mlp = LlamaMLP(config, quant, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
@@ -191,7 +189,8 @@ class LlamaForCausalLM(nn.Module):
         description the native step computes, and the native library built for this CPU."""
         c = self.config
         return (self.quant.is_quantized and self.dtype == torch.float32 and self.tp is None
-                and native.supports(layer_description(c)) and c.head_dim % 8 == 0
+                and all(native.supports(layer.description) for layer in self.model.layers)
+                and c.head_dim % 8 == 0
                 and c.num_attention_heads % c.num_key_value_heads == 0
                 and sglang_like_kernels.cpu.available())
 

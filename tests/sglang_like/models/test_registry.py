@@ -64,7 +64,7 @@ def test_every_family_class_is_importable_and_named_once() -> None:
     ({"has_qk_norm": True}, False),
     ({"activation": "gelu_tanh"}, False),
     ({"norm": "rms_plus_one"}, False),
-    ({"has_qkv_bias": True}, False),
+    ({"has_qkv_bias": True, "has_o_bias": True}, True),  # added after the per-op linears
     ({"sliding_window": 4096}, False),
     ({"attn_logit_softcap": 50.0}, False),
     ({"has_post_norms": True}, False),
@@ -78,7 +78,7 @@ def test_native_step_supports_exactly_what_its_kernels_compute(change: dict, nat
 
 @pytest.mark.parametrize(("architecture", "change", "native"), [
     ("llama", {}, True),
-    ("qwen2", {"attention_bias": True}, False),  # q/k/v biases
+    ("qwen2", {"attention_bias": True}, True),  # q/k/v biases: the per-op native path
     ("qwen3", {"qk_norm": True}, False),
 ])
 def test_model_takes_the_native_step_by_its_description(architecture: str, change: dict,
