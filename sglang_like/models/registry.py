@@ -31,7 +31,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
 )
 
-SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 SUPPORTED_GGUF_ARCHS = tuple(a for f in FAMILIES for a in f.gguf_architectures)
 
 

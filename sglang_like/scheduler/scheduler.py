@@ -403,9 +403,7 @@ class Scheduler:
         if (not batch.is_decode or self.disagg is not None
                 or not getattr(self.runner, "has_greedy_forward", False)):
             return False
-        return all(self.takes_argmax(req) for req in batch.reqs)
-
-    takes_argmax = staticmethod(takes_argmax)
+        return all(takes_argmax(req) for req in batch.reqs)
 
     def _process(self, batch: ScheduleBatch, logits: torch.Tensor | None,
                  walks: list[TreeWalk], touched: list[Req],
