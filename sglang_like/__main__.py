@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
-                   help="weights: auto (CPU: int4/int8, CUDA: none), none (exact), int8, int4")
+                   help="weights: auto (CPU: int4/gguf/int8, CUDA: none), none (exact), int8, "
+                   "int4, fp16, gguf (a GGUF file's matrices in their own types)")
     g.add_argument("--max-total-tokens", type=int, default=_DEFAULT_POOL_TOKENS,
                    help=f"KV pool size in tokens (default {_DEFAULT_POOL_TOKENS})")
     add_speculative_arguments(g, ServerArgs())

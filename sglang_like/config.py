@@ -42,7 +42,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16", "gguf")
 """Values of `--quantization` (see sglang_like.layers.quantization)."""
 
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")

@@ -8,7 +8,12 @@ from typing import Any, NamedTuple
 import torch
 
 from sglang_like.config import ModelConfig, ServerArgs
-from sglang_like.layers.quantization import QuantConfig, all_int4_blocks, resolve_quantization
+from sglang_like.layers.quantization import (
+    QuantConfig,
+    all_int4_blocks,
+    any_gguf_blocks,
+    resolve_quantization,
+)
 from sglang_like.mem_pool import KVPool
 from sglang_like.model_loader import load_model
 from sglang_like.model_runner import ModelRunner
@@ -48,6 +53,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     quantization = resolve_quantization(
         server_args.quantization, device=device, dtype_is_explicit=server_args.dtype != "auto",
         source_has_int4_blocks=all_int4_blocks(loaded.weights),
+        source_has_gguf_blocks=any_gguf_blocks(loaded.weights),
     )
     quant = QuantConfig(quantization, dtype,
                         deterministic=server_args.enable_deterministic_inference)

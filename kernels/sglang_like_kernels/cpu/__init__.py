@@ -32,13 +32,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "isa", "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequantize",
+__all__ = ["available", "isa", "kq_dequantize", "kq_matmul", "kq_record_bytes",
+           "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequantize",
            "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32", "q8_x16_argmax", "q8_x16_matmul",
            "q8_x16_pack", "q8_x16_row_bounds", "q8_x16_rows"]
 
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "attention.c",
-                      "decode_step.c", "eagle_head.c")]
+                      "decode_step.c", "eagle_head.c", "kquants.c")]
 _HEADERS = (Path(__file__).with_name("ops.h"), Path(__file__).with_name("simd.h"))
 _ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
 _FLAGS = {
@@ -168,6 +169,12 @@ class _Library:
         lib.eagle_head_x16.restype = ctypes.c_int
         lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
         lib.argmax_rows.restype = None
+        lib.kq_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64]
+        lib.kq_matmul.restype = ctypes.c_int
+        lib.kq_dequantize.argtypes = [i32, ptr, i64, i64, ptr]
+        lib.kq_dequantize.restype = ctypes.c_int
+        lib.kq_record_bytes.argtypes = [i32]
+        lib.kq_record_bytes.restype = ctypes.c_int
         built = lib.q4_1_isa().decode()
         if built != variant:
             raise RuntimeError(f"{path} is the {built} build, not {variant}")
@@ -185,6 +192,9 @@ class _Library:
         self.decode_step_x16 = lib.decode_step_x16
         self.eagle_head_x16 = lib.eagle_head_x16
         self.argmax_rows = lib.argmax_rows
+        self.kq_matmul = lib.kq_matmul
+        self.kq_dequantize = lib.kq_dequantize
+        self.kq_record_bytes = lib.kq_record_bytes
 
 
 @functools.cache
@@ -300,6 +310,41 @@ def q4_x16_dequantize(packed: torch.Tensor, out_features: int, in_features: int,
     """The float32 [N, K] matrix an x16-packed tensor holds."""
     out = torch.empty(out_features, in_features, dtype=torch.float32)
     _lib(variant).x16_dequantize(packed.data_ptr(), out_features, in_features, out.data_ptr())
+    return out
+
+
+# kquants.c's kinds: code bits and scaling of the GGUF types it runs (see there)
+KQ_KINDS = {"q4m": 0, "iq4": 1, "q5o": 2, "q5m": 3, "q6": 4, "q8": 5}
+
+
+def kq_record_bytes(kind: str) -> int:
+    """Bytes per record (16 rows x 32 columns) of a kquants.c kind."""
+    return int(_lib(None).kq_record_bytes(KQ_KINDS[kind]))
+
+
+def kq_matmul(x: torch.Tensor, packed: torch.Tensor, kind: str, out_features: int,
+              variant: str | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32, W packed as `kind` (kquants.c);
+    activations quantized to int8 per block of 32. A row's result does not depend on M."""
+    x = _float_rows(x)
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        _check(_lib(variant).kq_matmul(KQ_KINDS[kind], packed.data_ptr(), out_features, k,
+                                       x.data_ptr(), x.stride(0), m, y.data_ptr(),
+                                       out_features),
+               "kq_matmul", x)
+    return y
+
+
+def kq_dequantize(packed: torch.Tensor, kind: str, out_features: int, in_features: int,
+                  variant: str | None = None) -> torch.Tensor:
+    """The float32 [N, K] matrix a kquants.c-packed tensor holds."""
+    out = torch.empty(out_features, in_features, dtype=torch.float32)
+    rc = _lib(variant).kq_dequantize(KQ_KINDS[kind], packed.data_ptr(), out_features,
+                                     in_features, out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"kq_dequantize: bad kind or shape {out_features}x{in_features}")
     return out
 
 

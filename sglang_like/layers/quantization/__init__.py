@@ -22,7 +22,9 @@ from sglang_like.layers.quantization.gguf_blocks import (
     PACKED_QTYPES,
     GGUFBlockWeight,
     all_int4_blocks,
+    any_gguf_blocks,
 )
+from sglang_like.layers.quantization.gguf_native import GGUFMethod, GGUFNativeMethod
 from sglang_like.layers.quantization.int4 import Int4Method, quantize_groups_int4
 from sglang_like.layers.quantization.int8 import (
     Int8EmbeddingMethod,
@@ -38,6 +40,7 @@ from sglang_like.layers.quantization.q4_native import (
     q4_1_blocks,
 )
 from sglang_like.layers.quantization.q8_head import Q8HeadMethod, q8_head_available
+from sglang_like_kernels.cpu import available as native_cpu_available
 
 __all__ = [
     "PACKED_QTYPES",
@@ -45,6 +48,8 @@ __all__ = [
     "DenseMethod",
     "Fp16FbgemmMethod",
     "GGUFBlockWeight",
+    "GGUFMethod",
+    "GGUFNativeMethod",
     "Int4Method",
     "Int8EmbeddingMethod",
     "Int8Method",
@@ -58,6 +63,7 @@ __all__ = [
     "QuantLinear",
     "WeightSource",
     "all_int4_blocks",
+    "any_gguf_blocks",
     "dense",
     "fbgemm_fp16_available",
     "quantize_blocks_int8",
@@ -71,12 +77,14 @@ __all__ = [
 
 def resolve_quantization(
     quantization: str, *, device: torch.device, dtype_is_explicit: bool,
-    source_has_int4_blocks: bool,
+    source_has_int4_blocks: bool, source_has_gguf_blocks: bool = False,
 ) -> str:
     """`auto` -> a concrete method; a choice the device cannot run is a ValueError.
 
     On CPU, `auto` is int4 when the checkpoint is a GGUF whose matrices are Q4_0/Q4_1 (they
-    repack code for code: the same weights, a third of int8's bytes) and int8 otherwise;
+    repack code for code: the same weights, a third of int8's bytes), `gguf` when it holds
+    other GGUF block types (Q4_K_M, Q6_K, Q8_0 files...: each matrix on the kernel of its
+    own type, gguf_native), and int8 otherwise;
     an explicit `--dtype` means the user asked for dense weights, so `auto` is `none` then.
     `fp16` (asked for) keeps every matrix in fp16 for fbgemm. Its time grows less with rows
     than the int kernels', which speculative verify passes like, but a 1-row step reads twice
@@ -89,23 +97,31 @@ def resolve_quantization(
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; "
                          f"got {quantization!r}")
     if device.type != "cpu":
-        if quantization in ("int8", "int4", "fp16"):
+        if quantization in ("int8", "int4", "fp16", "gguf"):
             raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
         return "none"
+    if quantization == "gguf" and not source_has_gguf_blocks:
+        raise ValueError("quantization 'gguf' keeps a GGUF file's blocks; this checkpoint's "
+                         "transformer matrices are not GGUF blocks")
+    if quantization == "gguf" and not native_cpu_available():
+        raise ValueError("quantization 'gguf' needs the native CPU kernels (an x86 CPU with "
+                         "AVX2 and a C compiler)")
     if quantization != "auto":
         return quantization
     if quantization == "fp16" and not fbgemm_fp16_available():
         raise ValueError("quantization 'fp16' needs fbgemm's fp16 GEMM (an x86 CPU with AVX2)")
     if dtype_is_explicit:
         return "none"
-    return "int4" if source_has_int4_blocks else "int8"
+    if source_has_int4_blocks:
+        return "int4"
+    return "gguf" if source_has_gguf_blocks and native_cpu_available() else "int8"
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """The methods a model's linears use, built once from the resolved `--quantization`."""
 
-    name: str  # "none" | "int8" | "int4" | "fp16"
+    name: str  # "none" | "int8" | "int4" | "fp16" | "gguf"
     dtype: torch.dtype  # dense dtype: unquantized weights and the `none` path's activations
     # one int4 kernel and one head kernel at every row count (`--enable-deterministic-inference`)
     deterministic: bool = False
@@ -119,6 +135,8 @@ class QuantConfig:
         out_features % 16 == 0 and groups that divide in_features; else int8)."""
         if self.name == "fp16":
             return _FP16
+        if self.name == "gguf":
+            return _GGUF[self.deterministic]
         kernel = int4_kernel() if self.name == "int4" and in_features % 32 == 0 else None
         if kernel == "x16" and out_features % 16 == 0:
             return _Q4_X16[self.deterministic]  # see q4_native
@@ -152,8 +170,9 @@ class QuantConfig:
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        if self.name == "fp16":
-            return torch.float32  # fbgemm's fp16 GEMM takes and returns fp32
+        if self.name in ("fp16", "gguf"):
+            # fbgemm's fp16 GEMM takes and returns fp32; the GGUF kernels round fp32 to int8
+            return torch.float32
         if self.name == "int4" and int4_kernel() != "torch":
             # this project's Q4_1 kernels take fp32 and round it to int8 per 32 columns: a
             # bf16 rounding before that would be a second one, which the native decode path
@@ -175,8 +194,9 @@ _INT8 = Int8Method()
 _INT8_EMBED = Int8EmbeddingMethod()
 _FP16 = Fp16FbgemmMethod(embed_rows=False)
 _FP16_TIED = Fp16FbgemmMethod(embed_rows=True)
-_Q8_HEADS = {det: Q8HeadMethod(batch_invariant=det) for det in (False, True)}
+_Q8_HEADS = {det: Q8HeadMethod(batch_invariant=det, use_amx=False) for det in (False, True)}
 _INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
                  for det in (False, True)}
 _Q4_NATIVE = {det: Q4NativeMethod(batch_invariant=det) for det in (False, True)}
 _Q4_X16 = {det: Q4X16Method(batch_invariant=det) for det in (False, True)}
+_GGUF = {det: GGUFMethod(batch_invariant=det) for det in (False, True)}

@@ -1,4 +1,6 @@
-"""GGUF block-quantized matrices kept packed: Q4_0 / Q4_1 / Q8_0 decoded to codes + scales."""
+"""GGUF block-quantized matrices kept packed: the file's blocks, held until a linear method
+repacks them (Q4_0 / Q4_1 / Q8_0 decoded here to codes + scales; the other types in
+gguf_native)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 #   Q8_0: d f16 | 32 int8                         w = d * q
 # A nibble byte j holds weight j in its low half and weight j + 16 in its high half.
 BLOCK = 32
-PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+# the types a loader keeps packed: those a kernel multiplies in their own codes
+PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL",
+                 "IQ4_XS")
 
 
 class GGUFBlockWeight(NamedTuple):
@@ -77,23 +81,45 @@ class GGUFBlockWeight(NamedTuple):
         blocks = np.ascontiguousarray(np.asarray(self.blocks).reshape(rows, -1)[start:stop])
         return self._replace(shape=(stop - start, cols), blocks=blocks)
 
+    @property
+    def block_size(self) -> int:
+        """Columns per block: 32, or 256 for the K types' super-blocks."""
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.qtype]][0]
+
+    def dequantize_rows(self, chunk: int = 4096):
+        """(start, float32 rows [start, start + chunk)) over the matrix: the whole matrix
+        never exists in fp32 at once."""
+        rows = self.shape[0]
+        for start in range(0, rows, chunk):
+            yield start, self.slice_rows(start, min(rows, start + chunk)).dequantize()
+
     def slice_cols(self, start: int, stop: int) -> GGUFBlockWeight:
-        """Columns [start, stop) (a row-parallel shard); both ends on a 32-column block
-        boundary, so every block is kept whole and its scale stays exact."""
+        """Columns [start, stop) (a row-parallel shard); both ends on a block boundary (32
+        columns, 256 for K types), so every block is kept whole and its scale stays exact."""
         rows, cols = self.shape
-        if not 0 <= start <= stop <= cols or start % BLOCK or stop % BLOCK:
-            raise ValueError(f"columns [{start}, {stop}) of {cols} are not on {BLOCK}-column "
-                             "block boundaries")
-        block_bytes = np.asarray(self.blocks).size // (rows * (cols // BLOCK))
-        view = np.asarray(self.blocks).reshape(rows, cols // BLOCK, block_bytes)
-        blocks = np.ascontiguousarray(view[:, start // BLOCK : stop // BLOCK])
+        bs = self.block_size
+        if not 0 <= start <= stop <= cols or start % bs or stop % bs:
+            raise ValueError(f"columns [{start}, {stop}) of {cols} are not on {bs}-column "
+                             f"block boundaries ({self.qtype})")
+        block_bytes = np.asarray(self.blocks).size // (rows * (cols // bs))
+        view = np.asarray(self.blocks).reshape(rows, cols // bs, block_bytes)
+        blocks = np.ascontiguousarray(view[:, start // bs : stop // bs])
         return self._replace(shape=(rows, stop - start), blocks=blocks.reshape(rows, -1))
+
+
+def layer_matrices(weights: dict[str, object]) -> list[object]:
+    return [w for name, w in weights.items() if name.startswith("model.layers.")
+            and len(w.shape) == 2]
+
+
+def any_gguf_blocks(weights: dict[str, object]) -> bool:
+    """Whether a transformer-block matrix of loaded weights is a GGUF block matrix."""
+    return any(isinstance(w, GGUFBlockWeight) for w in layer_matrices(weights))
 
 
 def all_int4_blocks(weights: dict[str, object]) -> bool:
     """Whether every transformer-block matrix of loaded weights is a GGUF Q4_0/Q4_1 block
     matrix (int4 then repacks the file's own codes)."""
-    matrices = [w for name, w in weights.items() if name.startswith("model.layers.")
-                and len(w.shape) == 2]
+    matrices = layer_matrices(weights)
     return bool(matrices) and all(isinstance(w, GGUFBlockWeight) and w.qtype in ("Q4_0", "Q4_1")
                                   for w in matrices)

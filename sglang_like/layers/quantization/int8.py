@@ -31,6 +31,9 @@ def quantize_blocks_int8(source: WeightSource) -> tuple[torch.Tensor, torch.Tens
     matrix is taken as it is (exact); K not a multiple of 32 gets one block per row."""
     if isinstance(source, GGUFBlockWeight) and source.qtype == "Q8_0":
         return source.int8_blocks()
+    if isinstance(source, GGUFBlockWeight):  # other types: a chunk of rows at a time
+        parts = [quantize_blocks_int8(rows) for _, rows in source.dequantize_rows()]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
     w = dense(source)
     n, k = w.shape
     block = EMBED_BLOCK if k % EMBED_BLOCK == 0 else k
@@ -76,6 +79,15 @@ class Int8EmbeddingMethod(LinearMethod):
         return 0  # a step gathers only a few rows
 
 
+def _row_chunks(source: WeightSource):
+    """The source's float32 rows, a chunk at a time for a GGUF matrix (never whole in fp32)."""
+    if isinstance(source, GGUFBlockWeight):
+        for _, rows in source.dequantize_rows():
+            yield rows
+    else:
+        yield dense(source)
+
+
 class Int8Method(LinearMethod):
     """int8 codes [N, K] with a bf16 scale per row; activations in bf16 (the vectorized path
     of the CPU kernel). GGUF Q8_0 blocks are re-scaled per row (its 32-wide blocks have no
@@ -87,7 +99,7 @@ class Int8Method(LinearMethod):
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
-        parts = [quantize_rows_int8(dense(s)) for s in sources]
+        parts = [quantize_rows_int8(rows) for s in sources for rows in _row_chunks(s)]
         codes = torch.cat([c for c, _ in parts]).contiguous()
         scale = torch.cat([s for _, s in parts])
         layer.register_buffer("weight", codes.to(device))

@@ -1,0 +1,349 @@
+// GGUF's other block types (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, IQ4_NL / IQ4_XS) kept in
+// their own codes, repacked 16 output rows at a time like q4_rows.c's x16 layout, times
+// int8 activations: the decode step's and the speculative verify's matmul for those types.
+//
+// Every type comes down to one of six "kinds": codes of 4, 5, 6 or 8 bits per weight and,
+// per row and block of 32 columns, either a scale and a min (w = d * code + m) or a scale and
+// a fixed offset (w = d * (code - off)), the offset kinds with a scale per 16 columns for
+// Q6_K. The K types' super-block scales are folded into the sub-block's (d * sc, -dmin * m),
+// rounded to fp16 (a relative 2^-11 on the block's scale, far inside the 4-6 bit code's
+// step); every code is the file's. IQ4's codes index a table of 16 values, looked up with a
+// byte shuffle.
+//
+// Layout, per group of 16 rows and block of 32 columns (one record, group-major):
+//   bits 4/5/6: 4 x 64 bytes of nibbles as q4_rows.c (vector t, 4 bytes per row r: byte j
+//               holds code[r][4t + j] & 15 low and code[r][4(t + 4) + j] & 15 high), then
+//               for bit 4 (and bit 5) of the codes one 64-byte plane each: byte j of row r
+//               holds in its bit t that bit of code[r][4t + j]
+//   bits 8:     8 x 64 bytes: vector t, byte j of row r = code[r][4t + j]
+//   then fp16 [16] d and fp16 [16] m (min kinds), fp16 [16] d (off32), or fp16 [16] d of
+//   columns 0..15 and fp16 [16] d of columns 16..31 (off16)
+// Activations: int8 per row and block of 32 (q4_1_quantize_row_q8: codes q, scale e,
+// S = e * sum(q)), plus the integer sums of q per 16 columns for the offset kinds, so a block
+// adds d * e * (dot(code, q) - off * sum(q)) (all integer until the scale), or
+// d * e * dot(code, q) + m * S (min kinds, as q4_rows.c).
+//
+// A row's sums run in the same order whatever M is, so its result is the same bits alone,
+// in a batch or as a node of a speculative verify.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops.h"
+
+#define XQK 32
+#define KQ_ROWS 16
+#define KQ_PREFETCH_RECORDS 4
+
+enum { KQ_Q4M, KQ_IQ4, KQ_Q5O, KQ_Q5M, KQ_Q6, KQ_Q8, KQ_KINDS };
+enum { MODE_MIN32, MODE_OFF32, MODE_OFF16 };
+
+static const int KQ_BITS[KQ_KINDS] = {4, 4, 5, 5, 6, 8};
+static const int KQ_MODE[KQ_KINDS] = {MODE_MIN32, MODE_OFF32, MODE_OFF32, MODE_MIN32,
+                                      MODE_OFF16, MODE_OFF32};
+static const int KQ_OFF[KQ_KINDS] = {0, 128, 16, 0, 32, 128};
+// IQ4_NL's 16 values (ggml's kvalues_iq4nl), and the same + 128 for the unsigned dot
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+static inline int code_bytes(int bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
+static inline int scale_bytes(int mode) { return mode == MODE_OFF32 ? 32 : 64; }
+
+int kq_record_bytes(int kind) {
+    if (kind < 0 || kind >= KQ_KINDS) return -1;
+    return code_bytes(KQ_BITS[kind]) + scale_bytes(KQ_MODE[kind]);
+}
+
+// activation rows: q4_1_quantize_row_q8's q, e, S plus qs [M, K/16] int32 (sums of q)
+typedef struct {
+    int8_t *q;
+    float *e, *S;
+    int32_t *qs;
+} kq_act;
+
+static void *kq_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, kq_act *a) {
+    const int64_t nb = K / XQK;
+    char *block = (char *)malloc(sizeof(float) * (size_t)(2 * M * nb) +
+                                 sizeof(int32_t) * (size_t)(M * 2 * nb) + (size_t)(M * K));
+    if (!block) return NULL;
+    a->e = (float *)block;
+    a->S = a->e + M * nb;
+    a->qs = (int32_t *)(a->S + M * nb);
+    a->q = (int8_t *)(a->qs + M * 2 * nb);
+    for (int64_t r = 0; r < M; r++) {
+        int8_t *q = a->q + r * K;
+        q4_1_quantize_row_q8(x + r * ldx, (int)K, q, a->e + r * nb, a->S + r * nb);
+        for (int64_t h = 0; h < 2 * nb; h++) {
+            int32_t s = 0;
+            for (int j = 0; j < 16; j++) s += q[16 * h + j];
+            a->qs[r * 2 * nb + h] = s;
+        }
+    }
+    return block;
+}
+
+#ifdef Q4_VNNI
+#define KQ_MAX_ACT 8
+
+// the 8 vectors of one record's codes for 16 rows (unsigned bytes; IQ4 as value + 128)
+static inline __attribute__((always_inline)) void kq_expand(const uint8_t *rec, int kind,
+                                                            __m512i c[8]) {
+    const int bits = KQ_BITS[kind];
+    if (bits == 8) {
+        for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(rec + 64 * t));
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * t));
+        c[t] = _mm512_and_si512(v, low);
+        c[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    if (kind == KQ_IQ4) {
+        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(
+            _mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
+        for (int t = 0; t < 8; t++) c[t] = _mm512_shuffle_epi8(table, c[t]);
+    }
+    for (int p = 0; p < bits - 4; p++) {
+        const __m512i plane = _mm512_loadu_si512((const void *)(rec + 256 + 64 * p));
+        const __m512i add = _mm512_set1_epi8((char)(16 << p));
+        for (int t = 0; t < 8; t++) {
+            const __mmask64 k = _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(1 << t)));
+            c[t] = _mm512_mask_add_epi8(c[t], k, c[t], add);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void kq_pass(int kind, int R, const uint8_t *grp,
+                                                          int nb, const kq_act *a, int64_t r0,
+                                                          int K, float *y, int64_t ldy) {
+    const int rs = kq_record_bytes(kind), mode = KQ_MODE[kind], off = KQ_OFF[kind];
+    const int cb = code_bytes(KQ_BITS[kind]);
+    __m512 sum[KQ_MAX_ACT];
+    for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = grp + (int64_t)b * rs;
+        for (int l = 0; l < rs; l += 64)
+            _mm_prefetch((const char *)rec + KQ_PREFETCH_RECORDS * rs + l, _MM_HINT_T0);
+        __m512i c[8];
+        kq_expand(rec, kind, c);
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));
+        const __m512 d1 = mode == MODE_OFF32
+                              ? d0
+                              : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32)));
+        for (int i = 0; i < R; i++) {
+            const int64_t row = r0 + i, nbk = row * nb + b;
+            const int32_t *qb = (const int32_t *)(a->q + row * K + b * XQK);
+            const int32_t *qs = a->qs + 2 * nbk;
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                lo = _mm512_dpbusd_epi32(lo, c[t], _mm512_set1_epi32(qb[t]));
+                hi = _mm512_dpbusd_epi32(hi, c[t + 4], _mm512_set1_epi32(qb[t + 4]));
+            }
+            const __m512 e = _mm512_set1_ps(a->e[nbk]);
+            if (mode == MODE_OFF16) {
+                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(off * qs[0]));
+                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(off * qs[1]));
+                sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d0, e), sum[i]);
+                sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d1, e), sum[i]);
+            } else if (mode == MODE_OFF32) {
+                __m512i acc = _mm512_add_epi32(lo, hi);
+                acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(off * (qs[0] + qs[1])));
+                sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d0, e), sum[i]);
+            } else {
+                const __m512i acc = _mm512_add_epi32(lo, hi);
+                sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d0, e), sum[i]);
+                sum[i] = _mm512_fmadd_ps(d1, _mm512_set1_ps(a->S[nbk]), sum[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(y + i * ldy, sum[i]);
+}
+#else
+#define KQ_MAX_ACT 4
+
+static inline __m256i kq_dot8(__m256i codes, __m256i qv) {  // unsigned codes (<= 63)
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, qv), _mm256_set1_epi16(1));
+}
+static inline __m256i kq_dot8_signed(__m256i w, __m256i qv) {  // |w| <= 128: no saturation
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(qv, w)),
+                             _mm256_set1_epi16(1));
+}
+
+// rows 8h .. 8h + 7 of a record: unsigned codes, or (Q8, IQ4) the signed values, whose
+// maddubs products would overflow int16 as unsigned; those kinds then take no offset
+static inline __attribute__((always_inline)) void kq_expand(const uint8_t *rec, int kind,
+                                                            int h, __m256i c[8]) {
+    const int bits = KQ_BITS[kind];
+    if (bits == 8) {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int t = 0; t < 8; t++)
+            c[t] = _mm256_xor_si256(
+                _mm256_loadu_si256((const __m256i *)(rec + 64 * t + 32 * h)), flip);
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * t + 32 * h));
+        c[t] = _mm256_and_si256(v, low);
+        c[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    if (kind == KQ_IQ4) {
+        const __m256i table =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+        for (int t = 0; t < 8; t++) c[t] = _mm256_shuffle_epi8(table, c[t]);
+    }
+    for (int p = 0; p < bits - 4; p++) {
+        const __m256i plane = _mm256_loadu_si256((const __m256i *)(rec + 256 + 64 * p + 32 * h));
+        const __m256i add = _mm256_set1_epi8((char)(16 << p));
+        for (int t = 0; t < 8; t++) {
+            const __m256i bit = _mm256_set1_epi8((char)(1 << t));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(plane, bit), bit);
+            c[t] = _mm256_add_epi8(c[t], _mm256_and_si256(set, add));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void kq_pass(int kind, int R, const uint8_t *grp,
+                                                          int nb, const kq_act *a, int64_t r0,
+                                                          int K, float *y, int64_t ldy) {
+    const int rs = kq_record_bytes(kind), mode = KQ_MODE[kind], cb = code_bytes(KQ_BITS[kind]);
+    const int is_signed = kind == KQ_Q8 || kind == KQ_IQ4;
+    const int off = is_signed ? 0 : KQ_OFF[kind];
+    __m256 sum[KQ_MAX_ACT][2];
+    for (int i = 0; i < R; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = grp + (int64_t)b * rs;
+        for (int l = 0; l < rs; l += 64)
+            _mm_prefetch((const char *)rec + KQ_PREFETCH_RECORDS * rs + l, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i c[8];
+            kq_expand(rec, kind, h, c);
+            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + cb + 16 * h)));
+            const __m256 d1 = mode == MODE_OFF32
+                                  ? d0
+                                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + cb + 32 + 16 * h)));
+            for (int i = 0; i < R; i++) {
+                const int64_t row = r0 + i, nbk = row * nb + b;
+                const int32_t *qb = (const int32_t *)(a->q + row * K + b * XQK);
+                const int32_t *qs = a->qs + 2 * nbk;
+                __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) {
+                    const __m256i q0 = _mm256_set1_epi32(qb[t]), q1 = _mm256_set1_epi32(qb[t + 4]);
+                    if (is_signed) {
+                        lo = _mm256_add_epi32(lo, kq_dot8_signed(c[t], q0));
+                        hi = _mm256_add_epi32(hi, kq_dot8_signed(c[t + 4], q1));
+                    } else {
+                        lo = _mm256_add_epi32(lo, kq_dot8(c[t], q0));
+                        hi = _mm256_add_epi32(hi, kq_dot8(c[t + 4], q1));
+                    }
+                }
+                const __m256 e = _mm256_set1_ps(a->e[nbk]);
+                if (mode == MODE_OFF16) {
+                    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(off * qs[0]));
+                    hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(off * qs[1]));
+                    sum[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d0, e), sum[i][h]);
+                    sum[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d1, e), sum[i][h]);
+                } else if (mode == MODE_OFF32) {
+                    __m256i acc = _mm256_add_epi32(lo, hi);
+                    acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(off * (qs[0] + qs[1])));
+                    sum[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d0, e), sum[i][h]);
+                } else {
+                    const __m256i acc = _mm256_add_epi32(lo, hi);
+                    sum[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d0, e), sum[i][h]);
+                    sum[i][h] = _mm256_fmadd_ps(d1, _mm256_set1_ps(a->S[nbk]), sum[i][h]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        _mm256_storeu_ps(y + i * ldy, sum[i][0]);
+        _mm256_storeu_ps(y + i * ldy + 8, sum[i][1]);
+    }
+}
+#endif
+
+// one function per kind, the row count a loop bound the compiler sees per call site
+#define KQ_KIND_FN(KIND)                                                                     \
+    static void kq_group_##KIND(const uint8_t *grp, int nb, const kq_act *a, int64_t M,     \
+                                int K, float *y, int64_t ldy) {                               \
+        for (int64_t r = 0; r < M; r += KQ_MAX_ACT) {                                         \
+            const int rows = (int)(M - r < KQ_MAX_ACT ? M - r : KQ_MAX_ACT);                  \
+            switch (rows) {                                                                   \
+            case 1: kq_pass(KIND, 1, grp, nb, a, r, K, y + r * ldy, ldy); break;              \
+            case 2: kq_pass(KIND, 2, grp, nb, a, r, K, y + r * ldy, ldy); break;              \
+            case 3: kq_pass(KIND, 3, grp, nb, a, r, K, y + r * ldy, ldy); break;              \
+            default: kq_pass(KIND, rows, grp, nb, a, r, K, y + r * ldy, ldy); break;          \
+            }                                                                                 \
+        }                                                                                     \
+    }
+KQ_KIND_FN(KQ_Q4M)
+KQ_KIND_FN(KQ_IQ4)
+KQ_KIND_FN(KQ_Q5O)
+KQ_KIND_FN(KQ_Q5M)
+KQ_KIND_FN(KQ_Q6)
+KQ_KIND_FN(KQ_Q8)
+
+typedef void (*kq_group_fn)(const uint8_t *, int, const kq_act *, int64_t, int, float *,
+                            int64_t);
+static const kq_group_fn KQ_GROUP[KQ_KINDS] = {kq_group_KQ_Q4M, kq_group_KQ_IQ4, kq_group_KQ_Q5O,
+                                               kq_group_KQ_Q5M, kq_group_KQ_Q6, kq_group_KQ_Q8};
+
+// y [M, N] (row stride ldy) = x [M, K] float32 (row stride ldx) @ W.T, W [N, K] packed as
+// `kind`. Returns 0, or -1 for a bad kind or shape, or when scratch could not be allocated.
+int kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,
+              int64_t M, float *y, int64_t ldy) {
+    if (kind < 0 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS || M <= 0 || N <= 0) return -1;
+    kq_act a;
+    void *scratch = kq_quantize_rows(x, ldx, M, K, &a);
+    if (!scratch) return -1;
+    const int nb = (int)(K / XQK);
+    const int64_t group_bytes = (int64_t)nb * kq_record_bytes(kind);
+    const kq_group_fn fn = KQ_GROUP[kind];
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < N / KQ_ROWS; g++)
+        fn(w + g * group_bytes, nb, &a, M, (int)K, y + g * KQ_ROWS, ldy);
+    free(scratch);
+    return 0;
+}
+
+// the packed matrix -> float32 [N, K] (the prefill path's dense weight; tests)
+int kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out) {
+    if (kind < 0 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS) return -1;
+    const int bits = KQ_BITS[kind], mode = KQ_MODE[kind], off = KQ_OFF[kind];
+    const int rs = kq_record_bytes(kind), cb = code_bytes(bits);
+    const int64_t nb = K / XQK;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < N / KQ_ROWS; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *rec = w + (g * nb + b) * rs;
+            for (int r = 0; r < KQ_ROWS; r++) {
+                const float d0 = _cvtsh_ss(*(const uint16_t *)(rec + cb + 2 * r));
+                const float d1 = mode == MODE_OFF32 ? d0
+                                                    : _cvtsh_ss(*(const uint16_t *)(rec + cb + 32 + 2 * r));
+                float *o = out + (g * KQ_ROWS + r) * K + b * XQK;
+                for (int i = 0; i < XQK; i++) {
+                    const int t = i / 4, j = i % 4;
+                    int code;
+                    if (bits == 8) {
+                        code = rec[64 * t + 4 * r + j];
+                    } else {
+                        const uint8_t byte = rec[64 * (t % 4) + 4 * r + j];
+                        code = t < 4 ? byte & 0x0F : byte >> 4;
+                        if (kind == KQ_IQ4) code = IQ4_VALUES[code] + 128;
+                        for (int p = 0; p < bits - 4; p++)
+                            code += ((rec[256 + 64 * p + 4 * r + j] >> t) & 1) << (4 + p);
+                    }
+                    if (mode == MODE_MIN32)
+                        o[i] = fmaf((float)code, d0, d1);
+                    else
+                        o[i] = (float)(code - off) * (mode == MODE_OFF16 && i >= 16 ? d1 : d0);
+                }
+            }
+        }
+    }
+    return 0;
+}

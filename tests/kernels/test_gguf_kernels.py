@@ -1,0 +1,159 @@
+"""kquants.c: GGUF's Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / IQ4_XS
+matrices multiplied in their own codes, against gguf-py's dequantizer, on every ISA variant
+this CPU runs (AVX2 forced on AVX-512 machines too).
+
+Bounds, from the arithmetic:
+- repacking: the codes are the file's; a K type's scale and min (d * sc, dmin * m) and an
+  IQ4_XS block's d * (ls - 32) are rounded to fp16, so an element is off by at most 2^-11 of
+  |scale * (code - offset)| + |min| (plus gguf-py's own fp32 rounding); the other types'
+  scales are the file's fp16 numbers and dequantize exactly.
+- the matmul: activations rounded to int8 per 32 columns (amax / 127), then integer dots
+  and fp32 sums; against the rounded activations times the dequantized matrix only the
+  summation order differs (relative 1e-5 of sum |x| |w|), and against the fp32 activations
+  each element of x moves by at most half its block's step (amax / 254).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from sglang_like.layers.quantization import GGUFBlockWeight, GGUFNativeMethod, QuantLinear
+from sglang_like.layers.quantization.gguf_native import KQ_KIND, block_codes, pack
+from sglang_like.layers.quantization.q4_native import int8_blocks_rounded
+from sglang_like_kernels import cpu
+
+from ..gguf_quantize import quantize
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+
+ISAS = cpu.supported_isas()
+QTYPES = list(KQ_KIND)
+# the types whose repacked scales are the file's own fp16 numbers (no folding)
+EXACT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}
+# fp16 fields of a block (byte offsets) that random bytes must not turn into inf / NaN
+_F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+               "IQ4_NL": [0], "IQ4_XS": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlockWeight:
+    """Blocks of random bytes (every code and sub-scale pattern) with sane fp16 scales."""
+    rng = np.random.default_rng(seed)
+    bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    for at in _F16_FIELDS[qtype]:
+        scale = (rng.uniform(0.2, 2.0, size=(rows, cols // bs)) * 1e-3).astype(np.float16)
+        raw[..., at:at + 2] = scale.view(np.uint8).reshape(rows, cols // bs, 2)
+    return GGUFBlockWeight(qtype, (rows, cols), raw.reshape(rows, -1))
+
+
+def quantized_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlockWeight:
+    """A Gaussian matrix through the test-owned quantizer (IQ4_XS: random blocks)."""
+    if qtype == "IQ4_XS":
+        return random_blocks(qtype, rows, cols, seed)
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    return GGUFBlockWeight(qtype, (rows, cols), quantize(w, qtype))
+
+
+def repack_bound(w: GGUFBlockWeight) -> torch.Tensor:
+    """Per element: how far the repacked matrix may be from gguf-py's (see the module doc)."""
+    codes, d, m = block_codes(w)
+    offset = {"q5o": 16, "q6": 32, "q8": 128, "iq4": 128}.get(KQ_KIND[w.qtype], 0)
+    rows, cols = w.shape
+    scale = np.repeat(d, cols // d.shape[1], axis=1)
+    term = np.abs(scale * (codes.astype(np.float32) - offset))
+    if m is not None:
+        term += np.repeat(np.abs(m), 32, axis=1)
+    fp16 = 0.0 if w.qtype in EXACT else 2.0 ** -11
+    return torch.from_numpy(term * fp16 + 1e-6 * term + 1e-12)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("make", [random_blocks, quantized_blocks], ids=["random", "gaussian"])
+def test_repack_holds_the_files_values(qtype, make) -> None:
+    w = make(qtype, 48, 512)
+    want = w.dequantize()
+    kind, packed = pack(w)
+    for isa in ISAS:
+        got = cpu.kq_dequantize(packed, kind, 48, 512, variant=isa)
+        err = (got - want).abs()
+        assert (err <= repack_bound(w)).all(), (isa, err.max().item())
+        if qtype in EXACT:
+            assert torch.equal(got, want), isa
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_matches_dequantized_matrix(qtype) -> None:
+    rows, cols = 64, 768 if qtype not in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else 1024
+    w = quantized_blocks(qtype, rows, cols, seed=3)
+    want_w = w.dequantize()
+    kind, packed = pack(w)
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(5))
+    x[3] = 0.0  # an all-zero row: zero scales, no division by zero
+    x[4, :32] = 1e-30  # a block of tiny values
+    exact = x.double() @ want_w.double().T
+    rounded = int8_blocks_rounded(x)
+    # |x - rounded| <= amax / 254 per block of 32 columns
+    step = x.reshape(11, -1, 32).abs().amax(-1) / 254.0
+    act_bound = (step.repeat_interleave(32, dim=1).double() @ want_w.abs().double().T)
+    for isa in ISAS:
+        y = cpu.kq_matmul(x, packed, kind, rows, variant=isa)
+        deq = cpu.kq_dequantize(packed, kind, rows, cols, variant=isa)
+        order = (rounded.abs().double() @ deq.abs().double().T) * 1e-5 + 1e-9
+        assert ((y.double() - rounded.double() @ deq.double().T).abs() <= order).all(), isa
+        repack = x.abs().double() @ repack_bound(w).double().T
+        assert ((y.double() - exact).abs() <= act_bound + repack + order).all(), isa
+        assert torch.equal(y[3], torch.zeros(rows)), isa
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "IQ4_NL"])
+def test_a_rows_result_does_not_depend_on_the_batch(qtype) -> None:
+    w = quantized_blocks(qtype, 32, 512, seed=7)
+    kind, packed = pack(w)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(9))
+    for isa in ISAS:
+        batch = cpu.kq_matmul(x, packed, kind, 32, variant=isa)
+        for i in (0, 5, 12):
+            alone = cpu.kq_matmul(x[i:i + 1], packed, kind, 32, variant=isa)
+            assert torch.equal(alone[0], batch[i]), (isa, i)
+
+
+def test_isas_agree_to_float_rounding() -> None:
+    """VNNI (unsigned codes, offsets subtracted) and AVX2 (signed values where maddubs would
+    saturate) compute the same integer dots: results equal to float summation order."""
+    if len(ISAS) < 2:
+        pytest.skip("this CPU runs one variant")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    for qtype in QTYPES:
+        kind, packed = pack(quantized_blocks(qtype, 32, 512, seed=4))
+        a, b = (cpu.kq_matmul(x, packed, kind, 32, variant=v) for v in ISAS[:2])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_partitions_of_different_types() -> None:
+    """A K-quant mix gives q/k/v different types: each runs on its own kernel, one output."""
+    parts = [quantized_blocks(qt, 64, 512, seed=i)
+             for i, qt in enumerate(["Q5_0", "Q5_0", "Q8_0"])]
+    lin = QuantLinear(GGUFNativeMethod(), 512, [64, 64, 64], ["q", "k", "v"])
+    lin.load_weights({f"x.{n}.weight": p for n, p in zip("qkv", parts, strict=True)}, "x.",
+                     torch.device("cpu"))
+    assert [k for k, _, _ in lin.kq_runs] == ["q5o", "q8"]  # q and k share one call
+    want = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(lin.method.dequantize(lin), want)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(lin(x), int8_blocks_rounded(x) @ want.T, rtol=1e-4, atol=1e-4)
+    # the prefill path (>= 256 rows) multiplies the same matrix
+    xl = torch.randn(300, 512, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(lin(xl), int8_blocks_rounded(xl) @ want.T, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_shapes_and_types_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        block_codes(GGUFBlockWeight("Q4_K", (16, 288), np.zeros((16, 162), np.uint8)))
+    with pytest.raises(ValueError, match="no native kernel for GGUF type Q3_K"):
+        block_codes(GGUFBlockWeight("Q3_K", (16, 256), np.zeros((16, 110), np.uint8)))
+    kind, packed = pack(quantized_blocks("Q5_0", 16, 64))
+    with pytest.raises(RuntimeError, match="kq_matmul failed"):
+        cpu.kq_matmul(torch.randn(2, 48), packed, kind, 16)
