@@ -11,9 +11,11 @@ decode, batch-1 decode after a 4,096-token context (`--depths`), a 1,024-token p
 keeps each figure's median; a ratio to llama.cpp is the median of the rounds' own ratios
 (this machine's speed moves 25-70% over minutes). The bandwidth floor is the weight bytes
 one decode step reads over this machine's measured read bandwidth. llama.cpp runs
-`llama-bench` (batch-1 decode, prefill) and `llama-batched-bench` (batched decode) with 2
-threads, as its users run them; build it with ../shared/peers/llama-cpp.sh, which prints the
-folder to pass.
+`llama-bench` (batch-1 decode, prefill, long contexts) and `llama-batched-bench` (batched
+decode) with 2 threads, as its users run them, one run per figure: weight repacking on (its
+default) wherever that runs, off only for the figures whose default run crashes (its AMX
+matmul on some Xeon VMs); the table marks those '*' and names each figure's path (the JSON's
+`peer.paths`). Build it with ../shared/peers/llama-cpp.sh, which prints the folder to pass.
 """
 
 from __future__ import annotations
@@ -133,13 +135,17 @@ def measure_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
 
 
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row of several runs of a format: each speed their median, the rest the first's.
+    """One row of several runs of a format: each speed their median, the rest the first's
+    (a peer's `paths`: each figure's paths over the rounds, joined where they differ).
     Formats measured one after another minutes apart inherit the machine's drift into their
     ratios; rounds that interleave them and keep medians do not."""
     row = dict(runs[0])
     for key in list(row):
         if key.endswith("_tok_s"):
             row[key] = sorted(r[key] for r in runs)[len(runs) // 2]
+    if "paths" in row:
+        row["paths"] = {key: " / ".join(dict.fromkeys(r["paths"][key] for r in runs))
+                        for key in row["paths"]}
     row["rounds"] = len(runs)
     return row
 
@@ -172,13 +178,14 @@ def _peer(args: argparse.Namespace) -> dict[str, Any] | None:
     model = args.model_path or default_model_path()
     peer = llama_bench(args.llama_cpp_bin, model, torch.get_num_threads(), args.prefill_tokens,
                        args.new_tokens)
-    batched = llama_batched_bench(args.llama_cpp_bin, model, torch.get_num_threads(),
-                                  list(args.batch_sizes), 32, args.batch_new_tokens)
-    for batch, speed in batched.items():
-        peer[f"b{batch}_tok_s"] = speed
+    figures = [llama_batched_bench(args.llama_cpp_bin, model, torch.get_num_threads(),
+                                   list(args.batch_sizes), 32, args.batch_new_tokens)]
     if args.depths:
-        peer.update(llama_bench_depths(args.llama_cpp_bin, model, torch.get_num_threads(),
-                                       args.depths, args.depth_new_tokens))
+        figures.append(llama_bench_depths(args.llama_cpp_bin, model, torch.get_num_threads(),
+                                          args.depths, args.depth_new_tokens))
+    for more in figures:
+        peer["paths"].update(more.pop("paths"))
+        peer.update(more)
     peer["weight_mb"] = peer["decode_mb"] = os.path.getsize(model) / 1e6
     return peer
 
@@ -191,39 +198,65 @@ def print_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None, gbs: fl
     cols = ["b1_tok_s", *[f"b{b}_tok_s" for b in batch_sizes],
             *[f"d{d}_tok_s" for d in depths], "prefill_tok_s"]
 
-    def name(c: str) -> str:
-        c = c.removesuffix("_tok_s")
-        return f"b1 @{c[1:]}" if c.startswith("d") else c.replace("b", "batch ", 1)
-
     head = (f"{'format':<16}{'read/step MB':>13}{'RSS MB':>8}{'floor tok/s':>12}"
-            + "".join(f"{name(c):>11}" if c != "prefill_tok_s" else f"{'prefill':>10}"
+            + "".join(f"{_column_name(c):>11}" if c != "prefill_tok_s" else f"{'prefill':>10}"
                       for c in cols))
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"\ndecode and prefill in tokens/s; floor = read bandwidth {gbs:.1f} GB/s / weight "
           f"bytes one decode step reads; b1 @N: batch-1 decode after an N-token context; "
           f"threads={torch.get_num_threads()}, ISA {isa}")
     print(head)
-    peer_name = "llama.cpp GGUF" if not peer or peer.get("repack", True) else "llama.cpp -nr"
-    every = [*rows, *([{"format": peer_name, **peer}] if peer else [])]
+    every = [*rows, *([{"format": "llama.cpp GGUF", **peer}] if peer else [])]
     for r in every:
         floor = gbs * 1e3 / r["decode_mb"]
-        cells = "".join(f"{r.get(c, float('nan')):>11.1f}" if c != "prefill_tok_s"
-                        else f"{r.get(c, float('nan')):>10.1f}" for c in cols)
+        cells = "".join(_cell(r, c) for c in cols)
         print(f"{r['format']:<16}{r['decode_mb']:>13.0f}{r.get('rss_mb', float('nan')):>8.0f}"
               f"{floor:>12.1f}{cells}")
-    if peer and not peer.get("repack", True):
-        print("(llama.cpp with weight repacking off: its default run died in its AMX matmul "
-              "on this CPU)")
     if peer:
+        print(peer_paths_note(peer.get("paths", {}), cols))
         rounds = peer.get("rounds", 1)
         print("\nratio to llama.cpp (ours / theirs" + (
             f"; the median of {rounds} rounds' own ratios):" if ratios and rounds > 1 else "):"))
         for r in rows:
             mine = (ratios or {}).get(r["format"]) or {
                 c: r[c] / peer[c] for c in cols if c in peer and peer[c]}
-            line = "  ".join(f"{c.removesuffix('_tok_s')} {mine[c]:.2f}x"
+            marks = {c: "*" if _off_default(peer.get("paths", {}).get(c)) else "" for c in cols}
+            line = "  ".join(f"{c.removesuffix('_tok_s')} {mine[c]:.2f}x{marks[c]}"
                              for c in cols if c in mine)
             print(f"  {r['format']:<16}{line}")
+
+
+def _column_name(c: str) -> str:
+    """A speed's column head: batch 8, b1 @4096, prefill."""
+    c = c.removesuffix("_tok_s")
+    if c == "prefill":
+        return c
+    return f"b1 @{c[1:]}" if c.startswith("d") else c.replace("b", "batch ", 1)
+
+
+def _cell(r: dict[str, Any], c: str) -> str:
+    """A speed, right-aligned; a peer figure that did not come from llama.cpp's default
+    path (weight repacking on) is marked '*' (`peer_paths_note` names its path)."""
+    width = 10 if c == "prefill_tok_s" else 11
+    mark = "*" if _off_default(r.get("paths", {}).get(c)) else ""
+    return f"{r.get(c, float('nan')):.1f}{mark}".rjust(width)
+
+
+def _off_default(path: str | None) -> bool:
+    return path is not None and "repack" in path
+
+
+def peer_paths_note(paths: dict[str, str], cols: list[str]) -> str:
+    """Which llama.cpp path each of its figures came from: its default (weight repacking
+    on) where that runs, else the run with repacking off (marked '*' in the table)."""
+    default = [_column_name(c) for c in cols if c in paths and not _off_default(paths[c])]
+    off = [f"{_column_name(c)} ({paths[c]})" for c in cols if _off_default(paths.get(c))]
+    note = "llama.cpp paths: " + (", ".join(default) + " by default (weight repacking on)"
+                                  if default else "none by default")
+    if off:
+        note += ("; * repacking off, its default run having crashed on this CPU (AMX): "
+                 + ", ".join(off))
+    return note
 
 
 def draw_throughput(rows: list[dict[str, Any]], peer: dict[str, Any] | None,

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import httpx
 
@@ -25,8 +25,8 @@ from sglang_like.launch_router import free_port
 
 __all__ = [
     "CRASH_CODES", "DECODE_PROMPT", "REPO_ROOT", "RESULTS_DIR", "WORKLOADS", "ServerDied",
-    "add_served_workload_args", "best_of_s", "decode_tok_s", "drive_served", "free_port",
-    "launch_server_cmd", "llama_batched_bench", "llama_bench", "llama_bench_depths",
+    "ToolRun", "add_served_workload_args", "best_of_s", "decode_tok_s", "drive_served",
+    "free_port", "launch_server_cmd", "llama_batched_bench", "llama_bench", "llama_bench_depths",
     "llama_binary", "offline_tpot_ms", "percentile", "popen_router", "router_worker_urls",
     "running_server", "served_prompt", "server_url", "start_server", "stop_server",
     "stream_decode_seconds", "wait_healthy",
@@ -299,9 +299,20 @@ WORKLOADS: dict[str, list[str]] = {
 # binaries) and pass that folder as `--llama-cpp-bin`.
 
 # A CPU build's weight repacking for AMX died on an illegal instruction in its AMX matmul on
-# an Intel Xeon VM here (SIGILL, then SIGSEGV: the VM's AMX tiles are not usable): where the
-# default run dies of one of these, it is repeated with repacking off, and the result says so.
+# an Intel Xeon VM here (SIGILL, then SIGSEGV: the VM's AMX tiles are not usable) for multi-row
+# matmuls (prefill, long contexts, batches), while batch-1 decode runs with it. So each figure
+# is its own run: repacking on (llama.cpp's default) wherever that runs, off only for the
+# figures whose default run dies of one of these, and each figure says which path it took.
 CRASH_CODES = (-4, -11, 132, 139)
+
+
+class ToolRun(NamedTuple):
+    """One llama.cpp tool run: its stdout, its peak RSS, and the path it took: the command
+    line's tool name, plus the no-repack flag where the default (repacking) run crashed."""
+
+    out: str
+    rss_mb: float
+    path: str
 
 
 def llama_binary(bin_dir: str, name: str) -> str:
@@ -336,63 +347,77 @@ def _run_tool(cmd: list[str], timeout_s: float) -> tuple[str, float]:
 
 
 def _run_tool_or_without_repack(cmd: list[str], no_repack: list[str], timeout_s: float
-                                ) -> tuple[str, float, bool]:
-    """(stdout, peak RSS MB, whether repacking stayed on)."""
+                                ) -> ToolRun:
+    """`cmd` as llama.cpp runs by default (weight repacking on); again with `no_repack`
+    added only where that run died of a crash (CRASH_CODES)."""
+    tool = os.path.basename(cmd[0])
     try:
         out, rss_mb = _run_tool(cmd, timeout_s)
-        return out, rss_mb, True
+        return ToolRun(out, rss_mb, tool)
     except RuntimeError as exc:
         if not any(f"failed ({code})" in str(exc) for code in CRASH_CODES):
             raise
     out, rss_mb = _run_tool(cmd + no_repack, timeout_s)
-    return out, rss_mb, False
+    return ToolRun(out, rss_mb, " ".join([tool, *no_repack]))
+
+
+def _bench_rows(run: ToolRun) -> list[dict[str, Any]]:
+    return json.loads(run.out)
 
 
 def llama_bench(bin_dir: str, model: str, threads: int, n_prompt: int, n_gen: int,
                 repetitions: int = 3, timeout_s: float = 900) -> dict[str, Any]:
-    """`llama-bench` prefill (pp) and decode (tg) tokens/s, as its users run it (with its
-    weight repacking off where that crashes on this CPU: `repack` in the result)."""
-    cmd = [llama_binary(bin_dir, "llama-bench"), "-m", model, "-t", str(threads),
-           "-p", str(n_prompt), "-n", str(n_gen), "-r", str(repetitions), "-o", "json"]
+    """`llama-bench` prefill (pp) and batch-1 decode (tg) tokens/s, each its own run as its
+    users run it (weight repacking off only where that run crashes on this CPU): the speeds,
+    the larger peak RSS, and `paths`: the llama.cpp path each figure came from."""
+    base = [llama_binary(bin_dir, "llama-bench"), "-m", model, "-t", str(threads),
+            "-r", str(repetitions), "-o", "json"]
     t0 = time.perf_counter()
-    out, rss_mb, repack = _run_tool_or_without_repack(cmd, ["--repack", "0"], timeout_s)
-    rows = json.loads(out)
-    result: dict[str, Any] = {"rss_mb": rss_mb, "wall_s": time.perf_counter() - t0,
-                              "repack": repack}
-    for row in rows:
-        if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
-            result["prefill_tok_s"] = float(row["avg_ts"])
-        elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
-            result["b1_tok_s"] = float(row["avg_ts"])
+    result: dict[str, Any] = {"rss_mb": 0.0, "paths": {}}
+    for key, p, n in (("b1_tok_s", 0, n_gen), ("prefill_tok_s", n_prompt, 0)):
+        run = _run_tool_or_without_repack(base + ["-p", str(p), "-n", str(n)], ["--repack", "0"],
+                                          timeout_s)
+        for row in _bench_rows(run):
+            if row.get("n_prompt", 0) == p and row.get("n_gen", 0) == n:
+                result[key] = float(row["avg_ts"])
+        result["paths"][key] = run.path
+        result["rss_mb"] = max(result["rss_mb"], run.rss_mb)
+    result["wall_s"] = time.perf_counter() - t0
     return result
 
 
 def llama_bench_depths(bin_dir: str, model: str, threads: int, depths: list[int], n_gen: int,
-                       repetitions: int = 2, timeout_s: float = 900) -> dict[str, float]:
+                       repetitions: int = 2, timeout_s: float = 900) -> dict[str, Any]:
     """`llama-bench -d`: batch-1 decode tokens/s after a context of each depth, as
-    {"d<depth>_tok_s": ...}."""
-    cmd = [llama_binary(bin_dir, "llama-bench"), "-m", model, "-t", str(threads), "-p", "0",
-           "-n", str(n_gen), "-d", ",".join(map(str, depths)), "-r", str(repetitions),
-           "-o", "json"]
-    out, _, _ = _run_tool_or_without_repack(cmd, ["--repack", "0"], timeout_s)
-    return {f"d{row['n_depth']}_tok_s": float(row["avg_ts"]) for row in json.loads(out)
-            if row.get("n_gen", 0) > 0}
+    {"d<depth>_tok_s": ...}, each depth its own run, and `paths` (as `llama_bench`)."""
+    result: dict[str, Any] = {"paths": {}}
+    for depth in depths:
+        cmd = [llama_binary(bin_dir, "llama-bench"), "-m", model, "-t", str(threads), "-p", "0",
+               "-n", str(n_gen), "-d", str(depth), "-r", str(repetitions), "-o", "json"]
+        run = _run_tool_or_without_repack(cmd, ["--repack", "0"], timeout_s)
+        for row in _bench_rows(run):
+            if row.get("n_gen", 0) > 0 and int(row.get("n_depth", depth)) == depth:
+                result[f"d{depth}_tok_s"] = float(row["avg_ts"])
+                result["paths"][f"d{depth}_tok_s"] = run.path
+    return result
 
 
 def llama_batched_bench(bin_dir: str, model: str, threads: int, batch_sizes: list[int],
-                        n_prompt: int, n_gen: int, timeout_s: float = 1800) -> dict[int, float]:
-    """`llama-batched-bench` decode tokens/s (S_TG) per number of parallel sequences."""
-    ctx = max(batch_sizes) * (n_prompt + n_gen) + 256
-    cmd = [llama_binary(bin_dir, "llama-batched-bench"), "-m", model, "-t", str(threads),
-           "-c", str(ctx), "-npp", str(n_prompt), "-ntg", str(n_gen),
-           "-npl", ",".join(map(str, batch_sizes)), "--output-format", "jsonl"]
-    out, _, _ = _run_tool_or_without_repack(cmd, ["--no-repack"], timeout_s)
-    speeds = {}
-    for line in out.splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        row = json.loads(line)
-        if "pl" in row and "speed_tg" in row:
-            speeds[int(row["pl"])] = float(row["speed_tg"])
-    return speeds
+                        n_prompt: int, n_gen: int, timeout_s: float = 1800) -> dict[str, Any]:
+    """`llama-batched-bench` decode tokens/s (S_TG) per number of parallel sequences, as
+    {"b<batch>_tok_s": ...}, each batch size its own run, and `paths` (as `llama_bench`)."""
+    result: dict[str, Any] = {"paths": {}}
+    for batch in batch_sizes:
+        cmd = [llama_binary(bin_dir, "llama-batched-bench"), "-m", model, "-t", str(threads),
+               "-c", str(batch * (n_prompt + n_gen) + 256), "-npp", str(n_prompt),
+               "-ntg", str(n_gen), "-npl", str(batch), "--output-format", "jsonl"]
+        run = _run_tool_or_without_repack(cmd, ["--no-repack"], timeout_s)
+        for line in run.out.splitlines():
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            row = json.loads(line)
+            if int(row.get("pl", -1)) == batch and "speed_tg" in row:
+                result[f"b{batch}_tok_s"] = float(row["speed_tg"])
+                result["paths"][f"b{batch}_tok_s"] = run.path
+    return result
