@@ -47,6 +47,9 @@ FORMATS = {
     "bf16": {"quantization": "none", "dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    # what a user gets without asking: int4 for Q4_0/Q4_1 files, each matrix in its own type
+    # for other GGUFs (gguf), int8 for dense checkpoints
+    "auto": {"quantization": "auto"},
     # int4 with the native CPU kernels off: torch's ops only (the path before kernels/cpu)
     "int4-torch-ops": {"quantization": "int4", "env": {"SGLANG_LIKE_CPU_KERNELS": "off"}},
     "int4-no-amx": {"quantization": "int4", "env": {"SGLANG_LIKE_AMX": "off"}},
