@@ -16,8 +16,9 @@ query row, one row of a key table, so `masked_rows` builds a table with one row 
 (the request's prefix slots, then the slots of the tree nodes its mask lets it see) once per
 forward, and every layer reads it.
 
-Where every linear is x16-packed int4 (`Q4X16Method`, `auto`'s int4 kernel without AMX), the
-whole step is one native call instead (`sglang_like_kernels.cpu.decode_step_x16`,
+Where every linear is x16-packed int4 (`Q4X16Method`, `auto`'s int4 kernel without AMX) or a
+GGUF type on kquants.c (`GGUFNativeMethod`, `--quantization gguf`), the whole step is one
+native call instead (`sglang_like_kernels.cpu.decode_step_x16`,
 decode_step.c): the same phases in one OpenMP team, the same bits, without a step's hundreds of
 Python-to-C crossings, which at one row cost about as much as the matmuls.
 `SGLANG_LIKE_FUSED_DECODE=0` keeps the per-op
@@ -33,8 +34,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerParts
+from sglang_like.layers.quantization.gguf_native import GGUFNativeMethod
 from sglang_like.layers.quantization.q4_native import Q4X16Method
-from sglang_like_kernels.cpu import ops
+from sglang_like_kernels.cpu import KQ_KINDS, ops
 
 if TYPE_CHECKING:
     from sglang_like.forward_batch import ForwardBatch
@@ -215,6 +217,18 @@ class NativeDecodePlan:
         return x, features
 
 
+def _fused_runs(lin: torch.nn.Module) -> list[tuple[int, torch.Tensor, int]] | None:
+    """A linear as the fused step's runs (kquants.c kind or -1 for x16, packed weight, rows),
+    or None where the step cannot run it."""
+    if isinstance(lin.method, Q4X16Method):
+        return [(-1, lin.x16, lin.x16_shape[0])]
+    method = getattr(lin, "gguf_method", lin.method)
+    if not isinstance(method, GGUFNativeMethod) or len(lin.kq_runs) > ops.DECODE_STEP_RUNS:
+        return None
+    return [(KQ_KINDS[kind], getattr(lin, f"kq{i}"), rows)
+            for i, (kind, rows, _) in enumerate(lin.kq_runs)]
+
+
 class _FusedX16:
     """A whole decode step as one `decode_step_x16` call: the layers' addresses gathered once
     into an int64 table [L, 8] (qkv, o, gate_up, down weights; the two norms; the layer's K and
@@ -229,13 +243,23 @@ class _FusedX16:
         self.eps = p0.input_norm.eps
         self.sm_scale = p0.sm_scale
         self.layer_ids = [p.layer_id for p in layers]
+        runs = [[_fused_runs(lin) for lin in p.linears] for p in layers]
         self.ptrs = torch.tensor([
-            [lin.x16.data_ptr() for lin in p.linears]
+            [r[0][1].data_ptr() for r in lr]
             + [p.input_norm.weight.data_ptr(), p.post_attention_norm.weight.data_ptr(), 0, 0]
-            for p in layers], dtype=torch.int64)
+            for p, lr in zip(layers, runs, strict=True)], dtype=torch.int64)
+        # GGUF types (or x16 linears of more than one run): each linear's runs of rows
+        self.runs = None
+        if any(len(r) > 1 or r[0][0] >= 0 for lr in runs for r in lr):
+            self.runs = torch.zeros(len(layers), 4, ops.DECODE_STEP_RUNS, 3, dtype=torch.int64)
+            for i, lr in enumerate(runs):
+                for j, r in enumerate(lr):
+                    for k, (kind, buf, rows) in enumerate(r):
+                        self.runs[i, j, k] = torch.tensor([kind, buf.data_ptr(), rows])
         # what the addresses point into, kept alive with them
-        self._held = [t for p in layers for t in (
-            *(lin.x16 for lin in p.linears), p.input_norm.weight, p.post_attention_norm.weight)]
+        self._held = [t for p, lr in zip(layers, runs, strict=True) for t in (
+            *(buf for r in lr for _, buf, _ in r), p.input_norm.weight,
+            p.post_attention_norm.weight)]
         self._pool: KVPool | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -249,8 +273,7 @@ class _FusedX16:
         first = layers[0]
         for p in layers:
             norms = (p.input_norm, p.post_attention_norm)
-            if (any(not isinstance(lin.method, Q4X16Method) or lin.bias is not None
-                    for lin in p.linears)
+            if (any(_fused_runs(lin) is None or lin.bias is not None for lin in p.linears)
                     or any(n.out_dtype != torch.float32 or n.eps != first.input_norm.eps
                            or n.weight.dtype != torch.float32 for n in norms)
                     or (p.num_heads, p.num_kv_heads, p.head_dim, p.intermediate_size)
@@ -290,5 +313,6 @@ class _FusedX16:
         table, rows, seq_lens = attn
         ops.decode_step_x16(num_layers, x, self.ptrs, self.eps, pool.k_buffers[0].dtype,
                         self.cos, self.sin, fb.positions, fb.out_slots, table, rows, seq_lens,
-                        hq, hkv, d, inter, self.sm_scale, self._aux_slot(aux_layers), features)
+                        hq, hkv, d, inter, self.sm_scale, self._aux_slot(aux_layers), features,
+                        runs=self.runs)
         return x, features

@@ -123,3 +123,36 @@ def test_explicit_gguf_on_a_dense_checkpoint_is_refused() -> None:
     assert resolve_quantization("auto", device=torch.device("cpu"), dtype_is_explicit=False,
                                 source_has_int4_blocks=False,
                                 source_has_gguf_blocks=True) == "gguf"
+
+
+def test_fused_step_runs_gguf_types_as_the_per_op_path(files, monkeypatch) -> None:
+    """A Q4_K_M file's layers (Q5_0 q/k beside a Q8_0 or Q6_K v, Q4_K / Q6_K down) decode in
+    one native call per step (decode_step.c with runs of kquants.c kinds), and give the
+    per-op path's tokens and logprobs exactly, alone and in a batch."""
+    from sglang_like.layers import native_decode
+
+    engine = _engine(files["Q4_K_M"], "auto")
+    try:
+        model = engine.runner.model
+        params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+        results = {}
+        for fused in ("1", "0"):
+            monkeypatch.setenv(native_decode.FUSED_ENV, fused)
+            model._native_plan = None  # rebuilt under the switch at the next step
+            engine.flush_cache()  # both runs prefill cold
+            alone = engine.generate(PROMPTS[0], {**params}, return_logprob=True)
+            engine.flush_cache()
+            batch = engine.generate(PROMPTS[:4], {**params}, return_logprob=True)
+            results[fused] = [(o["output_ids"], [t[0] for t in
+                                                 o["meta_info"]["output_token_logprobs"]])
+                              for o in [alone, *batch]]
+            plan = model._native_plan
+            assert (plan.fused is not None) == (fused == "1")
+            if fused == "1":
+                runs = plan.fused.runs
+                assert runs is not None and runs.shape[0] == 30
+                assert (runs[:, 0, 1, 2] > 0).any()  # some qkv of two kinds
+        assert results["1"] == results["0"]
+        assert results["1"][0] == results["1"][1]  # alone = first of the batch
+    finally:
+        engine.shutdown()

@@ -64,6 +64,15 @@ typedef struct {
     int32_t *qs;
 } kq_act;
 
+// q [K] int8 -> qs [K/16]: the sums the offset kinds take off
+void kq_row_sums16(const int8_t *q, int64_t K, int32_t *qs) {
+    for (int64_t h = 0; h < K / 16; h++) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) s += q[16 * h + j];
+        qs[h] = s;
+    }
+}
+
 static void *kq_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, kq_act *a) {
     const int64_t nb = K / XQK;
     char *block = (char *)malloc(sizeof(float) * (size_t)(2 * M * nb) +
@@ -76,11 +85,7 @@ static void *kq_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K,
     for (int64_t r = 0; r < M; r++) {
         int8_t *q = a->q + r * K;
         q4_1_quantize_row_q8(x + r * ldx, (int)K, q, a->e + r * nb, a->S + r * nb);
-        for (int64_t h = 0; h < 2 * nb; h++) {
-            int32_t s = 0;
-            for (int j = 0; j < 16; j++) s += q[16 * h + j];
-            a->qs[r * 2 * nb + h] = s;
-        }
+        kq_row_sums16(q, K, a->qs + r * 2 * nb);
     }
     return block;
 }
@@ -292,6 +297,21 @@ typedef void (*kq_group_fn)(const uint8_t *, int, const kq_act *, int64_t, int, 
 static const kq_group_fn KQ_GROUP[KQ_KINDS] = {kq_group_KQ_Q4M, kq_group_KQ_IQ4, kq_group_KQ_Q5O,
                                                kq_group_KQ_Q5M, kq_group_KQ_Q6, kq_group_KQ_Q8};
 
+// y [M, N] (row stride ldy) = activation rows already quantized (q [M, K], e/S [M, K/32],
+// qs [M, K/16]) @ W.T, W packed as `kind`: the groups of 16 output rows split over the team
+// (ops.h)
+void kq_matmul_team(int kind, const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
+                    const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
+                    int64_t ldy) {
+    const kq_act a = {(int8_t *)q, (float *)e, (float *)S, (int32_t *)qs};
+    const int nb = (int)(K / XQK);
+    const int64_t group_bytes = (int64_t)nb * kq_record_bytes(kind);
+    const kq_group_fn fn = KQ_GROUP[kind];
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / KQ_ROWS; g++)
+        fn(w + g * group_bytes, nb, &a, M, (int)K, y + g * KQ_ROWS, ldy);
+}
+
 // y [M, N] (row stride ldy) = x [M, K] float32 (row stride ldx) @ W.T, W [N, K] packed as
 // `kind`. Returns 0, or -1 for a bad kind or shape, or when scratch could not be allocated.
 int kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,
@@ -300,12 +320,8 @@ int kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, 
     kq_act a;
     void *scratch = kq_quantize_rows(x, ldx, M, K, &a);
     if (!scratch) return -1;
-    const int nb = (int)(K / XQK);
-    const int64_t group_bytes = (int64_t)nb * kq_record_bytes(kind);
-    const kq_group_fn fn = KQ_GROUP[kind];
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < N / KQ_ROWS; g++)
-        fn(w + g * group_bytes, nb, &a, M, (int)K, y + g * KQ_ROWS, ldy);
+#pragma omp parallel
+    kq_matmul_team(kind, w, N, K, a.q, a.e, a.S, a.qs, M, y, ldy);
     free(scratch);
     return 0;
 }

@@ -19,6 +19,13 @@ void q4_1_quantize_row_q8(const float *x, int K, int8_t *q, float *e, float *S);
 void q4_x16_matmul_team(const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
                         const float *e, const float *S, int64_t M, float *y, int64_t ldy);
 
+// kquants.c: a GGUF-type matrix of `kind` (kquants.c's enum) times quantized rows, which
+// also carry qs [M, K/16] (kq_row_sums16 of q)
+void kq_row_sums16(const int8_t *q, int64_t K, int32_t *qs);
+void kq_matmul_team(int kind, const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
+                    const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
+                    int64_t ldy);
+
 typedef struct {
     int64_t B, Hq, Hkv, D;
     int64_t group, sub, subs;  // query heads per kv head; per attend call; calls per kv head

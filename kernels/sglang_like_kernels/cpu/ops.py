@@ -106,20 +106,26 @@ def _int64(name: str, t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+DECODE_STEP_RUNS = 4  # decode_step.c's DS_RUNS
+
+
 def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: float,
                     pool_dtype: torch.dtype, cos_table: torch.Tensor, sin_table: torch.Tensor,
                     positions: torch.Tensor, out_slots: torch.Tensor, table: torch.Tensor,
                     rows: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
                     num_kv_heads: int, head_dim: int, intermediate: int, sm_scale: float,
                     aux_slot: torch.Tensor, features: torch.Tensor | None,
-                    variant: str | None = None) -> None:
+                    variant: str | None = None, runs: torch.Tensor | None = None) -> None:
     """Every layer of a decode or verify step (decode_step.c), x float32 [T, H] updated in
     place from the embedded rows to the residual stream after the last layer. `ptrs` int64
     [L, 8]: addresses of each layer's x16 qkv, o, gate_up and down weights, its two float32
     norm weights, its K and V pool buffers (of `pool_dtype`). Query row t attends to the first
     seq_lens[t] slots of table[rows[t]] (int32 table) and stores its k/v at out_slots[t].
     aux_slot int64 [L]: -1 or the column block of `features` [T, n * H] that receives the
-    residual stream entering that layer. `variant`: the build to run (default: this CPU's)."""
+    residual stream entering that layer. `variant`: the build to run (default: this CPU's).
+    `runs` int64 [L, 4, DECODE_STEP_RUNS, 3] (GGUF types): each linear as runs of output rows
+    (kind of kquants.c or -1 for x16, weight address, rows; rows 0 ends a linear), in place
+    of ptrs' weight addresses."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError("x must be a contiguous float32 tensor")
     if table.dtype != torch.int32 or table.stride(-1) != 1:
@@ -136,7 +142,8 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
         sin_table.data_ptr(), _int64("positions", positions), _int64("out_slots", out_slots),
         table.data_ptr(), table.stride(0), _int64("rows", rows), _int64("seq_lens", seq_lens),
         sm_scale, _int64("aux_slot", aux_slot), n_aux,
-        None if features is None else features.data_ptr())
+        None if features is None else features.data_ptr(),
+        None if runs is None else _int64("runs", runs))
     if rc == -2:
         raise ValueError(f"decode_step_x16 cannot take these shapes (H={h}, heads {num_heads}/"
                          f"{num_kv_heads}x{head_dim}, intermediate {intermediate})")
