@@ -127,15 +127,32 @@ def read_gguf(path: str) -> GGUFFile:
     for _ in range(num_tensors):
         name = cur.string()
         dims = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
-        infos.append((name, gguf.GGMLQuantizationType(cur.scalar("I")), dims, cur.scalar("Q")))
+        code = cur.scalar("I")
+        try:
+            qtype = gguf.GGMLQuantizationType(code)
+        except ValueError:
+            raise ValueError(f"{path!r}: tensor {name!r} has an unknown GGML type {code} (a "
+                             "newer llama.cpp's? this gguf-py knows "
+                             f"{len(gguf.GGMLQuantizationType)} types)") from None
+        infos.append((name, qtype, dims, cur.scalar("Q")))
     alignment = int(metadata.get("general.alignment", 32))
     data_start = -(-cur.pos // alignment) * alignment
     tensors = []
     for name, qtype, dims, offset in infos:
+        if qtype not in gguf.GGML_QUANT_SIZES:
+            raise ValueError(f"{path!r}: tensor {name!r} is of type {qtype.name}, which has no "
+                             "block size here")
         block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if dims[0] % block_size:
+            raise ValueError(f"{path!r}: tensor {name!r} ({qtype.name}) has rows of {dims[0]} "
+                             f"values, not a multiple of its {block_size}-value blocks")
         row_bytes = dims[0] // block_size * type_size
         num_rows = int(np.prod(dims[1:], dtype=np.int64))
         start = data_start + offset
+        if start + num_rows * row_bytes > mm.size:
+            raise ValueError(f"{path!r} is truncated or corrupt: tensor {name!r} "
+                             f"({qtype.name} {list(reversed(dims))}) needs bytes up to "
+                             f"{start + num_rows * row_bytes}, the file has {mm.size}")
         data = mm[start : start + num_rows * row_bytes].reshape(num_rows, row_bytes)
         tensors.append(GGUFTensor(name, qtype, tuple(reversed(dims)), data))
     return GGUFFile(metadata, tensors)

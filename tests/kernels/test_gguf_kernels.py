@@ -157,3 +157,70 @@ def test_bad_shapes_and_types_are_clear_errors() -> None:
     kind, packed = pack(quantized_blocks("Q5_0", 16, 64))
     with pytest.raises(RuntimeError, match="kq_matmul failed"):
         cpu.kq_matmul(torch.randn(2, 48), packed, kind, 16)
+
+
+def test_types_without_a_kernel_take_int8_and_say_so(caplog) -> None:
+    """GGUFMethod: a type kquants.c does not run (Q3_K here) is dequantized and requantized
+    to int8 per row with a log line naming it; a dense F16 matrix runs dense in bf16."""
+    import logging
+
+    from sglang_like.layers.quantization import DenseMethod, GGUFMethod, Int8Method
+
+    q3 = random_blocks_any("Q3_K", 32, 256)
+    with caplog.at_level(logging.WARNING):
+        lin = QuantLinear(GGUFMethod(), 256, [32], ["w"])
+        lin.load_weights({"x.w.weight": q3}, "x.", torch.device("cpu"))
+    assert isinstance(lin.gguf_method, Int8Method)
+    assert "Q3_K" in caplog.text and "int8" in caplog.text
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    want = x @ q3.dequantize().T
+    torch.testing.assert_close(lin(x), want, rtol=0.05, atol=0.05 * want.abs().max().item())
+    dense = QuantLinear(GGUFMethod(), 256, [32], ["w"])
+    dense.load_weights({"x.w.weight": torch.randn(32, 256).half().float()}, "x.",
+                       torch.device("cpu"))
+    assert isinstance(dense.gguf_method, DenseMethod)
+    assert dense(x).dtype == torch.float32
+
+
+def random_blocks_any(qtype: str, rows: int, cols: int) -> GGUFBlockWeight:
+    """Random bytes as blocks of a type this module has no fp16-field table for, with every
+    2-byte word a small fp16 (so no scale is inf / NaN)."""
+    bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, size=(rows, cols // bs * ts), dtype=np.uint8)
+    if qtype == "Q3_K":  # its fp16 d is the block's last two bytes
+        d = (rng.uniform(0.5, 1.5, size=(rows, cols // bs)) * 1e-2).astype(np.float16)
+        raw.reshape(rows, cols // bs, ts)[..., ts - 2:] = d.view(np.uint8).reshape(
+            rows, cols // bs, 2)
+    return GGUFBlockWeight(qtype, (rows, cols), raw)
+
+
+def _tiny_gguf(path, name: str = "blk.0.ffn_down.weight") -> None:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor(name, np.ones((32, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_truncated_or_unknown_file_names_the_tensor(tmp_path) -> None:
+    from sglang_like.model_loader.gguf_file import read_gguf
+
+    good = tmp_path / "good.gguf"
+    _tiny_gguf(good)
+    assert read_gguf(str(good)).tensors[0].shape == (32, 64)
+    data = good.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"truncated or corrupt: tensor 'blk.0.ffn_down.weight'"):
+        read_gguf(str(cut))
+    # the tensor info: name, n_dims (u32), dims (u64 each), type (u32)
+    name = b"blk.0.ffn_down.weight"
+    at = data.index(name) + len(name) + 4 + 8 * 2
+    patched = bytearray(data)
+    patched[at:at + 4] = (999).to_bytes(4, "little")
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(bytes(patched))
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_down.weight' has an unknown GGML type 999"):
+        read_gguf(str(odd))
