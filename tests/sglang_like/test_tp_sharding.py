@@ -28,6 +28,7 @@ from sglang_like.tp import (
 )
 from sglang_like.tp.broadcast import decode_batch, encode_batch
 from sglang_like.tp.comm import make_process_group
+from sglang_like_kernels import cpu as native_cpu
 
 SMOLLM2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True)
 
@@ -277,3 +278,58 @@ def test_shard_weights_drops_row_parallel_bias_off_rank_0() -> None:
                        weights["model.layers.1.mlp.down_proj.weight"][:, 128:])
     assert first["model.embed_tokens.weight"] is weights["model.embed_tokens.weight"]
 
+
+
+# ---- GGUF types (K-quants) shard at their blocks ----------------------------------------------
+KQ_TINY = ModelConfig("llama", 96, 256, 1024, 2, 4, 2, 64, max_position_embeddings=64)
+# a K-quant mix as llama-quantize makes one: K types where a row is 256-aligned; o_proj (its
+# 128-column shards cannot cut a 256 super-block) as the legacy 32-block type it falls back to
+KQ_TYPES = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_0",
+            "gate_proj": "Q5_K", "up_proj": "Q5_K", "down_proj": "Q4_K"}
+
+
+@pytest.mark.skipif(not native_cpu.available(), reason="native CPU kernels not built")
+def test_two_shards_of_a_k_quant_model_compute_the_whole_one(tmp_path) -> None:
+    """Column-parallel shards cut rows, row-parallel ones cut columns at block boundaries (256
+    for K types): every rank multiplies the file's own codes on kquants.c, and the two ranks
+    together give the whole model's logits (to float summation order: the row-parallel
+    partial sums are all-reduced)."""
+    from sglang_like.layers.quantization import QuantConfig
+
+    from ..gguf_quantize import quantize
+
+    dense = _tiny_weights(KQ_TINY)
+    weights: dict = {}
+    for name, w in dense.items():
+        part = name.split(".")[-2]
+        if part in KQ_TYPES and name.endswith(".weight"):
+            qtype = KQ_TYPES[part]
+            weights[name] = GGUFBlockWeight(qtype, tuple(w.shape), quantize(w.numpy(), qtype))
+        else:
+            weights[name] = w
+    quant = QuantConfig("gguf", torch.float32)
+    whole = LlamaForCausalLM(KQ_TINY, quant)
+    whole.set_rope(64, "cpu")
+    whole.load_weights(weights, torch.device("cpu"))
+    down = whole.model.layers[0].mlp.down_proj
+    assert [k for k, _, _ in down.kq_runs] == ["q4m"]
+    expected = _run(whole, KQ_TINY, KQ_TINY.num_key_value_heads)
+    path = str(tmp_path / "shm")
+    ShmAllReduce.create_file(path, 2, 1 << 16)
+
+    def rank_main(rank: int) -> torch.Tensor:
+        comm = ShmAllReduce(path, rank, 2, 1 << 16, lambda: None, 30)
+        plan = make_shard_plan(KQ_TINY, 2, rank)
+        model = LlamaForCausalLM(KQ_TINY, quant, tp=TPShard(plan, comm.all_reduce))
+        model.set_rope(64, "cpu")
+        sharded = shard_weights(weights, KQ_TINY, plan)
+        assert sharded["model.layers.0.mlp.down_proj.weight"].shape == (256, 512)
+        model.load_weights(sharded, torch.device("cpu"))
+        return _run(model, KQ_TINY, plan.num_kv_heads)
+
+    got = _on_threads(rank_main, 2)
+    torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[0], got[1])
+    # a shard that would cut a super-block is refused, naming the boundary
+    with pytest.raises(ValueError, match="256-column block boundaries"):
+        weights["model.layers.0.mlp.down_proj.weight"].slice_cols(0, 128)
