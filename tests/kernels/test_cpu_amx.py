@@ -203,3 +203,74 @@ def test_q8_head_picks_integer_below_24_rows_bf16_above_unless_batch_invariant()
                                amx.q8_matmul(x[:rows], codes, scales, int8=True))
         assert torch.equal(method.apply(layer, x),
                            amx.q8_matmul(x, codes, scales, int8=invariant))
+
+
+# ---- amx_x16.c: the x16 layout (Q4_1, int8 activations) on AMX-INT8 tiles ------------------
+
+def _x16_matrix(n: int, k: int, seed: int) -> torch.Tensor:
+    from sglang_like.layers.quantization.q4_native import q4_1_blocks
+    from sglang_like_kernels import cpu as native_cpu
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return native_cpu.q4_x16_pack(q4_1_blocks(w), n, k)
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 4, 15, 16, 17, 31, 33, 128, 129, 300])
+def test_q4_x16_tiles_are_the_x16_kernels_bits(n, k, m):
+    """The tile kernel and the x16 kernel (VNNI; the AVX2 build too) give the same bits, row
+    for row, at every row count: `auto` switches between them by rows with no output moving.
+    Activations of mixed scales, a zero block and a row of zeros included."""
+    from sglang_like_kernels import cpu as native_cpu
+
+    packed = _x16_matrix(n, k, seed=n + k)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 8
+    x[0, :32] = 0
+    x[m // 2] = 0
+    y = amx.q4_x16_matmul(x, packed, n)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert torch.equal(y, native_cpu.q4_x16_matmul(x, packed, n))
+    if "avx2" in native_cpu.supported_isas():
+        assert torch.equal(y, native_cpu.q4_x16_matmul(x, packed, n, variant="avx2"))
+
+
+def test_q4_x16_tiles_rows_do_not_depend_on_the_batch_and_bad_shapes_are_refused():
+    n, k = 96, 576
+    packed = _x16_matrix(n, k, seed=1)
+    x = torch.randn(70, 2 * k)[:, :k]  # a row stride other than K
+    batch = amx.q4_x16_matmul(x, packed, n)
+    for rows in (slice(0, 1), slice(3, 20), slice(17, 70)):
+        assert torch.equal(amx.q4_x16_matmul(x[rows], packed, n), batch[rows])
+    assert amx.q4_x16_matmul(x[:0], packed, n).shape == (0, n)
+    with pytest.raises(RuntimeError, match="q4_x16_amx_matmul"):
+        amx.q4_x16_matmul(torch.randn(4, 48), packed, n)  # K not a multiple of 32
+
+
+def test_x16_method_takes_the_tiles_from_amx_min_rows_and_never_a_dense_gemm(monkeypatch):
+    """On AMX a Q4X16Method layer multiplies every row count on the x16 bytes (x16 kernel
+    below `amx_min_rows`, tiles from there): the same bits in any batch, prefill chunks of
+    256+ rows included, where it used to dequantize for a bf16 GEMM."""
+    from sglang_like.layers.quantization.q4_native import Q4X16Method
+    from sglang_like_kernels import cpu as native_cpu
+
+    method, layer = Q4X16Method(), nn.Module()
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(3)) * 0.05
+    method.create_weights(layer, [w], torch.device("cpu"))
+    layer.bias = None
+    assert layer.amx
+    calls = []
+    for name in ("q4_x16_matmul",):
+        for mod, tag in ((native_cpu, "x16"), (amx, "tiles")):
+            real = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _r=real, _t=tag: calls.append(_t) or _r(*a))
+    monkeypatch.setattr(method, "dequantize", lambda layer: pytest.fail("dense GEMM"))
+    x = torch.randn(300, 576)
+    whole = method.apply(layer, x)
+    decode = method.decode_fn(layer)
+    for rows in (1, method.amx_min_rows - 1, method.amx_min_rows, 256):
+        del calls[:]
+        assert torch.equal(method.apply(layer, x[:rows]), whole[:rows])
+        assert torch.equal(decode(x[:rows]), whole[:rows])
+        want = "tiles" if rows >= method.amx_min_rows else "x16"
+        assert calls == [want, want], (rows, calls)

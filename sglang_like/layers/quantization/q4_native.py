@@ -4,11 +4,12 @@ Two layouts of the same numbers (activations quantized to int8 per 32 columns, a
 does; the same sums to float rounding):
 
 - `Q4X16Method` (kernels/sglang_like_kernels/cpu/q4_rows.c), `auto`'s choice wherever the
-  native kernels build and the CPU has no AMX: 16 output rows interleaved per block, so one
-  `vpdpbusd` (AVX2: two `vpmaddubsw` halves) dots 4 columns of all 16 rows and the float
-  scaling is paid per 16 rows; an activation row costs a few instructions per block, so a
-  speculative verify of 4-8 rows costs about what one decode row does under torch's kernel
-  (timings: docs/cpu-kernels.md).
+  native kernels build: 16 output rows interleaved per block, so one `vpdpbusd` (AVX2: two
+  `vpmaddubsw` halves) dots 4 columns of all 16 rows and the float scaling is paid per 16
+  rows; an activation row costs a few instructions per block, so a speculative verify of 4-8
+  rows costs about what one decode row does under torch's kernel. On CPUs with AMX the same
+  bytes also feed a tile kernel (amx_x16.c) that gives the same bits, used from
+  `amx_min_rows` rows (timings: docs/cpu-kernels.md).
 - `Q4NativeMethod` (kernels/sglang_like_kernels/cpu/q4_1.c): row-major blocks, one weight row
   at a time. `SGLANG_LIKE_INT4_KERNEL=native` asks for it.
 
@@ -41,9 +42,15 @@ _ENV_VAR = "SGLANG_LIKE_INT4_KERNEL"
 
 def int4_kernel() -> str:
     """Which kernel `int4` linears run: `x16` (Q4X16Method), `native` (Q4NativeMethod) or
-    `torch` (Int4Method: torch's int4 kernel, or on AMX this project's tile kernels).
-    `SGLANG_LIKE_INT4_KERNEL` = `auto` (default: x16 where the native kernels are available
-    and the CPU has no AMX, else torch), `x16`, `native` or `torch`."""
+    `torch` (Int4Method: torch's int4 kernel, or on AMX this project's tile kernels on
+    torch's pack). `SGLANG_LIKE_INT4_KERNEL` = `auto` (default: x16 wherever the native
+    kernels are available, else torch), `x16`, `native` or `torch`.
+
+    `auto` picks x16 on AMX CPUs too, by measured speed rather than by ISA
+    (benchmarks/bench_kernel_choice.py, docs/cpu-kernels.md): up to 8-16 rows (decode,
+    verifies) the x16 kernel is about twice as fast as the tile kernels on torch's pack, the
+    one-call decode step (decode_step.c) needs x16 weights, and from 16 rows its own tile
+    kernel (amx_x16.c, the same bits) takes over."""
     choice = os.environ.get(_ENV_VAR, "").strip().lower() or "auto"
     if choice not in ("auto", "x16", "native", "torch"):
         raise ValueError(f"{_ENV_VAR}={choice!r}: expected auto, x16, native or torch")
@@ -51,7 +58,7 @@ def int4_kernel() -> str:
         raise ValueError(f"{_ENV_VAR}={choice} but the native CPU kernels are unavailable")
     if choice != "auto":
         return choice
-    return "x16" if native_cpu.available() and not amx.available() else "torch"
+    return "x16" if native_cpu.available() else "torch"
 
 
 def int8_blocks_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -148,9 +155,22 @@ class Q4X16Method(Q4NativeMethod):
     """Weights in the x16 layout (kernels/sglang_like_kernels/cpu/q4_rows.c: 16 output rows
     interleaved per block of 32 columns, 20 bytes per 32 weights as Q4_1); float32
     activations in and out.
-    Every row count below `dense_min_rows` runs the kernel (a row's result is the same
-    alone, in a batch or in a verify); from there the layer is dequantized for a GEMM on the
-    activations rounded as the kernel rounds them (see Q4NativeMethod)."""
+
+    Without AMX, every row count below `dense_min_rows` runs the kernel (a row's result is
+    the same alone, in a batch or in a verify); from there the layer is dequantized for a
+    GEMM on the activations rounded as the kernel rounds them (see Q4NativeMethod).
+
+    With AMX (`layer.amx`), forwards of `amx_min_rows` rows or more run amx_x16.c on the same
+    bytes instead, and nothing is dequantized: its integer tile products are the x16
+    kernel's dots and its float steps the x16 kernel's, so a row's result is the same bits
+    at every row count, in any batch, chunk or verify. A prefill chunk of 256+ rows through a
+    GEMM rounded otherwise, so a prompt's answer depended on how many other prompt rows
+    shared its forward, which depends on when requests reach the loop: a greedy comparison
+    of two runs of the same 32 prompts (tests/sglang_like/test_greedy_head.py) parted in 20
+    of 32 outputs when the first 3 arrived a moment early, in none with this kernel.
+    `amx_min_rows`: where the tiles overtake the x16 kernel (bench_kernel_choice)."""
+
+    amx_min_rows = 16
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
@@ -160,14 +180,26 @@ class Q4X16Method(Q4NativeMethod):
         layer.register_buffer("x16", native_cpu.q4_x16_pack(blocks, n, k))
         layer.x16_shape = (n, k)
         layer.group_size = BLOCK
+        layer.amx = amx.available()
+
+    def _kernel(self, layer: nn.Module, rows: int):
+        """The op that multiplies `rows` activation rows: x16, or the tiles (same bits)."""
+        if layer.amx and rows >= self.amx_min_rows:
+            return amx.q4_x16_matmul
+        return native_cpu.q4_x16_matmul
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.dense_min_rows:
+        if not layer.amx and x.shape[0] >= self.dense_min_rows:
             return dense_forward(int8_blocks_rounded(x), self.dequantize(layer))
-        return native_cpu.q4_x16_matmul(x, layer.x16, layer.x16_shape[0])
+        return self._kernel(layer, x.shape[0])(x, layer.x16, layer.x16_shape[0])
 
     def decode_fn(self, layer: nn.Module):
-        matmul, packed, n = native_cpu.q4_x16_matmul, layer.x16, layer.x16_shape[0]
+        packed, n = layer.x16, layer.x16_shape[0]
+        if layer.amx:  # verifies of many rows reach the tiles; every row count the same bits
+            kernel = self._kernel
+            return with_bias(lambda x: kernel(layer, x.shape[0])(x, packed, n), layer.bias,
+                             torch.float32)
+        matmul = native_cpu.q4_x16_matmul
         return with_bias(lambda x: matmul(x, packed, n), layer.bias, torch.float32)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
