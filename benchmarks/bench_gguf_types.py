@@ -21,12 +21,13 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 from typing import Any
 
 import torch
 
-from benchmarks.bench_offline import _peer, _run_worker
+from benchmarks.bench_offline import _peer, _run_worker, measure_bandwidth_gbs
 from benchmarks.common import RESULTS_DIR, llama_binary
 
 DEFAULT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL")
@@ -63,12 +64,102 @@ def type_mix(path: str) -> str:
 
 
 COLS = ("b1_tok_s", "b32_tok_s", "prefill_tok_s")
+AGREE_TOKENS = 32
 
 
-def print_table(results: list[dict[str, Any]]) -> None:
+def _prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
+    from benchmarks.common import WORKLOADS
+
+    prompts = [p for w in WORKLOADS.values() for p in w][:n]
+    return [tokenizer.encode(p) for p in prompts]
+
+
+def _greedy_ours(path: str, n: int) -> dict[str, Any]:
+    """(in a worker process) our greedy tokens for the agreement prompts, with `auto`."""
+    from sglang_like.engine import Engine
+
+    engine = Engine(model_path=path, engine_in_process=True, max_total_tokens=16384)
+    try:
+        ids = _prompt_ids(engine.tokenizer, n)
+        outs = engine.generate(input_ids=ids, sampling_params={
+            "max_new_tokens": AGREE_TOKENS, "temperature": 0, "ignore_eos": True})
+        return {"prompts": ids, "outputs": [o["output_ids"] for o in outs]}
+    finally:
+        engine.shutdown()
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return json.loads(resp.read())
+
+
+def _llama_server_tokens(bin_dir: str, path: str, prompts: list[list[int]],
+                         extra: list[str], port: int = 30911) -> list[list[int]]:
+    import urllib.request
+
+    cmd = [llama_binary(bin_dir, "llama-server"), "-m", path, "--port", str(port), "-t",
+           str(torch.get_num_threads()), "-np", "1", "-c", "4096", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not become healthy")
+            time.sleep(0.5)
+        outs = []
+        for ids in prompts:
+            body = {"prompt": ids, "n_predict": AGREE_TOKENS, "temperature": 0, "top_k": 1,
+                    "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+            outs.append(_post(f"http://127.0.0.1:{port}/completion", body)["tokens"])
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {proc.returncode}")
+        return outs
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def greedy_agreement(bin_dir: str, path: str, n: int) -> dict[str, Any]:
+    """Greedy tokens equal to llama-server's (same file, same prompt ids) before the first
+    difference, per prompt and on average; llama-server with its default weight repacking,
+    or with --no-repack where that run crashes (named in `server`)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_gguf_types",
+                           "--worker-greedy", path, "--agreement-prompts", str(n)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"greedy worker failed:\n{proc.stderr[-2000:]}")
+    ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    server = "llama-server"
+    try:
+        theirs = _llama_server_tokens(bin_dir, path, ours["prompts"], [])
+    except RuntimeError:
+        server = "llama-server --no-repack"
+        theirs = _llama_server_tokens(bin_dir, path, ours["prompts"], ["--no-repack"])
+    equal = []
+    for a, b in zip(ours["outputs"], theirs, strict=True):
+        n_common = min(len(a), len(b))
+        same = next((i for i in range(n_common) if a[i] != b[i]), n_common)
+        equal.append(same)
+    return {"server": server, "equal_prefix": equal, "mean_equal": sum(equal) / len(equal)}
+
+
+def print_table(results: list[dict[str, Any]], gbs: float) -> None:
     print(f"\ntokens/s; threads={torch.get_num_threads()}, "
-          f"ISA {torch.backends.cpu.get_cpu_capability()}; RSS and load in MB / s")
-    print(f"{'file':<9}{'who':<14}{'batch 1':>9}{'batch 32':>10}{'prefill':>9}"
+          f"ISA {torch.backends.cpu.get_cpu_capability()}; RSS and load in MB / s; floor = "
+          f"read bandwidth {gbs:.1f} GB/s / the bytes one decode step of `auto` reads")
+    print(f"{'file':<11}{'who':<12}{'batch 1':>9}{'batch 32':>10}{'prefill':>9}"
           f"{'RSS':>7}{'load':>7}  matrices")
     for r in results:
         rows = [(f, r[f]) for f in FORMATS if f in r]
@@ -79,14 +170,15 @@ def print_table(results: list[dict[str, Any]]) -> None:
             cells = "".join(f"{row.get(c, float('nan')):.0f}{marks[c]}".rjust(w)
                             for c, w in zip(COLS, (9, 10, 9), strict=True))
             load = row.get("load_s", float("nan"))
-            print(f"{r['type']:<9}{who:<14}{cells}{row.get('rss_mb', float('nan')):>7.0f}"
+            print(f"{r['type']:<11}{who:<12}{cells}{row.get('rss_mb', float('nan')):>7.0f}"
                   f"{load:>7.1f}  {row.get('linear', '')}")
         peer = r.get("llama.cpp")
         if peer:
             ratios = "  ".join(f"{c.removesuffix('_tok_s')} {r['auto'][c] / peer[c]:.2f}x"
                                for c in COLS if peer.get(c))
-            print(f"{'':<9}auto / llama.cpp: {ratios}; RSS "
-                  f"{r['auto']['rss_mb'] / peer['rss_mb']:.2f}x   [{r['mix']}]")
+            print(f"{'':<11}auto / llama.cpp: {ratios}; RSS "
+                  f"{r['auto']['rss_mb'] / peer['rss_mb']:.2f}x; batch-1 floor "
+                  f"{r['floor_b1_tok_s']:.0f}   [{r['mix']}]")
     paths = {p for r in results if r.get("llama.cpp")
              for p in r["llama.cpp"].get("paths", {}).values()}
     if paths:
@@ -125,7 +217,13 @@ def main(argv: list[str] | None = None) -> None:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
                     help="folder with llama-quantize, llama-bench and llama-batched-bench")
-    ap.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES))
+    ap.add_argument("--types", nargs="*", default=list(DEFAULT_TYPES))
+    ap.add_argument("--agreement-prompts", type=int, default=8,
+                    help="greedy prompts compared with llama-server on each file (0: none)")
+    ap.add_argument("--worker-greedy", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--random-1b", action="store_true",
+                    help="also a random ~1B Llama at Q4_K_M (benchmarks/random_gguf.py: random "
+                    "HF folder -> convert_hf_to_gguf.py -> llama-quantize; every matrix K-quant)")
     ap.add_argument("--files", nargs="*", default=[],
                     help="GGUF files to run as they are (no requantizing)")
     ap.add_argument("--formats", default=",".join(FORMATS))
@@ -137,14 +235,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-json", default=os.path.join(RESULTS_DIR, "gguf_types.json"))
     ap.add_argument("--plot", default=os.path.join(RESULTS_DIR, "gguf_types.png"))
     args = ap.parse_args(argv)
+    if args.worker_greedy:
+        print(json.dumps(_greedy_ours(args.worker_greedy, args.agreement_prompts)))
+        return
     formats = [f for f in args.formats.split(",") if f]
     files = [(t, quantized_file(args.llama_cpp_bin, t, args.cache_dir)) for t in args.types
              ] if args.types and args.llama_cpp_bin else []
+    if args.random_1b:
+        from benchmarks.random_gguf import build_random_llama_gguf
+
+        built = build_random_llama_gguf(args.llama_cpp_bin, args.cache_dir, qtypes=("Q4_K_M",))
+        files.append(("1B Q4_K_M", built["Q4_K_M"]))
     files += [(os.path.basename(f).rsplit(".", 2)[-2], f) for f in args.files]
     if not files:
         raise SystemExit("nothing to run: pass --llama-cpp-bin (to requantize) or --files")
     results = []
     t0 = time.perf_counter()
+    gbs = measure_bandwidth_gbs()
     for qtype, path in files:
         r: dict[str, Any] = {"type": qtype, "file": path, "mix": type_mix(path)}
         passthrough = [f"--model-path={path}", f"--new-tokens={args.new_tokens}",
@@ -154,14 +261,20 @@ def main(argv: list[str] | None = None) -> None:
             r[fmt] = _run_worker(fmt, passthrough)
             print(f"{qtype} {fmt}: " + ", ".join(f"{c} {r[fmt][c]:.0f}" for c in COLS),
                   flush=True)
+        if not args.skip_peer and args.llama_cpp_bin and args.agreement_prompts:
+            r["agreement"] = greedy_agreement(args.llama_cpp_bin, path, args.agreement_prompts)
+            print(f"{qtype}: greedy tokens equal to llama-server's before the first difference "
+                  f"{r['agreement']['mean_equal']:.1f} of {AGREE_TOKENS} on average "
+                  f"({r['agreement']['server']})", flush=True)
         if not args.skip_peer and args.llama_cpp_bin:
             ns = argparse.Namespace(skip_peer=False, llama_cpp_bin=args.llama_cpp_bin,
                                     model_path=path, prefill_tokens=args.prefill_tokens,
                                     new_tokens=args.new_tokens, batch_sizes=[32],
                                     batch_new_tokens=32, depths=[], depth_new_tokens=0)
             r["llama.cpp"] = _peer(ns)
+        r["floor_b1_tok_s"] = gbs * 1e3 / r[formats[0]]["decode_mb"] if formats else None
         results.append(r)
-    print_table(results)
+    print_table(results, gbs)
     print(f"(the whole run: {time.perf_counter() - t0:.0f} s)")
     if args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
