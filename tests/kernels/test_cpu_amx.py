@@ -192,12 +192,13 @@ def test_q8_rows_do_not_depend_on_the_batch_and_bad_shapes_are_refused(int8):
         amx.q8_matmul(x, codes[:48], scales[:48], int8=int8)
 
 
-def test_q8_head_picks_integer_below_24_rows_bf16_above_unless_batch_invariant():
+def test_row_major_q8_head_picks_integer_below_24_rows_bf16_above_unless_batch_invariant():
     codes, scales, w = _q8_matrix(128, 64, seed=1)
     x = torch.randn(24, 64, generator=torch.Generator().manual_seed(5))
     for invariant in (False, True):
-        layer, method = nn.Module(), Q8HeadMethod(batch_invariant=invariant)
+        layer, method = nn.Module(), Q8HeadMethod(batch_invariant=invariant, row_major_amx=True)
         method.create_weights(layer, [w], torch.device("cpu"))
+        assert layer.amx and not layer.x16 and method.row_major_amx_min_rows == 24
         for rows in (1, 23):
             assert torch.equal(method.apply(layer, x[:rows]),
                                amx.q8_matmul(x[:rows], codes, scales, int8=True))
@@ -274,3 +275,51 @@ def test_x16_method_takes_the_tiles_from_amx_min_rows_and_never_a_dense_gemm(mon
         assert torch.equal(decode(x[:rows]), whole[:rows])
         want = "tiles" if rows >= method.amx_min_rows else "x16"
         assert calls == [want, want], (rows, calls)
+
+
+# ---- amx_q8x16.c: the head's q8 x16 layout on AMX-INT8 tiles ---------------------------------
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (512, 576)])
+@pytest.mark.parametrize("m", [1, 5, 8, 16, 17, 33, 130])
+def test_q8_x16_tiles_are_the_x16_kernels_bits(n, k, m):
+    """The head's tile kernel gives the x16 kernel's logits bit for bit (its activation
+    rounding is q8_rows.c's, its integer sums and float steps too), at every row count."""
+    from sglang_like_kernels import cpu as native_cpu
+
+    codes, scales, _ = _q8_matrix(n, k, seed=n + k)
+    packed, packed_scales = native_cpu.q8_x16_pack(codes, scales)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 8
+    x[0, :32] = 0
+    y = amx.q8_x16_matmul(x, packed, packed_scales)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert torch.equal(y, native_cpu.q8_x16_matmul(x, packed, packed_scales))
+    strided = torch.zeros(m, 2 * k)
+    strided[:, :k] = x
+    assert torch.equal(amx.q8_x16_matmul(strided[:, :k], packed, packed_scales), y)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_q8_head_runs_its_x16_rows_on_the_tiles_from_amx_min_rows(invariant, monkeypatch):
+    """The default head on AMX is the x16 layout (it has the greedy argmax path): the x16
+    kernel below `amx_min_rows` rows, the tiles from there, the same logits either way, one
+    copy of the matrix; `batch_invariant` too (no kernel rounds otherwise)."""
+    from sglang_like_kernels import cpu as native_cpu
+
+    _, _, w = _q8_matrix(256, 576, seed=2)
+    layer, method = nn.Module(), Q8HeadMethod(batch_invariant=invariant)
+    method.create_weights(layer, [w], torch.device("cpu"))
+    assert layer.x16 and layer.x16_amx and not layer.amx and method.argmax_supported(layer)
+    assert {name for name, _ in layer.named_buffers()} == {"weight", "block_scale",
+                                                           "row_bounds"}
+    calls = []
+    for mod, tag in ((native_cpu, "x16"), (amx, "tiles")):
+        real = mod.q8_x16_matmul
+        monkeypatch.setattr(mod, "q8_x16_matmul",
+                            lambda *a, _r=real, _t=tag: calls.append(_t) or _r(*a))
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(4))
+    whole = method.apply(layer, x)
+    for rows in (1, method.amx_min_rows - 1, method.amx_min_rows, 40):
+        del calls[:]
+        assert torch.equal(method.apply(layer, x[:rows]), whole[:rows])
+        assert calls == ["tiles" if rows >= method.amx_min_rows else "x16"]

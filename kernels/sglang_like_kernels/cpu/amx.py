@@ -24,10 +24,11 @@ from sglang_like_kernels.cpu import _build, _cpu_flags, _requested
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "q4_matmul", "q4_x16_matmul", "q8_matmul"]
+__all__ = ["available", "q4_matmul", "q4_x16_matmul", "q8_matmul", "q8_x16_matmul"]
 
 # q4_1.c for its activation quantizer: amx_x16.c rounds activations exactly as the x16 kernel
-_SOURCES = ("amx.c", "amx_q4.c", "amx_q4_codes.c", "amx_q8.c", "amx_x16.c", "q4_1.c")
+_SOURCES = ("amx.c", "amx_q4.c", "amx_q4_codes.c", "amx_q8.c", "amx_x16.c", "amx_q8x16.c",
+            "q4_1.c")
 _HEADERS = ("amx.h",)
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
@@ -68,6 +69,8 @@ def _library() -> ctypes.CDLL | None:
     lib.q8_amx_matmul_i8.restype = ctypes.c_int
     lib.q4_x16_amx_matmul.argtypes = [p, i64, i64, p, i64, i64, p, i64]
     lib.q4_x16_amx_matmul.restype = ctypes.c_int
+    lib.q8_x16_amx_matmul.argtypes = lib.q8_amx_matmul.argtypes
+    lib.q8_x16_amx_matmul.restype = ctypes.c_int
     return lib
 
 
@@ -141,4 +144,18 @@ def q4_x16_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
                                       x.stride(0), m, y.data_ptr(), out_features) != 0:
         raise RuntimeError(f"q4_x16_amx_matmul: N={out_features} must divide by 16, K={k} "
                            "by 32")
+    return y
+
+
+def q8_x16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32, W in the q8 x16 layout (`cpu.q8_x16_pack`:
+    codes int8 [N/16, K/32, 8, 16, 4], scales float32 [N/16, K/32, 16]), on AMX-INT8 tiles
+    (amx_q8x16.c): the same bits as `cpu.q8_x16_matmul`, row for row, at any M."""
+    x = _rows(x, torch.float32)
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m and _lib().q8_x16_amx_matmul(packed.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(),
+                                      x.stride(0), m, y.data_ptr(), n) != 0:
+        raise RuntimeError(f"q8_x16_amx_matmul: N={n} must divide by 16, K={k} by 32")
     return y

@@ -153,8 +153,9 @@ class QuantConfig:
         """The method of the LM head; `embeds`: it is also the (tied) embedding.
 
         Quantized models keep logits in fp32: block-int8 rows through the native Q8_0 kernel
-        (one copy a quarter of fp32's bytes; see q8_head), else fbgemm's fp16 GEMM where the
-        CPU has it, else int8 (whose bf16 output is cast up).
+        (one copy a quarter of fp32's bytes; see q8_head: on AVX-512 VNNI the x16 layout,
+        whose AMX tile kernel gives the same logits from 8 rows, AMX CPUs included), else
+        fbgemm's fp16 GEMM where the CPU has it, else int8 (whose bf16 output is cast up).
         """
         if not self.is_quantized:
             return DenseMethod(self.dtype)
@@ -194,7 +195,7 @@ _INT8 = Int8Method()
 _INT8_EMBED = Int8EmbeddingMethod()
 _FP16 = Fp16FbgemmMethod(embed_rows=False)
 _FP16_TIED = Fp16FbgemmMethod(embed_rows=True)
-_Q8_HEADS = {det: Q8HeadMethod(batch_invariant=det, use_amx=False) for det in (False, True)}
+_Q8_HEADS = {det: Q8HeadMethod(batch_invariant=det) for det in (False, True)}
 _INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
                  for det in (False, True)}
 _Q4_NATIVE = {det: Q4NativeMethod(batch_invariant=det) for det in (False, True)}

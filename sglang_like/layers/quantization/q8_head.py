@@ -28,8 +28,7 @@ def q8_head_available() -> bool:
 class Q8HeadMethod(Int8EmbeddingMethod):
     """The embedding's block-int8 rows (a GGUF Q8_0 matrix kept exactly, anything else
     quantized at load; `embed` and `dequantize` as there), multiplied by
-    `sglang_like_kernels.cpu.q8_0_matmul_f32` whatever the row count (on AMX, the tile
-    kernels below).
+    `sglang_like_kernels.cpu.q8_0_matmul_f32` whatever the row count (faster kernels below).
 
     Why one copy at int8: the head is the model's largest matrix (49152x576 on the default
     model). An fp16 copy for fbgemm's GEMM besides the rows the embedding gathers took more
@@ -39,30 +38,33 @@ class Q8HeadMethod(Int8EmbeddingMethod):
     row (a cut over to fbgemm's fp16 copy would round otherwise). Timings:
     docs/cpu-kernels.md.
 
-    On CPUs with AMX, kernels/sglang_like_kernels/cpu/amx_q8.c runs instead. Below `amx_min_rows`
-    rows (decode steps, speculative verifies) its integer kernel: the codes as they are on the tile
-    unit (VNNI up to 4 rows, the same integer sums), activations as two int8 parts per 32 columns
-    (about 15 bits: 2e-5 of the logits' norm), one scaling per block: faster than the native kernel
-    from 2 rows, the same at one (the matrix streams either way). From `amx_min_rows` its bf16
-    kernel: weights (code x scale) and activations each as two bf16 parts, the float product (4e-6
-    relative), which the integer kernel's per-block scaling falls behind from about 24 rows. The two
-    round differently, so `batch_invariant` keeps the integer kernel at every row count: every row's
-    logits are then the same bits in any batch.
+    On CPUs with AVX-512 VNNI (AMX ones included), the rows are repacked 16 at a time for
+    kernels/sglang_like_kernels/cpu/q8_rows.c, which rounds the activations to two int8 parts
+    per 32 columns (about 15 bits: logits within 2e-5 of the float product's norm; one int8
+    part cost top-1 agreement with fp32) and dots 16 rows' codes per instruction, about twice
+    as fast as the float kernel or more, and gives greedy rows their argmax without every
+    logit (`argmax`). Every row count runs the same sums per row. With AMX, from
+    `amx_min_rows` rows the same bytes go through amx_q8x16.c instead: its tile products are
+    that kernel's integer dots and its scaling that kernel's, so the logits are the same bits
+    at every row count, on one copy of the matrix. On AVX2 the x16 kernel was no faster than
+    the float kernel (even with one part), which stays there.
 
-    On CPUs with AVX-512 VNNI (no AMX), the rows are repacked 16 at a time for
-    kernels/sglang_like_kernels/cpu/q8_rows.c, which rounds the activations to two int8 parts per 32
-    columns (about 15 bits: logits within 2e-5 of the float product's norm; one int8 part cost top-1
-    agreement with fp32) and dots 16 rows' codes per instruction, about twice as fast as the float
-    kernel or more. Every row count runs the same sums per row. On AVX2 it was no faster than the
-    float kernel (even with one part), which stays there.
+    `row_major_amx` keeps the rows row-major for amx_q8.c's kernels instead (what AMX CPUs ran
+    before the x16 tiles; benchmarks/bench_kernel_choice.py compares the two): below
+    `row_major_amx_min_rows` rows an integer kernel (activations as two int8 parts, one
+    scaling per block), from there a bf16 one (weights and activations as two bf16 parts each,
+    4e-6 relative), which round differently, so `batch_invariant` keeps the integer kernel at
+    every row count there. It has no argmax path, and it was slower than the x16 kernel up to
+    8 rows (2x at one).
     """
 
-    amx_min_rows = 24
+    amx_min_rows = 8  # the x16 tiles from here (bench_kernel_choice)
+    row_major_amx_min_rows = 24
     argmax_min_rows = 12  # fewer rows: the logits and their argmax (see `argmax`)
 
-    def __init__(self, batch_invariant: bool = False, use_amx: bool = True) -> None:
+    def __init__(self, batch_invariant: bool = False, row_major_amx: bool = False) -> None:
         self.batch_invariant = batch_invariant
-        self.use_amx = use_amx  # False: the x16 (or float) kernel even where AMX is
+        self.row_major_amx = row_major_amx
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
@@ -72,10 +74,11 @@ class Q8HeadMethod(Int8EmbeddingMethod):
         if codes.shape[1] % EMBED_BLOCK != 0:
             raise ValueError(f"the Q8_0 head needs in_features % {EMBED_BLOCK} == 0")
         n, k = codes.shape
-        layer.amx = (self.use_amx and n % 32 == 0 and k % 32 == 0 and device.type == "cpu"
-                     and amx.available())
+        on_cpu_amx = device.type == "cpu" and amx.available()
+        layer.amx = self.row_major_amx and n % 32 == 0 and k % 32 == 0 and on_cpu_amx
         layer.x16 = (not layer.amx and n % 16 == 0 and device.type == "cpu"
                      and native_cpu.isa() == "avx512_vnni")
+        layer.x16_amx = layer.x16 and on_cpu_amx
         if layer.x16:  # one copy, in the kernel's layout; embed() gathers rows out of it
             codes, scale = native_cpu.q8_x16_pack(codes.contiguous(), scale.contiguous())
         layer.register_buffer("weight", codes.contiguous().to(device))
@@ -100,9 +103,11 @@ class Q8HeadMethod(Int8EmbeddingMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.x16:
-            return native_cpu.q8_x16_matmul(x, layer.weight, layer.block_scale)
+            tiles = layer.x16_amx and x.shape[0] >= self.amx_min_rows  # the same bits
+            matmul = amx.q8_x16_matmul if tiles else native_cpu.q8_x16_matmul
+            return matmul(x, layer.weight, layer.block_scale)
         if layer.amx:
-            int8 = self.batch_invariant or x.shape[0] < self.amx_min_rows
+            int8 = self.batch_invariant or x.shape[0] < self.row_major_amx_min_rows
             return amx.q8_matmul(x, layer.weight, layer.block_scale, int8=int8)
         return native_cpu.q8_0_matmul_f32(x, layer.weight, layer.block_scale)
 
