@@ -20,9 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from sglang_like.layers.quantization.base import LinearMethod, WeightSource, dense_forward
+from sglang_like.layers.quantization.base import LinearMethod, WeightSource
 from sglang_like.layers.quantization.gguf_blocks import BLOCK, GGUFBlockWeight
-from sglang_like.layers.quantization.q4_native import int8_blocks_rounded
 from sglang_like_kernels import cpu as native_cpu
 
 logger = logging.getLogger(__name__)
@@ -177,20 +176,22 @@ def pack(w: GGUFBlockWeight) -> tuple[str, torch.Tensor]:
 
 
 class GGUFNativeMethod(LinearMethod):
-    """A linear whose partitions are GGUF matrices of one type in `KQ_KIND`, packed for
-    kquants.c; float32 activations in and out. As Q4X16Method: every row count below
-    `dense_min_rows` runs the kernel (a row's result is the same alone, in a batch or in a
-    verify); from there the layer is dequantized for a GEMM on the activations rounded as
-    the kernel rounds them. Fused partitions (qkv, gate_up) of different types, which a
-    K-quant mix can give, are each packed and multiplied on their own kernel."""
+    """A linear whose partitions are GGUF matrices of types in `KQ_KIND`, packed for
+    kquants.c; float32 activations in and out. Every row count runs the kernel, so a row's
+    result is the same bits alone, in a batch, in a verify or in a prefill of any length
+    (batch- and cache-invariant linears by default). A prefill does not dequantize the layer
+    for a GEMM: on the default model requantized to Q4_K_M a 1k-token prefill ran at about
+    the same speed either way on an AMX Xeon (the GEMM's speed spent on dequantizing every
+    layer each forward), and the kernel keeps a 1B model from ever existing in fp32. Fused
+    partitions (qkv, gate_up) of different types, which a K-quant mix can give, run one call
+    per run of equal kinds."""
 
-    dense_min_rows = 256
     input_dtype = torch.float32
 
     def __init__(self, batch_invariant: bool = False) -> None:
+        # every row count already runs the kernel: `--enable-deterministic-inference` changes
+        # nothing here (kept for the method's repr and the callers that pass it)
         self.batch_invariant = batch_invariant
-        if batch_invariant:
-            self.dense_min_rows = 1 << 62
 
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
@@ -218,8 +219,6 @@ class GGUFNativeMethod(LinearMethod):
                 for i, (kind, n, _) in enumerate(layer.kq_runs)]
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.dense_min_rows:
-            return dense_forward(int8_blocks_rounded(x), self.dequantize(layer))
         return self.decode_fn(layer)(x)
 
     def decode_fn(self, layer: nn.Module):
