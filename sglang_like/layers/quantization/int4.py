@@ -75,11 +75,12 @@ class Int4Method(LinearMethod):
     (+0.5 byte per weight).
 
     On CPUs with AMX (Sapphire Rapids and later), every forward runs an AMX kernel on the
-    same bytes instead, chosen by row count. From about 64 rows the bf16 kernel is as fast or
-    faster, but the codes kernel keeps every forward below 256 rows on one kernel (verifies
-    of a batch of 20 run 120 rows; a prompt's first prefill and its cached re-extend run
-    different row counts): with a switch at 64, those answered measurably apart. The
-    timings by row count are in docs/cpu-kernels.md.
+    same bytes instead, chosen by row count. (`auto` runs Q4X16Method there now, faster at
+    decode sizes; this method is `SGLANG_LIKE_INT4_KERNEL=torch`'s.) From about 64 rows the
+    bf16 kernel is as fast or faster, but the codes kernel keeps every forward below 256 rows
+    on one kernel (verifies of a batch of 20 run 120 rows; a prompt's first prefill and its
+    cached re-extend run different row counts): with a switch at 64, those answered
+    measurably apart. The timings by row count are in docs/cpu-kernels.md.
 
     - Below `amx_bf16_min_rows` (decode, speculative verifies, short prompts) the codes
       kernel: the activations rounded onto a grid per 32 columns on which every dot is an
