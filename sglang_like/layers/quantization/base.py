@@ -34,7 +34,8 @@ def prefill_gemm_dtype() -> torch.dtype:
     sizes (docs/cpu-kernels.md); on AVX2 bf16 is emulated and slower than fp32.
     int4 and int8 take bf16 activations already, so only the dequantized weight rounds;
     Q4NativeMethod's fp32 activations round too, where it runs with bf16 hardware (it is
-    chosen for AVX2-only CPUs, which have neither).
+    chosen for AVX2-only CPUs, which have neither). Q4X16Method on AMX never comes here: its
+    tile kernel takes prefill chunks with the decode kernel's bits.
     `SGLANG_LIKE_PREFILL_GEMM=auto|bf16|fp32` overrides."""
     choice = os.environ.get(_PREFILL_GEMM_ENV, "").strip().lower() or "auto"
     if choice not in ("auto", "bf16", "fp32"):
