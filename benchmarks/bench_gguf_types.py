@@ -67,11 +67,25 @@ COLS = ("b1_tok_s", "b32_tok_s", "prefill_tok_s")
 AGREE_TOKENS = 32
 
 
-def _prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
-    from benchmarks.common import WORKLOADS
+# text to continue (chat prompts without their template mostly end at once with EOS)
+AGREE_PROMPTS = [
+    "The history of the printing press begins",
+    "def merge_sorted(a, b):\n",
+    "Once upon a time, in a small village by the sea,",
+    "The three most important things to know about volcanoes are",
+    "In 1969, the first humans",
+    "SELECT name, email FROM customers WHERE",
+    "Photosynthesis is the process by which",
+    "A good breakfast for a busy morning is",
+    "The main causes of the French Revolution were",
+    "import json\n\nwith open(",
+    "Dear hiring manager,\n\nI am writing to",
+    "List of the planets in order: Mercury,",
+]
 
-    prompts = [p for w in WORKLOADS.values() for p in w][:n]
-    return [tokenizer.encode(p) for p in prompts]
+
+def _prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in AGREE_PROMPTS[:n]]
 
 
 def _greedy_ours(path: str, n: int) -> dict[str, Any]:
@@ -82,8 +96,9 @@ def _greedy_ours(path: str, n: int) -> dict[str, Any]:
     try:
         ids = _prompt_ids(engine.tokenizer, n)
         outs = engine.generate(input_ids=ids, sampling_params={
-            "max_new_tokens": AGREE_TOKENS, "temperature": 0, "ignore_eos": True})
-        return {"prompts": ids, "outputs": [o["output_ids"] for o in outs]}
+            "max_new_tokens": AGREE_TOKENS, "temperature": 0})
+        return {"prompts": ids, "outputs": [o["output_ids"] for o in outs],
+                "eos": min(engine.tokenizer.eos_token_ids)}
     finally:
         engine.shutdown()
 
@@ -97,7 +112,7 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-def _llama_server_tokens(bin_dir: str, path: str, prompts: list[list[int]],
+def _llama_server_tokens(bin_dir: str, path: str, prompts: list[list[int]], eos: int,
                          extra: list[str], port: int = 30911) -> list[list[int]]:
     import urllib.request
 
@@ -120,9 +135,13 @@ def _llama_server_tokens(bin_dir: str, path: str, prompts: list[list[int]],
             time.sleep(0.5)
         outs = []
         for ids in prompts:
+            # no ignore_eos on either side: llama-server's masks EOS out of the logits (so its
+            # greedy takes the runner-up where EOS was best), ours only keeps going
             body = {"prompt": ids, "n_predict": AGREE_TOKENS, "temperature": 0, "top_k": 1,
-                    "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
-            outs.append(_post(f"http://127.0.0.1:{port}/completion", body)["tokens"])
+                    "cache_prompt": False, "return_tokens": True}
+            out = _post(f"http://127.0.0.1:{port}/completion", body)
+            # its tokens leave out the EOS it stopped at; ours end with it
+            outs.append(out["tokens"] + ([eos] if out.get("stop_type") == "eos" else []))
             if proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited {proc.returncode}")
         return outs
@@ -143,16 +162,18 @@ def greedy_agreement(bin_dir: str, path: str, n: int) -> dict[str, Any]:
     ours = json.loads(proc.stdout.strip().splitlines()[-1])
     server = "llama-server"
     try:
-        theirs = _llama_server_tokens(bin_dir, path, ours["prompts"], [])
+        theirs = _llama_server_tokens(bin_dir, path, ours["prompts"], ours["eos"], [])
     except RuntimeError:
         server = "llama-server --no-repack"
-        theirs = _llama_server_tokens(bin_dir, path, ours["prompts"], ["--no-repack"])
+        theirs = _llama_server_tokens(bin_dir, path, ours["prompts"], ours["eos"],
+                                      ["--no-repack"])
     equal = []
     for a, b in zip(ours["outputs"], theirs, strict=True):
         n_common = min(len(a), len(b))
-        same = next((i for i in range(n_common) if a[i] != b[i]), n_common)
-        equal.append(same)
-    return {"server": server, "equal_prefix": equal, "mean_equal": sum(equal) / len(equal)}
+        equal.append(next((i for i in range(n_common) if a[i] != b[i]), n_common))
+    lengths = [len(a) for a in ours["outputs"]]
+    return {"server": server, "equal_prefix": equal, "mean_equal": sum(equal) / len(equal),
+            "our_lengths": lengths, "mean_length": sum(lengths) / len(lengths)}
 
 
 def print_table(results: list[dict[str, Any]], gbs: float) -> None:
@@ -263,9 +284,10 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
         if not args.skip_peer and args.llama_cpp_bin and args.agreement_prompts:
             r["agreement"] = greedy_agreement(args.llama_cpp_bin, path, args.agreement_prompts)
+            a = r["agreement"]
             print(f"{qtype}: greedy tokens equal to llama-server's before the first difference "
-                  f"{r['agreement']['mean_equal']:.1f} of {AGREE_TOKENS} on average "
-                  f"({r['agreement']['server']})", flush=True)
+                  f"{a['mean_equal']:.1f} on average, of {a['mean_length']:.1f} (up to "
+                  f"{AGREE_TOKENS}, EOS ends one) ({a['server']})", flush=True)
         if not args.skip_peer and args.llama_cpp_bin:
             ns = argparse.Namespace(skip_peer=False, llama_cpp_bin=args.llama_cpp_bin,
                                     model_path=path, prefill_tokens=args.prefill_tokens,
