@@ -226,3 +226,15 @@ def test_a_truncated_or_unknown_file_names_the_tensor(tmp_path) -> None:
     odd.write_bytes(bytes(patched))
     with pytest.raises(ValueError, match=r"'blk.0.ffn_down.weight' has an unknown GGML type 999"):
         read_gguf(str(odd))
+
+
+def test_a_biased_linear_adds_its_bias_once_on_every_path() -> None:
+    """Qwen2-style qkv biases: the module's forward (prefill) and the decode closure agree."""
+    w = quantized_blocks("Q5_0", 32, 256, seed=2)
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(3))
+    lin = QuantLinear(GGUFNativeMethod(), 256, [32], ["w"], bias=True)
+    lin.load_weights({"x.w.weight": w, "x.w.bias": bias}, "x.", torch.device("cpu"))
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    want = int8_blocks_rounded(x) @ w.dequantize().T + bias
+    torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(lin.method.decode_fn(lin)(x), lin(x))

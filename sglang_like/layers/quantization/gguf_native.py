@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sglang_like.layers.quantization.base import LinearMethod, WeightSource
+from sglang_like.layers.quantization.base import LinearMethod, WeightSource, with_bias
 from sglang_like.layers.quantization.gguf_blocks import BLOCK, GGUFBlockWeight
 from sglang_like_kernels import cpu as native_cpu
 
@@ -218,22 +218,20 @@ class GGUFNativeMethod(LinearMethod):
         return [(kind, n, getattr(layer, f"kq{i}"))
                 for i, (kind, n, _) in enumerate(layer.kq_runs)]
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.decode_fn(layer)(x)
-
-    def decode_fn(self, layer: nn.Module):
+    def _matmul(self, layer: nn.Module):
+        """x -> x @ W.T over the layer's runs (no bias)."""
         matmul = native_cpu.kq_matmul
         runs = self._packed(layer)
-        bias = layer.bias
         if len(runs) == 1:
             kind, n, packed = runs[0]
-            fn = lambda x: matmul(x, packed, kind, n)  # noqa: E731
-        else:
-            fn = lambda x: torch.cat([matmul(x, p, k, n) for k, n, p in runs], dim=1)  # noqa: E731
-        if bias is None:
-            return fn
-        b = bias.float()
-        return lambda x: fn(x) + b
+            return lambda x: matmul(x, packed, kind, n)
+        return lambda x: torch.cat([matmul(x, p, k, n) for k, n, p in runs], dim=1)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(layer)(x)  # QuantLinear adds the bias
+
+    def decode_fn(self, layer: nn.Module):
+        return with_bias(self._matmul(layer), layer.bias, torch.float32)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return torch.cat([native_cpu.kq_dequantize(p, kind, n, layer.in_features)
