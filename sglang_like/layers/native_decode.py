@@ -225,8 +225,7 @@ def _fused_runs(lin: torch.nn.Module) -> list[tuple[int, torch.Tensor, int]] | N
     method = getattr(lin, "gguf_method", lin.method)
     if not isinstance(method, GGUFNativeMethod) or len(lin.kq_runs) > ops.DECODE_STEP_RUNS:
         return None
-    return [(KQ_KINDS[kind], getattr(lin, f"kq{i}"), rows)
-            for i, (kind, rows, _) in enumerate(lin.kq_runs)]
+    return [(KQ_KINDS[kind], packed, rows) for kind, rows, packed in method.packed_runs(lin)]
 
 
 class _FusedX16:

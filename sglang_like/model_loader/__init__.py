@@ -82,7 +82,7 @@ def load_model(
     """Load a model (None: the default SmolLM2 GGUF) with weights cast to `dtype` (default
     float32) on the CPU.
 
-    `keep_packed`: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices stay in their blocks
+    `keep_packed`: a GGUF's block matrices (`PACKED_QTYPES`) stay in their blocks
     (`GGUFBlockWeight`) for a quantized model to repack; other sources are unaffected.
     """
     import torch

@@ -216,7 +216,7 @@ def iter_hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
     """Yield (hf_name, tensor) for every tensor of the file, dequantized and un-permuted.
 
-    With `keep_packed`, Q4_0 / Q4_1 / Q8_0 matrices come as `GGUFBlockWeight` (their blocks,
+    With `keep_packed`, matrices of `PACKED_QTYPES` come as `GGUFBlockWeight` (their blocks,
     rows un-permuted) for a quantized model to repack; nothing of them is dequantized here.
     """
     import torch

@@ -72,7 +72,7 @@ def gguf_model_config(
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32,
               keep_packed: bool = False) -> LoadedModel:
-    """Read `path`, dequantize tensors to `dtype` (or, with `keep_packed`, keep Q4_0/Q4_1/Q8_0
+    """Read `path`, dequantize tensors to `dtype` (or, with `keep_packed`, keep block-type
     matrices as their blocks), un-permute llama Q/K, build the tokenizer."""
     file = read_gguf(path)
     metadata = file.metadata

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sglang_like.layers.quantization import GGUFBlockWeight, GGUFNativeMethod, QuantLinear
-from sglang_like.layers.quantization.gguf_native import KQ_KIND, block_codes, pack
+from sglang_like.layers.quantization.gguf_native import KQ_KIND, OFFSET, block_codes, pack
 from sglang_like.layers.quantization.q4_native import int8_blocks_rounded
 from sglang_like_kernels import cpu
 
@@ -60,7 +60,7 @@ def quantized_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> GGUFBlo
 def repack_bound(w: GGUFBlockWeight) -> torch.Tensor:
     """Per element: how far the repacked matrix may be from gguf-py's (see the module doc)."""
     codes, d, m = block_codes(w)
-    offset = {"q5o": 16, "q6": 32, "q8": 128, "iq4": 128}.get(KQ_KIND[w.qtype], 0)
+    offset = OFFSET.get(KQ_KIND[w.qtype], 0)
     rows, cols = w.shape
     scale = np.repeat(d, cols // d.shape[1], axis=1)
     term = np.abs(scale * (codes.astype(np.float32) - offset))

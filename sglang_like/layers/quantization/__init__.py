@@ -136,7 +136,7 @@ class QuantConfig:
         if self.name == "fp16":
             return _FP16
         if self.name == "gguf":
-            return _GGUF[self.deterministic]
+            return _GGUF
         kernel = int4_kernel() if self.name == "int4" and in_features % 32 == 0 else None
         if kernel == "x16" and out_features % 16 == 0:
             return _Q4_X16[self.deterministic]  # see q4_native
@@ -200,4 +200,4 @@ _INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
                  for det in (False, True)}
 _Q4_NATIVE = {det: Q4NativeMethod(batch_invariant=det) for det in (False, True)}
 _Q4_X16 = {det: Q4X16Method(batch_invariant=det) for det in (False, True)}
-_GGUF = {det: GGUFMethod(batch_invariant=det) for det in (False, True)}
+_GGUF = GGUFMethod()

@@ -29,9 +29,8 @@ logger = logging.getLogger(__name__)
 # GGUF type -> kquants.c kind
 KQ_KIND = {"Q4_0": "q4m", "Q4_1": "q4m", "Q4_K": "q4m", "Q5_K": "q5m", "Q5_1": "q5m",
            "Q5_0": "q5o", "Q6_K": "q6", "Q8_0": "q8", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
-NATIVE_QTYPES = tuple(KQ_KIND)
 _BITS = {"q4m": 4, "iq4": 4, "q5o": 5, "q5m": 5, "q6": 6, "q8": 8}
-_OFFSET = {"iq4": 128, "q5o": 16, "q6": 32, "q8": 128}  # w = d * (code - offset)
+OFFSET = {"iq4": 128, "q5o": 16, "q6": 32, "q8": 128}  # w = d * (code - offset); others 0
 _ROWS = 16
 # ggml's kvalues_iq4nl: the 16 values an IQ4 nibble stands for
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
@@ -188,11 +187,6 @@ class GGUFNativeMethod(LinearMethod):
 
     input_dtype = torch.float32
 
-    def __init__(self, batch_invariant: bool = False) -> None:
-        # every row count already runs the kernel: `--enable-deterministic-inference` changes
-        # nothing here (kept for the method's repr and the callers that pass it)
-        self.batch_invariant = batch_invariant
-
     def create_weights(self, layer: nn.Module, sources: list[WeightSource],
                        device: torch.device) -> None:
         if device.type != "cpu":
@@ -214,14 +208,15 @@ class GGUFNativeMethod(LinearMethod):
         for i, b in enumerate(buffers):
             layer.register_buffer(f"kq{i}", b.contiguous())
 
-    def _packed(self, layer: nn.Module) -> list[tuple[str, int, torch.Tensor]]:
+    def packed_runs(self, layer: nn.Module) -> list[tuple[str, int, torch.Tensor]]:
+        """(kind, rows, packed weight) per run of the layer, in output order."""
         return [(kind, n, getattr(layer, f"kq{i}"))
                 for i, (kind, n, _) in enumerate(layer.kq_runs)]
 
     def _matmul(self, layer: nn.Module):
         """x -> x @ W.T over the layer's runs (no bias)."""
         matmul = native_cpu.kq_matmul
-        runs = self._packed(layer)
+        runs = self.packed_runs(layer)
         if len(runs) == 1:
             kind, n, packed = runs[0]
             return lambda x: matmul(x, packed, kind, n)
@@ -235,13 +230,11 @@ class GGUFNativeMethod(LinearMethod):
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return torch.cat([native_cpu.kq_dequantize(p, kind, n, layer.in_features)
-                          for kind, n, p in self._packed(layer)])
+                          for kind, n, p in self.packed_runs(layer)])
 
     def weight_bytes(self, layer: nn.Module) -> int:
-        return sum(p.numel() for _, _, p in self._packed(layer))
+        return sum(p.numel() for _, _, p in self.packed_runs(layer))
 
-    def __repr__(self) -> str:
-        return f"GGUFNativeMethod({'batch_invariant=True' if self.batch_invariant else ''})"
 
 
 _FALLBACK_LOGGED: set[str] = set()
@@ -256,10 +249,8 @@ class GGUFMethod(LinearMethod):
     `layer.gguf_method`; float32 activations come in and go to it in its own dtype."""
 
     input_dtype = torch.float32
-
-    def __init__(self, batch_invariant: bool = False) -> None:
-        self.batch_invariant = batch_invariant
-        self._native = GGUFNativeMethod(batch_invariant)
+    # every row count runs the kernel: `--enable-deterministic-inference` has nothing to change
+    _native = GGUFNativeMethod()
 
     def _choose(self, sources: list[WeightSource], rows: int) -> LinearMethod:
         from sglang_like.layers.quantization.dense import DenseMethod
@@ -306,5 +297,3 @@ class GGUFMethod(LinearMethod):
     def decode_bytes(self, layer: nn.Module) -> int:
         return layer.gguf_method.decode_bytes(layer)
 
-    def __repr__(self) -> str:
-        return f"GGUFMethod({'batch_invariant=True' if self.batch_invariant else ''})"
