@@ -29,7 +29,7 @@ __all__ = ["available", "q4_matmul", "q4_x16_matmul", "q8_matmul", "q8_x16_matmu
 # q4_1.c for its activation quantizer: amx_x16.c rounds activations exactly as the x16 kernel
 _SOURCES = ("amx.c", "amx_q4.c", "amx_q4_codes.c", "amx_q8.c", "amx_x16.c", "amx_q8x16.c",
             "q4_1.c")
-_HEADERS = ("amx.h",)
+_HEADERS = ("amx.h", "simd.h")
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 _CPU_FLAGS = {"amx_tile", "amx_bf16", "amx_int8", "avx512_vnni", "avx512f", "avx512bw",

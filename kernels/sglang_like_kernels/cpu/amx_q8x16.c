@@ -6,7 +6,7 @@
 // bytes, vector t holding codes 4t .. 4t + 3 of each of the 16 rows: that is an AMX B tile
 // for K = 32 as it lies in memory (row kq: 4 consecutive codes of each of 16 output rows),
 // signed, as `tdpbssd` takes them. Each activation row is rounded as q8_rows.c rounds it, to
-// two int8 parts per block (x ~ e * (254 q1 + q2); `split_row_2x8` is its quantize_row_2x8,
+// two int8 parts per block (x ~ e * (254 q1 + q2); the same `quantize_row_2x8` (simd.h),
 // the same operations), so a block's two tile products are the integer dots the x16 kernel
 // adds up, 254 * dot(c, q1) + dot(c, q2) exact in int32, and each block is scaled with its
 // fused multiply-add, blocks in the same order:
@@ -14,6 +14,7 @@
 // A row's logits are therefore the same bits here as on the x16 kernel, in any batch.
 
 #include "amx.h"
+#include "simd.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -21,26 +22,6 @@
 #define Q8X_QK 32
 #define Q8X_ROWS 16
 #define Q8X_ROW_BLOCK 128  // activation rows per work item
-
-// q8_rows.c's quantize_row_2x8, operation for operation (tests compare the two kernels'
-// outputs bit for bit): one row -> q1, q2 [K] and e [K/32]
-static void split_row_2x8(const float *x, int K, int8_t *q1, int8_t *q2, float *e) {
-    for (int b = 0; b < K / Q8X_QK; b++) {
-        const float *xb = x + b * Q8X_QK;
-        float amax = 0.0f;
-        for (int j = 0; j < Q8X_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float e1 = amax / 127.0f, inv1 = e1 > 0.0f ? 1.0f / e1 : 0.0f;
-        const float inv2 = inv1 * 254.0f;
-        for (int j = 0; j < Q8X_QK; j++) {
-            const float a = nearbyintf(xb[j] * inv1);
-            float r = nearbyintf((xb[j] - a * e1) * inv2);
-            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            q1[b * Q8X_QK + j] = (int8_t)a;
-            q2[b * Q8X_QK + j] = (int8_t)r;
-        }
-        e[b] = e1 / 254.0f;
-    }
-}
 
 // tmm0, 1: C of q1, q2 (even blocks), tmm2, 3 (odd blocks); tmm4, 5: A (q1, q2 rows x 32
 // bytes); tmm6: B (8 rows x 64 bytes)
@@ -116,7 +97,7 @@ int q8_x16_amx_matmul(const int8_t *codes, const float *scales, int64_t N, int64
     float *e = (float *)(q2 + M * K);
 #pragma omp parallel for schedule(static) if (M > 4)
     for (int64_t r = 0; r < M; r++)
-        split_row_2x8(x + r * ldx, (int)K, q1 + r * K, q2 + r * K, e + r * nb);
+        quantize_row_2x8(x + r * ldx, (int)K, q1 + r * K, q2 + r * K, e + r * nb, NULL);
     const int64_t row_blocks = (M + Q8X_ROW_BLOCK - 1) / Q8X_ROW_BLOCK;
 #pragma omp parallel
     {

@@ -22,33 +22,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #define Q8X_QK 32
 #define Q8X_ROWS 16
-
-// One activation row [K] -> two int8 parts q1, q2 [K], the scale e of the second per block
-// (x ~ e * (254 q1 + q2)), and corr = 128 * (254 sum(q1) + sum(q2)) per block.
-static void quantize_row_2x8(const float *x, int K, int8_t *q1, int8_t *q2, float *e,
-                             int32_t *corr) {
-    for (int b = 0; b < K / Q8X_QK; b++) {
-        const float *xb = x + b * Q8X_QK;
-        float amax = 0.0f;
-        for (int j = 0; j < Q8X_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float e1 = amax / 127.0f, inv1 = e1 > 0.0f ? 1.0f / e1 : 0.0f;
-        const float inv2 = inv1 * 254.0f;
-        int32_t s1 = 0, s2 = 0;
-        for (int j = 0; j < Q8X_QK; j++) {
-            const float a = nearbyintf(xb[j] * inv1);
-            float r = nearbyintf((xb[j] - a * e1) * inv2);
-            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            q1[b * Q8X_QK + j] = (int8_t)a;
-            q2[b * Q8X_QK + j] = (int8_t)r;
-            s1 += (int32_t)a;
-            s2 += (int32_t)r;
-        }
-        e[b] = e1 / 254.0f;
-        corr[b] = 128 * (254 * s1 + s2);
-    }
-}
 
 #ifdef Q4_VNNI
 #define Q8X_MAX_ACT 8

@@ -4,6 +4,7 @@
 #define SGLANG_LIKE_CPU_SIMD_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -84,6 +85,33 @@ static inline void store_row(void *dst, int bf16, int64_t off, int n, const floa
         for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
     } else {
         memcpy((float *)dst + off, src, sizeof(float) * (size_t)n);
+    }
+}
+
+// One activation row [K] -> two int8 parts q1, q2 [K] per block of 32 (x ~ e * (254 q1 + q2),
+// e the second part's scale; about 15 bits) and, where corr is not NULL,
+// corr = 128 * (254 sum(q1) + sum(q2)) per block: the LM head's activations (q8_rows.c, and
+// amx_q8x16.c, whose tiles must see the same bytes)
+static inline void quantize_row_2x8(const float *x, int K, int8_t *q1, int8_t *q2, float *e,
+                                    int32_t *corr) {
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float e1 = amax / 127.0f, inv1 = e1 > 0.0f ? 1.0f / e1 : 0.0f;
+        const float inv2 = inv1 * 254.0f;
+        int32_t s1 = 0, s2 = 0;
+        for (int j = 0; j < 32; j++) {
+            const float a = nearbyintf(xb[j] * inv1);
+            float r = nearbyintf((xb[j] - a * e1) * inv2);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            q1[b * 32 + j] = (int8_t)a;
+            q2[b * 32 + j] = (int8_t)r;
+            s1 += (int32_t)a;
+            s2 += (int32_t)r;
+        }
+        e[b] = e1 / 254.0f;
+        if (corr) corr[b] = 128 * (254 * s1 + s2);
     }
 }
 
