@@ -21,28 +21,53 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DecoderLayerDescription:
-    """How one decoder layer computes, beyond its shapes. Defaults are Llama's."""
+    """How one decoder layer computes, beyond its shapes. Defaults are Llama's.
 
-    norm: str = "rms"  # the kind of the input / post-attention norms
+    Norm layouts (the modules' names are Hugging Face's, so checkpoints load by name):
+
+        "pre"       x += attn(input_layernorm(x));  x += mlp(post_attention_layernorm(x))
+        "sandwich"  x += post_attention_layernorm(attn(input_layernorm(x)))
+                    x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+        "post"      x += post_attention_layernorm(attn(x));  x += post_feedforward_layernorm(mlp(x))
+
+    ("pre": Llama, Qwen, Mistral, Phi-3, Granite; "sandwich": Gemma 2/3; "post": OLMo 2.) Each
+    sub-layer's output is scaled by `residual_scale` before the add (Granite). A norm's weight is
+    the multiplier it applies: Gemma's `1 + w` is folded into w at load.
+    """
+
+    norm: str = "rms"  # the kind of every norm of the layer
     norm_eps: float = 1e-5
-    activation: str = "silu"  # of the gated MLP: act(gate) * up
-    has_qk_norm: bool = False  # a norm over each head of q and k before RoPE (Qwen3)
+    norm_layout: str = "pre"  # "pre" | "sandwich" | "post"
+    activation: str = "silu"  # of the gated MLP: act(gate) * up; "silu" | "gelu_tanh"
+    # a norm of q and k before RoPE: None; "head" over each head (Qwen3, Gemma 3); "full" over
+    # all of a token's q (k) rows at once (OLMo 2)
+    qk_norm: str | None = None
     has_qkv_bias: bool = False
     has_o_bias: bool = False
-    has_rope: bool = True  # False: a layer without position rotation (SmolLM3's NoPE layers)
-    sliding_window: int | None = None  # keys older than this many positions are not seen
-    attn_logit_softcap: float | None = None  # tanh soft-cap of the attention scores
-    has_post_norms: bool = False  # norms on the sub-layers' outputs (sandwich norms)
+    # which rotary table rotates q and k: "global" (the model's rope_theta and scaling),
+    # "local" (Gemma 3's sliding layers: their own base, unscaled) or "none" (SmolLM3's NoPE)
+    rope: str = "global"
+    # a query sees only the last `sliding_window` keys of its visible ones (itself included:
+    # positions p - window < j <= p, transformers' convention); None: all of them
+    sliding_window: int | None = None
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    residual_scale: float = 1.0  # sub-layer outputs are scaled by it before the add (Granite)
+
+    @property
+    def has_pre_attn_norm(self) -> bool:
+        return self.norm_layout != "post"
 
 
 class DecoderLayerParts(NamedTuple):
-    """A decoder layer's modules and shapes, as the native step reads them (this rank's)."""
+    """A decoder layer's modules and shapes, as the native step reads them (this rank's).
+
+    The norms by role; None where the layout has none (see `DecoderLayerDescription`)."""
 
     description: DecoderLayerDescription
-    input_norm: RMSNorm
+    input_norm: RMSNorm | None  # before attention ("pre", "sandwich")
     qkv_proj: nn.Module  # a QuantLinear: q, k, v rows fused
     o_proj: nn.Module
-    post_attention_norm: RMSNorm
+    mlp_norm: RMSNorm | None  # before the MLP ("pre", "sandwich")
     gate_up_proj: nn.Module  # gate, up rows fused
     down_proj: nn.Module
     num_heads: int
@@ -51,6 +76,10 @@ class DecoderLayerParts(NamedTuple):
     intermediate_size: int
     layer_id: int
     sm_scale: float
+    attn_out_norm: RMSNorm | None = None  # on attention's output ("sandwich", "post")
+    mlp_out_norm: RMSNorm | None = None  # on the MLP's output ("sandwich", "post")
+    q_norm: RMSNorm | None = None  # per `description.qk_norm`
+    k_norm: RMSNorm | None = None
 
     @property
     def linears(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:

@@ -58,13 +58,14 @@ FUSED_ENV = "SGLANG_LIKE_FUSED_DECODE"
 
 
 def supports(description: DecoderLayerDescription) -> bool:
-    """Whether the native kernels compute a layer so described: RMSNorm, SiLU-gated MLP,
-    RoPE on every layer, full attention without soft-cap, no q/k or sandwich norms. Biases
-    are added after the per-op path's linears (the one-call step refuses them itself)."""
+    """Whether the native kernels compute a layer so described: RMSNorm before each
+    sub-layer ("pre" layout), SiLU-gated MLP, the global RoPE table, full attention without
+    soft-cap, no q/k norm, no residual scale. Biases are added after the per-op path's linears
+    (the one-call step refuses them itself)."""
     d = description
-    return (d.norm == "rms" and d.activation == "silu" and not d.has_qk_norm and d.has_rope
-            and d.sliding_window is None and d.attn_logit_softcap is None
-            and not d.has_post_norms)
+    return (d.norm == "rms" and d.norm_layout == "pre" and d.activation == "silu"
+            and d.qk_norm is None and d.rope == "global" and d.sliding_window is None
+            and d.attn_logit_softcap is None and d.residual_scale == 1.0)
 
 
 class AttnRows(NamedTuple):
@@ -177,7 +178,7 @@ class NativeDecodePlan:
         self.layers = [
             _Layer(_norm(p.input_norm), _linear(p.qkv_proj), p.num_heads, p.num_kv_heads,
                    p.head_dim, p.layer_id, p.sm_scale, p.o_proj.method.input_dtype,
-                   _linear(p.o_proj), _norm(p.post_attention_norm), _linear(p.gate_up_proj),
+                   _linear(p.o_proj), _norm(p.mlp_norm), _linear(p.gate_up_proj),
                    p.down_proj.method.input_dtype, _linear(p.down_proj))
             for p in layers
         ]
@@ -245,7 +246,7 @@ class _FusedX16:
         runs = [[_fused_runs(lin) for lin in p.linears] for p in layers]
         self.ptrs = torch.tensor([
             [r[0][1].data_ptr() for r in lr]
-            + [p.input_norm.weight.data_ptr(), p.post_attention_norm.weight.data_ptr(), 0, 0]
+            + [p.input_norm.weight.data_ptr(), p.mlp_norm.weight.data_ptr(), 0, 0]
             for p, lr in zip(layers, runs, strict=True)], dtype=torch.int64)
         # GGUF types (or x16 linears of more than one run): each linear's runs of rows
         self.runs = None
@@ -258,7 +259,7 @@ class _FusedX16:
         # what the addresses point into, kept alive with them
         self._held = [t for p, lr in zip(layers, runs, strict=True) for t in (
             *(buf for r in lr for _, buf, _ in r), p.input_norm.weight,
-            p.post_attention_norm.weight)]
+            p.mlp_norm.weight)]
         self._pool: KVPool | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -271,7 +272,7 @@ class _FusedX16:
             return None
         first = layers[0]
         for p in layers:
-            norms = (p.input_norm, p.post_attention_norm)
+            norms = (p.input_norm, p.mlp_norm)
             if (any(_fused_runs(lin) is None or lin.bias is not None for lin in p.linears)
                     or any(n.out_dtype != torch.float32 or n.eps != first.input_norm.eps
                            or n.weight.dtype != torch.float32 for n in norms)

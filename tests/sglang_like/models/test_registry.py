@@ -61,14 +61,18 @@ def test_every_family_class_is_importable_and_named_once() -> None:
 
 @pytest.mark.parametrize(("change", "native"), [
     ({}, True),
-    ({"has_qk_norm": True}, False),
+    ({"qk_norm": "head"}, False),
+    ({"qk_norm": "full"}, False),
     ({"activation": "gelu_tanh"}, False),
-    ({"norm": "rms_plus_one"}, False),
+    ({"norm": "layer"}, False),
     ({"has_qkv_bias": True, "has_o_bias": True}, True),  # added after the per-op linears
     ({"sliding_window": 4096}, False),
     ({"attn_logit_softcap": 50.0}, False),
-    ({"has_post_norms": True}, False),
-    ({"has_rope": False}, False),
+    ({"norm_layout": "sandwich"}, False),
+    ({"norm_layout": "post"}, False),
+    ({"rope": "none"}, False),
+    ({"rope": "local"}, False),
+    ({"residual_scale": 0.22}, False),
     ({"norm_eps": 1e-6}, True),
 ])
 def test_native_step_supports_exactly_what_its_kernels_compute(change: dict, native: bool) -> None:
