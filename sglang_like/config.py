@@ -9,13 +9,16 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer of the Llama / Qwen2 / Qwen3 / Mistral families.
+    """Architecture of a decoder-only transformer of one of the supported families
+    (sglang_like.models.registry), whatever file it came from.
 
     Built once by the model loader from config.json or GGUF metadata; weights use Hugging Face
-    names (model.layers.{i}.self_attn.q_proj.weight, ...) with Q/K in rotate-half RoPE layout.
+    names (model.layers.{i}.self_attn.q_proj.weight, ...), unfused, with Q/K in rotate-half RoPE
+    layout and norm weights as the multipliers they apply (Gemma's 1 + w folded in). Fields past
+    `qk_norm` are the families' differences; their defaults are Llama's.
     """
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral"
+    architecture: str  # a model_type or GGUF architecture the registry names
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,11 +31,32 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # qwen2: q/k/v projections carry a bias
-    qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k before RoPE
+    attention_bias: bool = False  # q/k/v projections carry a bias (qwen2; llama's flag: o too)
+    qk_norm: bool = False  # RMSNorm on q and k before RoPE (qwen3, gemma3, olmo2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_path: str = ""
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_tanh"
+    # per layer "full_attention" | "sliding_attention"; None: every layer full
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # keys a sliding layer's query sees (itself included)
+    rope_local_theta: float | None = None  # Gemma 3: its sliding layers' own RoPE base
+    rope_layers: tuple[bool, ...] | None = None  # SmolLM3: False for a layer without RoPE
+    rotary_dim: int | None = None  # partial rotary: the leading dims of a head rotated
+    attention_scale: float | None = None  # the score scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    embedding_scale: float = 1.0  # the embedded tokens are multiplied by it (Gemma, Granite)
+    residual_scale: float = 1.0  # each sub-layer's output before the residual add (Granite)
+    logit_scale: float = 1.0  # the logits are multiplied by it (Granite: 1 / logits_scaling)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None for a full-attention layer."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "gelu_tanh")
 """Values of `DecoderLayerDescription.activation` the layers implement."""
 
 
@@ -14,4 +14,6 @@ def gated(gate_up: torch.Tensor, intermediate_size: int, activation: str) -> tor
     gate, up = gate_up[:, :intermediate_size], gate_up[:, intermediate_size:]
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "gelu_tanh":  # GeGLU (Gemma): gelu's tanh approximation
+        return F.gelu(gate, approximate="tanh") * up
     raise ValueError(f"unsupported activation {activation!r} (supported: {ACTIVATIONS})")

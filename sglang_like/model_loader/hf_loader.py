@@ -13,46 +13,105 @@ from safetensors.torch import load_file
 from sglang_like.config import ModelConfig
 from sglang_like.model_loader.hf_tokenizer import load_hf_tokenizer, read_json
 from sglang_like.model_loader.loaded import LoadedModel, check_weights
-from sglang_like.models.registry import hf_model_type
+from sglang_like.models.registry import hf_model_type, model_class
 
 logger = logging.getLogger(__name__)
 
 
 
 def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope theta, rope scaling or None) of a Hugging Face config.json."""
-    # transformers >= 5 writes rope settings under "rope_parameters"; older versions flat.
+    """(rope theta, rope scaling or None) of a Hugging Face config.json (of its global layers,
+    where a config gives each layer type its own)."""
+    # transformers >= 5 writes rope settings under "rope_parameters" (per layer type for
+    # Gemma 3); older versions flat
     params = cfg.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling")
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling and "original_max_position_embeddings" in cfg:  # Phi-3 keeps it at the top
+        scaling = {"original_max_position_embeddings": cfg["original_max_position_embeddings"],
+                   **scaling}
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
     return float(theta), scaling
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    """The attention window some layer uses, or None when every layer sees its whole context."""
+def _local_rope_theta(cfg: dict[str, Any]) -> float | None:
+    """Gemma 3's sliding layers' RoPE base (unscaled)."""
+    params = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if params is not None:
+        return float(params.get("rope_theta", 10000.0))
+    base = cfg.get("rope_local_base_freq")
+    return None if base is None else float(base)
+
+
+def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[str, ...] | None:
+    """Each layer's attention kind ("full_attention" / "sliding_attention") as transformers
+    computes it; None where every layer is full."""
     window = cfg.get("sliding_window")
     if not window:
         return None
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:  # transformers >= 4.53 lists each layer's kind
-        return int(window) if "sliding_attention" in layer_types else None
-    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         return None  # Qwen configs carry a window they only use behind this flag
-    return int(window)
+    kinds = cfg.get("layer_types")
+    if kinds is None:  # configs written before transformers listed each layer's kind
+        full, sliding = "full_attention", "sliding_attention"
+        if model_type == "gemma2":  # even layers slide
+            kinds = [sliding if i % 2 == 0 else full for i in range(num_layers)]
+        elif model_type == "gemma3_text":  # every `pattern`-th layer is global
+            pattern = int(cfg.get("sliding_window_pattern", 6))
+            kinds = [full if (i + 1) % pattern == 0 else sliding for i in range(num_layers)]
+        elif model_type in ("qwen2", "qwen3"):  # the layers from max_window_layers slide
+            first = int(cfg.get("max_window_layers", num_layers))
+            kinds = [sliding if i >= first else full for i in range(num_layers)]
+        else:  # Mistral: every layer
+            kinds = [sliding] * num_layers
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types lists {len(kinds)} layers, the model has {num_layers}")
+    return tuple(kinds) if "sliding_attention" in kinds else None
 
 
-def _max_positions(cfg: dict[str, Any]) -> int:
-    # Our attention has no sliding window: stop the context at the window, where it still
-    # equals the model's (Mistral v0.1: 4096 of 32768), rather than go on silently wrong.
-    max_positions = int(cfg.get("max_position_embeddings", 2048))
-    window = _sliding_window(cfg)
-    if window is not None and window < max_positions:
-        logger.warning("sliding window %d: context limited to %d (of %d)", window, window,
-                       max_positions)
-        return window
-    return max_positions
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+def _activation(cfg: dict[str, Any], model_type: str) -> str:
+    name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if model_type.startswith("gemma") and name == "gelu":
+        name = "gelu_pytorch_tanh"  # Gemma's released configs say "gelu" for the tanh form
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation {name!r} unsupported; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def _family_fields(cfg: dict[str, Any], model_type: str, hidden: int, head_dim: int
+                   ) -> dict[str, Any]:
+    """The ModelConfig fields in which a family differs from Llama."""
+    fields: dict[str, Any] = {}
+    if model_type.startswith("gemma"):
+        fields["embedding_scale"] = hidden**0.5
+        if model_type != "gemma":
+            fields["attention_scale"] = float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5
+        if model_type == "gemma3_text":
+            fields["rope_local_theta"] = _local_rope_theta(cfg) or 10000.0
+    if model_type == "granite":
+        fields["embedding_scale"] = float(cfg.get("embedding_multiplier", 1.0))
+        fields["residual_scale"] = float(cfg.get("residual_multiplier", 1.0))
+        fields["attention_scale"] = float(cfg.get("attention_multiplier", head_dim**-0.5))
+        fields["logit_scale"] = 1.0 / float(cfg.get("logits_scaling", 1.0))
+    if model_type == "smollm3" and cfg.get("no_rope_layers") is not None:
+        fields["rope_layers"] = tuple(bool(v) for v in cfg["no_rope_layers"])
+    for key, field_name in (("attn_logit_softcapping", "attn_logit_softcap"),
+                            ("final_logit_softcapping", "final_logit_softcap")):
+        if cfg.get(key):
+            fields[field_name] = float(cfg[key])
+    params = cfg.get("rope_parameters") or {}
+    factor = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        fields["rotary_dim"] = int(head_dim * factor)
+    return fields
 
 
 def hf_model_config(
@@ -62,27 +121,34 @@ def hf_model_config(
     model_type = hf_model_type(cfg)  # a ValueError naming the supported ones
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    num_layers = int(cfg["num_hidden_layers"])
     theta, scaling = rope_settings(cfg)
     bos = cfg.get("bos_token_id")
+    layer_types = _layer_types(cfg, model_type, num_layers)
     return ModelConfig(
         architecture=model_type,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=_max_positions(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", not has_lm_head)),
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text", "olmo2"),
         bos_token_id=None if isinstance(bos, list) or bos is None else int(bos),
         eos_token_ids=eos_token_ids,
         model_path=model_path,
+        hidden_act=_activation(cfg, model_type),
+        layer_types=layer_types,
+        sliding_window=int(cfg["sliding_window"]) if layer_types else None,
+        **_family_fields(cfg, model_type, hidden, head_dim),
     )
 
 
@@ -101,7 +167,7 @@ def load_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
         for name, tensor in load_file(file).items():
-            if name.startswith(("model.", "lm_head.")):
+            if name.startswith(("model.", "lm_head.")) and "rotary_emb" not in name:
                 weights[name] = tensor.to(dtype)
     return weights
 
@@ -119,5 +185,6 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
     )
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # tied: the runner reuses embed_tokens
+    model_class(config.architecture).adapt_hf_weights(config, weights)
     check_weights(config, weights)
     return LoadedModel(config, weights, tokenizer)

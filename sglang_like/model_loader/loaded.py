@@ -18,8 +18,20 @@ class LoadedModel(NamedTuple):
     tokenizer: Tokenizer
 
 
+_LAYOUT_NORMS = {  # a norm layout's norms (layers/decoder.py), by their Hugging Face names
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight (biases included when the config has them) a model of `config` needs."""
+    """Every weight (biases included when the config has them) a model of `config` needs, as
+    its family's layer descriptions lay the layers out."""
+    from sglang_like.models.registry import model_class
+
+    describe = model_class(config.architecture).layer_description
     h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {
@@ -29,6 +41,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_hidden_layers):
+        desc = describe(config, i)
         p = f"model.layers.{i}."
         shapes |= {
             p + "self_attn.q_proj.weight": (q_rows, h),
@@ -38,17 +51,20 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (inter, h),
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
         }
-        if config.attention_bias:
+        shapes |= {f"{p}{norm}.weight": (h,) for norm in _LAYOUT_NORMS[desc.norm_layout]}
+        if desc.has_qkv_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q_rows,),
                 p + "self_attn.k_proj.bias": (kv_rows,),
                 p + "self_attn.v_proj.bias": (kv_rows,),
             }
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if desc.has_o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if desc.qk_norm is not None:
+            q_n, k_n = (hd, hd) if desc.qk_norm == "head" else (q_rows, kv_rows)
+            shapes |= {p + "self_attn.q_norm.weight": (q_n,),
+                       p + "self_attn.k_norm.weight": (k_n,)}
     return shapes
 
 

@@ -1,6 +1,15 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 qkv bias, Qwen3 q/k norm) over the KV pool."""
+"""The decoder-only transformer every family is built as, and the Llama family itself.
+
+`LlamaForCausalLM` builds each layer from its `DecoderLayerDescription` (layers/decoder.py):
+Llama, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm) use it as it is; the other
+families' files (gemma.py, phi3.py, olmo2.py, granite.py, smollm3.py) subclass it and only
+say how their layers differ (`layer_description`) and how their checkpoints' tensors map onto
+these modules (`adapt_hf_weights`).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,13 +32,16 @@ from sglang_like.tp.parallel import TPShard
 __all__ = ["LlamaForCausalLM", "layer_description"]
 
 
-def layer_description(config: ModelConfig) -> DecoderLayerDescription:
+def layer_description(config: ModelConfig, layer_id: int = 0) -> DecoderLayerDescription:
     """The Llama family's layer: Llama and Mistral as the defaults say; Qwen2 biases q/k/v
-    (not o_proj); Qwen3 norms each head of q and k; Llama's `attention_bias` covers o_proj."""
+    (not o_proj); Qwen3 norms each head of q and k; Llama's `attention_bias` covers o_proj;
+    a sliding layer (Mistral, Qwen2 past max_window_layers) sees its window only."""
     bias = config.attention_bias
     return DecoderLayerDescription(
-        norm_eps=config.rms_norm_eps, has_qk_norm=config.qk_norm, has_qkv_bias=bias,
-        has_o_bias=bias and config.architecture != "qwen2")
+        norm_eps=config.rms_norm_eps, qk_norm="head" if config.qk_norm else None,
+        has_qkv_bias=bias, has_o_bias=bias and config.architecture != "qwen2",
+        activation=config.hidden_act, sliding_window=config.layer_window(layer_id),
+        attn_logit_softcap=config.attn_logit_softcap, residual_scale=config.residual_scale)
 
 
 def _reduce(y: torch.Tensor, tp: TPShard | None, dtype: torch.dtype) -> torch.Tensor:
@@ -50,8 +62,13 @@ class LlamaAttention(nn.Module):
         self.num_heads = tp.plan.num_heads if tp else config.num_attention_heads
         self.num_kv_heads = tp.plan.num_kv_heads if tp else config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.sm_scale = self.head_dim**-0.5
-        self.attn = Attention(layer_id, self.sm_scale)
+        self.sm_scale = (config.attention_scale if config.attention_scale is not None
+                         else self.head_dim**-0.5)
+        self.rope = desc.rope
+        window, cap = desc.sliding_window, desc.attn_logit_softcap
+        # the keywords only where used: the plain layer calls the backends as they always were
+        extra = {k: v for k, v in (("window", window), ("softcap", cap)) if v is not None}
+        self.attn = Attention(layer_id, self.sm_scale, **extra)
         hidden = config.hidden_size
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = QuantLinear(quant.linear_method(hidden, q_rows + 2 * kv_rows), hidden,
@@ -61,41 +78,56 @@ class LlamaAttention(nn.Module):
         o_bias = desc.has_o_bias and (tp is None or tp.plan.is_first)
         self.o_proj = QuantLinear(quant.linear_method(q_rows, hidden), q_rows, [hidden], ["o_proj"],
                                   bias=o_bias)
-        if desc.has_qk_norm:
-            dtype = quant.activation_dtype
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.qk_norm = desc.qk_norm
+        dtype = quant.activation_dtype
+        if desc.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, desc.norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, desc.norm_eps, dtype)
+        elif desc.qk_norm == "full":  # over a token's whole q (k): every rank's rows at once
+            if tp is not None:
+                raise ValueError("a q/k norm over all heads (OLMo 2) is not tensor-parallel here")
+            self.q_norm = RMSNorm(q_rows, desc.norm_eps, dtype)
+            self.k_norm = RMSNorm(kv_rows, desc.norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, x: torch.Tensor, fb: ForwardBatch, rope: RotaryTables, pool: KVPool
+        self, x: torch.Tensor, fb: ForwardBatch, ropes: dict[str, RotaryTables], pool: KVPool
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         num_qk = self.num_heads + self.num_kv_heads
+        q_rows = self.num_heads * self.head_dim
+        if self.qk_norm == "full":
+            qkv = torch.cat([self.q_norm(qkv[:, :q_rows]),
+                             self.k_norm(qkv[:, q_rows: num_qk * self.head_dim]),
+                             qkv[:, num_qk * self.head_dim:]], dim=1)
         qk = qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim)
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]),
                             self.k_norm(qk[:, self.num_heads :])], dim=1)
-        qk = rope.rotate(qk)  # q and k heads in one pass, left in fp32 (the attention's math)
+        if self.rope == "none":
+            qk = qk.float()
+        else:  # q and k heads in one pass, left in fp32 (the attention's math)
+            qk = ropes[self.rope].rotate(qk)
         out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, fb, pool)
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return _reduce(out, self.tp, self.residual_dtype)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU; with `tp`, this rank's intermediate columns (gate/up column-parallel,
-    down_proj row-parallel, its output summed over the ranks)."""
+    """Gated MLP (SwiGLU, GeGLU); with `tp`, this rank's intermediate columns (gate/up
+    column-parallel, down_proj row-parallel, its output summed over the ranks)."""
 
-    def __init__(self, config: ModelConfig, quant: QuantConfig,
+    def __init__(self, config: ModelConfig, desc: DecoderLayerDescription, quant: QuantConfig,
                  tp: TPShard | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         inter = tp.plan.intermediate_size if tp else config.intermediate_size
         self.tp = tp
         self.residual_dtype = quant.dtype
+        self.activation = desc.activation
         self.gate_up_proj = QuantLinear(quant.linear_method(hidden, 2 * inter), hidden,
                                         [inter, inter],
                                         ["gate_proj", "up_proj"])
@@ -104,47 +136,83 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = gated(self.gate_up_proj(x), self.intermediate_size, "silu")
+        h = gated(self.gate_up_proj(x), self.intermediate_size, self.activation)
         return _reduce(self.down_proj(h), self.tp, self.residual_dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, quant: QuantConfig,
-                 tp: TPShard | None = None) -> None:
+    """One layer as its description lays it out (see `DecoderLayerDescription` for the three
+    norm layouts; the norms carry Hugging Face's names for their roles)."""
+
+    def __init__(self, config: ModelConfig, desc: DecoderLayerDescription, layer_id: int,
+                 quant: QuantConfig, tp: TPShard | None = None) -> None:
         super().__init__()
-        act = quant.activation_dtype
-        self.description = layer_description(config)
-        self.self_attn = LlamaAttention(config, self.description, layer_id, quant, tp)
-        self.mlp = LlamaMLP(config, quant, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, act)
+        act, h, eps = quant.activation_dtype, config.hidden_size, desc.norm_eps
+        self.description = desc
+        self.self_attn = LlamaAttention(config, desc, layer_id, quant, tp)
+        self.mlp = LlamaMLP(config, desc, quant, tp)
+        layout = desc.norm_layout
+        if layout not in ("pre", "sandwich", "post"):
+            raise ValueError(f"unknown norm layout {layout!r}")
+        self.residual_scale = desc.residual_scale
+        # sub-layer inputs go to the matmuls (activation dtype); outputs to the residual
+        if layout == "pre":
+            self.input_layernorm = RMSNorm(h, eps, act)
+            self.post_attention_layernorm = RMSNorm(h, eps, act)  # before the MLP
+        if layout == "sandwich":
+            self.input_layernorm = RMSNorm(h, eps, act)
+            self.post_attention_layernorm = RMSNorm(h, eps, quant.dtype)  # attention's output
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, act)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, quant.dtype)
+        if layout == "post":
+            self.post_attention_layernorm = RMSNorm(h, eps, quant.dtype)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, quant.dtype)
+
+    def _roles(self) -> tuple[RMSNorm | None, RMSNorm | None, RMSNorm | None, RMSNorm | None]:
+        """(before attention, on its output, before the MLP, on its output)."""
+        layout = self.description.norm_layout
+        if layout == "pre":
+            return self.input_layernorm, None, self.post_attention_layernorm, None
+        if layout == "sandwich":
+            return (self.input_layernorm, self.post_attention_layernorm,
+                    self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
+        return None, self.post_attention_layernorm, None, self.post_feedforward_layernorm
 
     def forward(
-        self, x: torch.Tensor, fb: ForwardBatch, rope: RotaryTables, pool: KVPool
+        self, x: torch.Tensor, fb: ForwardBatch, ropes: dict[str, RotaryTables], pool: KVPool
     ) -> torch.Tensor:
         # the residual stream stays in the dense dtype; sub-layer outputs add into it
-        x = x + self.self_attn(self.input_layernorm(x), fb, rope, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_in, attn_out, mlp_in, mlp_out = self._roles()
+        a = self.self_attn(attn_in(x) if attn_in is not None else x, fb, ropes, pool)
+        if attn_out is not None:
+            a = attn_out(a)
+        x = x + a if self.residual_scale == 1.0 else x + a * self.residual_scale
+        m = self.mlp(mlp_in(x) if mlp_in is not None else x)
+        if mlp_out is not None:
+            m = mlp_out(m)
+        return x + m if self.residual_scale == 1.0 else x + m * self.residual_scale
 
     def parts(self) -> DecoderLayerParts:
         """This layer as the native decode step reads it."""
         a, m = self.self_attn, self.mlp
-        return DecoderLayerParts(self.description, self.input_layernorm, a.qkv_proj, a.o_proj,
-                                 self.post_attention_layernorm, m.gate_up_proj, m.down_proj,
-                                 a.num_heads, a.num_kv_heads, a.head_dim, m.intermediate_size,
-                                 a.layer_id, a.sm_scale)
+        attn_in, attn_out, mlp_in, mlp_out = self._roles()
+        return DecoderLayerParts(self.description, attn_in, a.qkv_proj, a.o_proj, mlp_in,
+                                 m.gate_up_proj, m.down_proj, a.num_heads, a.num_kv_heads,
+                                 a.head_dim, m.intermediate_size, a.layer_id, a.sm_scale,
+                                 attn_out_norm=attn_out, mlp_out_norm=mlp_out,
+                                 q_norm=a.q_norm, k_norm=a.k_norm)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, quant: QuantConfig,
-                 tp: TPShard | None = None) -> None:
+    def __init__(self, config: ModelConfig, descriptions: list[DecoderLayerDescription],
+                 quant: QuantConfig, tp: TPShard | None = None) -> None:
         super().__init__()
         embed = (quant.head_method(config.hidden_size) if config.tie_word_embeddings
                  else quant.embedding_method())
         self.embed_tokens = QuantLinear(embed, config.hidden_size, [config.vocab_size],
                                         ["embed_tokens"])
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant, tp) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, desc, i, quant, tp) for i, desc in enumerate(descriptions)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                             quant.head_method(config.hidden_size,
@@ -171,15 +239,18 @@ class LlamaForCausalLM(nn.Module):
         self.quant = quant
         self.tp = tp
         self.dtype = quant.dtype  # the residual stream's
-        self.model = LlamaModel(config, quant, tp)
+        self.model = LlamaModel(config, [self.layer_description(config, i)
+                                         for i in range(config.num_hidden_layers)], quant, tp)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = QuantLinear(quant.head_method(config.hidden_size, embeds=False),
                                        config.hidden_size,
                                        [config.vocab_size], ["lm_head"])
-        self.head = LogitsHead(self.model.norm, self.lm_head)
-        self.rope: RotaryEmbedding | None = None  # set by the runner: it knows the context
+        self.head = LogitsHead(self.model.norm, self.lm_head, config.logit_scale,
+                               config.final_logit_softcap)
+        # set by the runner (it knows the context): "global", and "local" where layers use it
+        self.ropes: dict[str, RotaryEmbedding] = {}
         self.native_decode = self._native_decode_supported()
         self._native_plan: NativeDecodePlan | None = None  # built at the first native step
 
@@ -194,11 +265,33 @@ class LlamaForCausalLM(nn.Module):
                 and c.num_attention_heads % c.num_key_value_heads == 0
                 and sglang_like_kernels.cpu.available())
 
+    @staticmethod
+    def layer_description(config: ModelConfig, layer_id: int) -> DecoderLayerDescription:
+        """How layer `layer_id` computes; a family's file overrides it."""
+        return layer_description(config, layer_id)
+
+    @classmethod
+    def adapt_hf_weights(cls, config: ModelConfig, weights: dict[str, Any]) -> None:
+        """A Hugging Face checkpoint's tensors, renamed / split / folded in place into what
+        these modules load (HF names, unfused, norm weights as multipliers); a family whose
+        checkpoints differ overrides it. GGUF files are mapped by the GGUF loader."""
+
+    @property
+    def rope(self) -> RotaryEmbedding | None:
+        """The model's main RoPE tables (None before `set_rope`)."""
+        return self.ropes.get("global")
+
     def set_rope(self, max_positions: int, device: torch.device | str) -> None:
         c = self.config
         self._native_plan = None
-        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling,
-                                    device)
+        kinds = {layer.description.rope for layer in self.model.layers} | {"global"}
+        self.ropes = {"global": RotaryEmbedding(
+            c.head_dim, max_positions, c.rope_theta, c.rope_scaling, device,
+            rotary_dim=c.rotary_dim, model_max_positions=c.max_position_embeddings)}
+        if "local" in kinds:  # Gemma 3's sliding layers: their own base, no scaling
+            self.ropes["local"] = RotaryEmbedding(c.head_dim, max_positions,
+                                                  c.rope_local_theta or c.rope_theta, None,
+                                                  device, rotary_dim=c.rotary_dim)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
@@ -251,15 +344,18 @@ class LlamaForCausalLM(nn.Module):
         here)."""
         embed = self.model.embed_tokens
         x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
+        if self.config.embedding_scale != 1.0:
+            x = x * self.config.embedding_scale
         attn = self._native_rows(fb, pool)
         if attn is not None:
             return self._decode_layers_native(x, fb, pool, attn, aux_layers)
-        rope = self.rope.tables(fb.positions)  # gathered once, used by every layer
+        # gathered once, used by every layer
+        ropes = {kind: r.tables(fb.positions) for kind, r in self.ropes.items()}
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 aux[i] = x.float()
-            x = layer(x, fb, rope, pool)
+            x = layer(x, fb, ropes, pool)
             if fb.on_layer is not None:
                 fb.on_layer(i)
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None

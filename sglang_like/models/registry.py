@@ -29,6 +29,41 @@ FAMILIES: tuple[ModelFamily, ...] = (
                           "Qwen3ForCausalLM"),
         gguf_architectures=("llama", "mistral", "qwen2", "qwen3"),
     ),
+    ModelFamily(
+        name="gemma",
+        model_class="sglang_like.models.gemma:GemmaForCausalLM",
+        model_types=("gemma", "gemma2", "gemma3_text"),
+        hf_architectures=("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+        gguf_architectures=("gemma", "gemma2", "gemma3"),
+    ),
+    ModelFamily(
+        name="phi3",
+        model_class="sglang_like.models.phi3:Phi3ForCausalLM",
+        model_types=("phi3",),
+        hf_architectures=("Phi3ForCausalLM",),
+        gguf_architectures=("phi3",),
+    ),
+    ModelFamily(
+        name="olmo2",
+        model_class="sglang_like.models.olmo2:Olmo2ForCausalLM",
+        model_types=("olmo2",),
+        hf_architectures=("Olmo2ForCausalLM",),
+        gguf_architectures=("olmo2",),
+    ),
+    ModelFamily(
+        name="granite",
+        model_class="sglang_like.models.granite:GraniteForCausalLM",
+        model_types=("granite",),
+        hf_architectures=("GraniteForCausalLM",),
+        gguf_architectures=("granite",),
+    ),
+    ModelFamily(
+        name="smollm3",
+        model_class="sglang_like.models.smollm3:SmolLM3ForCausalLM",
+        model_types=("smollm3",),
+        hf_architectures=("SmolLM3ForCausalLM",),
+        gguf_architectures=("smollm3",),
+    ),
 )
 
 SUPPORTED_GGUF_ARCHS = tuple(a for f in FAMILIES for a in f.gguf_architectures)

@@ -237,26 +237,32 @@ def test_chat_uses_folder_template(built: Built) -> None:
     assert out["output_ids"] == _hf_greedy(built.hf_model, want_ids, 8)
 
 
-WINDOW_CASES = [  # (config.json fields, context we may serve exactly)
-    ({"model_type": "mistral", "sliding_window": 64}, 64),
-    ({"model_type": "mistral", "sliding_window": 4096}, 512),
-    ({"model_type": "mistral", "sliding_window": None}, 512),
-    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False}, 512),
-    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, 64),
+WINDOW_CASES = [  # (config.json fields, each layer's window)
+    ({"model_type": "mistral", "sliding_window": 64}, [64, 64]),
+    ({"model_type": "mistral", "sliding_window": 4096}, [4096, 4096]),
+    ({"model_type": "mistral", "sliding_window": None}, [None, None]),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False}, [None, None]),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+      "max_window_layers": 1}, [None, 64]),
+    ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
+      "layer_types": ["full_attention", "sliding_attention"]}, [None, 64]),
     ({"model_type": "qwen3", "sliding_window": 64,
-      "layer_types": ["full_attention", "sliding_attention"]}, 64),
-    ({"model_type": "qwen3", "sliding_window": 64,
-      "layer_types": ["full_attention", "full_attention"]}, 512),
+      "layer_types": ["full_attention", "full_attention"]}, [None, None]),
+    ({"model_type": "gemma2", "sliding_window": 32}, [32, None]),  # no layer_types: even slide
+    ({"model_type": "gemma3_text", "sliding_window": 32, "sliding_window_pattern": 2},
+     [32, None]),
 ]
 
 
-@pytest.mark.parametrize(("fields", "context"), WINDOW_CASES)
-def test_sliding_window_limits_context(fields: dict[str, Any], context: int) -> None:
-    """Attention here has no window: the context stops where the model's still matches ours."""
+@pytest.mark.parametrize(("fields", "windows"), WINDOW_CASES)
+def test_sliding_windows_per_layer(fields: dict[str, Any], windows: list) -> None:
+    """Each layer's window as transformers applies it; the context is the model's whole one
+    (attention computes the window, it does not cap the context)."""
     cfg = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
     config = hf_model_config(cfg | fields, has_lm_head=True, eos_token_ids=(), model_path="x")
-    assert config.max_position_embeddings == context
+    assert config.max_position_embeddings == 512
+    assert [config.layer_window(i) for i in range(2)] == windows
 
 
 L3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -70,8 +70,9 @@ class GGUFBlockWeight(NamedTuple):
         return torch.from_numpy(codes), torch.from_numpy(d)
 
     def take_rows(self, index: torch.Tensor) -> GGUFBlockWeight:
-        """Rows reordered by `index` (a row permutation keeps blocks whole)."""
-        return self._replace(blocks=np.ascontiguousarray(np.asarray(self.blocks)[index.numpy()]))
+        """The rows `index` names, in its order (a permutation or a subset: blocks stay whole)."""
+        blocks = np.ascontiguousarray(np.asarray(self.blocks)[index.numpy()])
+        return self._replace(shape=(len(index), self.shape[1]), blocks=blocks)
 
     def slice_rows(self, start: int, stop: int) -> GGUFBlockWeight:
         """Rows [start, stop) (a column-parallel shard): whole rows of blocks, no decoding."""

@@ -32,8 +32,23 @@ def test_hf_configs_map_to_their_model_type(cfg: dict, model_type: str) -> None:
     assert registry.model_class(model_type) is LlamaForCausalLM
 
 
-@pytest.mark.parametrize("cfg", [{"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
-                                 {"architectures": ["PhiForCausalLM"]}, {}])
+@pytest.mark.parametrize(("cfg", "model_type", "cls"), [
+    ({"model_type": "gemma2"}, "gemma2", "GemmaForCausalLM"),
+    ({"architectures": ["Gemma3ForCausalLM"]}, "gemma3_text", "GemmaForCausalLM"),
+    ({"model_type": "phi3"}, "phi3", "Phi3ForCausalLM"),
+    ({"model_type": "olmo2"}, "olmo2", "Olmo2ForCausalLM"),
+    ({"model_type": "granite"}, "granite", "GraniteForCausalLM"),
+    ({"model_type": "smollm3"}, "smollm3", "SmolLM3ForCausalLM"),
+])
+def test_family_files_build_their_model_types(cfg: dict, model_type: str, cls: str) -> None:
+    assert registry.hf_model_type(cfg) == model_type
+    built = registry.model_class(model_type)
+    assert built.__name__ == cls and issubclass(built, LlamaForCausalLM)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+    {"architectures": ["PhiForCausalLM"]}, {"model_type": "deepseek_v3"}, {}])
 def test_unsupported_hf_config_names_every_supported_type(cfg: dict) -> None:
     with pytest.raises(ValueError, match="unsupported") as err:
         registry.hf_model_type(cfg)
@@ -43,10 +58,11 @@ def test_unsupported_hf_config_names_every_supported_type(cfg: dict) -> None:
 
 def test_gguf_architectures() -> None:
     assert registry.family_for_gguf("qwen2").name == "llama"
-    with pytest.raises(ValueError, match="'gemma3' unsupported; supported: llama, mistral"):
-        registry.family_for_gguf("gemma3")
-    with pytest.raises(ValueError, match="unsupported architecture 'phi3'"):
-        registry.model_class("phi3")
+    assert registry.family_for_gguf("gemma3").name == "gemma"
+    with pytest.raises(ValueError, match="'phi2' unsupported; supported: llama, mistral"):
+        registry.family_for_gguf("phi2")
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        registry.model_class("gpt2")
 
 
 def test_every_family_class_is_importable_and_named_once() -> None:
