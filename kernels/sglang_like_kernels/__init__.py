@@ -14,6 +14,12 @@ this package is imported:
 
 Any other value is a ValueError at import.
 
+Every attention takes ``window`` and ``softcap`` (None: off), as transformers' Mistral and
+Gemma 2/3 compute them: scores ``s = (q . k) * sm_scale`` become ``softcap * tanh(s / softcap)``
+before the mask, and a query at position p sees only the keys at p - window < j <= p (itself
+and the window - 1 before it). Under a tree mask a query keeps the last ``window`` of its
+visible keys in position order (its path), which is the same rule.
+
 KV layout, per layer: ``k_pool``/``v_pool`` [num_slots, num_kv_heads, head_dim] (slot 0 is
 padding, never owned by a request); ``req_to_token`` [max_requests, max_context] int32 maps
 (request pool row, position) -> slot id.
@@ -88,6 +94,8 @@ def decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (query at position seq_len-1, K/V already stored).
 
@@ -95,7 +103,8 @@ def decode_attention(
     h reads kv head h // (Hq // Hkv).
     """
     return _backend(q).decode_attention(
-        q, k_pool, v_pool, req_to_token, req_pool_indices, seq_lens, sm_scale
+        q, k_pool, v_pool, req_to_token, req_pool_indices, seq_lens, sm_scale,
+        window=window, softcap=softcap,
     )
 
 
@@ -108,6 +117,8 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Prefill/extend attention: q [T, Hq, D] packed by request in batch order.
 
@@ -116,7 +127,8 @@ def extend_attention(
     prefix_lens, extend_lens [B] int64 (CPU or device). Returns [T, Hq, D] in q's dtype.
     """
     return _backend(q).extend_attention(
-        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale
+        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale,
+        window=window, softcap=softcap,
     )
 
 
@@ -129,6 +141,8 @@ def tree_verify_attention(
     prefix_lens: torch.Tensor,
     tree_mask: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Speculative verify: q [B*N, Hq, D], N draft tokens per request.
 
@@ -137,7 +151,8 @@ def tree_verify_attention(
     Returns [B*N, Hq, D] in q's dtype.
     """
     return _backend(q).tree_verify_attention(
-        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, tree_mask, sm_scale
+        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, tree_mask, sm_scale,
+        window=window, softcap=softcap,
     )
 
 
@@ -150,13 +165,16 @@ def masked_attention(
     prefix_lens: torch.Tensor,
     masks: list[torch.Tensor],
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention under a per-request mask (ragged trees mixed with extends): request b's
     masks[b].shape[0] packed queries see its first prefix_lens[b] keys and key
     prefix_lens[b] + j iff masks[b][i, j]. The torch reference on every device (a uniform
     verify batch on CUDA goes through `tree_verify_attention` instead)."""
     return reference.masked_attention(
-        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, masks, sm_scale
+        q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, masks, sm_scale,
+        window=window, softcap=softcap,
     )
 
 

@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "apply_token_bitmask_",
+    "check_window_softcap",
     "decode_attention",
     "extend_attention",
     "masked_attention",
@@ -35,6 +36,14 @@ def store_kv(
     v_pool.index_copy_(0, slot_ids, v.to(v_pool.dtype))
 
 
+def check_window_softcap(window: int | None, softcap: float | None) -> None:
+    """A window holds at least the query's own key; a cap is a positive number."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window holds at least one key, not {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"an attention soft-cap must be positive, not {softcap}")
+
+
 # Decode gathers are chunked so each buffer stays small: a single buffer of tens of MB is
 # mmap-allocated and page-faulted afresh on every call, which costs more than the math.
 _MAX_GATHER_ELEMENTS = 1 << 20
@@ -48,15 +57,22 @@ def decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per request over its first seq_len cached tokens.
 
     q [B, Hq, D]; req_pool_indices, seq_lens [B]; returns [B, Hq, D] in q's dtype.
-    Query head h reads kv head h // (Hq // Hkv).
+    Query head h reads kv head h // (Hq // Hkv). `window`: only the last `window` keys
+    (positions max(0, n - window) .. n - 1); `softcap`: scores -> cap * tanh(scores / cap).
     """
+    check_window_softcap(window, softcap)
     batch = q.shape[0]
     if batch == 0:
         return torch.empty_like(q)
+    if window is not None or softcap is not None:
+        return _decode_windowed(q, k_pool, v_pool, req_to_token, req_pool_indices, seq_lens,
+                                sm_scale, window, softcap).to(q.dtype)
     plan = _decode_plan(req_to_token, req_pool_indices, seq_lens, k_pool.device)
     if not plan.groups:  # nothing shared: every request in one plain pass
         valid = None if plan.all_full else plan.valid
@@ -279,6 +295,115 @@ def _decode_chunk(
     return out.view(batch, num_q_heads, head_dim)
 
 
+# Sliding windows and soft-capped scores (Mistral, Gemma 2/3) take plain exact paths of their
+# own: SDPA has no soft-cap, and a window changes which keys a cascade group shares. The paths
+# above are untouched for layers with neither.
+
+
+def _memo_for(memos: dict[int | None, _ForwardMemo], window: int | None) -> _ForwardMemo:
+    """One memo per window size: a model alternating sliding and full layers asks with the
+    same tensors for both, and a single memo would rebuild at every layer."""
+    memo = memos.get(window)
+    if memo is None:
+        memo = memos.setdefault(window, _ForwardMemo())
+    return memo
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def _attend_explicit(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor | None,
+    sm_scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [b, Hq, M, D], keys/values [b, Hkv, L, D] fp32, allowed bool broadcastable to
+    [b, Hq, M, L] (None: every key). Scores are soft-capped before the mask; fp32 result."""
+    b, num_q_heads, m, head_dim = q.shape
+    num_kv_heads, length = keys.shape[1], keys.shape[2]
+    rows = num_q_heads // num_kv_heads * m  # a kv head's query heads are consecutive
+    scores = torch.matmul(q.reshape(b, num_kv_heads, rows, head_dim), keys.transpose(-1, -2))
+    scores = _capped(scores * sm_scale, softcap).view(b, num_q_heads, m, length)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, num_kv_heads, rows, length)
+    return torch.matmul(probs, values).view(b, num_q_heads, m, head_dim)
+
+
+_window_decode_memos: dict[int | None, _ForwardMemo] = {}
+
+
+def _window_decode_plan(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, valid) [B, W]: each request's visible keys, the last `window` of its first
+    seq_len (all of them for None), padding reading slot 0. Once per forward and window."""
+    memo = _memo_for(_window_decode_memos, window)
+    key = (req_to_token, req_pool_indices, seq_lens)
+    plan = memo.get(key)
+    if plan is not None:
+        return plan
+    rows = req_pool_indices.to(device=device, dtype=torch.long)
+    lens = seq_lens.to(device=device, dtype=torch.long)
+    lo = (lens - window).clamp_min(0) if window is not None else torch.zeros_like(lens)
+    count = lens - lo
+    within = torch.arange(int(count.max()), device=device)[None, :]
+    valid = within < count[:, None]
+    index = torch.where(valid, lo[:, None] + within, torch.zeros_like(within))
+    slots = req_to_token[rows[:, None], index].long()
+    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    return memo.put(key, (slots, valid))
+
+
+def _decode_windowed(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decode over each request's last `window` keys with capped scores; fp32 [B, Hq, D]."""
+    slots, valid = _window_decode_plan(req_to_token, req_pool_indices, seq_lens, window,
+                                       k_pool.device)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, length = k_pool.shape[1], slots.shape[1]
+    chunk = max(1, _MAX_GATHER_ELEMENTS // (length * num_kv_heads * head_dim))
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for i in range(0, batch, chunk):
+        sl = slice(i, i + chunk)
+        part = slots[sl]
+        n = part.shape[0]
+        flat = part.reshape(-1)
+        keys = k_pool.index_select(0, flat).view(n, length, num_kv_heads, head_dim)
+        values = v_pool.index_select(0, flat).view(n, length, num_kv_heads, head_dim)
+        out[sl] = _attend_explicit(
+            q[sl].float().view(n, num_q_heads, 1, head_dim), keys.float().transpose(1, 2),
+            values.float().transpose(1, 2), valid[sl][:, None, None, :], sm_scale, softcap,
+        ).view(n, num_q_heads, head_dim)
+    return out
+
+
+def _last_visible(allowed: torch.Tensor, window: int | None) -> torch.Tensor:
+    """allowed [N, L] narrowed to each row's last `window` allowed keys (a query's visible
+    keys in position order end at itself; None: unchanged)."""
+    if window is None:
+        return allowed
+    at_or_after = allowed.flip(-1).cumsum(-1).flip(-1)
+    return allowed & (at_or_after <= window)
+
+
 def _attend_one(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -286,6 +411,7 @@ def _attend_one(
     slots: torch.Tensor,
     allowed: torch.Tensor | None,
     sm_scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D] over keys at slots [L] where allowed [N, L] (None: causal, N == L);
     returns fp32 [N, Hq, D].
@@ -295,6 +421,13 @@ def _attend_one(
     """
     keys = k_pool.index_select(0, slots).float().transpose(0, 1)  # [Hkv, L, D]
     values = v_pool.index_select(0, slots).float().transpose(0, 1)
+    if softcap is not None:
+        if allowed is None:
+            n = q.shape[0]
+            allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        out = _attend_explicit(q.float().transpose(0, 1)[None], keys[None], values[None],
+                               allowed, sm_scale, softcap)
+        return out[0].transpose(0, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None],
         keys[None],
@@ -316,22 +449,29 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """New tokens attend to their request's cached prefix and causally to each other.
 
     q [T, Hq, D] packed by request in batch order (sum(extend_lens) == T); request b's new
     K/V sit at req_to_token[r, prefix_lens[b] : prefix_lens[b] + extend_lens[b]].
-    Returns [T, Hq, D] in q's dtype.
+    `window`: the token at position p sees keys p - window < j <= p only; `softcap`: scores
+    -> cap * tanh(scores / cap). Returns [T, Hq, D] in q's dtype.
     """
+    check_window_softcap(window, softcap)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for start, end, slots, allowed in _extend_plan(req_to_token, req_pool_indices, prefix_lens,
-                                                   extend_lens, k_pool.device):
-        out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale)
+                                                   extend_lens, k_pool.device, window):
+        out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale,
+                                     softcap)
     return out.to(q.dtype)
 
 
 _extend_memo = _ForwardMemo()
 _masked_memo = _ForwardMemo()
+_extend_window_memos: dict[int | None, _ForwardMemo] = {}
+_masked_window_memos: dict[int | None, _ForwardMemo] = {}
 
 
 def _extend_plan(
@@ -340,12 +480,15 @@ def _extend_plan(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     device: torch.device,
+    window: int | None = None,
 ) -> list[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
     """(row start, row end, key slots, causal mask: None without a prefix) per request with
     new tokens, built once per forward and memoized like the decode plan (every layer asks
-    with the same tensors)."""
+    with the same tensors). With a window the keys start at the first one any of the
+    request's queries sees, and the mask is the band p - window < j <= p."""
     key = (req_to_token, req_pool_indices, prefix_lens, extend_lens)
-    memo = _extend_memo.get(key)
+    memo_store = _extend_memo if window is None else _memo_for(_extend_window_memos, window)
+    memo = memo_store.get(key)
     if memo is not None:
         return memo
     plan = []
@@ -354,13 +497,20 @@ def _extend_plan(
                                            extend_lens.tolist(), strict=True):
         if extend_len:
             total = prefix_len + extend_len
-            slots = req_to_token[row, :total].to(device=device, dtype=torch.long)
             query_pos = torch.arange(prefix_len, total, device=device)
-            allowed = (torch.arange(total, device=device)[None, :] <= query_pos[:, None]
-                       if prefix_len else None)
+            if window is None:
+                slots = req_to_token[row, :total].to(device=device, dtype=torch.long)
+                allowed = (torch.arange(total, device=device)[None, :] <= query_pos[:, None]
+                           if prefix_len else None)
+            else:
+                lo = max(0, prefix_len + 1 - window)
+                slots = req_to_token[row, lo:total].to(device=device, dtype=torch.long)
+                key_pos = torch.arange(lo, total, device=device)[None, :]
+                allowed = ((key_pos <= query_pos[:, None])
+                           & (key_pos > query_pos[:, None] - window))
             plan.append((start, start + extend_len, slots, allowed))
         start += extend_len
-    return _extend_memo.put(key, plan)
+    return memo_store.put(key, plan)
 
 
 def tree_verify_attention(
@@ -372,13 +522,18 @@ def tree_verify_attention(
     prefix_lens: torch.Tensor,
     tree_mask: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """N draft tokens per request attend to the prefix and to draft keys tree_mask allows.
 
     q [B*N, Hq, D]; draft K/V at positions prefix_len .. prefix_len+N-1 of the request's
     req_to_token row; tree_mask bool [B, N, N] (query i sees draft j iff tree_mask[b, i, j]).
-    Returns [B*N, Hq, D] in q's dtype.
+    `window`: a query keeps the last `window` of its visible keys in position order (a
+    node's visible keys are its path, so this is p - window < j <= p along it); `softcap`:
+    scores -> cap * tanh(scores / cap). Returns [B*N, Hq, D] in q's dtype.
     """
+    check_window_softcap(window, softcap)
     batch, num_draft, _ = tree_mask.shape
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     device = k_pool.device
@@ -388,9 +543,9 @@ def tree_verify_attention(
     for b, (row, prefix_len) in enumerate(zip(rows, prefixes, strict=True)):
         slots = req_to_token[row, : prefix_len + num_draft].long()
         prefix_allowed = torch.ones(num_draft, prefix_len, dtype=torch.bool, device=device)
-        allowed = torch.cat([prefix_allowed, mask[b]], dim=1)
+        allowed = _last_visible(torch.cat([prefix_allowed, mask[b]], dim=1), window)
         sl = slice(b * num_draft, (b + 1) * num_draft)
-        out[sl] = _attend_one(q[sl], k_pool, v_pool, slots, allowed, sm_scale)
+        out[sl] = _attend_one(q[sl], k_pool, v_pool, slots, allowed, sm_scale, softcap)
     return out.to(q.dtype)
 
 
@@ -403,6 +558,8 @@ def masked_attention(
     prefix_lens: torch.Tensor,
     masks: list[torch.Tensor],
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Queries under a per-request mask over the keys after a fully visible prefix.
 
@@ -410,12 +567,16 @@ def masked_attention(
     req_to_token[r, : prefix_lens[b] + masks[b].shape[1]]; its queries see every one of the
     first prefix_lens[b] keys and key prefix_lens[b] + j iff masks[b][i, j]. A causal mask is
     an extend, a tree mask a speculative verify (or a draft step over the nodes so far).
+    `window`: each query keeps the last `window` of its visible keys in order (as
+    `tree_verify_attention`); `softcap`: scores -> cap * tanh(scores / cap).
     Returns [sum of rows, Hq, D] in q's dtype.
     """
+    check_window_softcap(window, softcap)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for start, end, slots, allowed in _masked_plan(req_to_token, req_pool_indices, prefix_lens,
-                                                   masks, k_pool.device):
-        out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale)
+                                                   masks, k_pool.device, window):
+        out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale,
+                                     softcap)
     return out.to(q.dtype)
 
 
@@ -425,10 +586,12 @@ def _masked_plan(
     prefix_lens: torch.Tensor,
     masks: list[torch.Tensor],
     device: torch.device,
+    window: int | None = None,
 ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(row start, row end, key slots, allowed keys) per request, once per forward."""
     key = (req_to_token, req_pool_indices, prefix_lens, *masks)
-    memo = _masked_memo.get(key)
+    memo_store = _masked_memo if window is None else _memo_for(_masked_window_memos, window)
+    memo = memo_store.get(key)
     if memo is not None:
         return memo
     plan = []
@@ -440,9 +603,9 @@ def _masked_plan(
             slots = req_to_token[row, : prefix_len + width].to(device=device, dtype=torch.long)
             allowed = torch.cat([torch.ones(rows, prefix_len, dtype=torch.bool, device=device),
                                  mask.to(device=device, dtype=torch.bool)], dim=1)
-            plan.append((start, start + rows, slots, allowed))
+            plan.append((start, start + rows, slots, _last_visible(allowed, window)))
         start += rows
-    return _masked_memo.put(key, plan)
+    return memo_store.put(key, plan)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -4,6 +4,10 @@ Every kernel loads its inputs in their stored dtype and converts to fp32 at once
 interpreter has no bf16 arithmetic); ``DOT_DTYPE`` is the dtype fed to ``tl.dot``: fp32
 (exact, ``ieee``) under the interpreter and for fp32 pools, the pool's 16-bit dtype on GPU.
 Pool row offsets are computed in int64 so large pools cannot overflow.
+
+The attention kernels take a sliding ``window`` and a score ``softcap`` as runtime values,
+switched on by the constexprs ``USE_WINDOW`` / ``USE_SOFTCAP``: with both off a kernel compiles
+to what it was without them (Llama's layers pay nothing for Gemma's).
 """
 
 from __future__ import annotations
@@ -34,16 +38,28 @@ def store_kv_kernel(
 
 
 @triton.jit
+def _softcap(scores, softcap):
+    """softcap * tanh(scores / softcap), tanh as 1 - 2 / (e^2y + 1): saturates to +-1 without
+    a NaN at any |y| (e^2y overflowing to inf gives 1), and needs only tl.exp, which the
+    interpreter has too."""
+    y = scores / softcap
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+
+
+@triton.jit
 def _online_softmax_step(
-    q, k, v, allowed, m_i, l_i, acc, sm_scale,
-    DOT_DTYPE: tl.constexpr,
+    q, k, v, allowed, m_i, l_i, acc, sm_scale, softcap,
+    DOT_DTYPE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Fold one key block into the running (max, sum, acc) of flash attention.
 
     q [M, D] and k, v [N, D] are DOT_DTYPE; allowed [M, N]. Rows with no allowed key so far
     keep m = -inf, l = 0, acc = 0 (no NaN: exponents are taken against a safe max of 0).
+    Scores are soft-capped (USE_SOFTCAP) before the mask.
     """
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+    if USE_SOFTCAP:
+        scores = _softcap(scores, softcap)
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -72,26 +88,33 @@ def _load_kv_block(
 @triton.jit
 def decode_split_kernel(
     q, k_pool, v_pool, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
-    sm_scale,
+    sm_scale, window, softcap,
     stride_q_b, stride_q_h, stride_pool_s, stride_pool_h, stride_table,
     num_q_heads, group, head_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Stage 1 of flash-decoding. Grid (B, Hkv, NUM_SPLITS).
 
     Each program scores the `group` query heads of one kv head over one contiguous split
-    of the request's sequence and writes the normalized partial output to mid_out
-    [B, Hq, NUM_SPLITS, D] and its log-sum-exp to mid_lse [B, Hq, NUM_SPLITS] (both
-    contiguous fp32; lse is -inf when the split is empty).
+    of the request's visible keys (its sequence; the last `window` of it with USE_WINDOW)
+    and writes the normalized partial output to mid_out [B, Hq, NUM_SPLITS, D] and its
+    log-sum-exp to mid_lse [B, Hq, NUM_SPLITS] (both contiguous fp32; lse is -inf when the
+    split is empty).
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(req_pool_indices + b).to(tl.int64)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+        split_len = tl.cdiv(seq_len - lo, NUM_SPLITS)
+        start = lo + split * split_len
+    else:
+        split_len = tl.cdiv(seq_len, NUM_SPLITS)
+        start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -116,7 +139,7 @@ def decode_split_kernel(
         )  # fmt: skip
         allowed = g_valid[:, None] & n_valid[None, :]
         m_i, l_i, acc = _online_softmax_step(
-            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, DOT_DTYPE
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
         )
 
     has_keys = l_i > 0
@@ -143,7 +166,7 @@ def decode_reduce_kernel(
     base = (b * num_q_heads + head) * NUM_SPLITS
     lse = tl.load(mid_lse + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     has_keys = lse > float("-inf")
-    weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds key 0, so max is finite
+    weights = tl.exp(lse - tl.max(lse, 0))  # split 0 holds the first visible key: max finite
     weights = tl.where(has_keys, weights, 0.0)
     parts_mask = has_keys[:, None] & (offs_d[None, :] < head_dim)
     parts = tl.load(mid_out + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
@@ -157,16 +180,17 @@ def decode_reduce_kernel(
 def extend_kernel(
     q, k_pool, v_pool, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
     extend_starts,
-    sm_scale,
+    sm_scale, window, softcap,
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
     stride_table,
     group, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hq, cdiv(max extend_len, BLOCK_M)): one block of new queries of one head.
 
-    Query i of request b sits at position prefix_len + i and sees keys 0..prefix_len+i.
+    Query i of request b sits at position p = prefix_len + i and sees keys 0..p (with
+    USE_WINDOW only p - window < j <= p).
     """
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -194,7 +218,12 @@ def extend_kernel(
     # Keys beyond the block's last query are never visible; an empty block loops 0 times.
     key_end = prefix_len + tl.minimum(extend_len, m0 + BLOCK_M)
     key_end = tl.where(m0 < extend_len, key_end, 0)
-    for n0 in range(0, key_end, BLOCK_N):
+    if USE_WINDOW:
+        # nor keys before the block's first query's window
+        key_start = tl.maximum(prefix_len + m0 + 1 - window, 0)
+    else:
+        key_start = 0
+    for n0 in range(key_start, key_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < key_end
         k, v = _load_kv_block(
@@ -202,8 +231,10 @@ def extend_kernel(
             stride_pool_s, stride_pool_h, DOT_DTYPE,
         )  # fmt: skip
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :] & m_valid[:, None]
+        if USE_WINDOW:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _online_softmax_step(
-            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, DOT_DTYPE
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
         )
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -214,17 +245,18 @@ def extend_kernel(
 @triton.jit
 def tree_verify_kernel(
     q, k_pool, v_pool, out, req_to_token, req_pool_indices, prefix_lens, tree_mask,
-    sm_scale,
+    sm_scale, window, softcap,
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
     stride_table,
     num_draft, group, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hq): the num_draft draft queries of one request and head.
 
     Prefix keys 0..prefix_len-1 are all visible; draft key j (position prefix_len + j) is
     visible to draft query i iff tree_mask[b, i, j] (tree_mask: contiguous int8 [B, N, N]).
+    With USE_WINDOW a query keeps only the last `window` of those in position order.
     BLOCK_M >= num_draft.
     """
     b = tl.program_id(0)
@@ -246,7 +278,26 @@ def tree_verify_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     token_row = req_to_token + row * stride_table
-    for n0 in range(0, prefix_len, BLOCK_N):
+
+    offs_j = tl.arange(0, BLOCK_M)
+    j_valid = offs_j < num_draft
+    pair_mask = m_valid[:, None] & j_valid[None, :]
+    mask_row = tree_mask + b * num_draft * num_draft
+    mask_ptrs = mask_row + offs_m[:, None] * num_draft + offs_j[None, :]
+    draft_allowed = tl.load(mask_ptrs, mask=pair_mask, other=0) != 0
+    if USE_WINDOW:
+        # query i sees n_i = prefix_len + (its draft keys) keys and keeps the last `window`:
+        # prefix keys from n_i - window on, and the draft keys with at most `window` visible
+        # draft keys at or after them
+        seen = draft_allowed.to(tl.int32)
+        num_seen = tl.sum(seen, 1)
+        first_prefix = prefix_len + num_seen - window
+        at_or_after = num_seen[:, None] - tl.cumsum(seen, 1) + seen
+        draft_allowed = draft_allowed & (at_or_after <= window)
+        prefix_start = tl.maximum(tl.min(tl.where(m_valid, first_prefix, prefix_len), 0), 0)
+    else:
+        prefix_start = 0
+    for n0 in range(prefix_start, prefix_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < prefix_len
         k, v = _load_kv_block(
@@ -254,21 +305,19 @@ def tree_verify_kernel(
             stride_pool_s, stride_pool_h, DOT_DTYPE,
         )  # fmt: skip
         allowed = m_valid[:, None] & n_valid[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (offs_n[None, :] >= first_prefix[:, None])
         m_i, l_i, acc = _online_softmax_step(
-            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, DOT_DTYPE
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
         )
 
-    offs_j = tl.arange(0, BLOCK_M)
-    j_valid = offs_j < num_draft
     k, v = _load_kv_block(
         k_pool, v_pool, token_row, prefix_len + offs_j, j_valid, kv_head, offs_d, d_valid,
         stride_pool_s, stride_pool_h, DOT_DTYPE,
     )  # fmt: skip
-    pair_mask = m_valid[:, None] & j_valid[None, :]
-    mask_row = tree_mask + b * num_draft * num_draft
-    mask_ptrs = mask_row + offs_m[:, None] * num_draft + offs_j[None, :]
-    allowed = tl.load(mask_ptrs, mask=pair_mask, other=0) != 0
-    m_i, l_i, acc = _online_softmax_step(q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, DOT_DTYPE)
+    m_i, l_i, acc = _online_softmax_step(
+        q_blk, k, v, draft_allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
+    )
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from sglang_like_kernels import triton_kernels as tk
+from sglang_like_kernels.reference import check_window_softcap
 
 __all__ = [
     "apply_token_bitmask_",
@@ -59,6 +60,17 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _flags(window: int | None, softcap: float | None) -> dict[str, bool]:
+    """The attention kernels' switches: with both off they compile as they did without."""
+    return {"USE_WINDOW": window is not None, "USE_SOFTCAP": softcap is not None}
+
+
+def _runtime(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """The runtime values behind the switches (unused when a switch is off)."""
+    check_window_softcap(window, softcap)
+    return (0 if window is None else int(window)), (0.0 if softcap is None else float(softcap))
+
+
 def decode_meta(
     num_q_heads: int,
     num_kv_heads: int,
@@ -67,12 +79,15 @@ def decode_meta(
     pool_dtype: torch.dtype,
     num_splits: int | None = None,
     interpret: bool | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, object]:
     """Constexprs of decode_split_kernel (decode_reduce_kernel takes NUM_SPLITS, BLOCK_S,
-    BLOCK_D from the same dict)."""
+    BLOCK_D from the same dict). A window caps the keys a request reads, so the splits."""
     dtype = dot_dtype(pool_dtype, interpret)
     if num_splits is None:
-        num_splits = min(_MAX_DECODE_SPLITS, max(1, triton.cdiv(max_context, _DECODE_SPLIT_TOKENS)))
+        keys = max_context if window is None else min(max_context, window)
+        num_splits = min(_MAX_DECODE_SPLITS, max(1, triton.cdiv(keys, _DECODE_SPLIT_TOKENS)))
     return {
         "NUM_SPLITS": num_splits,
         "BLOCK_G": _block(num_q_heads // num_kv_heads),
@@ -80,20 +95,24 @@ def decode_meta(
         "BLOCK_D": _block(head_dim),
         "DOT_DTYPE": dtype,
         "BLOCK_S": triton.next_power_of_2(num_splits),
+        **_flags(window, softcap),
     }
 
 
 def extend_meta(
-    head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None
+    head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> dict[str, object]:
     """Constexprs of extend_kernel."""
     dtype = dot_dtype(pool_dtype, interpret)
     block = _tile(dtype, interpret)
-    return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": _block(head_dim), "DOT_DTYPE": dtype}
+    return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": _block(head_dim), "DOT_DTYPE": dtype,
+            **_flags(window, softcap)}
 
 
 def tree_verify_meta(
-    num_draft: int, head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None
+    num_draft: int, head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> dict[str, object]:
     """Constexprs of tree_verify_kernel."""
     dtype = dot_dtype(pool_dtype, interpret)
@@ -102,6 +121,7 @@ def tree_verify_meta(
         "BLOCK_N": _tile(dtype, interpret),
         "BLOCK_D": _block(head_dim),
         "DOT_DTYPE": dtype,
+        **_flags(window, softcap),
     }
 
 
@@ -155,13 +175,16 @@ def decode_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Flash-decoding: one query per request over its cached tokens.
 
     q: [B, Hq, D]; k_pool, v_pool: [num_slots, Hkv, D] contiguous, Hq % Hkv == 0;
     req_to_token: [max_requests, max_context] int32; req_pool_indices, seq_lens: [B] int
-    (seq_lens >= 1). Returns [B, Hq, D] in q's dtype. The sequence of each request is cut
-    into num_splits pieces (default from max_context) scored in parallel, then merged.
+    (seq_lens >= 1). Returns [B, Hq, D] in q's dtype. The visible keys of each request (its
+    last `window`, or all) are cut into num_splits pieces (default from max_context and the
+    window) scored in parallel, then merged. `softcap`: scores -> cap * tanh(scores / cap).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -170,8 +193,10 @@ def decode_attention(
     if batch == 0:
         return out
     q = _inner_contiguous(q)
+    window_value, softcap_value = _runtime(window, softcap)
     meta = decode_meta(
-        num_q_heads, num_kv_heads, head_dim, req_to_token.shape[1], k_pool.dtype, num_splits
+        num_q_heads, num_kv_heads, head_dim, req_to_token.shape[1], k_pool.dtype, num_splits,
+        window=window, softcap=softcap,
     )
     splits = meta["NUM_SPLITS"]
     device = q.device
@@ -180,11 +205,12 @@ def decode_attention(
     tk.decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_pool, v_pool, req_to_token, req_pool_indices.to(device), seq_lens.to(device),
         mid_out, mid_lse,
-        sm_scale,
+        sm_scale, window_value, softcap_value,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         num_q_heads, num_q_heads // num_kv_heads, head_dim,
         NUM_SPLITS=splits, BLOCK_G=meta["BLOCK_G"], BLOCK_N=meta["BLOCK_N"],
-        BLOCK_D=meta["BLOCK_D"], DOT_DTYPE=meta["DOT_DTYPE"],
+        BLOCK_D=meta["BLOCK_D"], DOT_DTYPE=meta["DOT_DTYPE"], USE_WINDOW=meta["USE_WINDOW"],
+        USE_SOFTCAP=meta["USE_SOFTCAP"],
     )  # fmt: skip
     tk.decode_reduce_kernel[(batch, num_q_heads)](
         mid_out, mid_lse, out,
@@ -204,8 +230,11 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over prefix + themselves.
+    """Causal attention of packed new tokens over prefix + themselves (the token at
+    position p over p - window < j <= p with a `window`; scores soft-capped with `softcap`).
 
     q: [T, Hq, D], request b's extend_lens[b] rows contiguous in batch order; their K/V
     are at req_to_token[req_pool_indices[b], prefix_lens[b] : prefix_lens[b] +
@@ -225,12 +254,13 @@ def extend_attention(
     device = q.device
     extend_lens = extend_lens.to(device=device, dtype=torch.int64)
     extend_starts = torch.cumsum(extend_lens, 0) - extend_lens
-    meta = extend_meta(head_dim, k_pool.dtype)
+    window_value, softcap_value = _runtime(window, softcap)
+    meta = extend_meta(head_dim, k_pool.dtype, window=window, softcap=softcap)
     grid = (batch, num_q_heads, triton.cdiv(max_extend, meta["BLOCK_M"]))
     tk.extend_kernel[grid](
         q, k_pool, v_pool, out, req_to_token, req_pool_indices.to(device),
         prefix_lens.to(device), extend_lens, extend_starts,
-        sm_scale,
+        sm_scale, window_value, softcap_value,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         num_q_heads // num_kv_heads, head_dim,
@@ -248,12 +278,16 @@ def tree_verify_attention(
     prefix_lens: torch.Tensor,
     tree_mask: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Speculative verify: N draft tokens per request over the prefix and their tree.
 
     q: [B*N, Hq, D]; draft K/V at positions prefix_lens[b]..prefix_lens[b]+N-1 of row
     req_pool_indices[b]; tree_mask: bool [B, N, N] (draft query i sees draft key j iff
-    tree_mask[b, i, j]); prefix_lens: [B] int. Returns [B*N, Hq, D] in q's dtype.
+    tree_mask[b, i, j]); prefix_lens: [B] int. With a `window` each query keeps the last
+    `window` of its visible keys in position order; `softcap` caps the scores. Returns
+    [B*N, Hq, D] in q's dtype.
     """
     batch, num_draft, _ = tree_mask.shape
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -265,14 +299,15 @@ def tree_verify_attention(
     q = _inner_contiguous(q)
     device = q.device
     mask = tree_mask.to(device=device, dtype=torch.int8).contiguous()
+    window_value, softcap_value = _runtime(window, softcap)
     tk.tree_verify_kernel[(batch, num_q_heads)](
         q, k_pool, v_pool, out, req_to_token, req_pool_indices.to(device),
         prefix_lens.to(device), mask,
-        sm_scale,
+        sm_scale, window_value, softcap_value,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         num_draft, num_q_heads // num_kv_heads, head_dim,
-        **tree_verify_meta(num_draft, head_dim, k_pool.dtype),
+        **tree_verify_meta(num_draft, head_dim, k_pool.dtype, window=window, softcap=softcap),
     )  # fmt: skip
     return out
 

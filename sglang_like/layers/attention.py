@@ -20,39 +20,47 @@ if TYPE_CHECKING:
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fb: ForwardBatch,
-           sm_scale: float) -> torch.Tensor:
+           sm_scale: float, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
     """The attention kernel this forward's shape calls for (K/V of its tokens stored):
     per-request masks (a verify beside decode rows), one uniform tree mask (a CUDA verify),
-    a decode batch, or a causal extend. q [T, Hq, D] -> [T, Hq, D]."""
+    a decode batch, or a causal extend. q [T, Hq, D] -> [T, Hq, D]. `window`: a query sees
+    only the last `window` keys of its visible ones (itself included); `softcap`: scores ->
+    cap * tanh(scores / cap) before the mask (None: off; sglang_like_kernels)."""
     if fb.custom_masks is not None:
         return sglang_like_kernels.masked_attention(
             q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
-            fb.custom_masks, sm_scale)
+            fb.custom_masks, sm_scale, window=window, softcap=softcap)
     if fb.tree_mask is not None:
         return sglang_like_kernels.tree_verify_attention(
             q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
-            fb.tree_mask, sm_scale)
+            fb.tree_mask, sm_scale, window=window, softcap=softcap)
     if fb.is_decode:
         return sglang_like_kernels.decode_attention(
-            q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, sm_scale)
+            q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, sm_scale,
+            window=window, softcap=softcap)
     return sglang_like_kernels.extend_attention(
         q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
-        fb.extend_lens, sm_scale)
+        fb.extend_lens, sm_scale, window=window, softcap=softcap)
 
 
 class Attention:
     """One layer's attention over the pool: K/V stored at `fb.out_slots`, then `attend`.
 
     Holds no weights (the projections are the model's); `layer_id` picks the pool's buffers.
+    `window` / `softcap`: the layer's sliding window and score soft-cap (see `attend`).
     """
 
-    def __init__(self, layer_id: int, sm_scale: float) -> None:
+    def __init__(self, layer_id: int, sm_scale: float, window: int | None = None,
+                 softcap: float | None = None) -> None:
         self.layer_id = layer_id
         self.sm_scale = sm_scale
+        self.window = window
+        self.softcap = softcap
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                  pool: KVPool) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         k_pool, v_pool = pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id]
         sglang_like_kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
-        return attend(q, k_pool, v_pool, fb, self.sm_scale)
+        return attend(q, k_pool, v_pool, fb, self.sm_scale, self.window, self.softcap)

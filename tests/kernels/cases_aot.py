@@ -27,7 +27,8 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) -> dict:
-    """Argument types: listed pointers, constexprs, sm_scale fp32, every other int i32."""
+    """Argument types: listed pointers, constexprs, sm_scale and softcap fp32, every other
+    int i32."""
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -35,7 +36,7 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) 
         elif name in pointers:
             signature[name] = "*" + pointers[name]
         else:
-            signature[name] = "fp32" if name == "sm_scale" else "i32"
+            signature[name] = "fp32" if name in ("sm_scale", "softcap") else "i32"
     return signature
 
 
@@ -49,8 +50,9 @@ def _attention_pointers(dtype: torch.dtype) -> dict[str, str]:
     }  # fmt: skip
 
 
-def _decode_split(dtype, head_dim, group):
-    meta = triton_ops.decode_meta(group * 2, 2, head_dim, 4096, dtype, interpret=False)
+def _decode_split(dtype, head_dim, group, window=None, softcap=None):
+    meta = triton_ops.decode_meta(group * 2, 2, head_dim, 4096, dtype, interpret=False,
+                                  window=window, softcap=softcap)
     meta.pop("BLOCK_S")
     return tk.decode_split_kernel, _attention_pointers(dtype), meta
 
@@ -61,13 +63,15 @@ def _decode_reduce(dtype, head_dim, group):
     return tk.decode_reduce_kernel, _attention_pointers(dtype), consts
 
 
-def _extend(dtype, head_dim, group):
-    meta = triton_ops.extend_meta(head_dim, dtype, interpret=False)
+def _extend(dtype, head_dim, group, window=None, softcap=None):
+    meta = triton_ops.extend_meta(head_dim, dtype, interpret=False, window=window,
+                                  softcap=softcap)
     return tk.extend_kernel, _attention_pointers(dtype), meta
 
 
-def _tree_verify(dtype, head_dim, group):
-    meta = triton_ops.tree_verify_meta(12, head_dim, dtype, interpret=False)
+def _tree_verify(dtype, head_dim, group, window=None, softcap=None):
+    meta = triton_ops.tree_verify_meta(12, head_dim, dtype, interpret=False, window=window,
+                                       softcap=softcap)
     return tk.tree_verify_kernel, _attention_pointers(dtype), meta
 
 
@@ -97,4 +101,19 @@ def test_compiles_for_target(builder, dtype, head_dim, group, capability):
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64))
     assert len(compiled.asm["cubin"]) > 0
     assert kernel.__name__ in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= MAX_SHARED[capability]
+
+
+@pytest.mark.parametrize("capability", [90, 80])
+@pytest.mark.parametrize("builder", [_decode_split, _extend, _tree_verify],
+                         ids=lambda b: b.__name__.strip("_"))
+@pytest.mark.parametrize("dtype,head_dim,group", CONFIGS, ids=["bf16", "fp32"])
+def test_window_and_softcap_variants_compile(builder, dtype, head_dim, group, capability):
+    """The attention kernels with their sliding-window and soft-cap switches on (Gemma 2's
+    local layers) compile too, within the same shared memory."""
+    kernel, pointers, constexprs = builder(dtype, head_dim, group, window=4096, softcap=50.0)
+    assert constexprs["USE_WINDOW"] and constexprs["USE_SOFTCAP"]
+    src = ASTSource(kernel, _signature(kernel, pointers, constexprs), constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64))
+    assert len(compiled.asm["cubin"]) > 0
     assert compiled.metadata.shared <= MAX_SHARED[capability]

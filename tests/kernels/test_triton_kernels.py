@@ -19,7 +19,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 RUNS = [
-    ("interpreter", ["cases_interpret.py", "cases_tiny_stack.py"], "1"),
+    # test_window_softcap.py also runs in the main suite, on the torch references only
+    ("interpreter", ["cases_interpret.py", "cases_tiny_stack.py", "test_window_softcap.py"], "1"),
     ("aot_compile", ["cases_aot.py"], "0"),
 ]
 
