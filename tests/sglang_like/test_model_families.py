@@ -1,0 +1,218 @@
+"""Every model family from a tiny seeded random Hugging Face folder, against transformers.
+
+Per family (and per RoPE scaling or feature a family adds): the engine on the folder equals
+transformers in fp32 (prefill logits within 1e-4, greedy output for 3 prompts x 24 tokens),
+and the default quantization (`auto`: int8 on CPU for a folder) keeps top-1 agreement with
+fp32 of at least 95% over the prompts and their continuations. Sliding windows are smaller
+than the sequences, so they are exercised, not only configured.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+import sglang_like.engine_core.setup as setup_mod
+from sglang_like import Engine
+from sglang_like.model_loader import load_model
+
+from .test_hf_archs import _hf_greedy, _hf_logits, _our_prefill_logits, tokenizer_json  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    return fibonacci(n - 1) + fibonacci(n - 2) if n > 1 else n",
+    "<|im_start|>user\nWrite 3 haiku about rain.<|im_end|>\n",
+]
+NEW_TOKENS = 24
+LOGITS_ATOL = 1e-4
+WINDOW = 8  # shorter than every prompt plus its continuation
+TOP1_MIN = 0.95
+CONTEXT = 256
+
+
+class Family(NamedTuple):
+    name: str
+    model_type: str
+    config: dict[str, Any]  # transformers config kwargs beyond the shared shape
+
+
+SHARED = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+              initializer_range=0.1, bos_token_id=0, eos_token_id=2)
+
+FAMILIES = [
+    Family("llama-yarn", "llama", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}}),
+    Family("llama-dynamic", "llama", {"rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
+    Family("mistral-window", "mistral", {"sliding_window": WINDOW}),
+    Family("qwen2-window", "qwen2", {"sliding_window": WINDOW, "use_sliding_window": True,
+                                     "max_window_layers": 1,
+                                     "layer_types": ["full_attention", "sliding_attention"]}),
+    Family("gemma", "gemma", {}),
+    Family("gemma2", "gemma2", {"sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    Family("gemma3", "gemma3_text", {
+        "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+    Family("phi3-longrope-partial", "phi3", {
+        "original_max_position_embeddings": 256, "max_position_embeddings": 1024,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.5,
+                            "short_factor": [1.0, 1.5, 2.0, 3.0],
+                            "long_factor": [2.0, 4.0, 8.0, 16.0]}}),
+    Family("olmo2", "olmo2", {}),
+    Family("granite", "granite", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.1, "logits_scaling": 2.5}),
+    Family("smollm3", "smollm3", {"no_rope_layers": [1, 0], "tie_word_embeddings": True,
+                                  "pad_token_id": 0}),
+]
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """transformers inits norms to 1 (0 for Gemma's 1 + w) and biases to 0; random instead."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(param + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+
+
+TRAIN_TEXT = (
+    "The capital of France is Paris. The capital of Italy is Rome. def fibonacci(n): return n "
+    "if n < 2 else fibonacci(n - 1) + fibonacci(n - 2). Rain falls soft on the roof; grey "
+    "clouds drift over the hills; the river runs high. Write 3 haiku about rain, then stop. "
+)
+
+
+def _peak(model: torch.nn.Module, ids: list[int], steps: int = 12) -> None:
+    """A few steps of next-token training on some text, so that the model prefers some tokens
+    the way a trained one does: a random model's top logits over a 49k vocabulary are near
+    ties (the top-2 gap of ~50k Gaussians is ~0.1 of their spread), which any rounding flips,
+    so its top-1 agreement would measure the vocabulary, not the quantization."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = torch.tensor([ids])
+    model.train()
+    for _ in range(steps):
+        loss = model(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+class Built(NamedTuple):
+    family: Family
+    path: str
+    hf_model: Any
+    engine: Engine
+
+
+def _engine(path: str, **kwargs: Any) -> Engine:
+    # the conftest may cache load_model for the default model; these folders go around it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(setup_mod, "load_model", load_model)
+        return Engine(model_path=path, max_total_tokens=4096, context_length=CONTEXT,
+                      engine_in_process=True, **kwargs)
+
+
+def build_folder(family: Family, folder: Any, tokenizer_json: tuple[str, int]) -> Any:
+    """Save a seeded tiny model of `family` (briefly trained, see `_peak`) with the default
+    model's tokenizer into `folder`; the transformers model, eval mode, eos off."""
+    text, vocab_size = tokenizer_json
+    (folder / "tokenizer.json").write_text(text, encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
+    torch.manual_seed(1234)
+    config = transformers.AutoConfig.for_model(family.model_type, vocab_size=vocab_size,
+                                               **(SHARED | family.config))
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _randomize(hf_model)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    _peak(hf_model, tok.encode(TRAIN_TEXT))
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    hf_model.generation_config.eos_token_id = None  # like our ignore_eos
+    return hf_model
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[f.name for f in FAMILIES])
+def built(request, tmp_path_factory, tokenizer_json: tuple[str, int]):  # noqa: F811
+    family: Family = request.param
+    folder = tmp_path_factory.mktemp(family.name)
+    hf_model = build_folder(family, folder, tokenizer_json)
+    engine = _engine(str(folder), quantization="none")
+    yield Built(family, str(folder), hf_model, engine)
+    engine.shutdown()
+
+
+def _ids(engine: Engine) -> list[list[int]]:
+    return [engine.tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_prefill_logits_match_transformers(built: Built) -> None:
+    for ids in _ids(built.engine):
+        got, want = _our_prefill_logits(built.engine, ids), _hf_logits(built.hf_model, ids)
+        assert got.shape == want.shape
+        assert want.std().item() > 0.1  # far from flat: the comparison means something
+        assert (got - want).abs().max().item() < LOGITS_ATOL
+
+
+def test_greedy_matches_transformers(built: Built) -> None:
+    id_lists = _ids(built.engine)
+    outs = built.engine.generate(
+        input_ids=id_lists,
+        sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+    for ids, out in zip(id_lists, outs, strict=True):
+        assert out["output_ids"] == _hf_greedy(built.hf_model, ids, NEW_TOKENS)
+
+
+def test_window_and_features_are_exercised(built: Built) -> None:
+    """The family's own settings reached the model, and the sequences outrun the window."""
+    cfg, fam = built.engine.model_config, built.family
+    layers = built.engine.runner.model.model.layers
+    if "sliding_window" in fam.config:
+        windows = [layer.description.sliding_window for layer in layers]
+        assert WINDOW in windows
+        assert min(len(ids) for ids in _ids(built.engine)) + NEW_TOKENS > 2 * WINDOW
+    if fam.model_type in ("gemma2", "gemma3_text"):
+        assert {layer.description.norm_layout for layer in layers} == {"sandwich"}
+        assert cfg.attention_scale == pytest.approx(24 ** -0.5)
+    if fam.model_type == "gemma3_text":
+        assert [layer.description.rope for layer in layers] == ["local", "global"]
+    if fam.model_type == "smollm3":
+        assert [layer.description.rope for layer in layers] == ["global", "none"]
+    if fam.model_type == "olmo2":
+        assert layers[0].description.qk_norm == "full"
+    if fam.model_type == "phi3":
+        assert cfg.rotary_dim == 8
+    if fam.model_type == "granite":
+        assert (cfg.embedding_scale, cfg.residual_scale, cfg.logit_scale) == (3.0, 0.5, 0.4)
+
+
+def test_default_quantization_tracks_fp32(built: Built) -> None:
+    """`auto` (int8 linears on CPU for a folder): top-1 of every position of the prompts and
+    their fp32 greedy continuations agrees with transformers' fp32 on >= 95%."""
+    engine = _engine(built.path)
+    try:
+        assert engine.server_args.quantization != "none"
+        agree = total = 0
+        for ids in _ids(engine):
+            seq = ids + _hf_greedy(built.hf_model, ids, NEW_TOKENS)
+            got = _our_prefill_logits(engine, seq).argmax(-1)
+            want = _hf_logits(built.hf_model, seq).argmax(-1)
+            agree += int((got == want).sum())
+            total += len(seq)
+        print(f"{built.family.name}: top-1 agreement {agree}/{total}")
+        assert agree / total >= TOP1_MIN
+    finally:
+        engine.shutdown()
