@@ -216,3 +216,30 @@ def test_default_quantization_tracks_fp32(built: Built) -> None:
         assert agree / total >= TOP1_MIN
     finally:
         engine.shutdown()
+
+
+WINDOWED = [f for f in FAMILIES if f.name in ("mistral-window", "gemma2", "gemma3")]
+
+
+@pytest.mark.parametrize("built", WINDOWED, ids=[f.name for f in WINDOWED], indirect=True)
+@pytest.mark.parametrize("speculative", [None, "NGRAM"])
+def test_window_with_radix_hits_chunks_and_speculation(built: Built, speculative: str | None
+                                                       ) -> None:
+    """Sliding layers under the scheduler's other paths: prompts that share a prefix longer
+    than the window (the second ones hit the radix cache), prefill in chunks smaller than the
+    window, and n-gram speculation (whose verify attends through per-request masks): greedy
+    output still equals transformers'."""
+    engine = _engine(built.path, quantization="none", chunked_prefill_size=5,
+                     speculative_algorithm=speculative)
+    try:
+        shared = engine.tokenizer.encode(PROMPTS[1])
+        assert len(shared) > 2 * WINDOW
+        id_lists = [shared + engine.tokenizer.encode(tail) for tail in (" # a", " # b", " # c")]
+        engine.generate(input_ids=id_lists[0], sampling_params={"max_new_tokens": 1})
+        outs = engine.generate(input_ids=id_lists, sampling_params={
+            "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert any(o["meta_info"]["cached_tokens"] >= len(shared) for o in outs)
+        for ids, out in zip(id_lists, outs, strict=True):
+            assert out["output_ids"] == _hf_greedy(built.hf_model, ids, NEW_TOKENS)
+    finally:
+        engine.shutdown()
