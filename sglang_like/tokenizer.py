@@ -11,6 +11,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
@@ -61,10 +62,44 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %}: transformers marks the assistant's text with it
+    (for training masks); rendering writes the body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+# Names a message's reasoning may come under; templates read `reasoning_content` (Qwen3, ...)
+# or `thinking` (gpt-oss). transformers fills both from whichever is given.
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_message(message: Any) -> Any:
+    """A message as transformers hands it to the template: keys set to None dropped (templates
+    test for a key, not for None: an OpenAI tool-call turn has content None), reasoning under
+    both names templates read."""
+    if not isinstance(message, dict):
+        return message
+    out = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((out[k] for k in _REASONING_KEYS if k in out), None)
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a Hugging Face chat template in a sandbox with HF's options and helpers."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -174,6 +209,7 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
         """Render `messages` with the model's Jinja chat template (as transformers does)."""
@@ -184,8 +220,8 @@ class Tokenizer:
         context = {**self.special_tokens_map, **kwargs}
         try:
             return self._template.render(
-                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                **context,
+                messages=[_template_message(m) for m in messages], tools=tools,
+                documents=documents, add_generation_prompt=add_generation_prompt, **context,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc

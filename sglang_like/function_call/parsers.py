@@ -104,9 +104,37 @@ def _tool_list_json(tools: list[Tool]) -> str:
     return "\n".join(json.dumps(t.to_openai(), ensure_ascii=False) for t in tools)
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _xml_call(body: str, tools: list[Tool]) -> list[ToolCall] | None:
+    """Qwen3-Coder / Qwen3.5's call inside <tool_call>: `<function=NAME>` holding one
+    `<parameter=KEY>\nVALUE\n</parameter>` per argument. Values are bare text: a string
+    parameter keeps it, others read it as JSON (number, bool, object, ...)."""
+    match = _XML_FUNCTION.fullmatch(body)
+    if match is None:
+        return None
+    tool = next((t for t in tools if t.name == match.group(1)), None)
+    if tool is None:
+        return None
+    properties = tool.parameters.get("properties") or {}
+    arguments: dict[str, Any] = {}
+    for key, raw in _XML_PARAMETER.findall(match.group(2)):
+        value: Any = raw
+        if (properties.get(key) or {}).get("type") != "string":
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                pass
+        arguments[key] = value
+    return [ToolCall(tool.name, dump_arguments(arguments))]
+
+
 class HermesParser(ToolCallParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one tag per call (Hermes,
-    Qwen2.5/Qwen3; a JSON list inside one tag is read too, as SmolLM2's tool data writes it)."""
+    Qwen2.5/Qwen3, Granite 4; a JSON list inside one tag is read too, as SmolLM2's tool data
+    writes it; Qwen3-Coder / Qwen3.5's `<function=...>` body inside the same tags too)."""
 
     name = "hermes"
     starts = ("<tool_call>",)
@@ -119,6 +147,8 @@ class HermesParser(ToolCallParser):
         if end < 0:
             return None
         body = text[len(self.starts[0]):end].strip()
+        if body.startswith("<function="):
+            return _xml_call(body, tools), end + len(self._END)
         try:
             value = json.loads(body)
         except ValueError:
@@ -207,12 +237,16 @@ class Llama3JsonParser(ToolCallParser):
 
 
 class MistralParser(ToolCallParser):
-    """Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` ([TOOL_CALLS] is a
-    special token: the answer is detokenized with special tokens kept)."""
+    """Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Nemo) and the newer
+    `[TOOL_CALLS]name[ARGS]{...}` / `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`, one marker per
+    call (Mistral Small 3.2, Ministral 3, Devstral). [TOOL_CALLS] is a special token: the
+    answer is detokenized with special tokens kept."""
 
     name = "mistral"
     starts = ("[TOOL_CALLS]",)
     needs_special_tokens = True
+    _ARGS = "[ARGS]"
+    _CALL_ID = "[CALL_ID]"
 
     def read_region(
         self, text: str, tools: list[Tool], final: bool
@@ -220,11 +254,30 @@ class MistralParser(ToolCallParser):
         pos = len(self.starts[0])
         while pos < len(text) and text[pos].isspace():
             pos += 1
+        if pos < len(text) and text[pos] not in "[{":
+            return self._read_named(text, pos, tools)
         try:
             value, end = _DECODER.raw_decode(text, pos)
         except ValueError:
             return None
         return _calls_from(value, tools), end
+
+    def _read_named(
+        self, text: str, pos: int, tools: list[Tool]
+    ) -> tuple[list[ToolCall] | None, int] | None:
+        args_at = text.find(self._ARGS, pos)
+        if args_at < 0:
+            return None  # the name (and call id) is still being written
+        name = text[pos:args_at].split(self._CALL_ID, 1)[0].strip()
+        start = args_at + len(self._ARGS)
+        while start < len(text) and text[start].isspace():
+            start += 1
+        try:
+            arguments, end = _DECODER.raw_decode(text, start)
+        except ValueError:
+            return None
+        call = _call_from({"name": name, "arguments": arguments}, tools)
+        return (None if call is None else [call]), end
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
         return "[TOOL_CALLS] [" + ", ".join(_call_json(c, "arguments") for c in calls) + "]"
@@ -250,7 +303,12 @@ def get_parser(name: str, chat_template: str | None = None) -> ToolCallParser:
         template = chat_template or ""
         if "[TOOL_CALLS]" in template:
             name = "mistral"
-        elif "<|python_tag|>" in template or "<|eom_id|>" in template:
+        elif "<tool_call>" in template:  # Hermes-3 on Llama 3.1 writes Hermes tags
+            name = "hermes"
+        elif "<|python_tag|>" in template or "<|eom_id|>" in template or (
+            # Llama 3.2 has neither marker; it writes {"name": ..., "parameters": ...}
+            "<|start_header_id|>" in template and '"parameters"' in template
+        ):
             name = "llama3"
         else:
             name = "hermes"

@@ -106,7 +106,7 @@ _PRE_TYPES: dict[str, _Pre] = {
     **_family("deepseek-coder", _Pre(_DEEPSEEK_CODER)),
     **_family("deepseek-v3 hunyuan-dense joyai-llm hy_v4", _Pre(_DEEPSEEK_V3)),
     **_family("tekken", _Pre((_TEKKEN_RE,), ignore_merges=True, add_bos=True)),
-    **_family("gpt-4o llama4 kanana2 talkie", _Pre((_GPT4O_RE,))),
+    **_family("gpt-4o llama4 kanana2 talkie minimax-m2", _Pre((_GPT4O_RE,))),
 }
 
 

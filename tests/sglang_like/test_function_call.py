@@ -59,6 +59,18 @@ def _streamed(parser_name: str, text: str) -> tuple[str, list[tuple[str, str]]]:
      [("add", '{"a": 3, "b": 4}')]),
     ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 5, "b": 6}}]', None,
      [("add", '{"a": 5, "b": 6}')]),
+    # Mistral Small 3.2 / Ministral 3 / Devstral: one [TOOL_CALLS]name[(CALL_ID]id)[ARGS]{...}
+    ("mistral", 'On it.[TOOL_CALLS]add[ARGS]{"a": 5, "b": 6}[TOOL_CALLS]get_weather[CALL_ID]'
+                'abc123XYZ[ARGS]{"city": "Kyiv"}', "On it.",
+     [("add", '{"a": 5, "b": 6}'), ("get_weather", '{"city": "Kyiv"}')]),
+    ("mistral", "[TOOL_CALLS]nope[ARGS]{}", "[TOOL_CALLS]nope[ARGS]{}", []),
+    # Qwen3-Coder / Qwen3.5: XML-ish body in the Hermes tags; non-string values read as JSON
+    ("hermes", "<tool_call>\n<function=add>\n<parameter=a>\n7\n</parameter>\n<parameter=b>\n-2"
+               "\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+               "<parameter=city>\n1984\n</parameter>\n</function>\n</tool_call>", None,
+     [("add", '{"a": 7, "b": -2}'), ("get_weather", '{"city": "1984"}')]),
+    ("hermes", "<tool_call>\n<function=nope>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=nope>\n</function>\n</tool_call>", []),
 ])
 def test_parsers_read_whole_and_streamed_alike(
     parser_name: str, text: str, content: str | None, calls: list[tuple[str, str]]
@@ -94,6 +106,11 @@ def test_auto_parser_follows_the_template() -> None:
     assert get_parser("auto", None).name == "hermes"
     assert get_parser("auto", "{{ '[TOOL_CALLS]' }}").name == "mistral"
     assert get_parser("auto", "{{ '<|python_tag|>' }}").name == "llama3"
+    # Llama 3.2 writes JSON calls with neither <|python_tag|> nor <|eom_id|> in its template
+    llama32 = """<|start_header_id|>{{ '{"name": "' + c.name + '", "parameters": ' }}"""
+    assert get_parser("auto", llama32).name == "llama3"
+    # Hermes-3 on Llama 3.1: Hermes tags win over the Llama 3 markers
+    assert get_parser("auto", "<|eom_id|><|start_header_id|><tool_call>").name == "hermes"
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         get_parser("pythonic")
 
