@@ -290,8 +290,38 @@ class MistralParser(ToolCallParser):
         )
 
 
+class GraniteParser(ToolCallParser):
+    """Granite 3.x: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (the marker is a
+    special token: the answer is detokenized with special tokens kept)."""
+
+    name = "granite"
+    starts = ("<|tool_call|>",)
+    needs_special_tokens = True
+
+    def read_region(
+        self, text: str, tools: list[Tool], final: bool
+    ) -> tuple[list[ToolCall] | None, int] | None:
+        pos = len(self.starts[0])
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        try:
+            value, end = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return None
+        return _calls_from(value, tools), end
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        return "<|tool_call|>[" + ", ".join(_call_json(c, "arguments") for c in calls) + "]"
+
+    def instructions(self, tools: list[Tool]) -> str:
+        return (
+            "You can use these tools:\n" + _tool_list_json(tools) + "\nTo use tools, answer "
+            '<|tool_call|> followed by a JSON list of {"name": ..., "arguments": {...}} objects.'
+        )
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, GraniteParser)
 }
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", *PARSERS)
 
@@ -305,6 +335,8 @@ def get_parser(name: str, chat_template: str | None = None) -> ToolCallParser:
             name = "mistral"
         elif "<tool_call>" in template:  # Hermes-3 on Llama 3.1 writes Hermes tags
             name = "hermes"
+        elif "<|tool_call|>" in template:
+            name = "granite"
         elif "<|python_tag|>" in template or "<|eom_id|>" in template or (
             # Llama 3.2 has neither marker; it writes {"name": ..., "parameters": ...}
             "<|start_header_id|>" in template and '"parameters"' in template

@@ -64,6 +64,7 @@ TEMPLATES = {
     "mistralai-Ministral-3-14B-Reasoning-2512": (True, True, True, "mistral"),
     "unsloth-mistral-Devstral-Small-2507": (True, True, True, "mistral"),
     "HuggingFaceTB-SmolLM3-3B": (True, True, False, None),
+    # Granite 3.3 writes no past calls; its instructions ask for <|tool_call|>[...] (granite)
     "ibm-granite-granite-3.3-2B-Instruct": (True, True, True, None),
     "ibm-granite-granite-4.0": (True, True, True, "hermes"),
     "ibm-granite-granite-4.1": (True, True, True, "hermes"),
@@ -153,6 +154,12 @@ def test_none_fields_and_reasoning_as_transformers(tokenizer_file) -> None:
         messages = [CHAT[0], {"role": "assistant", "content": "4", key: "2+2 is 4"}]
         want, got = _both(hf, ours, messages, add_generation_prompt=False)
         assert got == want and "<think>\n2+2 is 4\n</think>" in got, key
+
+
+def test_auto_parser_for_granite_3() -> None:
+    src = _source("ibm-granite-granite-3.3-2B-Instruct")
+    assert "respond only with <|tool_call|> followed by a JSON list" in src
+    assert get_parser("auto", src).name == "granite"
 
 
 def test_generation_blocks_render_their_body(tokenizer_file) -> None:

@@ -69,6 +69,9 @@ def _streamed(parser_name: str, text: str) -> tuple[str, list[tuple[str, str]]]:
                "\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
                "<parameter=city>\n1984\n</parameter>\n</function>\n</tool_call>", None,
      [("add", '{"a": 7, "b": -2}'), ("get_weather", '{"city": "1984"}')]),
+    ("granite", 'Checking.<|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                '{"name": "get_weather", "arguments": {"city": "Lund"}}]', "Checking.",
+     [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Lund"}')]),
     ("hermes", "<tool_call>\n<function=nope>\n</function>\n</tool_call>",
      "<tool_call>\n<function=nope>\n</function>\n</tool_call>", []),
 ])
@@ -95,7 +98,7 @@ def test_stream_holds_back_a_partial_marker_then_releases_it() -> None:
 def test_render_calls_round_trips_through_the_parser() -> None:
     history = [{"id": "call_1", "type": "function",
                 "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
-    for name in ("hermes", "llama3", "mistral"):
+    for name in ("hermes", "llama3", "mistral", "granite"):
         parser = get_parser(name)
         _, calls = parser.parse(parser.render_calls(history), TOOLS)
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
@@ -111,6 +114,7 @@ def test_auto_parser_follows_the_template() -> None:
     assert get_parser("auto", llama32).name == "llama3"
     # Hermes-3 on Llama 3.1: Hermes tags win over the Llama 3 markers
     assert get_parser("auto", "<|eom_id|><|start_header_id|><tool_call>").name == "hermes"
+    assert get_parser("auto", "{{ ' <|tool_call|>' }}").name == "granite"  # Granite 3.x
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         get_parser("pythonic")
 
