@@ -243,3 +243,30 @@ def test_window_with_radix_hits_chunks_and_speculation(built: Built, speculative
             assert out["output_ids"] == _hf_greedy(built.hf_model, ids, NEW_TOKENS)
     finally:
         engine.shutdown()
+
+
+TP_FAMILIES = [f for f in FAMILIES if f.name in ("gemma3", "phi3-longrope-partial")]
+
+
+@pytest.mark.parametrize("built", TP_FAMILIES, ids=[f.name for f in TP_FAMILIES],
+                         indirect=True)
+def test_tensor_parallel_family_equals_transformers(built: Built) -> None:
+    """Two ranks, each with its share of heads (Gemma 3's per-head q/k norms and local RoPE,
+    Phi-3's split fused weights and partial rotary): greedy output still transformers'."""
+    engine = _engine(built.path, quantization="none", tp_size=2)
+    try:
+        id_lists = _ids(engine)
+        outs = engine.generate(input_ids=id_lists, sampling_params={
+            "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+        for ids, out in zip(id_lists, outs, strict=True):
+            assert out["output_ids"] == _hf_greedy(built.hf_model, ids, NEW_TOKENS)
+    finally:
+        engine.shutdown()
+
+
+def test_olmo2_refuses_tensor_parallel_by_name(tmp_path, tokenizer_json) -> None:  # noqa: F811
+    """OLMo 2's q/k norm spans every head: one rank cannot compute it alone."""
+    olmo = next(f for f in FAMILIES if f.name == "olmo2")
+    build_folder(olmo, tmp_path, tokenizer_json)
+    with pytest.raises(Exception, match="OLMo 2"):
+        _engine(str(tmp_path), quantization="none", tp_size=2)
