@@ -1,4 +1,5 @@
-"""Build a `Tokenizer` from GGUF tokenizer metadata (byte-level BPE, llama.cpp pre-tokenizers)."""
+"""Build a `Tokenizer` from GGUF tokenizer metadata as llama.cpp reads it: byte-level BPE with
+llama.cpp's pre-tokenizers ("gpt2"), SentencePiece BPE ("llama") and Gemma 4's BPE ("gemma4")."""
 
 from __future__ import annotations
 
@@ -129,7 +130,11 @@ def _split(pattern: str) -> pre_tokenizers.PreTokenizer:
 
 def build_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     """The `tokenizers` pre-tokenizer equivalent to llama.cpp's regexes for `tokenizer.ggml.pre`."""
-    splits = [_split(r) for r in _pre_type(pre).regexes]
+    return _byte_level_pre_tokenizer(_pre_type(pre))
+
+
+def _byte_level_pre_tokenizer(pre: _Pre) -> pre_tokenizers.PreTokenizer:
+    splits = [_split(r) for r in pre.regexes]
     raw_byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     return pre_tokenizers.Sequence([*splits, raw_byte_level])
 
@@ -149,7 +154,7 @@ def _byte_level_backend(metadata: dict[str, Any], vocab: dict[str, int]) -> Back
     pre = _pre_type(metadata.get("tokenizer.ggml.pre"))
     backend = Backend(models.BPE(vocab=vocab, merges=_merges(metadata), fuse_unk=False,
                                  byte_fallback=False, ignore_merges=pre.ignore_merges))
-    backend.pre_tokenizer = build_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
     return backend
 
