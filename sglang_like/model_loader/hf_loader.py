@@ -162,14 +162,36 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
+# a multimodal checkpoint's language model, under the names its text-only sibling uses
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+
+
 def load_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All model.* / lm_head.* tensors of the folder's (possibly sharded) safetensors, as dtype."""
+    """All model.* / lm_head.* tensors of the folder's (possibly sharded) safetensors, as dtype
+    (a multimodal checkpoint's language model renamed so; its vision tower left out)."""
     weights: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
         for name, tensor in load_file(file).items():
+            for old, new in _TEXT_PREFIXES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
             if name.startswith(("model.", "lm_head.")) and "rotary_emb" not in name:
                 weights[name] = tensor.to(dtype)
     return weights
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config of the model that reads and writes text: the file's own, or a multimodal
+    checkpoint's `text_config` (Gemma 3 4B and up ship as Gemma3ForConditionalGeneration)."""
+    if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
+        logger.warning("%s: serving its language model; image input is not supported yet",
+                       (cfg.get("architectures") or ["gemma3"])[0])
+        text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+                **cfg["text_config"]}
+        return text | {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    return cfg
 
 
 def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -177,6 +199,7 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
     cfg = read_json(os.path.join(path, "config.json"))
     if not cfg:
         raise ValueError(f"no config.json in {path!r}")
+    cfg = text_config(cfg)
     tokenizer = load_hf_tokenizer(path)
     weights = load_safetensors(path, dtype)
     config = hf_model_config(

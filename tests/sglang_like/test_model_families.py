@@ -270,3 +270,31 @@ def test_olmo2_refuses_tensor_parallel_by_name(tmp_path, tokenizer_json) -> None
     build_folder(olmo, tmp_path, tokenizer_json)
     with pytest.raises(Exception, match="OLMo 2"):
         _engine(str(tmp_path), quantization="none", tp_size=2)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path,
+                                                                 tokenizer_json) -> None:  # noqa: F811
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (text_config, weights under
+    language_model.*, a vision tower): the folder loads as its language model and equals
+    transformers' multimodal model on text."""
+    text, vocab_size = tokenizer_json
+    (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>"}))
+    gemma3 = next(f for f in FAMILIES if f.name == "gemma3")
+    text_cfg = SHARED | gemma3.config | {"vocab_size": vocab_size}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    torch.manual_seed(7)
+    hf_model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text_cfg, vision_config=vision, mm_tokens_per_image=4)).eval()
+    _randomize(hf_model)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = _engine(str(tmp_path), quantization="none")
+    try:
+        assert engine.model_config.architecture == "gemma3_text"
+        for ids in _ids(engine):
+            want = _hf_logits(hf_model, ids)
+            assert want.std().item() > 0.1
+            assert (_our_prefill_logits(engine, ids) - want).abs().max().item() < LOGITS_ATOL
+    finally:
+        engine.shutdown()
