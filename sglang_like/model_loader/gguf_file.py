@@ -15,27 +15,38 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: reading metadata 
 
     from sglang_like.layers.quantization.gguf_blocks import GGUFBlockWeight
 
-# llama.cpp per-block tensor names -> Hugging Face names (suffix .weight / .bias kept).
+# llama.cpp per-block tensor names -> Hugging Face names (suffix .weight / .bias kept). A fused
+# attn_qkv (Phi-3) keeps its fused name here; the loader splits it into q/k/v.
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # on attention's output (Gemma 2/3, OLMo 2)
+    "ffn_norm": "post_attention_layernorm",  # before the MLP; see _block_name for sandwiches
+    "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Architectures whose ffn_up is gate and up stacked (gate rows first: llama.cpp's fused SwiGLU
+# gates with the first half, as Phi-3's gate_up_proj.chunk(2) does); the loader splits it.
+_FUSED_GATE_UP = frozenset({"phi3"})
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors llama.cpp stores that the HF checkpoint derives on the fly (e.g. llama3 rope factors).
-_IGNORED = {"rope_freqs"}
+# Tensors llama.cpp stores that are no weight of the HF checkpoint: RoPE frequency factors
+# (Llama 3's rope_freqs, Phi-3's longrope factors), which the loader reads into the config.
+_IGNORED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
+# Architectures whose converter (LlamaModel.permute) interleaved each Q/K head's RoPE halves for
+# llama.cpp's "normal" RoPE; the others (Qwen, Gemma, Phi-3, OLMo 2) rotate halves as HF does.
+PERMUTED_QK_ARCHS = frozenset({"llama", "mistral", "granite", "smollm3"})
 _INT_TYPES = frozenset(
     {
         gguf.GGMLQuantizationType.I8,
@@ -158,13 +169,23 @@ def read_gguf(path: str) -> GGUFFile:
     return GGUFFile(metadata, tensors)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name; None for tensors HF does not keep."""
+def hf_tensor_name(gguf_name: str, arch: str | None = None, sandwich: bool = False
+                   ) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name; None for tensors HF does not keep.
+
+    `sandwich`: the tensor's layer has a norm on attention's output (post_attention_norm), so
+    its ffn_norm is Gemma 2/3's pre_feedforward_layernorm rather than the norm before the MLP
+    that Llama calls post_attention_layernorm. `arch` names fused tensors (Phi-3's ffn_up)."""
     if (m := _BLOCK_RE.match(gguf_name)) is not None:
         layer, part, kind = m.groups()
         if part not in _BLOCK_NAMES:
             raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        name = _BLOCK_NAMES[part]
+        if part == "ffn_norm" and sandwich:
+            name = "pre_feedforward_layernorm"
+        elif part == "ffn_up" and arch in _FUSED_GATE_UP:
+            name = "mlp.gate_up_proj"
+        return f"model.layers.{layer}.{name}.{kind}"
     if (m := _GLOBAL_RE.match(gguf_name)) is not None:
         part, kind = m.groups()
         if part in _IGNORED:
@@ -219,13 +240,14 @@ def iter_hf_tensors(
     With `keep_packed`, matrices of `PACKED_QTYPES` come as `GGUFBlockWeight` (their blocks,
     rows un-permuted) for a quantized model to repack; nothing of them is dequantized here.
     """
-    import torch
-
     from sglang_like.layers.quantization.gguf_blocks import PACKED_QTYPES
 
-    permuted = arch in ("llama", "mistral")
+    permuted = arch in PERMUTED_QK_ARCHS
+    sandwiched = {m.group(1) for t in tensors
+                  if (m := _BLOCK_RE.match(t.name)) and m.group(2) == "post_attention_norm"}
     for tensor in tensors:
-        name = hf_tensor_name(tensor.name)
+        m = _BLOCK_RE.match(tensor.name)
+        name = hf_tensor_name(tensor.name, arch, m is not None and m.group(1) in sandwiched)
         if name is None:
             continue
         heads = None
@@ -236,10 +258,25 @@ def iter_hf_tensors(
         if keep_packed and tensor.qtype.name in PACKED_QTYPES and len(tensor.shape) == 2:
             yield name, _packed(tensor, heads)
             continue
-        array = dequantize_tensor(tensor)
-        if not array.flags.writeable:
-            array = array.copy()  # F32 tensors come back as views of the read-only memmap
-        value = torch.from_numpy(array)
-        if heads is not None:
-            value = unpermute_qk(value, heads)
-        yield name, value.to(dtype)
+        yield name, _dense(tensor, heads, dtype)
+
+
+def _dense(tensor: GGUFTensor, heads: int | None, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
+    array = dequantize_tensor(tensor)
+    if not array.flags.writeable:
+        array = array.copy()  # F32 tensors come back as views of the read-only memmap
+    value = torch.from_numpy(array)
+    if heads is not None:
+        value = unpermute_qk(value, heads)
+    return value.to(dtype)
+
+
+def read_float_tensor(tensors: list[GGUFTensor], name: str) -> list[float] | None:
+    """A small float tensor of the file (e.g. rope_factors_long.weight) as a list; None when
+    the file has none of that name."""
+    for tensor in tensors:
+        if tensor.name == name:
+            return dequantize_tensor(tensor).reshape(-1).astype(float).tolist()
+    return None
