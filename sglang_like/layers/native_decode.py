@@ -5,10 +5,12 @@ modules, never a model family's internals; `supports` says which descriptions th
 implement.
 
 A decode batch (every request one new token, no tree) of up to `MAX_ROWS` requests runs
-RMSNorm fused with the residual add before it, the qkv matmul, RoPE + KV store + attention in
-one call, o_proj, RMSNorm, gate_up, silu*mul, down. The per-layer arguments are gathered once
-into plain tuples (`NativeDecodePlan`), so a step pays no nn.Module attribute lookups or
-module calls (a large part of a batch-1 step).
+RMSNorm fused with the residual add before it, the qkv matmul, (q/k norm +) RoPE + KV store +
+attention in one call, o_proj, (output norm +) residual add + RMSNorm, gate_up, act*mul, down.
+What a layer's description adds to Llama's (norm layouts, q/k norms, RoPE table or none,
+sliding window, soft-cap, GeGLU, residual scale) is computed inside those same calls. The
+per-layer arguments are gathered once into plain tuples (`NativeDecodePlan`), so a step pays
+no nn.Module attribute lookups or module calls (a large part of a batch-1 step).
 
 A batch under per-request masks (a speculative verify: trees, beside plain decode rows) of up
 to `MAX_ROWS` token rows runs the same calls: the attention kernel reads, for each
@@ -58,14 +60,18 @@ FUSED_ENV = "SGLANG_LIKE_FUSED_DECODE"
 
 
 def supports(description: DecoderLayerDescription) -> bool:
-    """Whether the native kernels compute a layer so described: RMSNorm before each
-    sub-layer ("pre" layout), SiLU-gated MLP, the global RoPE table, full attention without
-    soft-cap, no q/k norm, no residual scale. Biases are added after the per-op path's linears
-    (the one-call step refuses them itself)."""
+    """Whether the native kernels compute a layer so described: RMS norms in any layout
+    ("pre", "sandwich", "post"), a SiLU- or GeLU(tanh)-gated MLP, q/k norms per head or over
+    the whole projection (the latter needs one rank: native runs only without tensor
+    parallelism), the global, local or no RoPE table, any sliding window, soft-cap and
+    residual scale. Biases are added after the per-op path's linears (the one-call step
+    refuses them itself)."""
     d = description
-    return (d.norm == "rms" and d.norm_layout == "pre" and d.activation == "silu"
-            and d.qk_norm is None and d.rope == "global" and d.sliding_window is None
-            and d.attn_logit_softcap is None and d.residual_scale == 1.0)
+    return (d.norm == "rms" and d.norm_layout in ("pre", "sandwich", "post")
+            and d.activation in ops.ACTIVATIONS and d.qk_norm in ops.QK_NORMS
+            and d.rope in ops.ROPES
+            and (d.sliding_window is None or d.sliding_window >= 1)
+            and (d.attn_logit_softcap is None or d.attn_logit_softcap > 0))
 
 
 class AttnRows(NamedTuple):
@@ -142,47 +148,120 @@ class _Norm(NamedTuple):
     out_dtype: torch.dtype
 
 
+class _In(NamedTuple):
+    """A sub-layer's input from the residual stream: rmsnorm(x) * weight in out_dtype, or
+    x itself in out_dtype where weight is None (a "post" layer)."""
+
+    weight: torch.Tensor | None
+    eps: float
+    out_dtype: torch.dtype
+
+
+class _Out(NamedTuple):
+    """A sub-layer's output into the residual stream: x += scale * (rmsnorm(out) * weight, or
+    out where weight is None)."""
+
+    weight: torch.Tensor | None
+    eps: float
+    scale: float
+
+
 class _Layer(NamedTuple):
-    norm_in: _Norm
+    attn_in: _In
     qkv: Linear
     num_heads: int
     num_kv_heads: int
     head_dim: int
     layer_id: int
     sm_scale: float
+    cos: torch.Tensor | None  # this layer's RoPE table pair; None: no rotation
+    sin: torch.Tensor | None
+    attn_kw: dict  # window, soft-cap and q/k norm keywords of ops.decode_attention_rope
     o_in_dtype: torch.dtype
     o_proj: Linear
-    norm_post: _Norm
+    attn_out: _Out
+    mlp_in: _In
     gate_up: Linear
+    activation: str
     down_in_dtype: torch.dtype
     down: Linear
+    mlp_out: _Out
 
 
-def _norm(module: RMSNorm) -> _Norm:
-    return _Norm(module.weight, module.eps, module.out_dtype)
+def _input(norm: RMSNorm | None, linear: torch.nn.Module, eps: float) -> _In:
+    if norm is None:
+        return _In(None, eps, linear.method.input_dtype)
+    return _In(norm.weight, norm.eps, norm.out_dtype)
+
+
+def _output(norm: RMSNorm | None, eps: float, scale: float) -> _Out:
+    return _Out(None if norm is None else norm.weight, eps if norm is None else norm.eps,
+                scale)
 
 
 def _linear(layer: torch.nn.Module) -> Linear:
     return layer.method.decode_fn(layer)
 
 
-class NativeDecodePlan:
-    """What every decode step of one model needs from its layers, gathered once."""
+RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
-    def __init__(self, layers: list[DecoderLayerParts], cos_table: torch.Tensor,
-                 sin_table: torch.Tensor) -> None:
+
+def _rope_tables(rope_tables: RopeTables | torch.Tensor,
+                 sin_table: torch.Tensor | None) -> RopeTables:
+    """{"global": (cos, sin), "local": ...} from the dict form or the older (cos, sin) one."""
+    if isinstance(rope_tables, dict):
+        if sin_table is not None or "global" not in rope_tables:
+            raise ValueError("rope tables: a dict with a 'global' pair, and no separate sin")
+        return dict(rope_tables)
+    if sin_table is None:
+        raise ValueError("rope tables: (cos, sin) or {'global': (cos, sin), ...}")
+    return {"global": (rope_tables, sin_table)}
+
+
+def _attn_keywords(p: DecoderLayerParts) -> dict:
+    d = p.description
+    kw: dict = {"window": d.sliding_window, "softcap": d.attn_logit_softcap}
+    if d.qk_norm is not None:
+        if p.q_norm is None or p.k_norm is None or p.q_norm.eps != p.k_norm.eps:
+            raise ValueError(f"layer {p.layer_id}: q/k norm {d.qk_norm!r} needs both norms, "
+                             "of one eps")
+        kw.update(qk_norm=d.qk_norm, q_norm=p.q_norm.weight.float().contiguous(),
+                  k_norm=p.k_norm.weight.float().contiguous(), qk_eps=p.q_norm.eps)
+    return kw
+
+
+class NativeDecodePlan:
+    """What every decode step of one model needs from its layers, gathered once.
+
+    `rope_tables`: {"global": (cos, sin)} and, where layers rotate by Gemma 3's local table,
+    "local": (cos, sin), each [P, D] float32 ([cos, cos] and [-sin, sin] rows); the older
+    call `NativeDecodePlan(layers, cos, sin)` means the global pair alone."""
+
+    def __init__(self, layers: list[DecoderLayerParts],
+                 rope_tables: RopeTables | torch.Tensor,
+                 sin_table: torch.Tensor | None = None) -> None:
         unsupported = [p.layer_id for p in layers if not supports(p.description)]
         if unsupported:
             raise ValueError(f"layers {unsupported[:4]} are not what the native step computes")
-        self.cos, self.sin = cos_table, sin_table
-        self.layers = [
-            _Layer(_norm(p.input_norm), _linear(p.qkv_proj), p.num_heads, p.num_kv_heads,
-                   p.head_dim, p.layer_id, p.sm_scale, p.o_proj.method.input_dtype,
-                   _linear(p.o_proj), _norm(p.mlp_norm), _linear(p.gate_up_proj),
-                   p.down_proj.method.input_dtype, _linear(p.down_proj))
-            for p in layers
-        ]
-        self.fused = _FusedX16.build(layers, cos_table, sin_table)
+        tables = _rope_tables(rope_tables, sin_table)
+        missing = sorted({p.description.rope for p in layers} - set(tables) - {"none"})
+        if missing:
+            raise ValueError(f"the layers rotate by RoPE tables {missing} the plan was not given")
+        self.tables = tables
+        self.cos, self.sin = tables["global"]
+        self.layers = []
+        for p in layers:
+            d = p.description
+            cos, sin = tables[d.rope] if d.rope != "none" else (None, None)
+            self.layers.append(_Layer(
+                _input(p.input_norm, p.qkv_proj, d.norm_eps), _linear(p.qkv_proj), p.num_heads,
+                p.num_kv_heads, p.head_dim, p.layer_id, p.sm_scale, cos, sin, _attn_keywords(p),
+                p.o_proj.method.input_dtype, _linear(p.o_proj),
+                _output(p.attn_out_norm, d.norm_eps, d.residual_scale),
+                _input(p.mlp_norm, p.gate_up_proj, d.norm_eps), _linear(p.gate_up_proj),
+                d.activation, p.down_proj.method.input_dtype, _linear(p.down_proj),
+                _output(p.mlp_out_norm, d.norm_eps, d.residual_scale)))
+        self.fused = _FusedX16.build(layers, tables)
 
     def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
             aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -191,31 +270,35 @@ class NativeDecodePlan:
         row per query of `attn`."""
         if self.fused is not None and fb.on_layer is None:
             return self.fused.run(x, fb, pool, attn, aux_layers)
-        attend, add_rmsnorm, silu_mul = ops.decode_attention_rope, ops.add_rmsnorm, ops.silu_mul
-        cos, sin = self.cos, self.sin
+        attend, residual_norm, act_mul = ops.decode_attention_rope, ops.residual_norm, ops.act_mul
         positions, out_slots, on_layer = fb.positions, fb.out_slots, fb.on_layer
         table, rows, seq_lens = attn
         k_buffers, v_buffers = pool.k_buffers, pool.v_buffers
         layers = self.layers
         last = len(layers) - 1
-        h = ops.rmsnorm(x, *layers[0].norm_in)
+        first = layers[0].attn_in
+        h = ops.rmsnorm(x, *first) if first.weight is not None else x.to(first.out_dtype)
         aux: dict[int, torch.Tensor] = {}
         for i, p in enumerate(layers):
             if i in aux_layers:
                 aux[i] = x  # never written in place: each step makes a new residual tensor
-            a = attend(p.qkv(h), p.num_heads, p.num_kv_heads, p.head_dim, cos, sin, positions,
-                       k_buffers[p.layer_id], v_buffers[p.layer_id], out_slots, table, rows,
-                       seq_lens, p.sm_scale, p.o_in_dtype)
-            x, h = add_rmsnorm(x, p.o_proj(a), *p.norm_post)
-            down = p.down(silu_mul(p.gate_up(h), p.down_in_dtype))
-            if i < last:
-                x, h = add_rmsnorm(x, down, *layers[i + 1].norm_in)
-            else:
-                x = x + down.float()
+            a = attend(p.qkv(h), p.num_heads, p.num_kv_heads, p.head_dim, p.cos, p.sin,
+                       positions, k_buffers[p.layer_id], v_buffers[p.layer_id], out_slots,
+                       table, rows, seq_lens, p.sm_scale, p.o_in_dtype, **p.attn_kw)
+            x, h = residual_norm(x, p.o_proj(a), *p.mlp_in, *p.attn_out)
+            down = p.down(act_mul(p.gate_up(h), p.activation, p.down_in_dtype))
+            # the next layer's input (the last layer's add only: no norm, float32)
+            nxt = layers[i + 1].attn_in if i < last else _In(None, 0.0, torch.float32)
+            x, h = residual_norm(x, down, *nxt, *p.mlp_out)
             if on_layer is not None:
                 on_layer(i)
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return x, features
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    """A norm's weight as the native kernels read it (float32, contiguous; None: no norm)."""
+    return None if norm is None else norm.weight.float().contiguous()
 
 
 def _fused_runs(lin: torch.nn.Module) -> list[tuple[int, torch.Tensor, int]] | None:
@@ -231,23 +314,43 @@ def _fused_runs(lin: torch.nn.Module) -> list[tuple[int, torch.Tensor, int]] | N
 
 class _FusedX16:
     """A whole decode step as one `decode_step_x16` call: the layers' addresses gathered once
-    into an int64 table [L, 8] (qkv, o, gate_up, down weights; the two norms; the layer's K and
-    V pools, filled in for each pool it runs over)."""
+    into an int64 table [L, 12] (qkv, o, gate_up, down weights; the norms before attention and
+    the MLP; the layer's K and V pools, filled in for each pool it runs over; the norms on the
+    sub-layers' outputs; the q/k norms: 0 where the layout has none), and each layer's
+    settings (window, RoPE table, q/k norm, activation; scale, soft-cap, residual scale)."""
 
-    def __init__(self, layers: list[DecoderLayerParts], cos_table: torch.Tensor,
-                 sin_table: torch.Tensor) -> None:
+    _K, _V = 6, 7  # the pool columns of the table
+
+    def __init__(self, layers: list[DecoderLayerParts], tables: RopeTables, eps: float) -> None:
         p0 = layers[0]
-        self.cos, self.sin = cos_table, sin_table
+        self.cos, self.sin = tables["global"]
+        self.local = tables.get("local")
         self.shape = (len(layers), p0.num_heads, p0.num_kv_heads, p0.head_dim,
                       p0.intermediate_size)
-        self.eps = p0.input_norm.eps
+        self.eps = eps
         self.sm_scale = p0.sm_scale
         self.layer_ids = [p.layer_id for p in layers]
         runs = [[_fused_runs(lin) for lin in p.linears] for p in layers]
+        # each layer's norm weights as the kernel reads them (float32, contiguous): before
+        # attention, before the MLP, on their outputs, q, k (None where it has none)
+        norms = [[_weight(n) for n in (p.input_norm, p.mlp_norm, p.attn_out_norm,
+                                       p.mlp_out_norm)]
+                 + ([_weight(p.q_norm), _weight(p.k_norm)] if p.description.qk_norm
+                    else [None, None]) for p in layers]
+
+        def addr(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
         self.ptrs = torch.tensor([
             [r[0][1].data_ptr() for r in lr]
-            + [p.input_norm.weight.data_ptr(), p.mlp_norm.weight.data_ptr(), 0, 0]
-            for p, lr in zip(layers, runs, strict=True)], dtype=torch.int64)
+            + [addr(n[0]), addr(n[1]), 0, 0, *(addr(w) for w in n[2:])]
+            for lr, n in zip(runs, norms, strict=True)], dtype=torch.int64)
+        settings = [ops.layer_settings(
+            p.description.sliding_window, p.description.rope, p.description.qk_norm,
+            p.description.activation, p.sm_scale, p.description.attn_logit_softcap,
+            p.description.residual_scale) for p in layers]
+        self.cfg = torch.tensor([c for c, _ in settings], dtype=torch.int64)
+        self.fcfg = torch.tensor([f for _, f in settings], dtype=torch.float32)
         # GGUF types (or x16 linears of more than one run): each linear's runs of rows
         self.runs = None
         if any(len(r) > 1 or r[0][0] >= 0 for lr in runs for r in lr):
@@ -257,30 +360,43 @@ class _FusedX16:
                     for k, (kind, buf, rows) in enumerate(r):
                         self.runs[i, j, k] = torch.tensor([kind, buf.data_ptr(), rows])
         # what the addresses point into, kept alive with them
-        self._held = [t for p, lr in zip(layers, runs, strict=True) for t in (
-            *(buf for r in lr for _, buf, _ in r), p.input_norm.weight,
-            p.mlp_norm.weight)]
+        self._held = [t for lr, n in zip(runs, norms, strict=True)
+                      for t in (*(buf for r in lr for _, buf, _ in r), *n) if t is not None]
         self._pool: KVPool | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
-    def build(cls, layers: list[DecoderLayerParts], cos_table: torch.Tensor,
-              sin_table: torch.Tensor) -> _FusedX16 | None:
+    def build(cls, layers: list[DecoderLayerParts], tables: RopeTables) -> _FusedX16 | None:
         """The fused step of these layers, or None where it does not apply: the env switch
-        off, a linear not x16 or with a bias, a norm not float32 out, layers that differ."""
+        off, a linear not x16 or with a bias, a norm not float32 (out) or of another eps than
+        the others (the step takes one), layers that differ in shape, more window sizes than
+        the step plans for."""
         if os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers:
             return None
         first = layers[0]
+        eps: float | None = None
         for p in layers:
-            norms = (p.input_norm, p.mlp_norm)
+            ins = [n for n in (p.input_norm, p.mlp_norm) if n is not None]
+            outs = [n for n in (p.attn_out_norm, p.mlp_out_norm) if n is not None]
+            qk = [n for n in (p.q_norm, p.k_norm) if n is not None and p.description.qk_norm]
+            if eps is None:
+                eps = (ins or outs or qk)[0].eps if (ins or outs or qk) else 1e-5
             if (any(_fused_runs(lin) is None or lin.bias is not None for lin in p.linears)
-                    or any(n.out_dtype != torch.float32 or n.eps != first.input_norm.eps
-                           or n.weight.dtype != torch.float32 for n in norms)
+                    or any(n.out_dtype != torch.float32 for n in ins)
+                    or any(n.eps != eps or n.weight.dtype != torch.float32
+                           for n in (*ins, *outs, *qk))
+                    or (p.input_norm is None and p.qkv_proj.method.input_dtype != torch.float32)
+                    or (p.mlp_norm is None
+                        and p.gate_up_proj.method.input_dtype != torch.float32)
                     or (p.num_heads, p.num_kv_heads, p.head_dim, p.intermediate_size)
                     != (first.num_heads, first.num_kv_heads, first.head_dim,
                         first.intermediate_size)):
                 return None
-        return cls(layers, cos_table.float().contiguous(), sin_table.float().contiguous())
+        if len({p.description.sliding_window for p in layers}) > ops.DECODE_STEP_PLANS:
+            return None
+        tables = {k: (c.float().contiguous(), s.float().contiguous())
+                  for k, (c, s) in tables.items()}
+        return cls(layers, tables, eps)
 
     def _refresh_pool(self, pool: KVPool) -> None:
         """The pool's K/V buffer addresses into the table, once per pool (a pool makes its
@@ -288,7 +404,7 @@ class _FusedX16:
         if pool is self._pool:
             return
         for j, i in enumerate(self.layer_ids):
-            for col, buf in ((6, pool.k_buffers[i]), (7, pool.v_buffers[i])):
+            for col, buf in ((self._K, pool.k_buffers[i]), (self._V, pool.v_buffers[i])):
                 if not buf.is_contiguous():
                     raise ValueError("the fused decode step needs contiguous KV pool buffers")
                 self.ptrs[j, col] = buf.data_ptr()
@@ -312,7 +428,8 @@ class _FusedX16:
         num_layers, hq, hkv, d, inter = self.shape
         table, rows, seq_lens = attn
         ops.decode_step_x16(num_layers, x, self.ptrs, self.eps, pool.k_buffers[0].dtype,
-                        self.cos, self.sin, fb.positions, fb.out_slots, table, rows, seq_lens,
-                        hq, hkv, d, inter, self.sm_scale, self._aux_slot(aux_layers), features,
-                        runs=self.runs)
+                            self.cos, self.sin, fb.positions, fb.out_slots, table, rows,
+                            seq_lens, hq, hkv, d, inter, self.sm_scale,
+                            self._aux_slot(aux_layers), features, runs=self.runs, cfg=self.cfg,
+                            fcfg=self.fcfg, local_tables=self.local)
         return x, features

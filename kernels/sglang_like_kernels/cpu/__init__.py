@@ -153,14 +153,20 @@ class _Library:
         i32, f32 = ctypes.c_int, ctypes.c_float
         lib.add_rmsnorm.argtypes = [ptr, ptr, i32, ptr, ptr, i64, i64, f32, ptr, i32]
         lib.add_rmsnorm.restype = None
+        lib.residual_norm.argtypes = [ptr, ptr, i32, ptr, f32, f32, ptr, ptr, i64, i64, f32,
+                                      ptr, i32]
+        lib.residual_norm.restype = None
         lib.silu_mul.argtypes = [ptr, i32, i64, i64, ptr, i32]
         lib.silu_mul.restype = None
+        lib.act_mul.argtypes = [ptr, i32, i64, i64, i32, ptr, i32]
+        lib.act_mul.restype = None
         lib.decode_attention_rope.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                              ptr, i32, ptr, ptr, i64, ptr, ptr, f32, ptr, i32]
+                                              ptr, i32, ptr, ptr, i64, ptr, ptr, f32, ptr, i32,
+                                              i64, f32, i32, ptr, ptr, f32]
         lib.decode_attention_rope.restype = ctypes.c_int
         lib.decode_step_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, i32,
-                                        ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, i64,
-                                        ptr, ptr]
+                                        ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr,
+                                        ptr, ptr, i64, ptr, ptr]
         lib.decode_step_x16.restype = ctypes.c_int
         lib.eagle_head_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                        i32, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr, i32,
@@ -188,6 +194,8 @@ class _Library:
         self.q8_0_matmul_f32 = lib.q8_0_matmul_f32
         self.add_rmsnorm = lib.add_rmsnorm
         self.silu_mul = lib.silu_mul
+        self.act_mul = lib.act_mul
+        self.residual_norm = lib.residual_norm
         self.decode_attention_rope = lib.decode_attention_rope
         self.decode_step_x16 = lib.decode_step_x16
         self.eagle_head_x16 = lib.eagle_head_x16

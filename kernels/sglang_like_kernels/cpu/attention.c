@@ -1,7 +1,10 @@
 // Decode attention over the slot-addressed KV pool (fp32 or bf16): RoPE on q/k of a fused
 // qkv row, k/v stored into the pool, then each query row attends to the first seq_len slots of
 // its row of a key table (a request's own row for a decode; one row per query for a
-// speculative verify, see native_decode.masked_rows).
+// speculative verify, see native_decode.masked_rows). What the model families add: q/k norms
+// before RoPE, no RoPE, a sliding window (a row reads only the last `window` of its seq_len
+// slots: its key index is its position, or its rank among the query's visible keys for a
+// verify row, the same rule), scores soft-capped before the softmax.
 
 #include <immintrin.h>
 #include <math.h>
@@ -51,11 +54,12 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 // each key and value row loaded (and widened from bf16) once for the G heads. Every head's
 // sums run in the same order whatever G is. q: the G heads' queries [G, D]; scores
 // [G, KV_CHUNK]; part: head j's (max, sum, acc) at part + j * part_stride. D a multiple of 8.
+// softcap > 0: each score becomes softcap * tanh(score / softcap) before the max.
 #define ATTEND_GROUP(G)                                                                        \
     static void attend_group_##G(const float *q, const int32_t *slots, int64_t t0, int64_t t1,  \
                                  const void *k_pool, const void *v_pool, int bf16, int64_t Hkv, \
-                                 int64_t g, int64_t D, float sm_scale, float *scores,           \
-                                 float *part, int64_t part_stride, int pf_all) {               \
+                                 int64_t g, int64_t D, float sm_scale, float softcap,           \
+                                 float *scores, float *part, int64_t part_stride, int pf_all) { \
         const int64_t n = t1 - t0;                                                              \
         int64_t t = 0;                                                                          \
         for (; t + 4 <= n; t += 4) {                                                            \
@@ -107,6 +111,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
         }                                                                                       \
         for (int j = 0; j < G; j++) {                                                           \
             float *sc = scores + j * KV_CHUNK, mx = -INFINITY;                                  \
+            if (softcap > 0.0f) softcap_row(sc, n, softcap);                                    \
             for (t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;                               \
             part[j * part_stride] = mx;                                                         \
             part[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                               \
@@ -151,17 +156,17 @@ ATTEND_GROUP(4)
 // heads [h0, h0 + G) of kv head g, G <= 4 (see ATTEND_GROUP)
 static void attend_group(int G, const float *q, const int32_t *slots, int64_t t0, int64_t t1,
                          const void *k_pool, const void *v_pool, int bf16, int64_t Hkv,
-                         int64_t g, int64_t D, float sm_scale, float *scores, float *part,
-                         int64_t part_stride, int pf_all) {
+                         int64_t g, int64_t D, float sm_scale, float softcap, float *scores,
+                         float *part, int64_t part_stride, int pf_all) {
     switch (G) {
         case 1: attend_group_1(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
-                               scores, part, part_stride, pf_all); break;
+                               softcap, scores, part, part_stride, pf_all); break;
         case 2: attend_group_2(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
-                               scores, part, part_stride, pf_all); break;
+                               softcap, scores, part, part_stride, pf_all); break;
         case 3: attend_group_3(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
-                               scores, part, part_stride, pf_all); break;
+                               softcap, scores, part, part_stride, pf_all); break;
         default: attend_group_4(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
-                                scores, part, part_stride, pf_all); break;
+                                softcap, scores, part, part_stride, pf_all); break;
     }
 }
 
@@ -183,12 +188,13 @@ static inline void rope_head(const float *x, const float *cos_row, const float *
 // run of consecutive rows whose key rows start with the same slot, at most `cap` rows (a
 // verify of one request still splits across the threads).
 static int64_t group_rows(const int32_t *table, int64_t ld_table, const int64_t *rows,
-                          const int64_t *seq_lens, int64_t B, int64_t cap,
+                          const int64_t *seq_lens, const int64_t *lo, int64_t B, int64_t cap,
                           int64_t *group_start) {
     int64_t n = 0, size = 0;
     for (int64_t b = 0; b < B; b++) {
         const int join = b > 0 && size < cap && seq_lens[b] > 0 && seq_lens[b - 1] > 0 &&
-                         table[rows[b] * ld_table] == table[rows[b - 1] * ld_table];
+                         table[rows[b] * ld_table + lo[b]] ==
+                             table[rows[b - 1] * ld_table + lo[b - 1]];
         if (!join) {
             group_start[n++] = b;
             size = 0;
@@ -203,7 +209,7 @@ static int64_t group_rows(const int32_t *table, int64_t ld_table, const int64_t 
 // every layer of a step, so the fused step (decode_step.c) builds it once.
 int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                    const int32_t *table, int64_t ld_table, const int64_t *rows,
-                   const int64_t *seq_lens) {
+                   const int64_t *seq_lens, int64_t window) {
     memset(p, 0, sizeof(*p));
     p->B = B; p->Hq = Hq; p->Hkv = Hkv; p->D = D;
     p->group = Hq / Hkv;
@@ -218,8 +224,17 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
     // later. Where no row is that long (a decode batch or a verify of short contexts) an item
     // per head stays: with a chunk or two per row, whole chunks balance worse across the
     // threads. Measured with `python -m benchmarks.bench_decode_attention`; docs/cpu-kernels.md.
+    p->lo = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    if (!p->lo) {
+        attn_plan_free(p);
+        return -1;
+    }
     int64_t longest = 0;
-    for (int64_t b = 0; b < B; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    for (int64_t b = 0; b < B; b++) {
+        p->lo[b] = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+        const int64_t keys = seq_lens[b] - p->lo[b];
+        longest = keys > longest ? keys : longest;
+    }
     p->by_chunk = longest >= 2 * threads * KV_CHUNK;
     p->q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
     p->num_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
@@ -234,13 +249,14 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
     }
     int64_t total_items = 0;
     for (int64_t b = 0; b < B; b++) {
-        p->num_chunks[b] = seq_lens[b] > 0 ? (seq_lens[b] + KV_CHUNK - 1) / KV_CHUNK : 1;
+        const int64_t keys = seq_lens[b] - p->lo[b];
+        p->num_chunks[b] = keys > 0 ? (keys + KV_CHUNK - 1) / KV_CHUNK : 1;
         p->item_start[b] = total_items;  // partials: (row, query head, chunk)
         total_items += Hq * p->num_chunks[b];
     }
     p->item_start[B] = total_items;
     const int64_t cap = p->by_chunk ? (B + threads - 1) / threads : 1;  // rows a group
-    p->num_groups = group_rows(table, ld_table, rows, seq_lens, B, cap, p->group_start);
+    p->num_groups = group_rows(table, ld_table, rows, seq_lens, p->lo, B, cap, p->group_start);
     for (int64_t gi = 0; gi < p->num_groups; gi++) {
         int64_t most = 0;
         for (int64_t b = p->group_start[gi]; b < p->group_start[gi + 1]; b++)
@@ -261,7 +277,7 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
 
 void attn_plan_free(attn_plan *p) {
     free(p->q_all); free(p->num_chunks); free(p->item_start); free(p->group_start);
-    free(p->group_chunks); free(p->kv_item_start); free(p->partials);
+    free(p->group_chunks); free(p->kv_item_start); free(p->partials); free(p->lo);
     memset(p, 0, sizeof(*p));
 }
 
@@ -271,21 +287,37 @@ size_t attn_thread_floats(const attn_plan *p) {
 }
 
 // RoPE on each row's q and k heads, k/v stored at its slot (`omp for`; ends at its barrier,
-// so every new k/v is in the pool before any query reads it). tmp: attn_thread_floats.
-void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16,
-                          const float *cos_tab, const float *sin_tab, const int64_t *positions,
-                          void *k_pool, void *v_pool, int pool_bf16, const int64_t *out_slots,
-                          float *tmp) {
+// so every new k/v is in the pool before any query reads it); q and k first normed as `qk`
+// says, and not rotated where it has no table. tmp: attn_thread_floats.
+void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, const attn_qk *qk,
+                          const int64_t *positions, void *k_pool, void *v_pool, int pool_bf16,
+                          const int64_t *out_slots, float *tmp) {
     const int64_t Hq = p->Hq, Hkv = p->Hkv, D = p->D, row = (Hq + 2 * Hkv) * D;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < p->B; b++) {
         float *buf = tmp;
         load_row(qkv, qkv_bf16, b * row, (int)row, buf);
-        const float *c = cos_tab + positions[b] * D, *s = sin_tab + positions[b] * D;
+        if (qk->qk_norm == QK_NORM_FULL) {  // every q row at once, every k row at once
+            rmsnorm_inplace(buf, Hq * D, qk->q_norm, qk->eps);
+            rmsnorm_inplace(buf + Hq * D, Hkv * D, qk->k_norm, qk->eps);
+        } else if (qk->qk_norm == QK_NORM_HEAD) {
+            for (int64_t h = 0; h < Hq; h++) rmsnorm_inplace(buf + h * D, D, qk->q_norm, qk->eps);
+            for (int64_t h = 0; h < Hkv; h++)
+                rmsnorm_inplace(buf + (Hq + h) * D, D, qk->k_norm, qk->eps);
+        }
+        const int64_t slot = out_slots[b];
+        if (!qk->cos) {  // no rotation: q as it is, k stored as it is
+            memcpy(p->q_all + b * Hq * D, buf, sizeof(float) * (size_t)(Hq * D));
+            for (int64_t h = 0; h < Hkv; h++) {
+                store_row(k_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, buf + (Hq + h) * D);
+                store_row(v_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, buf + (Hq + Hkv + h) * D);
+            }
+            continue;
+        }
+        const float *c = qk->cos + positions[b] * D, *s = qk->sin + positions[b] * D;
         for (int64_t h = 0; h < Hq; h++)
             rope_head(buf + h * D, c, s, (int)D, p->q_all + (b * Hq + h) * D);
         float *rot = buf + row;
-        const int64_t slot = out_slots[b];
         for (int64_t h = 0; h < Hkv; h++) {
             rope_head(buf + (Hq + h) * D, c, s, (int)D, rot);
             store_row(k_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, rot);
@@ -294,13 +326,13 @@ void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16,
     }
 }
 
-// Each query head over its row's first seq_len keys of table[rows[b]], in chunks of
-// KV_CHUNK keys (`omp for` items: request, kv head, set of up to 4 of its query heads,
-// chunk), then each head's chunks merged into out [B, Hq * D].
+// Each query head over its row's keys [lo, seq_len) of table[rows[b]] (lo: the plan's window),
+// in chunks of KV_CHUNK keys from lo (`omp for` items: request, kv head, set of up to 4 of its
+// query heads, chunk), then each head's chunks merged into out [B, Hq * D].
 void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool,
                       int pool_bf16, const int32_t *table, int64_t ld_table,
-                      const int64_t *rows, const int64_t *seq_lens, float sm_scale, void *out,
-                      int out_bf16, float *tmp) {
+                      const int64_t *rows, const int64_t *seq_lens, float sm_scale,
+                      float softcap, void *out, int out_bf16, float *tmp) {
     const int64_t Hq = p->Hq, Hkv = p->Hkv, D = p->D, row = (Hq + 2 * Hkv) * D;
     const int64_t group = p->group, sub = p->sub, subs = p->subs, sets = Hkv * subs;
     float *scores = tmp + row + 2 * D;
@@ -317,7 +349,8 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
         for (int64_t b = p->group_start[gi]; b < p->group_start[gi + 1]; b++) {
             const int64_t nchb = p->num_chunks[b], len = seq_lens[b];
             if (c >= nchb) continue;
-            const int64_t t0 = c * KV_CHUNK, t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
+            const int64_t t0 = p->lo[b] + c * KV_CHUNK;
+            const int64_t t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
             const int32_t *slots = table + rows[b] * ld_table;
             // the whole slot rows, unless the row before read this chunk's keys (prefetched)
             int prefetch = p->by_chunk && t1 > t0 && slots[t0] != fetched;
@@ -328,7 +361,7 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
                 float *part = p->partials + (p->item_start[b] + h0 * nchb + c) * (D + 2);
                 const float *q = p->q_all + (b * Hq + h0) * D;
                 attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
-                             sm_scale, scores, part, nchb * (D + 2), prefetch);
+                             sm_scale, softcap, scores, part, nchb * (D + 2), prefetch);
                 prefetch = 0;
             }
         }
@@ -355,20 +388,27 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
     }
 }
 
-// qkv [B, (Hq + 2 Hkv) * D] (q heads, k heads, v heads); cos/sin fp32 [P, D]; positions [B];
-// k_pool/v_pool [S, Hkv, D]; req_to_token int32 [R, ld_r2t]; req_pool_indices, seq_lens,
-// out_slots int64 [B]. Stores request b's k/v at slot out_slots[b], then its query heads
-// attend to slots req_to_token[r, 0 .. seq_lens[b]) (the new one included). out [B, Hq * D].
-// Returns 0, or -1 when scratch memory could not be allocated.
+// qkv [B, (Hq + 2 Hkv) * D] (q heads, k heads, v heads); cos/sin fp32 [P, D] (NULL: no
+// rotation); positions [B]; k_pool/v_pool [S, Hkv, D]; req_to_token int32 [R, ld_r2t];
+// req_pool_indices, seq_lens, out_slots int64 [B]. Stores request b's k/v at slot
+// out_slots[b], then its query heads attend to slots req_to_token[r, lo .. seq_lens[b]) (the
+// new one included; lo = seq_len - window with a window shorter, else 0), scores soft-capped
+// when softcap > 0. qk_norm (QK_NORM_*) with weights q_norm / k_norm, eps qk_eps: q and k
+// normed before RoPE. out [B, Hq * D]. Returns 0, or -1 when scratch memory could not be
+// allocated.
 int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, int64_t Hkv,
                           int64_t D, const float *cos_tab, const float *sin_tab,
                           const int64_t *positions, void *k_pool, void *v_pool, int pool_bf16,
                           const int64_t *out_slots, const int32_t *req_to_token, int64_t ld_r2t,
                           const int64_t *req_pool_indices, const int64_t *seq_lens,
-                          float sm_scale, void *out, int out_bf16) {
+                          float sm_scale, void *out, int out_bf16, int64_t window,
+                          float softcap, int qk_norm, const float *q_norm, const float *k_norm,
+                          float qk_eps) {
     attn_plan plan;
-    if (attn_plan_init(&plan, B, Hq, Hkv, D, req_to_token, ld_r2t, req_pool_indices, seq_lens) != 0)
+    if (attn_plan_init(&plan, B, Hq, Hkv, D, req_to_token, ld_r2t, req_pool_indices, seq_lens,
+                       window) != 0)
         return -1;
+    const attn_qk qk = {cos_tab, sin_tab, qk_norm, q_norm, k_norm, qk_eps};
     const int threads = omp_get_max_threads();
     const size_t per_thread = attn_thread_floats(&plan);
     float *tmp = (float *)malloc(sizeof(float) * per_thread * (size_t)threads);
@@ -379,10 +419,10 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
 #pragma omp parallel num_threads(threads)
     {
         float *mine = tmp + per_thread * (size_t)omp_get_thread_num();
-        attn_rope_store_team(&plan, qkv, qkv_bf16, cos_tab, sin_tab, positions, k_pool, v_pool,
-                             pool_bf16, out_slots, mine);
+        attn_rope_store_team(&plan, qkv, qkv_bf16, &qk, positions, k_pool, v_pool, pool_bf16,
+                             out_slots, mine);
         attn_attend_team(&plan, k_pool, v_pool, pool_bf16, req_to_token, ld_r2t,
-                         req_pool_indices, seq_lens, sm_scale, out, out_bf16, mine);
+                         req_pool_indices, seq_lens, sm_scale, softcap, out, out_bf16, mine);
     }
     free(tmp);
     attn_plan_free(&plan);

@@ -4,9 +4,13 @@
 // fork/join; at one row those cost about as much as the matmuls. Here a layer is phases of
 // one parallel region separated by the team's barriers:
 //
-//   norm + quantize rows | qkv | RoPE + k/v store | attention + merge | quantize rows | o |
-//   add + norm + quantize | gate_up | silu * up + quantize | down | add (+ next norm)
+//   norm + quantize rows | qkv | (q/k norm +) RoPE + k/v store | attention + merge |
+//   quantize rows | o | (out norm +) add + norm + quantize | gate_up | act * up + quantize |
+//   down | (out norm +) add (+ next norm)
 //
+// Each layer as its description says (layers/decoder.py): the norms present in its layout
+// (an address 0 where the layout has none), its RoPE table (global, local or none), q/k
+// norm, sliding window, score soft-cap, residual scale, activation, scale of the scores.
 // Every phase is the per-op path's own code (ops.h), so the two paths give the same bits.
 // Linears are x16-packed int4 (q4_rows.c), or (with `runs`) GGUF types packed for kquants.c,
 // a linear being up to DS_RUNS runs of output rows of one kind each; no bias; activations and
@@ -21,8 +25,16 @@
 
 #define XQK 32
 
-// per-layer addresses, [L][DS_PTRS] int64
-enum { P_QKV, P_O, P_GATE_UP, P_DOWN, P_NORM_IN, P_NORM_POST, P_K, P_V, DS_PTRS };
+// per-layer addresses, [L][DS_PTRS] int64: P_NORM_IN / P_NORM_POST are the norms before
+// attention and before the MLP (0 for "post"), P_ATTN_OUT / P_MLP_OUT those on their outputs
+// (0 for "pre"), P_Q_NORM / P_K_NORM the q/k norms (0 without)
+enum { P_QKV, P_O, P_GATE_UP, P_DOWN, P_NORM_IN, P_NORM_POST, P_K, P_V, P_ATTN_OUT, P_MLP_OUT,
+       P_Q_NORM, P_K_NORM, DS_PTRS };
+// per-layer settings: cfg [L][DS_CFG] int64 and fcfg [L][DS_FCFG] float
+enum { C_WINDOW, C_ROPE, C_QK_NORM, C_ACT, DS_CFG };  // window (0: none), ROPE_*, QK_NORM_*, ACT_*
+enum { F_SM_SCALE, F_SOFTCAP, F_RESIDUAL_SCALE, DS_FCFG };  // softcap 0: none
+enum { ROPE_GLOBAL = 0, ROPE_LOCAL = 1, ROPE_NONE = 2 };
+#define DS_PLANS 4  // distinct sliding windows of a model's layers (and full attention)
 
 // runs [L][4 linears][DS_RUNS][3]: (kind, weight address, output rows); kind -1 is x16 Q4_1,
 // rows 0 ends a linear's runs
@@ -63,28 +75,63 @@ static void linear_team(const int64_t *runs, const uint8_t *x16, int64_t N, int6
 
 // x [T, H] float32, the embedded rows in, the residual stream after the last layer out.
 // ptrs [L, DS_PTRS]: x16 weights of qkv [(Hq + 2 Hkv) D, H], o [H, Hq D], gate_up [2I, H],
-// down [H, I]; fp32 norm weights [H]; k/v pools [S, Hkv, D]. Attention: query row t reads
-// the first seq_lens[t] slots of table[rows[t]] (ld_table int32 per row); its new k/v go to
-// out_slots[t] at positions[t]. aux_slot [L]: -1, or where the residual entering the layer
-// goes in features [T, n_aux * H] (EAGLE-3's capture). Returns 0; -1 when scratch memory
-// could not be allocated; -2 for shapes the kernels do not take.
+// down [H, I]; fp32 norm weights [H] (q/k norms [D] per head, or [Hq D] / [Hkv D] over the
+// whole); k/v pools [S, Hkv, D]. cfg / fcfg [L, ...]: each layer's settings (above). RoPE
+// tables [P, D]: cos/sin the global pair, cos_local/sin_local the local one (NULL when no
+// layer uses it). Attention: query row t reads slots [lo, seq_lens[t]) of table[rows[t]]
+// (ld_table int32 per row; lo from the layer's window); its new k/v go to out_slots[t] at
+// positions[t]. aux_slot [L]: -1, or where the residual entering the layer goes in features
+// [T, n_aux * H] (EAGLE-3's capture). Returns 0; -1 when scratch memory could not be
+// allocated; -2 for shapes or settings the kernels do not take.
 int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
                     int64_t I, float *x, const int64_t *ptrs, float eps, int pool_bf16,
-                    const float *cos_tab, const float *sin_tab, const int64_t *positions,
+                    const float *cos_tab, const float *sin_tab, const float *cos_local,
+                    const float *sin_local, const int64_t *positions,
                     const int64_t *out_slots, const int32_t *table, int64_t ld_table,
-                    const int64_t *rows, const int64_t *seq_lens, float sm_scale,
-                    const int64_t *aux_slot, int64_t n_aux, float *features,
+                    const int64_t *rows, const int64_t *seq_lens, const int64_t *cfg,
+                    const float *fcfg, const int64_t *aux_slot, int64_t n_aux, float *features,
                     const int64_t *runs) {
     const int64_t nqkv = (Hq + 2 * Hkv) * D, hqd = Hq * D;
     if (T <= 0 || L <= 0 || H % XQK || hqd % XQK || I % XQK || nqkv % 16 || H % 16 ||
         (2 * I) % 16 || Hkv <= 0 || Hq % Hkv || D % 8)
         return -2;
-    attn_plan plan;
-    if (attn_plan_init(&plan, T, Hq, Hkv, D, table, ld_table, rows, seq_lens) != 0) return -1;
+    // one attention plan per distinct window (which keys each row reads), shared by its layers
+    int64_t windows[DS_PLANS];
+    int n_plans = 0;
+    int64_t *plan_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)L);
+    if (!plan_of) return -1;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *c = cfg + l * DS_CFG;
+        if (c[C_WINDOW] < 0 || c[C_ROPE] < ROPE_GLOBAL || c[C_ROPE] > ROPE_NONE ||
+            (c[C_ROPE] == ROPE_LOCAL && !cos_local) || c[C_QK_NORM] < QK_NORM_NONE ||
+            c[C_QK_NORM] > QK_NORM_FULL || c[C_ACT] < ACT_SILU || c[C_ACT] > ACT_GELU_TANH) {
+            free(plan_of);
+            return -2;
+        }
+        int j = 0;
+        while (j < n_plans && windows[j] != c[C_WINDOW]) j++;
+        if (j == n_plans) {
+            if (n_plans == DS_PLANS) {
+                free(plan_of);
+                return -2;
+            }
+            windows[n_plans++] = c[C_WINDOW];
+        }
+        plan_of[l] = j;
+    }
+    attn_plan plans[DS_PLANS];
+    for (int j = 0; j < n_plans; j++) {
+        if (attn_plan_init(&plans[j], T, Hq, Hkv, D, table, ld_table, rows, seq_lens,
+                           windows[j]) != 0) {
+            for (int i = 0; i < j; i++) attn_plan_free(&plans[i]);
+            free(plan_of);
+            return -1;
+        }
+    }
     int64_t kmax = H > hqd ? H : hqd;
     kmax = kmax > I ? kmax : I;
     const int threads = omp_get_max_threads();
-    size_t per_thread = attn_thread_floats(&plan);
+    size_t per_thread = attn_thread_floats(&plans[0]);
     per_thread = per_thread > (size_t)H ? per_thread : (size_t)H;
     // h [T, H] | qkv [T, nqkv] | att [T, hqd] | proj [T, H] | gu [T, 2I] | e, S [T, kmax/32]
     // | per-thread scratch
@@ -93,8 +140,8 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     int8_t *q = (int8_t *)malloc((size_t)(T * kmax));
     int32_t *qs = runs ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * (kmax / 16))) : NULL;
     if (!fl || !q || (runs && !qs)) {
-        free(fl); free(q); free(qs);
-        attn_plan_free(&plan);
+        free(fl); free(q); free(qs); free(plan_of);
+        for (int j = 0; j < n_plans; j++) attn_plan_free(&plans[j]);
         return -1;
     }
     float *h = fl, *qkv = h + T * H, *att = qkv + T * nqkv, *proj = att + T * hqd;
@@ -106,59 +153,66 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     {
         float *tmp = thread_base + per_thread * (size_t)omp_get_thread_num();
         for (int64_t l = 0; l < L; l++) {
-            const int64_t *p = ptrs + l * DS_PTRS;
+            const int64_t *p = ptrs + l * DS_PTRS, *c = cfg + l * DS_CFG;
+            const float *fc = fcfg + l * DS_FCFG;
+            const attn_plan *plan = &plans[plan_of[l]];
             const int64_t *lr = runs ? runs + l * 4 * DS_RUNS * 3 : NULL;
 #define LINEAR_RUNS(i) (lr ? lr + (i) * DS_RUNS * 3 : NULL)
             const uint8_t *w_qkv = (const uint8_t *)p[P_QKV], *w_o = (const uint8_t *)p[P_O];
             const uint8_t *w_gu = (const uint8_t *)p[P_GATE_UP];
             const uint8_t *w_down = (const uint8_t *)p[P_DOWN];
             void *k_pool = (void *)p[P_K], *v_pool = (void *)p[P_V];
+            const float scale = fc[F_RESIDUAL_SCALE];
+            const attn_qk qk = {
+                c[C_ROPE] == ROPE_NONE ? NULL : (c[C_ROPE] == ROPE_LOCAL ? cos_local : cos_tab),
+                c[C_ROPE] == ROPE_LOCAL ? sin_local : sin_tab, (int)c[C_QK_NORM],
+                (const float *)p[P_Q_NORM], (const float *)p[P_K_NORM], eps};
             if (aux_slot[l] >= 0) {  // read-only on x, which no phase before the next barrier writes
 #pragma omp for schedule(static) nowait
                 for (int64_t t = 0; t < T; t++)
                     memcpy(features + (t * n_aux + aux_slot[l]) * H, x + t * H,
                            sizeof(float) * (size_t)H);
             }
-            if (l == 0) {
+            if (l == 0) {  // the first sub-layer's input: norm(x), or x ("post")
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; t++) {
-                    add_rmsnorm_row(x + t * H, NULL, 0, t, NULL, (const float *)p[P_NORM_IN], H,
-                                    eps, h, 0, tmp);
+                    residual_norm_row(x + t * H, NULL, 0, t, NULL, 0.0f, 1.0f, NULL,
+                                      (const float *)p[P_NORM_IN], H, eps, h, 0, tmp);
                     quantize_row(&a, h + t * H, H, t);
                 }
             }
             linear_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv);
-            attn_rope_store_team(&plan, qkv, 0, cos_tab, sin_tab, positions, k_pool, v_pool,
-                                 pool_bf16, out_slots, tmp);
-            attn_attend_team(&plan, k_pool, v_pool, pool_bf16, table, ld_table, rows, seq_lens,
-                             sm_scale, att, 0, tmp);
+            attn_rope_store_team(plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_bf16,
+                                 out_slots, tmp);
+            attn_attend_team(plan, k_pool, v_pool, pool_bf16, table, ld_table, rows, seq_lens,
+                             fc[F_SM_SCALE], fc[F_SOFTCAP], att, 0, tmp);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) quantize_row(&a, att + t * hqd, hqd, t);
             linear_team(LINEAR_RUNS(1), w_o, H, hqd, &a, T, proj);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-                add_rmsnorm_row(x + t * H, proj, 0, t, x, (const float *)p[P_NORM_POST], H, eps,
-                                h, 0, tmp);
+                residual_norm_row(x + t * H, proj, 0, t, (const float *)p[P_ATTN_OUT], eps,
+                                  scale, x, (const float *)p[P_NORM_POST], H, eps, h, 0, tmp);
                 quantize_row(&a, h + t * H, H, t);
             }
             linear_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-                silu_mul_row(gu + t * 2 * I, I);
+                act_mul_row((int)c[C_ACT], gu + t * 2 * I, I);
                 quantize_row(&a, gu + t * 2 * I, I, t);
             }
             linear_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
+                const float *w_mlp_out = (const float *)p[P_MLP_OUT];
                 if (l + 1 < L) {
-                    add_rmsnorm_row(x + t * H, proj, 0, t, x,
-                                    (const float *)ptrs[(l + 1) * DS_PTRS + P_NORM_IN], H, eps, h,
-                                    0, tmp);
+                    residual_norm_row(x + t * H, proj, 0, t, w_mlp_out, eps, scale, x,
+                                      (const float *)ptrs[(l + 1) * DS_PTRS + P_NORM_IN], H, eps,
+                                      h, 0, tmp);
                     quantize_row(&a, h + t * H, H, t);
                 } else {
-                    float *xr = x + t * H;
-                    const float *dr = proj + t * H;
-                    for (int64_t i = 0; i < H; i++) xr[i] = xr[i] + dr[i];
+                    residual_norm_row(x + t * H, proj, 0, t, w_mlp_out, eps, scale, x, NULL, H,
+                                      eps, NULL, 0, tmp);
                 }
             }
         }
@@ -167,6 +221,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     free(fl);
     free(q);
     free(qs);
-    attn_plan_free(&plan);
+    free(plan_of);
+    for (int j = 0; j < n_plans; j++) attn_plan_free(&plans[j]);
     return 0;
 }

@@ -111,7 +111,9 @@ int eagle_head_x16(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int
         n_logits < 0 || n_logits > T || topk < 1 || topk > V || (!embeds && !embed_codes))
         return -2;
     attn_plan plan;
-    if (attn_plan_init(&plan, T, Hq, Hkv, D, table, ld_table, rows, seq_lens) != 0) return -1;
+    if (attn_plan_init(&plan, T, Hq, Hkv, D, table, ld_table, rows, seq_lens, 0) != 0)
+        return -1;
+    const attn_qk qk = {cos_tab, sin_tab, QK_NORM_NONE, NULL, NULL, 0.0f};
     int64_t kmax = 2 * H;
     kmax = kmax > hqd ? kmax : hqd;
     kmax = kmax > I ? kmax : I;
@@ -163,10 +165,10 @@ int eagle_head_x16(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int
             quantize(q, e, S, xin + t * 2 * H, 2 * H, t);
         }
         q4_x16_matmul_team((const uint8_t *)ptrs[E_QKV], nqkv, 2 * H, q, e, S, T, qkv, nqkv);
-        attn_rope_store_team(&plan, qkv, 0, cos_tab, sin_tab, positions, k_pool, v_pool,
-                             pool_bf16, out_slots, tmp);
+        attn_rope_store_team(&plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_bf16,
+                             out_slots, tmp);
         attn_attend_team(&plan, k_pool, v_pool, pool_bf16, table, ld_table, rows, seq_lens,
-                         sm_scale, att, 0, tmp);
+                         sm_scale, 0.0f, att, 0, tmp);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) quantize(q, e, S, att + t * hqd, hqd, t);
         q4_x16_matmul_team((const uint8_t *)ptrs[E_O], H, hqd, q, e, S, T, proj, H);

@@ -11,7 +11,16 @@
 void add_rmsnorm_row(const float *xr, const void *delta, int delta_bf16, int64_t t,
                      float *x_out, const float *w, int64_t H, float eps, void *out,
                      int out_bf16, float *row);
+// the residual add after a sub-layer in every norm layout (ops.c); add_rmsnorm_row is its
+// Llama case (no output norm, scale 1)
+void residual_norm_row(const float *xr, const void *delta, int delta_bf16, int64_t t,
+                       const float *w_sub, float sub_eps, float scale, float *x_out,
+                       const float *w, int64_t H, float eps, void *out, int out_bf16,
+                       float *row);
 void silu_mul_row(float *row, int64_t I);
+void gelu_tanh_mul_row(float *row, int64_t I);
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+void act_mul_row(int act, float *row, int64_t I);
 
 // activations: one row [K] -> int8 codes q [K], scale e and sum S [K/32] per block of 32
 void q4_1_quantize_row_q8(const float *x, int K, int8_t *q, float *e, float *S);
@@ -39,20 +48,34 @@ typedef struct {
     int by_chunk;              // a work item: every head of a chunk (long contexts; attention.c)
     int64_t total_kv_items;
     float *partials;           // per (row, head, chunk): max, sum, acc [D]
+    int64_t *lo;               // [B] first key of a row's window (0 without one)
 } attn_plan;
 
+// window: a row sees only the last `window` of its seq_len keys (0: all of them)
 int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                    const int32_t *table, int64_t ld_table, const int64_t *rows,
-                   const int64_t *seq_lens);
+                   const int64_t *seq_lens, int64_t window);
 void attn_plan_free(attn_plan *p);
 size_t attn_thread_floats(const attn_plan *p);  // scratch floats each thread brings
-void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16,
-                          const float *cos_tab, const float *sin_tab, const int64_t *positions,
-                          void *k_pool, void *v_pool, int pool_bf16, const int64_t *out_slots,
-                          float *tmp);
+
+// How q and k become what attention reads (a layer's description, decoder.py): an RMSNorm of
+// q and of k (per head, or over all of a token's q / k rows), then RoPE by a [P, D] table pair
+// ([cos, cos] and [-sin, sin] rows), or no rotation where cos is NULL.
+enum { QK_NORM_NONE = 0, QK_NORM_HEAD = 1, QK_NORM_FULL = 2 };
+typedef struct {
+    const float *cos, *sin;
+    int qk_norm;
+    const float *q_norm, *k_norm;  // [D] (head) or [Hq D] / [Hkv D] (full)
+    float eps;
+} attn_qk;
+
+void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, const attn_qk *qk,
+                          const int64_t *positions, void *k_pool, void *v_pool, int pool_bf16,
+                          const int64_t *out_slots, float *tmp);
+// softcap: scores -> softcap * tanh(scores / softcap) (0: none)
 void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool,
                       int pool_bf16, const int32_t *table, int64_t ld_table,
-                      const int64_t *rows, const int64_t *seq_lens, float sm_scale, void *out,
-                      int out_bf16, float *tmp);
+                      const int64_t *rows, const int64_t *seq_lens, float sm_scale,
+                      float softcap, void *out, int out_bf16, float *tmp);
 
 #endif

@@ -11,10 +11,14 @@ import torch
 
 from sglang_like_kernels.cpu import _lib
 
-__all__ = ["add_rmsnorm", "argmax_rows", "decode_attention_rope", "decode_step_x16",
-           "eagle_head_x16", "rmsnorm", "silu_mul"]
+__all__ = ["act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope", "decode_step_x16",
+           "eagle_head_x16", "residual_norm", "rmsnorm", "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
+# the C side's codes (ops.h, decode_step.c) of a layer description's values (layers/decoder.py)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+QK_NORMS = {None: 0, "head": 1, "full": 2}
+ROPES = {"global": 0, "local": 1, "none": 2}
 
 
 def _flag(dtype: torch.dtype) -> int:
@@ -47,6 +51,26 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     return x_out, out
 
 
+def residual_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
+                  eps: float, out_dtype: torch.dtype, sub_weight: torch.Tensor | None = None,
+                  sub_eps: float = 0.0, scale: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add after a sub-layer in any norm layout: (x', norm(x') in out_dtype) with
+    x' = x + scale * sub, sub = rmsnorm(delta) * sub_weight (eps sub_eps) where `sub_weight`
+    is given (the sub-layer's output norm), else delta; norm(x') = rmsnorm(x') * weight, or
+    x' itself where `weight` is None (the next sub-layer reads the residual unnormed). At
+    scale 1 without `sub_weight` it is `add_rmsnorm`, bit for bit."""
+    x, delta = x.contiguous(), delta.contiguous()
+    x_out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=out_dtype)
+    _lib(None).residual_norm(
+        x.data_ptr(), delta.data_ptr(), _flag(delta.dtype),
+        None if sub_weight is None else sub_weight.data_ptr(), sub_eps, scale, x_out.data_ptr(),
+        None if weight is None else weight.data_ptr(), x.shape[0], x.shape[1], eps,
+        out.data_ptr(), _flag(out_dtype))
+    return x_out, out
+
+
 def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """silu(gate) * up of a fused [T, 2I] projection -> [T, I]."""
     gate_up = gate_up.contiguous()
@@ -54,6 +78,17 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(t, two_i // 2, dtype=out_dtype)
     _lib(None).silu_mul(gate_up.data_ptr(), _flag(gate_up.dtype), t, two_i // 2, out.data_ptr(),
                         _flag(out_dtype))
+    return out
+
+
+def act_mul(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """act(gate) * up of a fused [T, 2I] projection -> [T, I]; `activation` "silu" or
+    "gelu_tanh" (gelu's tanh form, as torch's gelu(approximate="tanh"))."""
+    gate_up = gate_up.contiguous()
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=out_dtype)
+    _lib(None).act_mul(gate_up.data_ptr(), _flag(gate_up.dtype), t, two_i // 2,
+                       ACTIVATIONS[activation], out.data_ptr(), _flag(out_dtype))
     return out
 
 
@@ -73,15 +108,32 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return out.tolist()
 
 
+def _window_softcap(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """The C side's values: 0 for none."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window holds at least one key, not {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"an attention soft-cap must be positive, not {softcap}")
+    return (window or 0), (softcap or 0.0)
+
+
 def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                          cos_table: torch.Tensor, sin_table: torch.Tensor,
+                          cos_table: torch.Tensor | None, sin_table: torch.Tensor | None,
                           positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           out_slots: torch.Tensor, req_to_token: torch.Tensor,
                           req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                          sm_scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+                          sm_scale: float, out_dtype: torch.dtype, *,
+                          window: int | None = None, softcap: float | None = None,
+                          qk_norm: str | None = None, q_norm: torch.Tensor | None = None,
+                          k_norm: torch.Tensor | None = None,
+                          qk_eps: float = 0.0) -> torch.Tensor:
     """One decode step's attention from the fused qkv [B, (Hq + 2 Hkv) * D]: RoPE on q and k
-    (tables [P, D]: [cos, cos] and [-sin, sin] rows), k/v stored at `out_slots`, then each
-    query over its request's first seq_len slots. Returns [B, Hq * D] in out_dtype."""
+    (tables [P, D]: [cos, cos] and [-sin, sin] rows; None: no rotation), k/v stored at
+    `out_slots`, then each query over its request's first seq_len slots. Returns [B, Hq * D]
+    in out_dtype. `window`: a query reads only the last `window` of its seq_len slots;
+    `softcap`: scores -> cap * tanh(scores / cap); `qk_norm` "head" or "full" with float32
+    weights q_norm / k_norm ([D], or [Hq D] / [Hkv D]) and eps `qk_eps`: q and k RMS-normed
+    before RoPE (per head, or over all of a token's q / k rows)."""
     qkv = qkv.contiguous()
     b = qkv.shape[0]
     out = torch.empty(b, num_heads * head_dim, dtype=out_dtype)
@@ -89,12 +141,25 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
         return out
     if req_to_token.dtype != torch.int32 or not req_to_token.is_contiguous():
         raise TypeError("req_to_token must be a contiguous int32 table")
+    window_value, softcap_value = _window_softcap(window, softcap)
+    qk_code = QK_NORMS[qk_norm]
+    if qk_code:
+        size = head_dim if qk_norm == "head" else None
+        for name, w, n in (("q_norm", q_norm, size or num_heads * head_dim),
+                           ("k_norm", k_norm, size or num_kv_heads * head_dim)):
+            if w is None or w.dtype != torch.float32 or w.numel() != n or not w.is_contiguous():
+                raise TypeError(f"{name} must be a contiguous float32 weight of {n}")
+    if (cos_table is None) != (sin_table is None):
+        raise ValueError("RoPE takes both tables or neither")
     rc = _lib(None).decode_attention_rope(
         qkv.data_ptr(), _flag(qkv.dtype), b, num_heads, num_kv_heads, head_dim,
-        cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(), k_pool.data_ptr(),
-        v_pool.data_ptr(), _flag(k_pool.dtype), out_slots.data_ptr(), req_to_token.data_ptr(),
-        req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(), sm_scale,
-        out.data_ptr(), _flag(out_dtype))
+        None if cos_table is None else cos_table.data_ptr(),
+        None if sin_table is None else sin_table.data_ptr(), positions.data_ptr(),
+        k_pool.data_ptr(), v_pool.data_ptr(), _flag(k_pool.dtype), out_slots.data_ptr(),
+        req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
+        seq_lens.data_ptr(), sm_scale, out.data_ptr(), _flag(out_dtype), window_value,
+        softcap_value, qk_code, None if q_norm is None or not qk_code else q_norm.data_ptr(),
+        None if k_norm is None or not qk_code else k_norm.data_ptr(), qk_eps)
     if rc != 0:
         raise MemoryError("decode_attention_rope could not allocate its scratch memory")
     return out
@@ -107,6 +172,19 @@ def _int64(name: str, t: torch.Tensor) -> int:
 
 
 DECODE_STEP_RUNS = 4  # decode_step.c's DS_RUNS
+DECODE_STEP_PTRS = 12  # decode_step.c's DS_PTRS
+DECODE_STEP_PLANS = 4  # DS_PLANS: distinct window sizes (None counting as one) a step takes
+DECODE_STEP_CFG = 4  # DS_CFG: window, RoPE table, q/k norm, activation (ROPES, QK_NORMS, ...)
+DECODE_STEP_FCFG = 3  # DS_FCFG: scale of the scores, soft-cap, residual scale
+
+
+def layer_settings(window: int | None = None, rope: str = "global", qk_norm: str | None = None,
+                   activation: str = "silu", sm_scale: float = 1.0, softcap: float | None = None,
+                   residual_scale: float = 1.0) -> tuple[list[int], list[float]]:
+    """One layer's rows of decode_step_x16's `cfg` and `fcfg`."""
+    window_value, softcap_value = _window_softcap(window, softcap)
+    return ([window_value, ROPES[rope], QK_NORMS[qk_norm], ACTIVATIONS[activation]],
+            [sm_scale, softcap_value, residual_scale])
 
 
 def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: float,
@@ -115,38 +193,56 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
                     rows: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
                     num_kv_heads: int, head_dim: int, intermediate: int, sm_scale: float,
                     aux_slot: torch.Tensor, features: torch.Tensor | None,
-                    variant: str | None = None, runs: torch.Tensor | None = None) -> None:
+                    variant: str | None = None, runs: torch.Tensor | None = None,
+                    cfg: torch.Tensor | None = None, fcfg: torch.Tensor | None = None,
+                    local_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Every layer of a decode or verify step (decode_step.c), x float32 [T, H] updated in
     place from the embedded rows to the residual stream after the last layer. `ptrs` int64
-    [L, 8]: addresses of each layer's x16 qkv, o, gate_up and down weights, its two float32
-    norm weights, its K and V pool buffers (of `pool_dtype`). Query row t attends to the first
-    seq_lens[t] slots of table[rows[t]] (int32 table) and stores its k/v at out_slots[t].
-    aux_slot int64 [L]: -1 or the column block of `features` [T, n * H] that receives the
-    residual stream entering that layer. `variant`: the build to run (default: this CPU's).
-    `runs` int64 [L, 4, DECODE_STEP_RUNS, 3] (GGUF types): each linear as runs of output rows
-    (kind of kquants.c or -1 for x16, weight address, rows; rows 0 ends a linear), in place
-    of ptrs' weight addresses."""
+    [L, DECODE_STEP_PTRS]: addresses of each layer's x16 qkv, o, gate_up and down weights,
+    its float32 norms before attention and before the MLP, its K and V pool buffers (of
+    `pool_dtype`), its norms on attention's and the MLP's outputs, its q and k norms (0 where
+    the layer has none). Query row t attends to the first seq_lens[t] slots of table[rows[t]]
+    (int32 table) and stores its k/v at out_slots[t]. aux_slot int64 [L]: -1 or the column
+    block of `features` [T, n * H] that receives the residual stream entering that layer.
+    `variant`: the build to run (default: this CPU's). `runs` int64 [L, 4, DECODE_STEP_RUNS,
+    3] (GGUF types): each linear as runs of output rows (kind of kquants.c or -1 for x16,
+    weight address, rows; rows 0 ends a linear), in place of ptrs' weight addresses.
+    `cfg` int64 [L, DECODE_STEP_CFG] and `fcfg` float32 [L, DECODE_STEP_FCFG]: each layer's
+    settings (`layer_settings`; None: Llama's, scores scaled by sm_scale); `local_tables`:
+    the cos/sin pair of the layers whose RoPE is "local"."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError("x must be a contiguous float32 tensor")
     if table.dtype != torch.int32 or table.stride(-1) != 1:
         raise TypeError("the key table must be int32 with contiguous rows")
-    if tuple(ptrs.shape) != (num_layers, 8):
-        raise ValueError(f"ptrs must be [{num_layers}, 8]")
+    if tuple(ptrs.shape) != (num_layers, DECODE_STEP_PTRS):
+        raise ValueError(f"ptrs must be [{num_layers}, {DECODE_STEP_PTRS}]")
+    if cfg is None:
+        cfg = torch.zeros(num_layers, DECODE_STEP_CFG, dtype=torch.int64)
+    if fcfg is None:
+        fcfg = torch.tensor([[sm_scale, 0.0, 1.0]] * num_layers, dtype=torch.float32)
+    if tuple(cfg.shape) != (num_layers, DECODE_STEP_CFG) or tuple(fcfg.shape) != (
+            num_layers, DECODE_STEP_FCFG) or fcfg.dtype != torch.float32 or not (
+            fcfg.is_contiguous()):
+        raise ValueError("cfg / fcfg must be one row of settings per layer")
     t, h = x.shape
     if t == 0:
         return
     n_aux = 0 if features is None else features.shape[1] // h
+    cos_local, sin_local = local_tables if local_tables is not None else (None, None)
     rc = _lib(variant).decode_step_x16(
         num_layers, t, h, num_heads, num_kv_heads, head_dim, intermediate, x.data_ptr(),
         _int64("ptrs", ptrs), eps, _flag(pool_dtype), cos_table.data_ptr(),
-        sin_table.data_ptr(), _int64("positions", positions), _int64("out_slots", out_slots),
-        table.data_ptr(), table.stride(0), _int64("rows", rows), _int64("seq_lens", seq_lens),
-        sm_scale, _int64("aux_slot", aux_slot), n_aux,
+        sin_table.data_ptr(), None if cos_local is None else cos_local.data_ptr(),
+        None if sin_local is None else sin_local.data_ptr(), _int64("positions", positions),
+        _int64("out_slots", out_slots), table.data_ptr(), table.stride(0),
+        _int64("rows", rows), _int64("seq_lens", seq_lens), _int64("cfg", cfg),
+        fcfg.data_ptr(), _int64("aux_slot", aux_slot), n_aux,
         None if features is None else features.data_ptr(),
         None if runs is None else _int64("runs", runs))
     if rc == -2:
-        raise ValueError(f"decode_step_x16 cannot take these shapes (H={h}, heads {num_heads}/"
-                         f"{num_kv_heads}x{head_dim}, intermediate {intermediate})")
+        raise ValueError(f"decode_step_x16 cannot take these shapes or settings (H={h}, heads "
+                         f"{num_heads}/{num_kv_heads}x{head_dim}, intermediate {intermediate}; "
+                         f"a local RoPE layer needs local_tables, at most 4 window sizes)")
     if rc != 0:
         raise MemoryError("decode_step_x16 could not allocate its scratch memory")
 

@@ -43,6 +43,40 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// tanh of 8 lanes as sign(x) (1 - 2 / (e^2|x| + 1)): exact to about 1e-7 absolute (what the
+// soft-caps and gelu's tanh need: a float's rounding at the result's scale), +-1 where
+// e^2|x| saturates (exp256 clamps, so no inf / inf)
+static inline __m256 tanh256(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 e = exp256(_mm256_add_ps(ax, ax));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_or_ps(t, _mm256_and_ps(x, sign));
+}
+
+// in place: v[i] = cap * tanh(v[i] / cap) (attention scores' soft-cap); the tail through the
+// same 8-lane code, so a value's result does not depend on where it sits in v
+static inline void softcap_row(float *v, int64_t n, float cap) {
+    const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(v + i, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(v + i), inv))));
+    if (i < n) {
+        float tail[8] = {0};
+        memcpy(tail, v + i, sizeof(float) * (size_t)(n - i));
+        _mm256_storeu_ps(tail, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(tail), inv))));
+        memcpy(v + i, tail, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+// in place: x [n] = rmsnorm(x) * w, the float steps of add_rmsnorm_row (ops.c)
+static inline void rmsnorm_inplace(float *x, int64_t n, const float *w, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = (x[i] * inv) * w[i];
+}
+
 // in place: v[i] = exp(v[i] - shift); returns the sum
 static inline float exp_shift_sum(float *v, int64_t n, float shift) {
     const __m256 sh = _mm256_set1_ps(shift);
