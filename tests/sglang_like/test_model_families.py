@@ -16,6 +16,14 @@ import pytest
 import torch
 
 import sglang_like.engine_core.setup as setup_mod
+from benchmarks.tiny_families import (  # noqa: F401  (test_family_gguf imports them here)
+    FAMILIES,
+    SHARED,
+    WINDOW,
+    Family,
+    build_folder,
+    randomize,
+)
 from sglang_like import Engine
 from sglang_like.model_loader import load_model
 
@@ -30,85 +38,8 @@ PROMPTS = [
 ]
 NEW_TOKENS = 24
 LOGITS_ATOL = 1e-4
-WINDOW = 8  # shorter than every prompt plus its continuation
 TOP1_MIN = 0.95
 CONTEXT = 256
-
-
-class Family(NamedTuple):
-    name: str
-    model_type: str
-    config: dict[str, Any]  # transformers config kwargs beyond the shared shape
-
-
-SHARED = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-              initializer_range=0.1, bos_token_id=0, eos_token_id=2)
-
-FAMILIES = [
-    Family("llama-yarn", "llama", {"rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 16}}),
-    Family("llama-dynamic", "llama", {"rope_parameters": {
-        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
-    Family("mistral-window", "mistral", {"sliding_window": WINDOW}),
-    Family("qwen2-window", "qwen2", {"sliding_window": WINDOW, "use_sliding_window": True,
-                                     "max_window_layers": 1,
-                                     "layer_types": ["full_attention", "sliding_attention"]}),
-    Family("gemma", "gemma", {}),
-    Family("gemma2", "gemma2", {"sliding_window": WINDOW, "query_pre_attn_scalar": 24,
-                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
-    Family("gemma3", "gemma3_text", {
-        "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
-    Family("phi3-longrope-partial", "phi3", {
-        "original_max_position_embeddings": 256, "max_position_embeddings": 1024,
-        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
-                            "partial_rotary_factor": 0.5,
-                            "short_factor": [1.0, 1.5, 2.0, 3.0],
-                            "long_factor": [2.0, 4.0, 8.0, 16.0]}}),
-    Family("olmo2", "olmo2", {}),
-    Family("granite", "granite", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
-                                  "attention_multiplier": 0.1, "logits_scaling": 2.5}),
-    Family("smollm3", "smollm3", {"no_rope_layers": [1, 0], "tie_word_embeddings": True,
-                                  "pad_token_id": 0}),
-]
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """transformers inits norms to 1 (0 for Gemma's 1 + w) and biases to 0; random instead."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(param + 0.2 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.2 * torch.randn_like(param))
-
-
-TRAIN_TEXT = (
-    "The capital of France is Paris. The capital of Italy is Rome. def fibonacci(n): return n "
-    "if n < 2 else fibonacci(n - 1) + fibonacci(n - 2). Rain falls soft on the roof; grey "
-    "clouds drift over the hills; the river runs high. Write 3 haiku about rain, then stop. "
-)
-
-
-def _peak(model: torch.nn.Module, ids: list[int], steps: int = 12) -> None:
-    """A few steps of next-token training on some text, so that the model prefers some tokens
-    the way a trained one does: a random model's top logits over a 49k vocabulary are near
-    ties (the top-2 gap of ~50k Gaussians is ~0.1 of their spread), which any rounding flips,
-    so its top-1 agreement would measure the vocabulary, not the quantization."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = torch.tensor([ids])
-    model.train()
-    for _ in range(steps):
-        loss = model(batch, labels=batch).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
 
 
 class Built(NamedTuple):
@@ -124,25 +55,6 @@ def _engine(path: str, **kwargs: Any) -> Engine:
         mp.setattr(setup_mod, "load_model", load_model)
         return Engine(model_path=path, max_total_tokens=4096, context_length=CONTEXT,
                       engine_in_process=True, **kwargs)
-
-
-def build_folder(family: Family, folder: Any, tokenizer_json: tuple[str, int]) -> Any:
-    """Save a seeded tiny model of `family` (briefly trained, see `_peak`) with the default
-    model's tokenizer into `folder`; the transformers model, eval mode, eos off."""
-    text, vocab_size = tokenizer_json
-    (folder / "tokenizer.json").write_text(text, encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
-    torch.manual_seed(1234)
-    config = transformers.AutoConfig.for_model(family.model_type, vocab_size=vocab_size,
-                                               **(SHARED | family.config))
-    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    _randomize(hf_model)
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
-    _peak(hf_model, tok.encode(TRAIN_TEXT))
-    hf_model.save_pretrained(folder, safe_serialization=True)
-    hf_model.generation_config.eos_token_id = None  # like our ignore_eos
-    return hf_model
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=[f.name for f in FAMILIES])
@@ -287,7 +199,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path,
     torch.manual_seed(7)
     hf_model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text_cfg, vision_config=vision, mm_tokens_per_image=4)).eval()
-    _randomize(hf_model)
+    randomize(hf_model)
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     engine = _engine(str(tmp_path), quantization="none")
     try:
