@@ -157,6 +157,27 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    # more plain keys (each one a tenant: its requests share no cached prefix with another's)
+    extra_api_keys: tuple[str, ...] = ()
+    # the operator's key: cache flush, aborting others' or all requests, the PD role switch,
+    # the dashboard and cache routes, /metrics; with any key set, those routes need it
+    admin_api_key: str | None = None
+    # Host (and a browser's Origin) names the server answers to, against DNS rebinding; ()
+    # -> loopback names when bound to loopback, any otherwise; "*": any
+    allowed_hosts: tuple[str, ...] = ()
+    max_request_body_bytes: int = 32 << 20  # a larger body gets 413 before it is parsed
+    # a text prompt longer than this many characters gets 400 before it is tokenized;
+    # None -> 32 x the context length
+    max_prompt_chars: int | None = None
+    ssl_keyfile: str | None = None  # both set: HTTPS (uvicorn's TLS)
+    ssl_certfile: str | None = None
+    # tenants (keys, or a request's cache_salt) share cached prefixes only when this is set
+    enable_cross_tenant_cache: bool = False
+    # POST /switch_disaggregation_mode is refused unless the worker was started allowing it
+    enable_disaggregation_mode_switch: bool = False
+    # shared by the prefill and decode workers of a PD cluster: every bootstrap message is
+    # signed with it, and a peer without it is not heard (None: PD needs loopback peers only)
+    disaggregation_secret: str | None = None
     log_level: str = "info"
     served_model_name: str | None = None
     # How /v1/chat/completions reads tool calls out of the model's text (see
@@ -165,3 +186,8 @@ class ServerArgs:
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
+
+
+SECRET_SERVER_ARGS = frozenset({"api_key", "extra_api_keys", "admin_api_key",
+                                "disaggregation_secret", "ssl_keyfile"})
+"""ServerArgs fields no info route shows (keys, the PD secret, where the TLS key lies)."""

@@ -15,6 +15,7 @@ import argparse
 import collections
 import importlib.util
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -35,9 +36,16 @@ _ROUTER_HEALTH_ARGS = ("--health-check-interval-secs", "3", "--health-failure-th
 # balancer, which imports the whole `sglang` package (when installed, as SGLang's frontend is
 # in our test extra) for optional tracing. The Rust router needs none of it; an entry of None
 # in sys.modules makes that import fail at once, and the router falls back as without sglang.
-_ROUTER_MAIN = ("import runpy, sys; sys.modules['sglang'] = None; "
+# The API key reaches the router in its environment and joins its argv inside the process:
+# a command line is readable by every user of the machine (ps), an environment is not.
+_ROUTER_KEY_ENV = "SGLANG_LIKE_ROUTER_API_KEY"
+_ROUTER_MAIN = ("import os, runpy, sys; sys.modules['sglang'] = None; "
+                f"key = os.environ.pop('{_ROUTER_KEY_ENV}', None); "
+                "sys.argv += ['--api-key', key] if key else []; "
                 "runpy.run_module('sglang_router.launch_router', run_name='__main__', "
                 "alter_sys=True)")
+# options whose value is a secret: the replicas get it in their environment instead
+_SECRET_OPTIONS = ("--api-key", "--admin-api-key")
 _POLL_S = 0.25
 _KILL_GRACE_S = 30.0  # beyond --shutdown-timeout, before stragglers are SIGKILLed
 _TAIL_LINES = 8  # of a dead child's output, repeated in the report of its exit
@@ -121,16 +129,22 @@ def router_command(ns: argparse.Namespace, worker_urls: list[str], prometheus_po
            *_ROUTER_HEALTH_ARGS, "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(prometheus_port), "--log-level", ns.router_log_level,
            "--shutdown-grace-period-secs", str(int(ns.shutdown_timeout))]
-    if api_key:
-        # the router then asks clients for it and sends it to the workers
-        cmd += ["--api-key", api_key]
+    # with an API key (router_env) the router asks clients for it and sends it to the workers
     return cmd + shlex.split(ns.router_args)
 
 
-def replica_env(dp_size: int) -> dict[str, str]:
-    """The replicas share the host's cores: each gets its share as torch threads, unless
-    OMP_NUM_THREADS is set (two replicas of 2 threads each on 2 cores spin against each other)."""
+def router_env(api_key: str | None) -> dict[str, str]:
     env = dict(os.environ)
+    if api_key:
+        env[_ROUTER_KEY_ENV] = api_key
+    return env
+
+
+def replica_env(dp_size: int, secrets: dict[str, str] | None = None) -> dict[str, str]:
+    """The replicas share the host's cores: each gets its share as torch threads, unless
+    OMP_NUM_THREADS is set (two replicas of 2 threads each on 2 cores spin against each other).
+    `secrets`: keys and the PD secret, by their environment names (never on a command line)."""
+    env = {**os.environ, **(secrets or {})}
     if "OMP_NUM_THREADS" not in env:
         num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
@@ -216,12 +230,35 @@ def stop_all(children: list[Child], sig: int, timeout: float) -> None:
         child.proc.wait()
 
 
-def _server_api_key(server_argv: list[str]) -> str | None:
-    """Check the replicas' options up front (argparse's usage error, exit 2) and return their
-    API key, which the router needs too."""
-    from sglang_like.launch_server import build_parser as server_parser
+def replica_secrets(server_argv: list[str], pd: bool) -> tuple[list[str], dict[str, str],
+                                                                 str | None]:
+    """Check the replicas' options up front (argparse's usage error, exit 2); return them
+    without any secret value, the secrets for their environment, and the API key the router
+    needs. A PD cluster without a secret of its own gets a fresh random one: its workers then
+    hear only each other on their bootstrap ports."""
+    from sglang_like import launch_server as server
 
-    return server_parser().parse_args(server_argv).api_key
+    args = server.server_args_from(server.build_parser().parse_args(server_argv))
+    argv: list[str] = []
+    skip = False
+    for arg in server_argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _SECRET_OPTIONS:
+            skip = "=" not in arg
+            continue
+        argv.append(arg)
+    env: dict[str, str] = {}
+    if args.api_key:  # a key file's path stays in argv: it is no secret
+        env[server.ENV_API_KEY] = args.api_key
+    if args.admin_api_key:
+        env[server.ENV_ADMIN_API_KEY] = args.admin_api_key
+    if pd:
+        env[server.ENV_DISAGGREGATION_SECRET] = (args.disaggregation_secret
+                                                 or secrets.token_hex(32))
+    return argv, env, args.api_key
 
 
 def _check(ns: argparse.Namespace) -> None:
@@ -270,7 +307,7 @@ def _supervise(router: Child, replicas: list[Child], stop: threading.Event) -> i
 def main(argv: list[str] | None = None) -> int:
     ns, server_argv = build_parser().parse_known_args(argv)
     _check(ns)
-    api_key = _server_api_key(server_argv)
+    server_argv, secret_env, api_key = replica_secrets(server_argv, ns.pd_disaggregation)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     stop = threading.Event()
     received = [signal.SIGTERM]
@@ -291,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         replicas = [
             start_child(f"{role} {i}", f"http://127.0.0.1:{port}",
                         replica_command(port, server_argv + extra, ns.shutdown_timeout),
-                        replica_env(len(roles)))
+                        replica_env(len(roles), secret_env))
             for i, (port, (role, extra, _)) in enumerate(zip(ports, roles, strict=True))
         ]
         children += replicas
@@ -307,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                   [r.url for r, (role, _, _) in zip(replicas, roles, strict=True)
                    if role == "decode"])
         router = start_child("router", f"http://{ns.host}:{ns.port}",
-                             router_command(ns, urls, free_port(), api_key, pd))
+                             router_command(ns, urls, free_port(), api_key, pd),
+                             router_env(api_key))
         children.insert(0, router)  # stopped first: no new requests reach stopping replicas
         why = wait_ready([router], "/workers", stop, time.monotonic() + 120.0, headers,
                          min_workers=len(roles))

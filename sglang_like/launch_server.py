@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
@@ -42,7 +43,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--api-key", default=d.api_key,
-                   help="require 'Authorization: Bearer <key>' on every route but /health")
+                   help="require 'Authorization: Bearer <key>' on every route but /health "
+                        "(better: --api-key-file or $SGLANG_LIKE_API_KEY, which other users "
+                        "of the machine cannot read in the process list)")
+    p.add_argument("--api-key-file", default=None,
+                   help="plain keys, one a line ('#' comments): each key is a tenant")
+    p.add_argument("--admin-api-key", default=d.admin_api_key,
+                   help="the operator's key: cache flush, aborting others' or all requests, "
+                        "the PD role switch, the dashboard and cache routes, /metrics (also "
+                        "--admin-api-key-file or $SGLANG_LIKE_ADMIN_API_KEY)")
+    p.add_argument("--admin-api-key-file", default=None)
+    p.add_argument("--allowed-hosts", default=None,
+                   type=lambda v: tuple(h.strip() for h in v.split(",") if h.strip()),
+                   help="comma-separated Host names the server answers to ('*': any); "
+                        "default: loopback names on a loopback --host, any otherwise")
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help="longer text prompts get 400 before they are tokenized (default: "
+                        "32 x the context length)")
+    p.add_argument("--ssl-keyfile", default=d.ssl_keyfile, help="with --ssl-certfile: HTTPS")
+    p.add_argument("--ssl-certfile", default=d.ssl_certfile)
+    p.add_argument("--enable-cross-tenant-cache", action="store_true",
+                   default=d.enable_cross_tenant_cache,
+                   help="let requests of different keys / cache_salt values share cached "
+                        "prefixes (faster; a tenant can then time or count another's prefixes)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default=d.device)
     p.add_argument("--quantization", default=d.quantization, choices=list(QUANTIZATION_CHOICES),
@@ -143,21 +167,77 @@ def add_scale_out_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
     p.add_argument("--disaggregation-transfer-timeout", type=float,
                    default=d.disaggregation_transfer_timeout,
                    help="seconds a decode worker waits for a request's KV before failing it")
+    p.add_argument("--disaggregation-secret-file", default=None,
+                   help="the secret the prefill and decode workers of a cluster share (or "
+                        "$SGLANG_LIKE_DISAGGREGATION_SECRET); peers without it are not heard")
+    p.add_argument("--enable-disaggregation-mode-switch", action="store_true",
+                   default=d.enable_disaggregation_mode_switch,
+                   help="allow POST /switch_disaggregation_mode (admin key) on this worker")
 
 
-def server_args_from(ns: argparse.Namespace) -> ServerArgs:
-    """Map parsed options onto ServerArgs (options that are not ServerArgs fields are left out)."""
+ENV_API_KEY = "SGLANG_LIKE_API_KEY"
+ENV_ADMIN_API_KEY = "SGLANG_LIKE_ADMIN_API_KEY"
+ENV_DISAGGREGATION_SECRET = "SGLANG_LIKE_DISAGGREGATION_SECRET"
+
+
+def read_secret_lines(path: str) -> list[str]:
+    """The non-empty, non-comment lines of a key file (SystemExit naming a bad file)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise SystemExit(f"cannot read {path}: {exc}") from None
+    if mode & 0o077:
+        logger.warning("%s is readable by other users (chmod 600 it)", path)
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise SystemExit(f"{path} holds no key")
+    return keys
+
+
+def server_args_from(ns: argparse.Namespace,
+                     environ: dict[str, str] | None = None) -> ServerArgs:
+    """Map parsed options onto ServerArgs (options that are not ServerArgs fields are left out).
+
+    Keys and the PD secret come from the command line, else their file, else the environment
+    (so none has to be on a command line, which any user of the machine can read)."""
+    env = os.environ if environ is None else environ
+    values = dict(vars(ns))
+    # $SGLANG_LIKE_API_KEY stands for --api-key; a key file adds its keys (tenants)
+    first = values.get("api_key") or env.get(ENV_API_KEY)
+    keys: list[str] = [first] if first else []
+    if values.get("api_key_file"):
+        keys += [k for k in read_secret_lines(values["api_key_file"]) if k not in keys]
+    values["api_key"], values["extra_api_keys"] = (keys[0], tuple(keys[1:])) if keys else (
+        None, ())
+    if not values.get("admin_api_key"):
+        if values.get("admin_api_key_file"):
+            values["admin_api_key"] = read_secret_lines(values["admin_api_key_file"])[0]
+        else:
+            values["admin_api_key"] = env.get(ENV_ADMIN_API_KEY) or None
+    if values.get("disaggregation_secret_file"):
+        values["disaggregation_secret"] = read_secret_lines(
+            values["disaggregation_secret_file"])[0]
+    else:
+        values["disaggregation_secret"] = env.get(ENV_DISAGGREGATION_SECRET) or None
+    if values.get("allowed_hosts") is None:
+        values["allowed_hosts"] = ()
+    if values["admin_api_key"] and values["admin_api_key"] in keys:
+        raise SystemExit("the admin API key must differ from every plain key")
     fields = set(ServerArgs.__dataclass_fields__)
-    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in fields})
+    return ServerArgs(**{k: v for k, v in values.items() if k in fields})
 
 
 def _check(args: ServerArgs) -> None:
     for name in ("port",):
         if not 0 < getattr(args, name) < 65536:
             raise SystemExit(f"--{name} must be in 1..65535")
-    for name in ("max_running_requests", "max_queued_requests"):
+    for name in ("max_running_requests", "max_queued_requests", "max_request_body_bytes"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise SystemExit("--ssl-keyfile and --ssl-certfile go together")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,13 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         f"sglang_like: loaded {state.model_path} as '{state.served_model_name}' in "
         f"{time.perf_counter() - t0:.1f}s (device {info.get('device')}, dtype "
         f"{info.get('dtype')}, KV pool {info['kv_pool'].get('total_slots')} tokens, context "
-        f"{state.context_length}); listening on http://{args.host}:{args.port}"
-        + (" (API key required)" if args.api_key else ""),
+        f"{state.context_length}); listening on "
+        f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
+        + (" (API key required)" if args.api_key else "")
+        + (" (admin key set)" if args.admin_api_key else ""),
         flush=True,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=max(1, int(ns.shutdown_timeout)), access_log=False,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
     )
     server = uvicorn.Server(config)
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown, which would end the
@@ -228,8 +311,6 @@ def _exit_watchdog(grace_s: float = 10.0) -> None:
         logger.warning("threads still alive after shutdown: %s; exiting anyway",
                        [t.name for t in stragglers()])
         sys.stdout.flush()
-        import os
-
         os._exit(0)
 
 

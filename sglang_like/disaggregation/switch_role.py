@@ -13,6 +13,7 @@ With `--api-key`, the key is sent to the worker and the router.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -35,10 +36,13 @@ def _find(client: httpx.Client, router: str, worker: str) -> dict[str, Any] | No
 
 
 def switch_role(router: str, worker: str, to: str, bootstrap_port: int | None = None,
-                drain_timeout: float = 60.0, api_key: str | None = None) -> dict[str, Any]:
+                drain_timeout: float = 60.0, api_key: str | None = None,
+                admin_api_key: str | None = None) -> dict[str, Any]:
     """Do the three steps; returns the worker's answer to the switch. Raises RuntimeError
-    naming the step that failed."""
+    naming the step that failed. The router gets `api_key`; the worker's switch route takes
+    its admin key (and the worker must run with --enable-disaggregation-mode-switch)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    admin = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
     with httpx.Client(headers=headers, timeout=drain_timeout + 30) as client:
         entry = _find(client, router, worker)
         if entry is not None:
@@ -52,7 +56,7 @@ def switch_role(router: str, worker: str, to: str, bootstrap_port: int | None = 
         body: dict[str, Any] = {"mode": to, "drain_timeout": drain_timeout}
         if bootstrap_port is not None:
             body["bootstrap_port"] = bootstrap_port
-        resp = client.post(f"{worker}/switch_disaggregation_mode", json=body)
+        resp = client.post(f"{worker}/switch_disaggregation_mode", json=body, headers=admin)
         if resp.status_code != 200:
             raise RuntimeError(f"the worker did not switch ({resp.status_code}): {resp.text}")
         result = resp.json()
@@ -78,11 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bootstrap-port", type=int, default=None,
                    help="with --to prefill: its bootstrap port (default: the worker's)")
     p.add_argument("--drain-timeout", type=float, default=60.0)
-    p.add_argument("--api-key", default=None)
+    # keys from the environment, so that they stay off command lines (ps shows those)
+    p.add_argument("--api-key", default=os.environ.get("SGLANG_LIKE_API_KEY"),
+                   help="the router's key (default: $SGLANG_LIKE_API_KEY)")
+    p.add_argument("--admin-api-key", default=os.environ.get("SGLANG_LIKE_ADMIN_API_KEY"),
+                   help="the worker's admin key (default: $SGLANG_LIKE_ADMIN_API_KEY)")
     ns = p.parse_args(argv)
     try:
         result = switch_role(ns.router, ns.worker, ns.to, ns.bootstrap_port, ns.drain_timeout,
-                             ns.api_key)
+                             ns.api_key, ns.admin_api_key)
     except (RuntimeError, httpx.HTTPError) as exc:
         print(f"switch_role: {exc}", file=sys.stderr)
         return 1

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_like.config import ModelConfig, ServerArgs
+from sglang_like.config import SECRET_SERVER_ARGS, ModelConfig, ServerArgs
 from sglang_like.engine_core.loop import EngineLoop, LoopHooks
 from sglang_like.engine_core.messages import GenerateReqInput
 from sglang_like.req import Req
@@ -124,9 +124,15 @@ class EngineCore:
             from sglang_like.disaggregation.transfer import MooncakeKVTransfer
 
             self._kv_transfer = MooncakeKVTransfer(self.runner.kv_pool, sa.host)
+        secret = None
+        if mode != "null":
+            from sglang_like.disaggregation.channel import cluster_secret
+
+            secret = cluster_secret(sa.disaggregation_secret)
         manager = build_manager(mode, self._kv_transfer, self.runner.req_to_token_pool,
                                 sa.host, bootstrap_port, sa.disaggregation_transfer_timeout,
-                                lambda: self.loop.put_command("wake"))
+                                lambda: self.loop.put_command("wake"), secret,
+                                self.model_config.vocab_size)
         old, self.scheduler.disagg = self.scheduler.disagg, manager
         if old is not None:
             old.close()
@@ -147,7 +153,7 @@ class EngineCore:
     def get_server_info(self) -> dict[str, Any]:
         s = self.scheduler
         return {
-            **{k: v for k, v in vars(self.server_args).items() if k != "api_key"},
+            **{k: v for k, v in vars(self.server_args).items() if k not in SECRET_SERVER_ARGS},
             "model_path": self.model_config.model_path,
             "engine_pid": os.getpid(),  # the engine-core process (this one's pid in-process)
             "loop_cpu": self.info.loop_cpu,  # the core the loop keeps to itself (cpu_pinning)

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from sglang_like.config import ServerArgs
 from sglang_like.server import dashboard, disaggregation_api, native_api, openapi, tokenize_api
-from sglang_like.server.auth import ApiKeyMiddleware
+from sglang_like.server.auth import SecurityMiddleware
 from sglang_like.server.errors import ApiError, error_response
 from sglang_like.server.metrics import CONTENT_TYPE
 from sglang_like.server.openai import router as openai_router
@@ -70,8 +70,8 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     app.add_exception_handler(ClientGone, _on_client_gone)
     app.add_exception_handler(ValueError, _on_value_error)
     app.add_exception_handler(Exception, _on_unexpected)
-    if state.server_args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.server_args.api_key)
+    # always: Host/Origin, media type and body size are checked with or without keys
+    app.add_middleware(SecurityMiddleware, server_args=state.server_args)
     return app
 
 

@@ -1,60 +1,252 @@
-"""API-key check as pure ASGI middleware; streams stay intact.
+"""The HTTP edge's checks, as one pure ASGI middleware (streams stay intact): Host and Origin
+(DNS rebinding, cross-site posts), the method and media type of state changes, the body size,
+and who is asking (API keys).
 
-The key goes as `Authorization: Bearer <key>` (API clients), or as the password of HTTP Basic
-auth with any user name: a browser cannot add a Bearer header when it opens /dashboard, but it
-asks for Basic credentials when challenged and sends them again with the page's own requests.
+Keys go as `Authorization: Bearer <key>` (API clients), or as the password of HTTP Basic auth
+with any user name: a browser cannot add a Bearer header when it opens /dashboard, but it asks
+for Basic credentials when challenged and sends them again with the page's own requests.
+
+Two kinds of key. A plain key (`--api-key`, or each line of `--api-key-file`) serves
+generation, tokenizing and model info; each plain key is a tenant of its own (its requests
+share no cached prefix with another key's, and it aborts only its own requests). The admin key
+(`--admin-api-key`) also reaches what is the operator's: the routes in `ADMIN_PATHS`, aborting
+others' or all requests. With no key configured at all the server is open (a loopback dev
+server) and every caller is the operator; with a plain key but no admin key, the operator's
+routes are refused to everyone.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
+import ipaddress
+from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sglang_like.config import ServerArgs
 from sglang_like.server.errors import error_response
 
 # Routes a load balancer or supervisor probes without credentials.
-_OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"})
+# The operator's routes: they change the server's state or show what other users sent.
+ADMIN_PATHS = frozenset({
+    "/flush_cache", "/switch_disaggregation_mode", "/metrics", "/dashboard", "/stats",
+    "/cache_tree", "/cache_match",
+})
+_ADMIN_PREFIXES = ("/dashboard/", "/cache_tree/")
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
-class ApiKeyMiddleware:
-    """Refuse every HTTP request but the open paths unless it carries the key (constant time)."""
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request: the operator or not, and the tenant its requests belong to (None:
+    the one tenant of a server without keys)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    is_admin: bool
+    tenant: str | None
+
+
+OPEN_SERVER = Principal(is_admin=True, tenant=None)
+
+
+def principal_of(scope: Scope) -> Principal:
+    """The caller the middleware found (an app without the middleware: an open server)."""
+    return (scope.get("state") or {}).get("principal", OPEN_SERVER)
+
+
+def is_admin_path(path: str) -> bool:
+    return path in ADMIN_PATHS or path.startswith(_ADMIN_PREFIXES)
+
+
+def key_tenant(key: str) -> str:
+    """A key's tenant name: a digest, so no log or cache view carries the key itself."""
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def allowed_host_names(args: ServerArgs) -> frozenset[str] | None:
+    """Host names the server answers to (None: any). A loopback server answers only to
+    loopback names by default: a page on another site whose name is rebound to 127.0.0.1
+    sends its own name as Host, and is refused."""
+    if args.allowed_hosts:
+        names = {h.strip().lower().strip("[]") for h in args.allowed_hosts if h.strip()}
+        return None if "*" in names else frozenset(names)
+    host = args.host.strip("[]")
+    try:
+        is_loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        is_loopback = False
+    return frozenset(_LOOPBACK_NAMES) | {host.lower()} if is_loopback else None
+
+
+def _hostname(value: str) -> str:
+    """The name of a Host header value ("name:port", "[::1]:port")."""
+    return (urlsplit("//" + value).hostname or "").lower()
+
+
+class SecurityMiddleware:
+    """Every HTTP request passes here first; a refusal is a JSON error that names the cause."""
+
+    def __init__(self, app: ASGIApp, server_args: ServerArgs) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-        self._key = api_key.encode()
+        self.max_body = server_args.max_request_body_bytes
+        self.hosts = allowed_host_names(server_args)
+        # constant-time compares against every key; the admin key is checked first
+        self.admin_key = (server_args.admin_api_key or "").encode() or None
+        keys = [server_args.api_key, *server_args.extra_api_keys]
+        self.keys = [(k.encode(), key_tenant(k)) for k in keys if k]
+        self.is_open = self.admin_key is None and not self.keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in _OPEN_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = b""
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                given = value.strip()
-                break
-        if not self._accepts(given):
+        headers = {name: value for name, value in scope.get("headers", [])}
+        path = scope.get("path", "")
+        refusal = self._check_origin(headers)
+        if refusal is None:
+            principal, refusal = self._authenticate(path, headers)
+        if refusal is None and scope["method"] == "POST":
+            refusal = _check_media_type(headers)
+        if refusal is None:
+            refusal = self._check_length(headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body = await _read_body(receive, self.max_body)
+            if body is None:
+                await error_response(413, f"request body over {self.max_body} bytes "
+                                          "(--max-request-body-bytes)")(scope, receive, send)
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    # ---- the checks: each returns the refusal, or None -------------------------------------
+    def _check_origin(self, headers: dict[bytes, bytes]) -> object | None:
+        host = headers.get(b"host", b"").decode("latin-1")
+        if self.hosts is not None and _hostname(host) not in self.hosts:
+            return error_response(421, f"Host {host!r} is not served here (--allowed-hosts)")
+        origin = headers.get(b"origin")
+        if origin is None:
+            return None
+        # a browser sends Origin on cross-site posts: only the server's own pages may post
+        parts = urlsplit(origin.decode("latin-1"))
+        if parts.netloc.lower() == host.lower():
+            return None
+        if self.hosts is not None and (parts.hostname or "").lower() in self.hosts:
+            return None
+        return error_response(403, f"requests from the page at {origin.decode('latin-1')!r} "
+                                   "are not accepted (cross-origin)")
+
+    def _authenticate(self, path: str, headers: dict[bytes, bytes]
+                      ) -> tuple[Principal, object | None]:
+        if self.is_open:
+            return OPEN_SERVER, None
+        principal = self._principal(headers.get(b"authorization", b"").strip())
+        if path in OPEN_PATHS:
+            return principal or Principal(False, None), None
+        if principal is None:
             response = error_response(401, "missing or invalid API key (Authorization: Bearer "
                                       "<key>, or Basic auth with the key as the password)")
             # two challenges: API clients read Bearer; a browser asks its user for Basic
             response.headers.append("WWW-Authenticate", "Bearer")
             response.headers.append("WWW-Authenticate", 'Basic realm="sglang_like", '
                                     'charset="UTF-8"')
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+            return principal, response
+        if is_admin_path(path) and not principal.is_admin:
+            why = ("this route needs the admin API key" if self.admin_key else
+                   "this route needs the admin API key, and none is configured "
+                   "(--admin-api-key)")
+            return principal, error_response(403, why)
+        return principal, None
 
-    def _accepts(self, given: bytes) -> bool:
-        if given[:7].lower() == b"bearer ":
-            return hmac.compare_digest(b"Bearer " + given[7:].strip(), self._expected)
-        if given[:6].lower() == b"basic ":
-            try:
-                decoded = base64.b64decode(given[6:].strip(), validate=True)
-            except (binascii.Error, ValueError):
-                return False
-            _, sep, password = decoded.partition(b":")
-            return bool(sep) and hmac.compare_digest(password, self._key)
-        return False
+    def _principal(self, given: bytes) -> Principal | None:
+        password = _credential(given)
+        if password is None:
+            return None
+        found = None
+        # every key is compared (constant time each), so timing tells nothing of which matched
+        if self.admin_key is not None and hmac.compare_digest(password, self.admin_key):
+            found = Principal(True, "admin")
+        for key, tenant in self.keys:
+            if hmac.compare_digest(password, key) and found is None:
+                found = Principal(False, tenant)
+        return found
+
+    def _check_length(self, headers: dict[bytes, bytes]) -> object | None:
+        raw = headers.get(b"content-length")
+        if raw is None:
+            return None
+        try:
+            length = int(raw)
+        except ValueError:
+            return error_response(400, "Content-Length is not a number")
+        if length > self.max_body:
+            return error_response(413, f"request body of {length} bytes is over "
+                                       f"{self.max_body} (--max-request-body-bytes)")
+        return None
+
+
+def _credential(given: bytes) -> bytes | None:
+    if given[:7].lower() == b"bearer ":
+        return given[7:].strip()
+    if given[:6].lower() == b"basic ":
+        try:
+            decoded = base64.b64decode(given[6:].strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        _, sep, password = decoded.partition(b":")
+        return password if sep else None
+    return None
+
+
+def _check_media_type(headers: dict[bytes, bytes]) -> object | None:
+    """Every POST body here is JSON; a form or text/plain post (what a cross-site page can
+    send without a preflight) is refused before it is read."""
+    raw = headers.get(b"content-type", b"").decode("latin-1")
+    media = raw.split(";", 1)[0].strip().lower()
+    if not media and headers.get(b"content-length", b"0").strip() == b"0" and (
+            b"transfer-encoding" not in headers):
+        return None  # no body at all (SGLang's clients post /flush_cache so)
+    if media == "application/json" or (media.startswith("application/")
+                                       and media.endswith("+json")):
+        return None
+    return error_response(415, f"POST bodies must be application/json, got "
+                               f"{media or 'no Content-Type'!r}")
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body (None once it passes `limit`: a chunked upload has no Content-Length)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            # the client left: the app sees an empty body, then the disconnect
+            return b"".join(chunks)
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the app the body read here, then the client's later messages
+    (a disconnect, which the routes watch for)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

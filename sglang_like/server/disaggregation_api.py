@@ -25,10 +25,15 @@ router = APIRouter()
 
 
 @router.post("/switch_disaggregation_mode", openapi_extra=operation(
-    body=SwitchModeRequest, ok=json_content({"type": "object"}), errors=(400, 401, 409),
+    body=SwitchModeRequest, ok=json_content({"type": "object"}), errors=(400, 401, 403, 409),
 ))
 async def switch_disaggregation_mode(request: Request) -> Response:
     state = get_state(request)
+    if not state.server_args.enable_disaggregation_mode_switch:
+        # a switch registers the whole KV pool with the transfer engine and binds a port:
+        # only a worker started for it (behind a private network) may be switched
+        raise ApiError(403, "this worker was not started with "
+                            "--enable-disaggregation-mode-switch")
     body = parse_model(SwitchModeRequest, await read_json_body(request))
     if body.mode not in DISAGGREGATION_MODES:
         raise ApiError(400, f"mode must be one of {', '.join(DISAGGREGATION_MODES)}", "mode")

@@ -12,8 +12,12 @@ from starlette.responses import Response
 _STATUS_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    421: "MisdirectedRequestError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",

@@ -16,10 +16,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sglang_like.config import SECRET_SERVER_ARGS
+from sglang_like.server.auth import principal_of
 from sglang_like.server.errors import ApiError, json_response, read_json_body
 from sglang_like.server.openapi import TEXT_CONTENT, json_content, operation, sse_content
 from sglang_like.server.protocol import AbortRequest, GenerateRequest, parse_model
-from sglang_like.server.runner import ClientGone, EngineStream, merge_streams
+from sglang_like.server.runner import ClientGone, EngineStream, check_rid, merge_streams
 from sglang_like.server.sse import DONE, open_streams, sse, sse_response
 from sglang_like.server.state import get_state
 
@@ -129,10 +131,10 @@ _SERVER_INFO = operation(ok=json_content({"$ref": "#/components/schemas/ServerIn
 async def get_server_info(request: Request) -> Response:
     state = get_state(request)
     info: dict[str, Any] = dataclasses.asdict(state.server_args)
-    info.pop("api_key", None)
     info["served_model_name"] = state.served_model_name
     info.update(await run_in_threadpool(state.engine.get_server_info))
-    info.pop("api_key", None)
+    for name in SECRET_SERVER_ARGS:
+        info.pop(name, None)
     return json_response(info)
 
 
@@ -183,7 +185,7 @@ async def health_generate(request: Request) -> Response:
 _FLUSH_CACHE = operation(ok=TEXT_CONTENT, errors=(400, 401))
 
 
-@router.get("/flush_cache", openapi_extra=_FLUSH_CACHE)
+# POST only: a state change behind a GET is one a link or an <img> on any page can trigger
 @router.post("/flush_cache", openapi_extra=_FLUSH_CACHE)
 async def flush_cache(request: Request) -> Response:
     state = get_state(request)
@@ -193,20 +195,28 @@ async def flush_cache(request: Request) -> Response:
 
 
 @router.post("/abort_request", openapi_extra=operation(
-    body=AbortRequest, ok_description="Aborted (or already finished)", errors=(400, 401)
+    body=AbortRequest, ok_description="Aborted (or already finished)",
+    errors=(400, 401, 403, 404)
 ))
 async def abort_request(request: Request) -> Response:
     """SGLang's body: {"rid": "<id>"} ends that request (and its n > 1 samples / batch items);
-    {"abort_all": true} ends every queued and running request."""
+    {"abort_all": true} ends every queued and running request. A tenant's key ends only the
+    requests it sent (404 for any other rid, so it learns nothing of others'); ending another's
+    request, or all, takes the admin key."""
     state = get_state(request)
     body = parse_model(AbortRequest, await read_json_body(request))
+    principal = principal_of(request.scope)
     if body.abort_all:
+        if not principal.is_admin:
+            raise ApiError(403, "abort_all needs the admin API key", "abort_all")
         abort_all = getattr(state.engine, "abort_all", None)
         if abort_all is None:
             raise ApiError(400, "this engine cannot abort all requests; give a rid")
         abort_all()
     elif body.rid:
-        state.runner.abort(body.rid)
+        check_rid(body.rid)
+        if not state.runner.abort_for(body.rid, principal):
+            raise ApiError(404, "no running request of yours has this rid", "rid")
     else:
         raise ApiError(
             400, 'abort_request needs {"rid": "<request id>"} or {"abort_all": true}', "rid"

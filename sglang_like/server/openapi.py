@@ -35,6 +35,8 @@ _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
 _ERROR_TEXT = {
     400: "Bad request: the body or a parameter is invalid (the message says which)",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
+    403: "Refused: the route or action needs the admin API key, or the server was not "
+         "started allowing it, or a cross-origin page sent it",
     404: "Not found (the message says what)",
     429: "Too many requests waiting (--max-queued-requests); retry later",
     409: "Conflict: the server is busy with work that must finish first; retry",

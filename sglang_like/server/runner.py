@@ -13,6 +13,8 @@ from typing import Any
 import anyio
 from starlette.requests import Request
 
+from sglang_like.engine_core.loop import is_derived_rid
+from sglang_like.server.auth import Principal, principal_of
 from sglang_like.server.errors import ApiError
 from sglang_like.server.metrics import ServerMetrics
 
@@ -25,6 +27,15 @@ class ClientGone(Exception):
 
 def new_rid() -> str:
     return uuid.uuid4().hex
+
+
+_MAX_RID_CHARS = 256
+
+
+def check_rid(rid: str) -> None:
+    """A client's rid: printable, bounded (it goes into logs and answers verbatim)."""
+    if not rid or len(rid) > _MAX_RID_CHARS or not rid.isprintable():
+        raise ApiError(400, f"rid must be 1 to {_MAX_RID_CHARS} printable characters", "rid")
 
 
 class EngineStream:
@@ -93,6 +104,7 @@ class EngineStream:
                 await self._it.aclose()
         if not self.is_finished:
             self._runner.abort(self.rid)
+        self._runner.release([self.rid])
 
 
 class EngineRunner:
@@ -107,6 +119,8 @@ class EngineRunner:
         self.max_queued_requests = max_queued_requests
         self.max_running_requests = max_running_requests
         self.num_inflight = 0  # engine requests this server has submitted and not yet seen end
+        # live rids this server submitted -> the tenant that sent them (who may abort them)
+        self.owners: dict[str, str | None] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -118,16 +132,53 @@ class EngineRunner:
         num_queued = int(getattr(self.engine, "num_queued_requests", 0) or 0)
         return max(num_queued, self.num_inflight - self.max_running_requests)
 
-    def check_capacity(self) -> None:
-        """429 at once when the waiting queue is full, instead of letting the client hang."""
+    def check_capacity(self, num_new: int = 1) -> None:
+        """429 at once when the waiting queue cannot take `num_new` more requests (a request's
+        whole fan-out: n samples of each prompt), instead of letting the client hang."""
         num_queued = self.num_waiting
-        if num_queued >= self.max_queued_requests:
+        free = max(0, self.max_running_requests - self.num_inflight)
+        if num_queued + max(0, num_new - free) > self.max_queued_requests:
             self.metrics.observe_rejected(429)
             raise ApiError(
                 429,
-                f"server overloaded: {num_queued} requests waiting "
+                f"server overloaded: {num_queued} requests waiting, {num_new} more asked "
                 f"(--max-queued-requests {self.max_queued_requests}); retry later",
             )
+
+    def claim(self, rids: list[str], owner: str | None, given: bool) -> None:
+        """Record who owns `rids`. A rid the client chose must not be in use, nor be one of
+        the engine's derived rids (`rid-0`) of another's request or their parent: aborting a
+        rid reaches those too, so a tenant could otherwise end another's requests."""
+        if given:
+            for rid in rids:
+                check_rid(rid)
+            live = set(self.owners)
+            for rid in rids:
+                for other in live:
+                    if other == rid or ((is_derived_rid(other, rid)
+                                         or is_derived_rid(rid, other))
+                                        and self.owners[other] != owner):
+                        raise ApiError(400, f"rid {rid!r} is in use by a running request",
+                                       "rid")
+            if len(set(rids)) != len(rids):
+                raise ApiError(400, "a rid is given to more than one request", "rid")
+        for rid in rids:
+            self.owners[rid] = owner
+
+    def release(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.owners.pop(rid, None)
+
+    def abort_for(self, rid: str, principal: Principal) -> bool:
+        """/abort_request of one rid: the operator's reaches any request; a tenant's only its
+        own (and their derived rids). False: no such request of the caller's."""
+        if not principal.is_admin:
+            mine = any(who == principal.tenant and (live == rid or is_derived_rid(rid, live))
+                       for live, who in self.owners.items())
+            if not mine:
+                return False
+        self.abort(rid)
+        return True
 
     def abort(self, rid: str | list[str]) -> None:
         for one in [rid] if isinstance(rid, str) else rid:
@@ -144,47 +195,67 @@ class EngineRunner:
         Each call is a dict of `Engine.generate` keyword arguments; the answer has one engine
         result per call. A ValueError from the engine propagates (the edge makes it a 400).
         """
-        self.check_capacity()
-        for call in calls:
-            call["rid"] = call.get("rid") or _rids_for(call)
         num_requests = sum(_num_requests(call) for call in calls)
+        self.check_capacity(num_requests)
+        owner = principal_of(request.scope).tenant if request is not None else None
+        rids: list[str] = []
+        given = False
+        for call in calls:
+            given = given or bool(call.get("rid"))
+            call["rid"] = call.get("rid") or _rids_for(call)
+            rids += call["rid"] if isinstance(call["rid"], list) else [call["rid"]]
+        self.claim(rids, owner, given)
         self.num_inflight += num_requests
-        work = asyncio.gather(
-            *(self.engine.async_generate(stream=False, **call) for call in calls)
-        )
+        # a call that fails (a bad prompt of a batch) ends the others at once: the batch
+        # fails whole, and nothing it started runs on for nobody
+        tasks = [asyncio.ensure_future(self.engine.async_generate(stream=False, **call))
+                 for call in calls]
         watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            pending = set(tasks)
+            while pending:
+                done, _ = await asyncio.wait({*pending, watcher},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+                failed = [t for t in done if t is not watcher and t.exception() is not None]
+                if failed or watcher in done:
+                    self._cancel(tasks, calls)
+                    if failed:
+                        raise failed[0].exception()
+                    raise ClientGone()
         except asyncio.CancelledError:
-            self._cancel(work, calls)
+            self._cancel(tasks, calls)
             raise
         finally:
             watcher.cancel()
             self.num_inflight -= num_requests
-        if not work.done():
-            self._cancel(work, calls)
-            raise ClientGone()
-        results = work.result()
+            self.release(rids)
+        results = [t.result() for t in tasks]
         for result in results:
             for item in result if isinstance(result, list) else [result]:
                 self.metrics.observe_finished(item.get("meta_info") or {})
         return results
 
-    def _cancel(self, work: asyncio.Future, calls: list[dict[str, Any]]) -> None:
-        work.cancel()
-        for call in calls:
-            self.abort(call["rid"])
+    def _cancel(self, tasks: list[asyncio.Future], calls: list[dict[str, Any]]) -> None:
+        for task, call in zip(tasks, calls, strict=True):
+            if not task.done():
+                task.cancel()
+                self.abort(call["rid"])
 
-    async def open_stream(self, **kwargs: Any) -> EngineStream:
-        """Start one streamed engine request (a single prompt, n=1) and wait for its first chunk."""
+    async def open_stream(self, owner: str | None = None, **kwargs: Any) -> EngineStream:
+        """Start one streamed engine request (a single prompt, n=1) and wait for its first chunk;
+        `owner`: the tenant that sent it."""
         self.check_capacity()
-        rid = kwargs.pop("rid", None) or new_rid()
+        given = kwargs.pop("rid", None)
+        rid = given or new_rid()
+        self.claim([rid], owner, bool(given))
         t0 = time.perf_counter()
         self.num_inflight += 1
         try:
             it = await self.engine.async_generate(stream=True, rid=rid, **kwargs)
         except BaseException:
             self.num_inflight -= 1
+            self.release([rid])
             raise
         stream = EngineStream(self, it, rid, t0)
         try:

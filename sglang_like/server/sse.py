@@ -11,6 +11,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from sglang_like.server.auth import principal_of
 from sglang_like.server.errors import ApiError, dumps, error_body
 from sglang_like.server.runner import ClientGone, EngineRunner, EngineStream, wait_disconnect
 
@@ -32,7 +33,9 @@ async def open_streams(
     client that leaves meanwhile gets its requests aborted at once (ClientGone), not after
     they have been prefilled for nobody.
     """
-    tasks = [asyncio.ensure_future(runner.open_stream(**call)) for call in calls]
+    runner.check_capacity(len(calls))  # the whole fan-out, before any stream opens
+    owner = principal_of(request.scope).tenant if request is not None else None
+    tasks = [asyncio.ensure_future(runner.open_stream(owner, **call)) for call in calls]
     opening = asyncio.gather(*tasks, return_exceptions=True)
     watcher = asyncio.ensure_future(wait_disconnect(request))
     try:

@@ -29,7 +29,8 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[PDCluster]:
-    with pd_cluster(2, 1, "--max-total-tokens", "8192") as c:
+    with pd_cluster(2, 1, "--max-total-tokens", "8192",
+                    "--enable-disaggregation-mode-switch") as c:
         yield c
 
 
