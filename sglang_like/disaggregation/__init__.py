@@ -21,17 +21,19 @@ from sglang_like.config import DISAGGREGATION_MODES
 
 
 def build_manager(mode: str, kv: Any, req_to_token_pool: Any, host: str, bootstrap_port: int,
-                  timeout_s: float, wake: Any) -> Any:
-    """The scheduler's `disagg` for `mode` (None for "null")."""
+                  timeout_s: float, wake: Any, secret: bytes, vocab_size: int) -> Any:
+    """The scheduler's `disagg` for `mode` (None for "null"); `secret`: the cluster's
+    (channel.cluster_secret), `vocab_size`: the bound of a first token a decode worker takes."""
     if mode not in DISAGGREGATION_MODES:
         raise ValueError(f"disaggregation mode must be one of {', '.join(DISAGGREGATION_MODES)}"
                          f"; got {mode!r}")
     if mode == "prefill":
         from sglang_like.disaggregation.prefill import PrefillManager
 
-        return PrefillManager(kv, req_to_token_pool, host, bootstrap_port, timeout_s, wake)
+        return PrefillManager(kv, req_to_token_pool, host, bootstrap_port, timeout_s, wake,
+                              secret=secret)
     if mode == "decode":
         from sglang_like.disaggregation.decode import DecodeManager
 
-        return DecodeManager(kv, timeout_s, wake)
+        return DecodeManager(kv, timeout_s, wake, secret=secret, vocab_size=vocab_size)
     return None

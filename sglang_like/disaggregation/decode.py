@@ -13,20 +13,26 @@ answering pings (`PEER_DEAD_S`), or a transfer that takes longer than
 `--disaggregation-transfer-timeout` ends the request with an error and frees its slots. Slots
 a live prefill worker might still write (a timeout, an abort) are held until it confirms
 the cancel, or is found dead.
+
+The bootstrap host and port come with the request, so they are not trusted: a room is
+registered with a peer only once it has answered a fresh nonce under the cluster's secret
+(channel.py), a peer's Done / Failed / Cancelled counts only for the rooms registered with
+that peer, the first token of a Done must be in the vocabulary, at most `MAX_PEERS` peers
+are talked to at once, and a peer's socket is closed once nothing is in flight with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import sglang_like.disaggregation.messages as m
-from sglang_like.disaggregation.channel import Channel
+from sglang_like.disaggregation.channel import MAX_PEERS, Channel
 from sglang_like.disaggregation.transfer import MooncakeKVTransfer
 from sglang_like.req import FinishReason, Req
 
@@ -38,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 PING_S = 0.5  # how often a prefill worker with rooms in flight is pinged
 PEER_DEAD_S = 3.0  # no answer for this long: the prefill worker is gone
+IDLE_CLOSE_S = 30.0  # a peer with nothing in flight this long: its socket is closed
+_NONCES_KEPT = 8  # a Pong may answer one of the last pings
 
 
 @dataclasses.dataclass
@@ -56,6 +64,10 @@ class _Peer:
     rooms: set[int] = dataclasses.field(default_factory=set)
     last_ping: float = 0.0
     last_heard: float = 0.0  # last message of any kind from it
+    verified: bool = False  # it answered a nonce of ours under the secret
+    nonces: list[int] = dataclasses.field(default_factory=list)  # of the last pings
+    pending: list[bytes] = dataclasses.field(default_factory=list)  # Registers to send
+    idle_since: float = 0.0
 
 
 class DecodeManager:
@@ -64,9 +76,11 @@ class DecodeManager:
 
     mode = "decode"
 
-    def __init__(self, kv: MooncakeKVTransfer, timeout_s: float, wake: Any) -> None:
+    def __init__(self, kv: MooncakeKVTransfer, timeout_s: float, wake: Any, *,
+                 secret: bytes, vocab_size: int) -> None:
         self.kv = kv
         self.timeout_s = timeout_s
+        self.vocab_size = vocab_size
         self._wake = wake
         self._lock = threading.Lock()
         self._events: list[Any] = []  # messages and ("dead", peer) / ("late", room), in order
@@ -75,10 +89,11 @@ class DecodeManager:
         self._queue: list[Req] = []  # waiting for slots
         self._transferring: dict[int, Req] = {}
         self._quarantine: dict[int, tuple[bytes, list[int]]] = {}  # slots a peer may still write
-        self._seq = itertools.count()
         self.num_received = self.num_failed = self.bytes_received = 0
         self.num_transferred_tokens = 0
-        self.channel = Channel("pd-decode", self._on_message, on_tick=self._tick)
+        self.num_bad_done = 0  # Done messages refused (a first token outside the vocabulary)
+        self.channel = Channel("pd-decode", self._on_message, on_tick=self._tick,
+                               secret=secret, send_dir=m.TO_PREFILL, recv_dir=m.TO_DECODE)
 
     # ---- the channel's thread ------------------------------------------------------------
     def _on_message(self, peer: bytes, data: bytes) -> None:
@@ -86,15 +101,33 @@ class DecodeManager:
         now = time.perf_counter()
         with self._lock:
             state = self._peers.get(peer)
-            if state is not None:
-                state.last_heard = now
+            if state is None:
+                return  # not a peer of ours (any more)
             if isinstance(msg, m.Pong):
+                if msg.seq not in state.nonces:
+                    return  # not an answer to us: a replay proves nothing
+                state.last_heard = now
+                if not state.verified:
+                    state.verified = True
+                    for data_out in state.pending:
+                        self.channel.send(peer, data_out)
+                    state.pending.clear()
                 return
-            if state is not None:
-                state.rooms.discard(msg.room)
+            if not state.verified or msg.room not in state.rooms:
+                return  # only a room registered with this very peer is its to report on
+            state.last_heard = now
+            state.rooms.discard(msg.room)
+            if not state.rooms:
+                state.idle_since = now
             self._deadlines.pop(msg.room, None)
-            self._events.append(msg)
+            self._events.append((peer, msg))
         self._wake()
+
+    def _ping(self, peer: bytes, state: _Peer, now: float) -> None:
+        nonce = secrets.randbits(63)
+        state.nonces = [*state.nonces[-(_NONCES_KEPT - 1):], nonce]
+        state.last_ping = now
+        self.channel.send(peer, m.encode(m.Ping(nonce)))
 
     def _tick(self) -> None:
         now = time.perf_counter()
@@ -102,16 +135,19 @@ class DecodeManager:
         with self._lock:
             for peer, state in list(self._peers.items()):
                 if not state.rooms:
+                    if now - state.idle_since > IDLE_CLOSE_S:
+                        del self._peers[peer]
+                        self.channel.close_peer(peer)
                     continue
                 if now - state.last_heard > PEER_DEAD_S:
                     self._events.append(("dead", peer))
                     del self._peers[peer]
+                    self.channel.close_peer(peer)
                     for room in state.rooms:
                         self._deadlines.pop(room, None)
                     woke = True
                 elif now - state.last_ping >= PING_S:
-                    state.last_ping = now
-                    self.channel.send(peer, m.encode(m.Ping(next(self._seq))))
+                    self._ping(peer, state, now)
             for room, deadline in list(self._deadlines.items()):
                 if deadline < now:
                     del self._deadlines[room]
@@ -124,11 +160,31 @@ class DecodeManager:
         with self._lock:
             state = self._peers.setdefault(peer, _Peer())
             if not state.rooms:
-                # heard "now": a first ping goes out on the next tick; PEER_DEAD_S of silence
-                # from here on means the worker is not there
+                # heard "now": PEER_DEAD_S of silence from here on means the worker is not
+                # there (or cannot answer our nonce: it lacks the secret)
                 state.last_heard = time.perf_counter()
+                if not state.verified:
+                    self._ping(peer, state, state.last_heard)
             state.rooms.add(room)
             self._deadlines[room] = deadline
+
+    def _send_register(self, peer: bytes, data: bytes) -> None:
+        """A Register tells where our KV pool lies: it goes to a verified peer only."""
+        with self._lock:
+            state = self._peers[peer]
+            if state.verified:
+                self.channel.send(peer, data)
+            else:
+                state.pending.append(data)
+
+    def _room_ended(self, peer: bytes, room: int) -> None:
+        """Forget a room the peer will say no more about (we gave it up for good)."""
+        with self._lock:
+            state = self._peers.get(peer)
+            if state is not None:
+                state.rooms.discard(room)
+                if not state.rooms:
+                    state.idle_since = time.perf_counter()
 
     # ---- the scheduler's calls -----------------------------------------------------------
     @property
@@ -137,12 +193,20 @@ class DecodeManager:
 
     def add(self, req: Req) -> None:
         host, port, room = req.bootstrap
-        if room in self._transferring or any(r.bootstrap[2] == room for r in self._queue):
+        if (room in self._transferring or room in self._quarantine
+                or any(r.bootstrap[2] == room for r in self._queue)):
             req.finish(FinishReason("abort", status_code=400, message=(
                 f"bootstrap room {room} is already in use on this decode worker")))
             return
-        req.pd = DecodeRoom(room, f"{host}:{port}".encode(),
-                            deadline=time.perf_counter() + self.timeout_s)
+        peer = f"{host}:{port}".encode()
+        with self._lock:
+            num_peers = len(self._peers | {r.pd.peer: None for r in self._queue})
+            known = peer in self._peers or any(r.pd.peer == peer for r in self._queue)
+        if not known and num_peers >= MAX_PEERS:
+            req.finish(FinishReason("abort", message=(
+                f"this decode worker talks to {MAX_PEERS} prefill workers already")))
+            return
+        req.pd = DecodeRoom(room, peer, deadline=time.perf_counter() + self.timeout_s)
         # the prefill worker reports the prompt's logprobs (the router joins them in front)
         req.logprob_start_len = -1
         self._queue.append(req)
@@ -187,11 +251,11 @@ class DecodeManager:
             ctx.record_admission(req)
             self._transferring[state.room] = req
             self._watch(state.peer, state.room, state.deadline)
-            self.channel.send(state.peer, m.encode(m.Register(
+            self._send_register(state.peer, m.encode(m.Register(
                 state.room, self.kv.layout, state.start, slots, req.prompt_len)))
 
     def _apply(self, event: Any, ctx: DisaggContext, touched: list[Req]) -> None:
-        if isinstance(event, tuple) and event[0] == "dead":
+        if event[0] == "dead":
             peer = event[1]
             for room, (owner, _) in list(self._quarantine.items()):
                 if owner == peer:  # a dead worker writes nothing more
@@ -202,11 +266,12 @@ class DecodeManager:
                     self._fail(req, f"the prefill worker {peer.decode()} stopped answering "
                                     f"(no reply for {PEER_DEAD_S:g} s)", ctx, touched)
             return
-        if isinstance(event, tuple) and event[0] == "late":
+        if event[0] == "late":
             held = self._quarantine.pop(event[1], None)
             if held is not None:  # a cancel never confirmed: reuse the slots at last
                 logger.warning("bootstrap room %d: no answer to its cancel; freeing its slots",
                                event[1])
+                self._room_ended(held[0], event[1])
                 ctx.cache.allocator.free(held[1])
                 return
             req = self._transferring.pop(event[1], None)
@@ -214,14 +279,19 @@ class DecodeManager:
                 self._give_up(req, f"the KV of this request did not arrive within "
                                    f"{self.timeout_s:g} s", ctx, touched)
             return
+        peer, event = event
         room = event.room
-        held = self._quarantine.pop(room, None)
-        if held is not None:  # the prefill side let go of a room given up here
+        held = self._quarantine.get(room)
+        if held is not None and held[0] == peer:  # the prefill side let go of a room given up
+            del self._quarantine[room]
             ctx.cache.allocator.free(held[1])
+            self._room_ended(peer, room)
             return
-        req = self._transferring.pop(room, None)
-        if req is None:
-            return
+        req = self._transferring.get(room)
+        if req is None or req.pd.peer != peer:
+            return  # a room of another peer's: not this one's to end
+        del self._transferring[room]
+        self._room_ended(peer, room)
         if isinstance(event, m.Done):
             self._commit(req, event, ctx, touched)
         elif isinstance(event, m.Failed):
@@ -232,6 +302,13 @@ class DecodeManager:
     def _commit(self, req: Req, done: m.Done, ctx: DisaggContext, touched: list[Req]) -> None:
         """The prompt's KV is in place: the request continues as one that just prefilled."""
         state: DecodeRoom = req.pd
+        tokens = [done.token, *(t for _, t in done.top_logprobs or ())]
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            # the next forward would index the embedding with it and fail everyone's batch
+            self.num_bad_done += 1
+            self._fail(req, f"the prefill worker sent a first token outside the vocabulary "
+                            f"[0, {self.vocab_size})", ctx, touched)
+            return
         req.kv_len = req.prompt_len
         self.num_received += 1
         self.bytes_received += done.num_bytes
@@ -319,7 +396,9 @@ class DecodeManager:
                 "num_inflight": self.num_inflight, "num_received": self.num_received,
                 "num_failed": self.num_failed, "bytes_received": self.bytes_received,
                 "num_transferred_tokens": self.num_transferred_tokens,
-                "num_quarantined_slots": sum(len(s) for _, s in self._quarantine.values())}
+                "num_quarantined_slots": sum(len(s) for _, s in self._quarantine.values()),
+                "num_peers": len(self._peers), "num_rejected": self.channel.num_rejected,
+                "num_bad_done": self.num_bad_done}
 
     def close(self) -> None:
         self.channel.close()

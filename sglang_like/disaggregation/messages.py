@@ -9,11 +9,24 @@ everything travels on that one channel:
 
 The KV itself never passes here: the prefill worker writes it straight into the decode
 worker's pool through the Mooncake Transfer Engine (transfer.py).
+
+Every message is sealed with an HMAC-SHA256 tag keyed by the cluster's shared secret and
+bound to its direction (`seal` / `unseal`): a message from anyone without the secret, or one
+sent back the way it came, is dropped unread. A Ping's seq is a random nonce, so the Pong
+that echoes it proves the prefill worker holds the secret now (not a replay); the decode
+worker registers a room, which tells where its KV pool lies, only with a peer proven so.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import msgspec
+
+TO_PREFILL, TO_DECODE = b"P", b"D"
+_TAG_BYTES = 32
+MAX_MESSAGE_BYTES = 32 << 20  # a Register of a 1M-token prompt is ~5 MB
 
 
 class KVLayout(msgspec.Struct, frozen=True):
@@ -90,3 +103,17 @@ def decode_to_prefill(data: bytes) -> ToPrefill:
 
 def decode_to_decode(data: bytes) -> ToDecode:
     return _to_decode.decode(data)
+
+
+def seal(secret: bytes, direction: bytes, data: bytes) -> bytes:
+    """`data` with its tag in front (direction: TO_PREFILL or TO_DECODE)."""
+    return hmac.new(secret, direction + data, hashlib.sha256).digest() + data
+
+
+def unseal(secret: bytes, direction: bytes, wire: bytes) -> bytes | None:
+    """The message of a sealed `wire`; None when its tag is not the secret's (constant time)."""
+    if len(wire) < _TAG_BYTES:
+        return None
+    tag, data = wire[:_TAG_BYTES], wire[_TAG_BYTES:]
+    want = hmac.new(secret, direction + data, hashlib.sha256).digest()
+    return data if hmac.compare_digest(tag, want) else None

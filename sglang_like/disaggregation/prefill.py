@@ -10,6 +10,10 @@ request's until then), and the first token follows in a Done message.
 
 Everything that ends a room without a Done (a failed write, an abort, a timeout, a bad
 registration) sends Failed, so the decode side never waits for nothing.
+
+Only peers holding the cluster's secret are heard (channel.py). A room belongs to the peer
+that registered it first: another peer's Register or Cancel for it is ignored. At most
+`MAX_REGISTRATIONS` registrations wait for their request at once.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _RECENT = 64  # transfer records kept for get_server_info (benchmarks, tests)
+MAX_REGISTRATIONS = 4096  # registered rooms whose request has not come yet
 
 
 @dataclasses.dataclass
@@ -102,7 +107,8 @@ class PrefillManager:
     mode = "prefill"
 
     def __init__(self, kv: MooncakeKVTransfer, req_to_token_pool: Any, host: str,
-                 bootstrap_port: int, timeout_s: float, wake: Any) -> None:
+                 bootstrap_port: int, timeout_s: float, wake: Any, *,
+                 secret: bytes) -> None:
         self.kv = kv
         self.req_to_token_pool = req_to_token_pool
         self.timeout_s = timeout_s
@@ -110,6 +116,7 @@ class PrefillManager:
         self._lock = threading.Lock()
         self._registrations: dict[int, tuple[bytes, m.Register, float]] = {}
         self._cancels: list[tuple[bytes, int]] = []
+        self._room_peers: dict[int, bytes] = {}  # room -> the peer that registered it
         self._news = False
         self._waiting: dict[int, tuple[Req, float]] = {}  # room -> (req, deadline)
         self._first_deadline = float("inf")  # of _waiting (an early one only wakes the loop)
@@ -120,7 +127,8 @@ class PrefillManager:
         self.write_seconds = 0.0  # summed over transfers: bytes_sent / it is the write rate
         self.bootstrap_port = bootstrap_port
         self.channel = Channel("pd-bootstrap", self._on_message, on_tick=self._tick,
-                               bind=f"tcp://{host}:{bootstrap_port}")
+                               bind=f"tcp://{host}:{bootstrap_port}", secret=secret,
+                               send_dir=m.TO_DECODE, recv_dir=m.TO_PREFILL)
 
     # ---- the channel's thread ------------------------------------------------------------
     def _on_message(self, peer: bytes, data: bytes) -> None:
@@ -129,12 +137,28 @@ class PrefillManager:
             self.channel.send(peer, m.encode(m.Pong(msg.seq)))
             return
         with self._lock:
+            owner = self._room_peers.get(msg.room)
+            if owner is not None and owner != peer:
+                return  # another peer's room: not this one's to register or cancel
             if isinstance(msg, m.Register):
+                if owner is not None:
+                    return  # registered already
+                if len(self._registrations) >= MAX_REGISTRATIONS:
+                    self.channel.send(peer, m.encode(m.Failed(
+                        msg.room, f"{MAX_REGISTRATIONS} registrations wait here already")))
+                    return
+                self._room_peers[msg.room] = peer
                 self._registrations[msg.room] = (peer, msg, time.perf_counter())
             elif isinstance(msg, m.Cancel):
+                if owner is None:
+                    return  # nothing of that peer's to cancel
                 self._cancels.append((peer, msg.room))
             self._news = True
         self._wake()
+
+    def _forget_room(self, room: int) -> None:
+        with self._lock:
+            self._room_peers.pop(room, None)
 
     def _tick(self) -> None:
         now = time.perf_counter()
@@ -146,6 +170,7 @@ class PrefillManager:
                      and r not in self._active]
             for room in stale:  # registered for a request that never came here
                 peer, _, _ = self._registrations.pop(room)
+                self._room_peers.pop(room, None)
                 self.channel.send(peer, m.encode(m.Failed(
                     room, f"the prefill worker got no request for bootstrap room {room} "
                           f"within {self.timeout_s:g} s")))
@@ -191,6 +216,7 @@ class PrefillManager:
             if problem is None and reg.start + len(reg.slots) != reg.prompt_len:
                 problem = "the registration does not cover the prompt"
             if problem is not None:
+                self._forget_room(room)
                 self.channel.send(peer, m.encode(m.Failed(room, problem)))
                 req.finish(FinishReason("abort", message=f"disaggregation: {problem}"))
                 touched.append(req)
@@ -207,6 +233,9 @@ class PrefillManager:
                     f"{self.timeout_s:g} s")))
                 touched.append(req)
         for peer, room in cancels:
+            with self._lock:
+                self._registrations.pop(room, None)
+            self._forget_room(room)
             entry = self._waiting.pop(room, None)
             if entry is not None:
                 entry[0].finish(FinishReason("abort", message="the decode worker cancelled"))
@@ -293,6 +322,7 @@ class PrefillManager:
             if not req.is_finished:
                 continue
             del self._active[room]
+            self._forget_room(room)
             if not state.done_sent:
                 reason = req.finished_reason
                 message = state.error or (reason.message if reason else None) or "ended"
@@ -328,6 +358,7 @@ class PrefillManager:
                 "session": self.kv.session, "num_inflight": self.num_inflight,
                 "num_transfers": self.num_transfers, "num_failed": self.num_failed,
                 "bytes_sent": self.bytes_sent, "write_seconds": self.write_seconds,
+                "num_rejected": self.channel.num_rejected,
                 "recent_transfers": list(self.recent)}
 
     def close(self) -> None:
