@@ -252,3 +252,89 @@ def test_fused_step_is_the_per_op_path_bit_for_bit(make_engine, monkeypatch):
             assert got[1] == want[1]
     # the EAGLE runs verified trees (more than one token accepted somewhere)
     assert any(len(ids) > ct for ids, ct, _ in results["eagle", "1"] if ct)
+
+
+# The model families' layers (layers/decoder.py descriptions) on the native path: tiny seeded
+# folders of each family whose layers differ from Llama's (benchmarks/tiny_families).
+NATIVE_FAMILIES = ("mistral-window", "gemma2", "gemma3", "phi3-longrope-partial", "olmo2",
+                   "granite", "smollm3")
+
+
+def _family_engine(tmp_path_factory, name: str, **kwargs):
+    import sglang_like.engine_core.setup as setup_mod
+    from benchmarks.tiny_families import FAMILIES, build_folder
+    from sglang_like import Engine
+    from sglang_like.model_loader import load_model
+
+    family = next(f for f in FAMILIES if f.name == name)
+    folder = tmp_path_factory.mktemp(name)
+    build_folder(family, folder)
+    with pytest.MonkeyPatch.context() as mp:  # the conftest caches the default model's load
+        mp.setattr(setup_mod, "load_model", load_model)
+        return Engine(model_path=str(folder), max_total_tokens=4096, context_length=256,
+                      engine_in_process=True, **kwargs)
+
+
+def _plan_with_every_table(model) -> None:
+    """The model's native plan built with all its RoPE tables ({"global", "local"}), as
+    `NativeDecodePlan` takes them."""
+    from sglang_like.layers.native_decode import NativeDecodePlan
+
+    tables = {kind: (r.cos_table, r.sin_table) for kind, r in model.ropes.items()}
+    model._native_plan = NativeDecodePlan([layer.parts() for layer in model.model.layers],
+                                          tables)
+
+
+@pytest.mark.parametrize("name", NATIVE_FAMILIES)
+def test_family_native_decode_matches_the_torch_path(tmp_path_factory, name):
+    """Each family's decode through the native per-op kernels (windows, soft-caps, GeGLU,
+    q/k norms, local and no RoPE, residual scales, sandwich and post layouts): the torch
+    path's greedy tokens, logprobs within float rounding (fp32 activations, as above)."""
+    engine = _family_engine(tmp_path_factory, name, quantization=PATH_QUANT)
+    try:
+        model = engine.runner.model
+        assert model.native_decode
+        _plan_with_every_table(model)
+        assert model._native_plan.fused is None  # fp16 linears: the per-op path
+        got, want, calls, after = _native_then_torch(model, lambda: _runs(engine, PROMPTS[:3]))
+        assert calls and 1 in calls and 3 in calls and after == 0
+        _assert_same(got, want)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("name", NATIVE_FAMILIES)
+def test_family_fused_step_is_the_per_op_path_bit_for_bit(tmp_path_factory, monkeypatch, name):
+    """With x16 int4 linears each family's decode step is one native call; the per-op calls
+    give the same tokens and logprobs exactly, alone and in a batch."""
+    from sglang_like.layers import native_decode
+
+    monkeypatch.setenv("SGLANG_LIKE_INT4_KERNEL", "x16")
+    engine = _family_engine(tmp_path_factory, name, quantization="int4")
+    fused_steps = []
+    fused_run = native_decode._FusedX16.run
+
+    def counted(self, x, fb, *args):
+        fused_steps.append(fb.batch_size)
+        return fused_run(self, x, fb, *args)
+
+    monkeypatch.setattr(native_decode._FusedX16, "run", counted)
+    try:
+        model = engine.runner.model
+        assert model.native_decode
+        results = {}
+        for fused in ("1", "0"):
+            monkeypatch.setenv(native_decode.FUSED_ENV, fused)
+            _plan_with_every_table(model)
+            assert (model._native_plan.fused is not None) == (fused == "1")
+            outs = _runs(engine, PROMPTS[:3])
+            results[fused] = [(o["output_ids"],
+                               [t[0] for t in o["meta_info"]["output_token_logprobs"]])
+                              for o in outs]
+            if fused == "1":  # steps alone and the batch of 3 ran as one call each
+                assert 1 in fused_steps and 3 in fused_steps
+                steps = len(fused_steps)
+        assert len(fused_steps) == steps  # and none with the switch off
+        assert results["1"] == results["0"]
+    finally:
+        engine.shutdown()
