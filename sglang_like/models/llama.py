@@ -389,8 +389,9 @@ class LlamaForCausalLM(nn.Module):
         """`forward_layers` of a decode or verify batch through the native kernels (see
         layers/native_decode): the same math as the layer modules, summed in another order."""
         if self._native_plan is None:
+            tables = {kind: (r.cos_table, r.sin_table) for kind, r in self.ropes.items()}
             self._native_plan = NativeDecodePlan([layer.parts() for layer in self.model.layers],
-                                                 self.rope.cos_table, self.rope.sin_table)
+                                                 tables)
         return self._native_plan.run(x, fb, pool, attn, aux_layers)
 
     def default_aux_layers(self) -> tuple[int, ...]:

@@ -77,18 +77,19 @@ def test_every_family_class_is_importable_and_named_once() -> None:
 
 @pytest.mark.parametrize(("change", "native"), [
     ({}, True),
-    ({"qk_norm": "head"}, False),
-    ({"qk_norm": "full"}, False),
-    ({"activation": "gelu_tanh"}, False),
-    ({"norm": "layer"}, False),
+    ({"qk_norm": "head"}, True),
+    ({"qk_norm": "full"}, True),
+    ({"activation": "gelu_tanh"}, True),
+    ({"norm": "layer"}, False),  # LayerNorm: no kernel computes it
+    ({"activation": "relu"}, False),
     ({"has_qkv_bias": True, "has_o_bias": True}, True),  # added after the per-op linears
-    ({"sliding_window": 4096}, False),
-    ({"attn_logit_softcap": 50.0}, False),
-    ({"norm_layout": "sandwich"}, False),
-    ({"norm_layout": "post"}, False),
-    ({"rope": "none"}, False),
-    ({"rope": "local"}, False),
-    ({"residual_scale": 0.22}, False),
+    ({"sliding_window": 4096}, True),
+    ({"attn_logit_softcap": 50.0}, True),
+    ({"norm_layout": "sandwich"}, True),
+    ({"norm_layout": "post"}, True),
+    ({"rope": "none"}, True),
+    ({"rope": "local"}, True),
+    ({"residual_scale": 0.22}, True),
     ({"norm_eps": 1e-6}, True),
 ])
 def test_native_step_supports_exactly_what_its_kernels_compute(change: dict, native: bool) -> None:
@@ -99,7 +100,7 @@ def test_native_step_supports_exactly_what_its_kernels_compute(change: dict, nat
 @pytest.mark.parametrize(("architecture", "change", "native"), [
     ("llama", {}, True),
     ("qwen2", {"attention_bias": True}, True),  # q/k/v biases: the per-op native path
-    ("qwen3", {"qk_norm": True}, False),
+    ("qwen3", {"qk_norm": True}, True),  # per-head q/k norms: in the native step too
 ])
 def test_model_takes_the_native_step_by_its_description(architecture: str, change: dict,
                                                         native: bool) -> None:
