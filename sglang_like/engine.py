@@ -99,11 +99,14 @@ class Engine:
         bootstrap_host: str | list[str] | None = None,
         bootstrap_port: int | list[int] | None = None,
         bootstrap_room: int | list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
-        """Generate for one prompt (a dict), a list (a list of dicts), or stream increments."""
+        """Generate for one prompt (a dict), a list (a list of dicts), or stream increments.
+        `cache_salt`: requests of different salts share no cached prefix (tenants)."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
                                          logprob_start_len, top_logprobs_num, stream, rid,
-                                         (bootstrap_host, bootstrap_port, bootstrap_room))
+                                         (bootstrap_host, bootstrap_port, bootstrap_room),
+                                         cache_salt)
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
             return self._stream_sync(handles[0], is_batch)
@@ -124,11 +127,13 @@ class Engine:
         bootstrap_host: str | list[str] | None = None,
         bootstrap_port: int | list[int] | None = None,
         bootstrap_room: int | list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """The asyncio form of `generate`; with stream=True, an async iterator of increments."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
                                          logprob_start_len, top_logprobs_num, stream, rid,
-                                         (bootstrap_host, bootstrap_port, bootstrap_room))
+                                         (bootstrap_host, bootstrap_port, bootstrap_room),
+                                         cache_salt)
         loop = asyncio.get_running_loop()
         handles = [self._submit(r, return_text_in_logprobs, loop) for r in reqs]
         if stream:
@@ -259,9 +264,12 @@ class Engine:
     def _make_reqs(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
                    logprob_start_len: int, top_logprobs_num: int, stream: bool,
                    rid: Any, bootstrap: tuple[Any, Any, Any] = (None, None, None),
+                   cache_salt: str | None = None,
                    ) -> tuple[list[GenerateReqInput], bool]:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         items, is_batch = prepare_inputs(self.tokenizer, prompt, input_ids, sampling_params, rid)
         pd = _bootstrap_per_item(bootstrap, len(items), is_batch)
         reqs: list[GenerateReqInput] = []
@@ -281,7 +289,7 @@ class Engine:
                     return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, stream=bool(stream),
                     arrival_time=time.perf_counter(), bootstrap_host=host,
-                    bootstrap_port=port, bootstrap_room=room))
+                    bootstrap_port=port, bootstrap_room=room, cache_salt=cache_salt or None))
         for msg in reqs:  # all or none: a field the wire cannot carry fails before any submit
             try:
                 encode(msg)

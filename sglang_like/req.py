@@ -112,6 +112,9 @@ class Req:
         # sglang-router's PD mode sent it, and the transfer's state on this worker
         self.bootstrap: tuple[str, int, int] | None = None
         self.pd: Any = None
+        # the tenant's part of the radix tree (scheduler.cache_manager.cache_namespace of its
+        # cache_salt); None: the shared part
+        self.cache_namespace: int | None = None
         self.finished_reason: FinishReason | None = None
         self.logprobs = Logprobs()
         # next prompt position whose logprob is still to be collected

@@ -236,7 +236,7 @@ class DecodeManager:
                     or len(ctx.running) + len(self._transferring)
                     >= ctx.max_running_requests):
                 return
-            match_len, unlocked = cache.peek(req.origin_input_ids)
+            match_len, unlocked = cache.peek(req.origin_input_ids, req.cache_namespace)
             reserve = 8 * (len(ctx.running) + len(self._transferring))
             if req.prompt_len - match_len + 1 + reserve > cache.num_available_slots - unlocked:
                 return

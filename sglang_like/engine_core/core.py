@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radix_cache.namespace import cache_namespace
 from sglang_like.config import SECRET_SERVER_ARGS, ModelConfig, ServerArgs
 from sglang_like.engine_core.loop import EngineLoop, LoopHooks
 from sglang_like.engine_core.messages import GenerateReqInput
@@ -54,6 +55,7 @@ def make_req(msg: GenerateReqInput) -> Req:
               top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
     if msg.arrival_time:
         req.arrival_time = msg.arrival_time
+    req.cache_namespace = cache_namespace(msg.cache_salt)
     if msg.bootstrap_room is not None:
         req.bootstrap = (msg.bootstrap_host or "127.0.0.1",
                          msg.bootstrap_port or 8998, msg.bootstrap_room)

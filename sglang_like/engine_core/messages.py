@@ -28,6 +28,9 @@ class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # the tenant's namespace in the prefix cache: requests of different salts share no
+    # cached prefix (vLLM's cache_salt; the server adds the caller's key to it)
+    cache_salt: str | None = None
 
 
 class AbortReq(msgspec.Struct, tag="abort", frozen=True):

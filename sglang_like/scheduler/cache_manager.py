@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from radix_cache import KVSlotAllocator, RadixCache
+from radix_cache.namespace import tree_key
 from sglang_like.mem_pool import ReqToTokenPool
 from sglang_like.req import Req
 
@@ -48,15 +49,17 @@ class KVCacheManager:
         row = self.req_to_token_pool.alloc()
         assert row is not None, "caller checks num_free_rows first"
         req.req_pool_idx = row
-        match = self.tree.match_prefix(req.fill_ids[:max_prefix_len])
+        match = self.tree.match_prefix(tree_key(req.fill_ids[:max_prefix_len],
+                                                req.cache_namespace))
         self.tree.inc_lock_ref(match.last_node)
         req.last_node = match.last_node
         req.cache_protected_len = req.kv_len = len(match.slots)
         self.req_to_token_pool.write(row, 0, match.slots)
 
-    def peek(self, token_ids: list[int]) -> tuple[int, int]:
-        """(cached prefix length, how much of it is evictable now): no hit is counted."""
-        return self.tree.peek(token_ids)
+    def peek(self, token_ids: list[int], namespace: int | None = None) -> tuple[int, int]:
+        """(cached prefix length, how much of it is evictable now) in the request's
+        namespace: no hit is counted."""
+        return self.tree.peek(tree_key(token_ids, namespace))
 
     def alloc_slots(self, num_slots: int) -> list[int] | None:
         """Allocate, evicting unlocked tree leaves when the free list is short."""
@@ -75,7 +78,7 @@ class KVCacheManager:
         if self.tree.disable or req.kv_len <= req.cache_protected_len:
             return
         row = req.req_pool_idx
-        token_ids = req.fill_ids[: req.kv_len]
+        token_ids = tree_key(req.fill_ids[: req.kv_len], req.cache_namespace)
         slots = self.req_to_token_pool.read(row, 0, req.kv_len)
         cached_len = self.tree.insert(token_ids, slots)
         self.allocator.free(slots[req.cache_protected_len : cached_len])
@@ -101,7 +104,8 @@ class KVCacheManager:
             return
         row = req.req_pool_idx
         slots = self.req_to_token_pool.read(row, 0, req.kv_len)
-        self.tree.insert_and_unlock(req.fill_ids[: req.kv_len], slots, req.last_node)
+        self.tree.insert_and_unlock(tree_key(req.fill_ids[: req.kv_len], req.cache_namespace),
+                                    slots, req.last_node)
         self.req_to_token_pool.free(row)
         req.req_pool_idx = None
         req.last_node = None

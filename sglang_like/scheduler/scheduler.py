@@ -318,7 +318,8 @@ class Scheduler:
 
         def peek(r: Req) -> tuple[int, int]:
             if id(r) not in peeks:
-                peeks[id(r)] = self.cache.peek(r.fill_ids[: self._max_prefix_len(r)])
+                peeks[id(r)] = self.cache.peek(r.fill_ids[: self._max_prefix_len(r)],
+                                               r.cache_namespace)
             return peeks[id(r)]
 
         lpm = self.config.schedule_policy == "lpm" and len(self.waiting) > 1

@@ -44,6 +44,13 @@ _OPENAI_MAX_TOP_LOGPROBS = 20
 _MAX_LOGPROB_START_LEN = (1 << 63) - 1
 
 
+# vLLM's request field: requests of different salts share no cached prefix (on top of the
+# server's own separation of API keys)
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
+_CACHE_SALT_FIELD = Field(None, description="requests with different salts never share a "
+                                            "cached prefix (vLLM's field)")
+
+
 # ---- native /generate ---------------------------------------------------------------------
 # Validation stays a plain dict (clean_sampling_params checks it); the schema documents it.
 _SamplingDict = Annotated[dict[str, Any], WithJsonSchema(
@@ -79,6 +86,7 @@ class GenerateRequest(BaseModel):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: StrictInt | list[StrictInt] | None = None
     bootstrap_room: StrictInt | list[StrictInt] | None = None
+    cache_salt: CacheSalt | None = _CACHE_SALT_FIELD
 
     @property
     def is_batch(self) -> bool:
@@ -147,8 +155,10 @@ class SwitchModeRequest(BaseModel):
 
 
 def bootstrap_kwargs(body: Any) -> dict[str, Any]:
-    """The PD bootstrap fields a body carries, as Engine.generate keyword arguments."""
-    return {k: getattr(body, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+    """The PD bootstrap fields and the cache salt a body carries, as Engine.generate keyword
+    arguments (the runner adds the caller's tenant to the salt)."""
+    return {k: getattr(body, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room",
+                                          "cache_salt")
             if getattr(body, k) is not None}
 
 
@@ -257,6 +267,7 @@ class _OpenAISampling(BaseModel):
     bootstrap_host: str | None = None
     bootstrap_port: StrictInt | None = None
     bootstrap_room: StrictInt | None = None
+    cache_salt: CacheSalt | None = _CACHE_SALT_FIELD
 
     def check_common(self) -> None:
         if not 1 <= self.n <= _OPENAI_MAX_N:

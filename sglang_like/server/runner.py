@@ -112,9 +112,10 @@ class EngineRunner:
 
     def __init__(
         self, engine: Any, metrics: ServerMetrics, max_queued_requests: int,
-        max_running_requests: int,
+        max_running_requests: int, cross_tenant_cache: bool = False,
     ) -> None:
         self.engine = engine
+        self.cross_tenant_cache = cross_tenant_cache
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.max_running_requests = max_running_requests
@@ -169,6 +170,14 @@ class EngineRunner:
         for rid in rids:
             self.owners.pop(rid, None)
 
+    def tenant_salt(self, call: dict[str, Any], tenant: str | None) -> None:
+        """Set the call's cache salt: the caller's tenant (unless the operator lets tenants
+        share the cache) joined with the request's own `cache_salt`."""
+        parts = [] if self.cross_tenant_cache or tenant is None else [tenant]
+        if call.get("cache_salt"):
+            parts.append("salt:" + call["cache_salt"])
+        call["cache_salt"] = "\n".join(parts) or None
+
     def abort_for(self, rid: str, principal: Principal) -> bool:
         """/abort_request of one rid: the operator's reaches any request; a tenant's only its
         own (and their derived rids). False: no such request of the caller's."""
@@ -201,6 +210,7 @@ class EngineRunner:
         rids: list[str] = []
         given = False
         for call in calls:
+            self.tenant_salt(call, owner)
             given = given or bool(call.get("rid"))
             call["rid"] = call.get("rid") or _rids_for(call)
             rids += call["rid"] if isinstance(call["rid"], list) else [call["rid"]]
@@ -248,6 +258,7 @@ class EngineRunner:
         self.check_capacity()
         given = kwargs.pop("rid", None)
         rid = given or new_rid()
+        self.tenant_salt(kwargs, owner)
         self.claim([rid], owner, bool(given))
         t0 = time.perf_counter()
         self.num_inflight += 1

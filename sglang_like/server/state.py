@@ -42,7 +42,8 @@ class ServerState:
         )
         metrics = ServerMetrics()
         runner = EngineRunner(
-            engine, metrics, args.max_queued_requests, args.max_running_requests
+            engine, metrics, args.max_queued_requests, args.max_running_requests,
+            args.enable_cross_tenant_cache,
         )
         return cls(engine, runner, metrics, args, model_path, name, int(context_length))
 

@@ -45,7 +45,7 @@ class FakeEngine:
         self.total_slots = total_slots
         self.used_slots = 0
         self.cached_slots = 0
-        self.seen_prompts: set[tuple[int, ...]] = set()
+        self.seen_prompts: set[tuple[str | None, ...]] = set()
         self.aborted: set[str] = set()
         self.num_abort_all = 0
         self.health_reason: str | None = None  # what check_health() answers; None: healthy
@@ -97,12 +97,14 @@ class FakeEngine:
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False,
                              rid: Any = None, bootstrap_host: Any = None,
-                             bootstrap_port: Any = None, bootstrap_room: Any = None) -> Any:
+                             bootstrap_port: Any = None, bootstrap_room: Any = None,
+                             cache_salt: str | None = None) -> Any:
         self.calls.append({"prompt": prompt, "input_ids": input_ids, "stream": stream,
                            "sampling_params": sampling_params, "rid": rid,
                            "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                            "logprob_start_len": logprob_start_len,
-                           "bootstrap": (bootstrap_host, bootstrap_port, bootstrap_room)})
+                           "bootstrap": (bootstrap_host, bootstrap_port, bootstrap_room),
+                           "cache_salt": cache_salt})
         is_batch = isinstance(prompt, list) or (bool(input_ids) and isinstance(input_ids[0], list))
         texts = prompt if isinstance(prompt, list) else [prompt]
         ids_list = input_ids if is_batch and input_ids is not None else [input_ids]
@@ -121,20 +123,21 @@ class FakeEngine:
         opts = (return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
         if stream:
             assert not is_batch and params[0].n == 1
-            return self._stream(ids_list[0], params[0], opts, rid or "r")
+            return self._stream(ids_list[0], params[0], opts, rid or "r", cache_salt)
         outs = []
         for i, (ids, sp) in enumerate(zip(ids_list, params, strict=True)):
             one_rid = rid[i] if isinstance(rid, list) else (rid or f"r{i}")
-            runs = [self._collect(ids, sp, opts, f"{one_rid}") for _ in range(sp.n)]
+            runs = [self._collect(ids, sp, opts, f"{one_rid}", cache_salt) for _ in range(sp.n)]
             got = await asyncio.gather(*runs)
             outs.append(got if sp.n > 1 else got[0])
         return outs if is_batch else outs[0]
 
     # ---- internals ----------------------------------------------------------------------
-    async def _collect(self, ids: list[int], sp: SamplingParams, opts: tuple, rid: str) -> dict:
+    async def _collect(self, ids: list[int], sp: SamplingParams, opts: tuple, rid: str,
+                       cache_salt: str | None) -> dict:
         out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {}}
         lps: list = []
-        async for chunk in self._stream(ids, sp, opts, rid):
+        async for chunk in self._stream(ids, sp, opts, rid, cache_salt):
             out["text"] += chunk["text"]
             out["output_ids"] += chunk["output_ids"]
             lps += chunk["meta_info"].get("output_token_logprobs", [])
@@ -147,9 +150,9 @@ class FakeEngine:
         return out
 
     async def _stream(self, ids: list[int], sp: SamplingParams, opts: tuple,
-                      rid: str) -> AsyncIterator[dict]:
+                      rid: str, cache_salt: str | None = None) -> AsyncIterator[dict]:
         want_lp, start, num_top, with_text = opts
-        key = tuple(ids)
+        key = (cache_salt, *ids)  # like the engine's tree: no prefix shared across salts
         cached = len(ids) - 1 if key in self.seen_prompts else 0
         self._num_waiting += 1
         meta: dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 0,

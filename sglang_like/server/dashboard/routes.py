@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radix_cache.namespace import untag_token
 from sglang_like.server.dashboard.history import StatsHistory
 from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.openapi import json_content, operation
@@ -45,6 +46,11 @@ def history_of(request: Request) -> StatsHistory:
     history: StatsHistory = request.app.state.dashboard_history
     history.start()
     return history
+
+
+def _text(decode: Any, token_ids: list[int]) -> str:
+    """An edge's text; a tenant's namespaced first token reads as the token it stands for."""
+    return decode([untag_token(t) for t in token_ids]) if token_ids else ""
 
 
 def _engine_method(request: Request, name: str) -> Any:
@@ -171,7 +177,7 @@ async def cache_tree(request: Request) -> Response:
         tree = expand(tree)
         if text:
             for node in tree["nodes"]:
-                node["text"] = decode(node["token_ids"]) if node["token_ids"] else ""
+                node["text"] = _text(decode, node["token_ids"])
                 node["text_truncated"] = node["tokens"] > len(node["token_ids"])
         body = dumps(tree).encode()
         if len(built) > 16:
@@ -196,9 +202,8 @@ async def cache_node(request: Request, node_id: str) -> Response:
     def build() -> dict[str, Any] | None:
         node = method(node_id)
         if node is not None:
-            node["text"] = decode(node["token_ids"]) if node["token_ids"] else ""
-            node["prefix_text"] = (decode(node["prefix_token_ids"])
-                                   if node["prefix_token_ids"] else "")
+            node["text"] = _text(decode, node["token_ids"])
+            node["prefix_text"] = _text(decode, node["prefix_token_ids"])
         return node
 
     node = await run_in_threadpool(build)
