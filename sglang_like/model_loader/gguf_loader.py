@@ -216,6 +216,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32,
     converter has folded the 1 + w in already."""
     file = read_gguf(path)
     metadata = file.metadata
+    family_for_gguf(metadata.get("general.architecture"))  # refused by name before anything
     tokenizer = tokenizer_from_gguf(metadata)
     shapes = {t.name: t.shape for t in file.tensors}
     config = gguf_model_config(metadata, shapes, tokenizer, path, file.tensors)
