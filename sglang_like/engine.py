@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -129,12 +131,18 @@ class Engine:
         bootstrap_room: int | list[int] | None = None,
         cache_salt: str | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
-        """The asyncio form of `generate`; with stream=True, an async iterator of increments."""
-        reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
-                                         logprob_start_len, top_logprobs_num, stream, rid,
-                                         (bootstrap_host, bootstrap_port, bootstrap_room),
-                                         cache_salt)
+        """The asyncio form of `generate`; with stream=True, an async iterator of increments.
+        A text prompt is tokenized on a thread of the engine's, not on the event loop, which
+        streams every other request's tokens meanwhile."""
+        make = functools.partial(
+            self._make_reqs, prompt, sampling_params, input_ids, return_logprob,
+            logprob_start_len, top_logprobs_num, stream, rid,
+            (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt)
         loop = asyncio.get_running_loop()
+        if prompt is None:
+            reqs, is_batch = make()
+        else:
+            reqs, is_batch = await loop.run_in_executor(self._tokenize_pool(), make)
         handles = [self._submit(r, return_text_in_logprobs, loop) for r in reqs]
         if stream:
             return self._stream_async(handles[0], is_batch)
@@ -244,6 +252,16 @@ class Engine:
         if detach is not None:
             detach()
 
+    def _tokenize_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One thread: tokenizers are not all safe to call from several threads at once."""
+        with self._lock:
+            pool = getattr(self, "_tokenizer_thread", None)
+            if pool is None:
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="sglang-like-tokenize")
+                self._tokenizer_thread = pool
+            return pool
+
     def shutdown(self) -> None:
         """Abort what is in flight (each caller gets "server shutting down") and stop the
         engine core."""
@@ -251,8 +269,11 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            pool = getattr(self, "_tokenizer_thread", None)
         _live_engines.discard(self)
         self._client.shutdown()
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def __enter__(self) -> Engine:
         return self

@@ -275,12 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         + (" (admin key set)" if args.admin_api_key else ""),
         flush=True,
     )
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=max(1, int(ns.shutdown_timeout)), access_log=False,
-        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, args, ns.shutdown_timeout))
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown, which would end the
     # process with the signal's default action; these handlers make that a no-op so we exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -292,6 +287,17 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
         _exit_watchdog()
     return 0 if server.started else 1
+
+
+def uvicorn_config(app: Any, args: ServerArgs, shutdown_timeout: float) -> Any:
+    """uvicorn's settings for serving `app`: HTTPS when the key and certificate are given."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, int(shutdown_timeout)), access_log=False,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+    )
 
 
 def _noop(signum: int, frame: Any) -> None:

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 _MAX_NEW_TOKENS_LIMIT = 1 << 20
+# Every stop string is looked for after every token, and stop ids checked per token: caps
+# as the OpenAI routes have, so one request cannot slow every other one's decode step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
@@ -145,10 +150,17 @@ class SamplingParams:
                 raise ValueError("stop must be a string or a list of strings")
             if any(s == "" for s in stops):
                 raise ValueError("stop strings must not be empty")
+            if len(stops) > MAX_STOP_STRINGS:
+                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+            if any(len(s) > MAX_STOP_CHARS for s in stops):
+                raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters")
             self.stop = list(stops) if isinstance(self.stop, list) else self.stop
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list):
                 raise ValueError("stop_token_ids must be a list of integers")
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
+                                 f"{len(self.stop_token_ids)}")
             for t in self.stop_token_ids:
                 _check_int("stop_token_ids[]", t, 0, (vocab_size or (1 << 31)) - 1)
         n_constraints = sum(

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -112,5 +113,8 @@ async def _on_value_error(request: Request, exc: Exception) -> Response:
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    # the exception's text may carry paths, peers or another request's data: it goes to the
+    # log under an id, and the client gets the id
+    error_id = uuid.uuid4().hex[:12]
+    logger.exception("unhandled error %s on %s %s", error_id, request.method, request.url.path)
+    return error_response(500, f"internal error (id {error_id} in the server log)")

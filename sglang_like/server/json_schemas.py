@@ -12,7 +12,12 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictInt, TypeAdapter, WithJsonSchema
 
-from sglang_like.sampling_params import SamplingParams
+from sglang_like.sampling_params import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 _MAX_TOKENS = 1 << 20
 
@@ -33,7 +38,9 @@ SAMPLING_RANGES: dict[str, dict[str, Any]] = {
 _NON_EMPTY_STR = {"type": "string", "minLength": 1}
 _TOKEN_ID = {"type": "integer", "minimum": 0}
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}
-_STOP = {"anyOf": [_NON_EMPTY_STR, {"type": "array", "items": _NON_EMPTY_STR}]}
+_STOP_STR = {**_NON_EMPTY_STR, "maxLength": MAX_STOP_CHARS}
+_STOP = {"anyOf": [_STOP_STR, {"type": "array", "items": _STOP_STR,
+                               "maxItems": MAX_STOP_STRINGS}]}
 _TEXT_PART = {
     "type": "object",
     "required": ["type", "text"],
@@ -82,7 +89,7 @@ def sampling_params_schema(ignored: tuple[str, ...], unsupported: tuple[str, ...
         if name == "stop":
             kinds = [_STOP]
         elif name == "stop_token_ids":
-            kinds = [{"type": "array", "items": _TOKEN_ID}]
+            kinds = [{"type": "array", "items": _TOKEN_ID, "maxItems": MAX_STOP_TOKEN_IDS}]
         kinds = [{k: v for k, v in kind.items() if k not in ("default", "title")}
                  for kind in kinds]
         if len(kinds) == 1:

@@ -38,6 +38,8 @@ _HEALTH_TIMEOUT_S = 30.0
 async def generate(request: Request) -> Response:
     state = get_state(request)
     body = parse_model(GenerateRequest, await read_json_body(request))
+    if body.text is not None:
+        state.check_text_length(body.text, "text")
     kwargs = body.engine_kwargs()
     if body.stream:
         streams = await open_streams(

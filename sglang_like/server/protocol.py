@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from sglang_like.sampling_params import SamplingParams
+from sglang_like.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from sglang_like.server.errors import ApiError, pydantic_message
 from sglang_like.server.json_schemas import (
     SAMPLING_RANGES,
@@ -151,7 +151,8 @@ class SwitchModeRequest(BaseModel):
     mode: str = Field(description="prefill, decode or null (a regular worker)")
     bootstrap_port: StrictInt | None = Field(None, ge=1, le=65535,
                                              description="a prefill worker's bootstrap port")
-    drain_timeout: StrictFloat | StrictInt = Field(60.0, ge=0, le=3600)
+    # a switch holds a worker thread while it drains: bounded, so a few cannot starve the pool
+    drain_timeout: StrictFloat | StrictInt = Field(60.0, ge=0, le=300)
 
 
 def bootstrap_kwargs(body: Any) -> dict[str, Any]:
@@ -254,7 +255,7 @@ class _OpenAISampling(BaseModel):
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     no_stop_trim: StrictBool | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[TokenId] | None = documented(None, maxItems=MAX_STOP_TOKEN_IDS)
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
     ebnf: str | None = None

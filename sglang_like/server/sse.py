@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -87,9 +88,10 @@ def sse_response(
             status = e.status_code if isinstance(e, ApiError) else 400
             yield sse(error_body(status, str(e)))
             yield DONE
-        except Exception as e:  # noqa: BLE001 - headers are sent; report in-band
-            logger.exception("stream failed")
-            yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+        except Exception:  # noqa: BLE001 - headers are sent; report in-band
+            error_id = uuid.uuid4().hex[:12]
+            logger.exception("stream failed (%s)", error_id)  # its text only in the log
+            yield sse(error_body(500, f"internal error (id {error_id} in the server log)"))
             yield DONE
         finally:
             for stream in streams:

@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 
 from sglang_like.config import ServerArgs
+from sglang_like.server.errors import ApiError
 from sglang_like.server.metrics import ServerMetrics
 from sglang_like.server.model_name import model_name_from_path
 from sglang_like.server.runner import EngineRunner
@@ -28,6 +29,19 @@ class ServerState:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.server_args.max_prompt_chars or 32 * self.context_length
+
+    def check_text_length(self, texts: Any, param: str = "prompt") -> None:
+        """400 for text no prompt of the context length could be, before any of it is
+        tokenized (or put through a chat template): tokenizing megabytes costs everyone."""
+        items = [texts] if isinstance(texts, str) else list(texts or [])
+        total = sum(len(t) for t in items if isinstance(t, str))
+        if total > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt text is {total} characters; at most "
+                                f"{self.max_prompt_chars} are taken (--max-prompt-chars)", param)
 
     @classmethod
     def build(cls, engine: Any, server_args: ServerArgs | None = None) -> ServerState:

@@ -8,6 +8,7 @@ import inspect
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -76,7 +77,10 @@ async def tokenize(request: Request) -> Response:
     texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not texts or len(texts) > _MAX_PROMPTS:
         raise ApiError(400, f"prompt must be a string or 1 to {_MAX_PROMPTS} strings", "prompt")
-    rows = [_tokenize_one(state, text, body) for text in texts]
+    for text in texts:
+        state.check_text_length(text)
+    # on a worker thread: the event loop streams other requests' tokens meanwhile
+    rows = await run_in_threadpool(lambda: [_tokenize_one(state, text, body) for text in texts])
     out: dict[str, Any] = {"max_model_len": state.context_length}
     if isinstance(body.prompt, str):
         out.update(tokens=rows[0], count=len(rows[0]))
@@ -108,7 +112,7 @@ async def detokenize(request: Request) -> Response:
             raise ApiError(400, f"tokens must be integers in [0, {vocab})", "tokens")
     decode = state.tokenizer.decode
     options = _options(decode, skip_special_tokens=body.skip_special_tokens)
-    texts = [decode(r, **options) for r in rows]
+    texts = await run_in_threadpool(lambda: [decode(r, **options) for r in rows])
     text: str | list[str] = texts if is_batch else texts[0]
     # vLLM answers {"prompt"}, SGLang {"text"}: both, so clients of either read it
     return json_response({"prompt": text, "text": text})

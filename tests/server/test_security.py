@@ -245,3 +245,22 @@ def test_router_launcher_keeps_keys_off_command_lines() -> None:
     cmd = launch_router.router_command(ns, ["http://127.0.0.1:1"], 2, key)
     assert "k1" not in " ".join(cmd)
     assert launch_router.router_env(key)["SGLANG_LIKE_ROUTER_API_KEY"] == "k1"
+
+
+def test_a_500_does_not_carry_the_exception_text(fake_server: Any, caplog: Any) -> None:
+    def broken() -> dict:
+        raise RuntimeError("/home/someone/secret-path and a peer's prompt")
+
+    fake_server.engine.get_load = broken
+    r = httpx.get(fake_server.url + "/get_load")
+    assert r.status_code == 500
+    message = r.json()["error"]["message"]
+    assert "secret-path" not in r.text and "RuntimeError" not in r.text
+    assert "id " in message
+
+
+def test_role_switch_drain_is_bounded(fake_server_factory: Any) -> None:
+    server = fake_server_factory(enable_disaggregation_mode_switch=True)
+    r = httpx.post(server.url + "/switch_disaggregation_mode",
+                   json={"mode": "decode", "drain_timeout": 3600})
+    assert r.status_code == 400 and "drain_timeout" in r.text

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -36,7 +37,9 @@ async def chat_completions(request: Request) -> Response:
     req = parse_model(ChatCompletionRequest, await read_json_body(request))
     req.check(state.context_length)
     plan = _tool_plan(state, req)
-    input_ids = _chat_input_ids(state, req, plan)
+    state.check_text_length([_content_text(m.content) for m in req.messages], "messages")
+    # the template and the tokenizer run on a worker thread, off the loop that streams
+    input_ids = await run_in_threadpool(_chat_input_ids, state, req, plan)
     check_prompt_len(state, len(input_ids))
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
@@ -78,6 +81,12 @@ async def chat_completions(request: Request) -> Response:
             "usage": fmt.usage(items),
         }
     )
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p.get("text"), str))
+    return content or ""
 
 
 def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:

@@ -35,6 +35,7 @@ async def completions(request: Request) -> Response:
     req = parse_model(CompletionRequest, await read_json_body(request))
     req.check(state.context_length)
     prompts = req.prompts()
+    state.check_text_length([p for p in prompts if isinstance(p, str)])
     for prompt in prompts:
         if isinstance(prompt, list):
             check_prompt_len(state, len(prompt))
