@@ -111,8 +111,9 @@ CASES = [
 ]
 
 # Runs llama.cpp's convert_hf_to_gguf.main() once per job in one process (its imports of torch
-# and transformers then cost once, not per file), then gguf-py's copy_with_new_metadata for the
-# files that say a window. Jobs come as JSON on stdin.
+# and transformers then cost once, not per file), and gguf-py's copy_with_new_metadata for the
+# files that say a window. Jobs come one JSON line each on stdin, as the test makes the folders,
+# so that converting one overlaps building the next.
 _DRIVER = r"""
 import json, sys
 tree = sys.argv[1]
@@ -120,16 +121,18 @@ sys.path.insert(0, tree)
 import gguf
 import convert_hf_to_gguf
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-jobs = json.load(sys.stdin)
-for folder, outtype, outfile in jobs["convert"]:
-    sys.argv = ["convert_hf_to_gguf.py", folder, "--outtype", outtype, "--outfile", outfile]
-    convert_hf_to_gguf.main()
-for src, dst, meta in jobs["metadata"]:
-    reader = gguf.GGUFReader(src)
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
-    new = {k: MetadataDetails(gguf.GGUFValueType[t], v) for k, (t, v) in meta.items()}
-    copy_with_new_metadata(reader, writer, new, [])
+for line in sys.stdin:
+    job = json.loads(line)
+    if job["kind"] == "convert":
+        sys.argv = ["convert_hf_to_gguf.py", job["folder"], "--outtype", job["outtype"],
+                    "--outfile", job["out"]]
+        convert_hf_to_gguf.main()
+    else:
+        reader = gguf.GGUFReader(job["src"])
+        arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+        writer = gguf.GGUFWriter(job["out"], arch=arch, endianess=reader.endianess)
+        new = {k: MetadataDetails(gguf.GGUFValueType[t], v) for k, (t, v) in job["meta"].items()}
+        copy_with_new_metadata(reader, writer, new, [])
 """
 
 
@@ -180,30 +183,47 @@ def converted(tmp_path_factory, tokenizer_json: tuple[str, int]  # noqa: F811
     """Every case's folder and its conversions, made once for the module."""
     root = tmp_path_factory.mktemp("family-gguf")
     spm_model = _tokenizer_model()
-    jobs: dict[str, list] = {"convert": [], "metadata": []}
+    log = open(root / "convert.log", "w+")  # noqa: SIM115  (read back on failure)
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, str(llama_cpp_tree())],
+                              stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                              env=llama_cpp_converter_env(), text=True)
     files = {}
-    for case in CASES:
-        name = case.family.name
-        folder = root / name
-        folder.mkdir()
-        build_hf_folder(case.family, folder, tokenizer_json)
-        _prepare_vocab(folder, case.vocab, spm_model)
-        reference, windowed = folder, None
-        if case.window_metadata is not None:
-            reference = root / f"{name}-no-window"
-            _without_window(folder, reference)
-            windowed = root / f"{name}.window.f32.gguf"
-            jobs["metadata"].append((str(root / f"{name}.f32.gguf"), str(windowed),
-                                     case.window_metadata))
-        for outtype in ("f32", "q8_0"):
-            jobs["convert"].append((str(folder), outtype, str(root / f"{name}.{outtype}.gguf")))
-        files[name] = Files(case, str(folder), str(reference), str(root / f"{name}.f32.gguf"),
-                            str(root / f"{name}.q8_0.gguf"),
-                            None if windowed is None else str(windowed))
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, str(llama_cpp_tree())],
-                          input=json.dumps(jobs), env=llama_cpp_converter_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def send(**job: Any) -> None:
+        try:
+            driver.stdin.write(json.dumps(job) + "\n")
+            driver.stdin.flush()
+        except BrokenPipeError:  # the driver failed: its exit status and log say why
+            pass
+
+    try:
+        for case in CASES:
+            name = case.family.name
+            folder = root / name
+            folder.mkdir()
+            build_hf_folder(case.family, folder, tokenizer_json)
+            _prepare_vocab(folder, case.vocab, spm_model)
+            out = {t: root / f"{name}.{t}.gguf" for t in ("f32", "q8_0")}
+            for outtype, path in out.items():
+                send(kind="convert", folder=str(folder), outtype=outtype, out=str(path))
+            reference, windowed = folder, None
+            if case.window_metadata is not None:
+                reference, windowed = root / f"{name}-no-window", root / f"{name}.window.gguf"
+                _without_window(folder, reference)
+                send(kind="metadata", src=str(out["f32"]), out=str(windowed),
+                     meta=case.window_metadata)
+            files[name] = Files(case, str(folder), str(reference), str(out["f32"]),
+                                str(out["q8_0"]), None if windowed is None else str(windowed))
+        try:
+            driver.stdin.close()
+        except BrokenPipeError:
+            pass
+        rc = driver.wait(timeout=600)
+    finally:
+        driver.kill()
+    log.seek(0)
+    assert rc == 0, log.read()[-4000:]
+    log.close()
     return files
 
 
