@@ -105,6 +105,9 @@ class ServerArgs:
     disable_radix_cache: bool = False
     eviction_policy: str = "lru"  # "lru" | "lfu"
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
+    # each new grammar is first compiled in a worker process capped at this much memory and
+    # killed at the compile timeout, so no spec can exhaust the engine; 0: in the engine only
+    grammar_compile_memory_mb: int = 2048
     enable_jump_forward: bool = True
     # SGLang's switch: a request's output does not depend on the batch it ran in. Here: on AMX
     # CPUs the int4 linears keep their codes kernel past 255 rows and the LM head its

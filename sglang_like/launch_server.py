@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-radix-cache", action="store_true", default=d.disable_radix_cache)
     p.add_argument("--grammar-backend", default=d.grammar_backend,
                    choices=["xgrammar", "outlines"])
+    p.add_argument("--grammar-compile-memory-mb", type=int,
+                   default=d.grammar_compile_memory_mb,
+                   help="a new grammar is first compiled in a worker process capped at this "
+                        "much memory and killed at the timeout (0: in the engine only)")
     p.add_argument("--random-seed", type=int, default=d.random_seed)
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    default=d.enable_deterministic_inference,

@@ -104,7 +104,8 @@ class EngineCore:
             if self._grammar_backend is None:
                 self._grammar_backend = build_grammar_backend(
                     self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                    self.server_args.grammar_backend)
+                    self.server_args.grammar_backend,
+                    self.server_args.grammar_compile_memory_mb)
             return self._grammar_backend
 
     def _set_disaggregation_mode(self, mode: str, bootstrap_port: int) -> None:
@@ -287,10 +288,16 @@ class EngineCore:
 
 
 def build_grammar_backend(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
-                          name: str) -> Any:
+                          name: str, memory_limit_mb: int = 0) -> Any:
+    """The grammar backend; with `memory_limit_mb` > 0 every new spec is first compiled in a
+    worker process capped at that much memory and killed at the timeout (grammar_isolation)."""
     from constrained import GrammarBackend, TokenizerInfo
 
     info = TokenizerInfo(vocab=tokenizer.token_bytes_list(), vocab_size=vocab_size,
                          eos_token_ids=eos_token_ids,
                          special_token_ids=tokenizer.special_token_ids)
+    if memory_limit_mb > 0:
+        from sglang_like.engine_core.grammar_isolation import IsolatedGrammarBackend
+
+        return IsolatedGrammarBackend(info, name, memory_limit_mb)
     return GrammarBackend(info, name)
