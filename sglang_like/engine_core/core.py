@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radix_cache.namespace import cache_namespace
+from radix_cache.namespace import cache_namespace, untag_token
 from sglang_like.config import SECRET_SERVER_ARGS, ModelConfig, ServerArgs
 from sglang_like.engine_core.loop import EngineLoop, LoopHooks
 from sglang_like.engine_core.messages import GenerateReqInput
@@ -279,7 +279,15 @@ class EngineCore:
         would reuse for it as a new request (at least one token must still run)."""
         from radix_cache.snapshot import match_view
 
-        view = match_view(self.scheduler.cache.tree, input_ids)
+        tree = self.scheduler.cache.tree
+        # the operator asks across tenants: the shared namespace and every tenant's whose
+        # path starts with this first token; the longest match answers
+        keys = [input_ids]
+        if input_ids:
+            keys += [[k, *input_ids[1:]] for k in tree.root.children
+                     if k < 0 and untag_token(k) == input_ids[0]]
+        view = max((match_view(tree, key) for key in keys),
+                   key=lambda v: v["matched_tokens"])
         view["reusable_tokens"] = min(view["matched_tokens"], max(len(input_ids) - 1, 0))
         return view
 

@@ -40,8 +40,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 @pytest.fixture(scope="module")
 def server(module_server_launcher: Any) -> Any:
-    return module_server_launcher("--max-running-requests", "8", "--max-total-tokens", "8192",
-                                  api_key=API_KEY)
+    # the dashboard is the operator's: the server's one key is its admin key (from the
+    # environment, as a key should come), which also serves the chats here
+    server = module_server_launcher("--max-running-requests", "8", "--max-total-tokens", "8192",
+                                    env={"SGLANG_LIKE_ADMIN_API_KEY": API_KEY})
+    server.api_key = API_KEY
+    return server
 
 
 @pytest.fixture(scope="module")

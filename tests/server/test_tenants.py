@@ -79,3 +79,17 @@ def test_operator_may_let_tenants_share(fake_server_factory: Any) -> None:
     assert _cached(server.url, OTHER) > 0
     # an explicit salt still isolates
     assert _cached(server.url, OTHER, cache_salt="mine") == 0
+
+
+def test_dashboard_reads_a_tenants_edges_as_tokens() -> None:
+    from radix_cache.namespace import cache_namespace, tree_key
+    from sglang_like.server.dashboard.routes import _untag
+
+    node = {"token_ids": tree_key([72, 105], cache_namespace("key:abc")),
+            "prefix_token_ids": [72, 105]}
+    _untag(node, "token_ids", "prefix_token_ids")
+    assert node == {"token_ids": [72, 105], "prefix_token_ids": [72, 105],
+                    "tenant_namespace": True}
+    plain = {"token_ids": [1, 2]}
+    _untag(plain, "token_ids")
+    assert plain == {"token_ids": [1, 2]}

@@ -48,9 +48,18 @@ def history_of(request: Request) -> StatsHistory:
     return history
 
 
+def _untag(node: dict[str, Any], *names: str) -> None:
+    """A tenant's edges start with a namespaced token (radix_cache.namespace): shown as the
+    token it stands for, with `tenant_namespace` set, so ids and text read as everywhere."""
+    for name in names:
+        ids = node.get(name)
+        if ids and ids[0] < 0:
+            node[name] = [untag_token(ids[0]), *ids[1:]]
+            node["tenant_namespace"] = True
+
+
 def _text(decode: Any, token_ids: list[int]) -> str:
-    """An edge's text; a tenant's namespaced first token reads as the token it stands for."""
-    return decode([untag_token(t) for t in token_ids]) if token_ids else ""
+    return decode(token_ids) if token_ids else ""
 
 
 def _engine_method(request: Request, name: str) -> Any:
@@ -175,6 +184,8 @@ async def cache_tree(request: Request) -> Response:
         if tree.get("unchanged") and known is not None:
             return known[1]
         tree = expand(tree)
+        for node in tree["nodes"]:
+            _untag(node, "token_ids")
         if text:
             for node in tree["nodes"]:
                 node["text"] = _text(decode, node["token_ids"])
@@ -202,6 +213,7 @@ async def cache_node(request: Request, node_id: str) -> Response:
     def build() -> dict[str, Any] | None:
         node = method(node_id)
         if node is not None:
+            _untag(node, "token_ids", "prefix_token_ids")
             node["text"] = _text(decode, node["token_ids"])
             node["prefix_text"] = _text(decode, node["prefix_token_ids"])
         return node
