@@ -84,7 +84,10 @@ class EngineCore:
             str(parts.dtype).removeprefix("torch."), self.eos_token_ids,
             int(self.runner.model.weight_bytes()),
         )
-        self._last_snapshot: tuple | None = None  # (params, time, cost, snapshot)
+        # the last snapshot per parameters: (time, cost, snapshot); a fresh one of any
+        # parameters waits for _next_snapshot_at (the one budget all parameters share)
+        self._snapshots: dict[tuple, tuple[float, float, dict]] = {}
+        self._next_snapshot_at = 0.0
         self._snapshot_ids = 0
         self.dashboard_busy_s = 0.0  # loop time spent answering the dashboard's RPCs
         self._grammar_backend: Any = None
@@ -244,18 +247,23 @@ class EngineCore:
         one is taken at most once per `cost / SNAPSHOT_DUTY` seconds and callers in between
         get the last one: however often the tree is asked for, the loop spends at most 1% of
         its time on it. A caller that already holds snapshot `known_id` gets
-        `{"snapshot_id": known_id, "unchanged": True}` instead.
+        `{"snapshot_id": known_id, "unchanged": True}` instead. The budget is one for all
+        parameters (alternating them must not buy fresh walks): parameters with no snapshot
+        yet while it is spent get `{"retry_after": seconds}`.
         """
         from radix_cache.snapshot import snapshot
 
         key = (max_nodes, edge_tokens, next_evict)
         now = time.monotonic()
-        last = self._last_snapshot
-        if last is not None and last[0] == key and now - last[1] < last[2] / SNAPSHOT_DUTY:
-            tree = last[3]
+        last = self._snapshots.get(key)
+        if last is not None and (now - last[0] < last[1] / SNAPSHOT_DUTY
+                                 or now < self._next_snapshot_at):
+            tree = last[2]
             if known_id == tree["snapshot_id"]:
                 return {"snapshot_id": known_id, "unchanged": True}
             return tree
+        if now < self._next_snapshot_at:
+            return {"retry_after": self._next_snapshot_at - now}
         t0 = time.perf_counter()
         tree = snapshot(self.scheduler.cache.tree, max_nodes=max_nodes,
                         edge_tokens=edge_tokens, next_evict=next_evict,
@@ -264,7 +272,10 @@ class EngineCore:
         self._snapshot_ids += 1
         tree.update(snapshot_id=self._snapshot_ids, snapshot_ms=round(cost * 1000, 3),
                     taken_at=time.time())
-        self._last_snapshot = (key, now, cost, tree)
+        self._next_snapshot_at = now + cost / SNAPSHOT_DUTY
+        self._snapshots[key] = (now, cost, tree)
+        while len(self._snapshots) > 8:  # kept for the parameters asked last
+            del self._snapshots[next(iter(self._snapshots))]
         return tree
 
     @_dashboard_call

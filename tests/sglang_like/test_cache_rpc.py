@@ -15,7 +15,8 @@ from sglang_like.engine_core.core import EngineCore
 def _core(tree: RadixCache) -> EngineCore:
     core = EngineCore.__new__(EngineCore)  # no model: only what the RPCs read
     core.scheduler = types.SimpleNamespace(cache=types.SimpleNamespace(tree=tree), running=[])
-    core._last_snapshot = None
+    core._snapshots = {}
+    core._next_snapshot_at = 0.0
     core._snapshot_ids = 0
     core.dashboard_busy_s = 0.0
     return core
@@ -40,9 +41,18 @@ def test_snapshot_budget_and_known_id(monkeypatch):
     tree.insert([9, 9], slots)  # the tree changes, but the budget is spent: the same snapshot
     assert core.cache_tree(max_nodes=10)["snapshot_id"] == 1
     assert core.cache_tree(max_nodes=10, known_id=1) == {"snapshot_id": 1, "unchanged": True}
-    other = core.cache_tree(max_nodes=3)  # other parameters: a fresh walk
+    # other parameters: the budget is the same one (alternating parameters must not buy
+    # fresh walks), so they are told how long to wait
+    wait = core.cache_tree(max_nodes=3)
+    assert set(wait) == {"retry_after"} and wait["retry_after"] > 0
+    core._next_snapshot_at = 0.0  # the budget is back
+    other = core.cache_tree(max_nodes=3)
     assert other["snapshot_id"] == 2 and other["num_nodes"] == 4
+    # while the budget is spent again, each parameters' last snapshot answers
+    assert core.cache_tree(max_nodes=10)["snapshot_id"] == 1
+    assert core.cache_tree(max_nodes=3)["snapshot_id"] == 2
     monkeypatch.setattr(core_mod, "SNAPSHOT_DUTY", 1e9)  # no budget to wait for: always fresh
+    core._next_snapshot_at = 0.0
     again = core.cache_tree(max_nodes=3, known_id=2)
     assert again["snapshot_id"] == 3 and "unchanged" not in again
     assert core.dashboard_busy_s > 0

@@ -31,6 +31,7 @@ from sglang_like.server.state import get_state
 router = APIRouter()
 
 MAX_NODES_LIMIT = 20_000
+_SNAPSHOT_TRIES = 30  # waits of at most 1 s for the engine's snapshot budget
 MAX_EDGE_TOKENS = 256
 _STATIC = resources.files("sglang_like.server.dashboard") / "static"
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -179,8 +180,15 @@ async def cache_tree(request: Request) -> Response:
         from radix_cache.snapshot import expand
 
         known = built.get(query)
-        tree = method(max_nodes=max_nodes, edge_tokens=edge_tokens, rows=True,
-                      known_id=known[0] if known else None)
+        for _ in range(_SNAPSHOT_TRIES):
+            tree = method(max_nodes=max_nodes, edge_tokens=edge_tokens, rows=True,
+                          known_id=known[0] if known else None)
+            if "retry_after" not in tree:
+                break
+            # the engine's snapshot budget is spent: wait for it here, on this worker thread
+            time.sleep(min(float(tree["retry_after"]), 1.0))
+        else:
+            raise ApiError(503, "the cache snapshot budget is spent; retry", "max_nodes")
         if tree.get("unchanged") and known is not None:
             return known[1]
         tree = expand(tree)
