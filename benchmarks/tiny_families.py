@@ -9,6 +9,7 @@ with the default model's tokenizer (49,152 tokens).
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -16,6 +17,11 @@ from typing import Any, NamedTuple
 import torch
 
 WINDOW = 8  # shorter than every test prompt plus its continuation
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    return fibonacci(n - 1) + fibonacci(n - 2) if n > 1 else n",
+    "<|im_start|>user\nWrite 3 haiku about rain.<|im_end|>\n",
+]
 
 
 class Family(NamedTuple):
@@ -116,11 +122,87 @@ def build_folder(family: Family, folder: Path, tokenizer_json: tuple[str, int] |
     return hf_model
 
 
-
-
 def default_tokenizer_json() -> tuple[str, int]:
     """The default model's tokenizer as tokenizer.json text, and its vocabulary size."""
     from sglang_like.model_loader import load_tokenizer
 
     tok = load_tokenizer()
     return tok.backend.to_str(), tok.vocab_size
+
+
+class ConverterCase(NamedTuple):
+    """A tiny family as llama.cpp's convert_hf_to_gguf.py can write it (see each comment)."""
+
+    family: Family
+    # how the converter gets the vocab: "json" (tokenizer.json as written), "spm" (a
+    # tokenizer.model beside it: gemma / gemma2 read only that, and the converter's Qwen path
+    # takes it before transformers' Qwen2Tokenizer, which rebuilds the tokenizer.json's
+    # pre-tokenizer into one the converter does not know), or a tokenizer_class for
+    # tokenizer_config.json (Phi-3's converter reads the key; Gemma 3's AutoTokenizer would
+    # add Gemma's special tokens past the vocab)
+    vocab: str = "json"
+    # the file metadata that says the folder's window, where the converter writes none
+    window_metadata: dict[str, Any] | None = None
+
+
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def _variant(name: str, new_name: str | None = None, drop: tuple[str, ...] = (),
+             **config: Any) -> Family:
+    base = _BY_NAME[name]
+    kept = {k: v for k, v in base.config.items() if k not in drop}
+    return base._replace(name=new_name or name, config=kept | config)
+
+
+GEMMA3_LAYERS = 6  # one global layer in six, as llama.cpp assumes (no pattern in the file)
+SMOLLM3_LAYERS = 4  # llama.cpp: every 4th layer without RoPE (hard-coded)
+CONVERTER_CASES = [
+    ConverterCase(_BY_NAME["llama-yarn"]),
+    # Llama 3's scaling: the converter stores it as per-frequency factors (rope_freqs)
+    ConverterCase(Family("llama3", "llama", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}})),
+    ConverterCase(_BY_NAME["mistral-window"],
+                  window_metadata={"llama.attention.sliding_window": ("UINT32", 8)}),
+    ConverterCase(_BY_NAME["qwen2-window"], "spm", window_metadata={
+        "qwen2.attention.sliding_window": ("UINT32", 8),
+        "qwen2.attention.sliding_window_pattern": ("ARRAY", [False, True])}),
+    ConverterCase(Family("qwen3", "qwen3", {}), "spm"),
+    ConverterCase(_BY_NAME["gemma"], "spm"),
+    # llama.cpp scales Gemma 2/3 scores by head_dim ** -0.5 (hidden / heads for the 27Bs),
+    # which their released query_pre_attn_scalar equals; the converter does not write it
+    ConverterCase(_variant("gemma2", query_pre_attn_scalar=16), "spm"),
+    ConverterCase(_variant("gemma3", query_pre_attn_scalar=16, num_hidden_layers=GEMMA3_LAYERS,
+                           layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+                  "PreTrainedTokenizerFast"),
+    ConverterCase(_BY_NAME["phi3-longrope-partial"], "GPT2Tokenizer"),
+    ConverterCase(_BY_NAME["olmo2"]),
+    ConverterCase(_BY_NAME["granite"]),
+    ConverterCase(_variant("smollm3", num_hidden_layers=SMOLLM3_LAYERS,
+                           no_rope_layers=[1, 1, 1, 0])),
+]
+
+
+def tokenizer_model() -> bytes:
+    """A tiny SentencePiece BPE model on this module's text: the converter pads its ~100
+    pieces to the folder's vocab_size with unused [PAD] tokens, so the model keeps the
+    folder's vocabulary (the comparisons feed both loads the same ids)."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([TRAIN_TEXT] * 4 + PROMPTS * 4), model_writer=buf,
+        vocab_size=100, model_type="bpe", character_coverage=1.0, unk_id=0, bos_id=1,
+        eos_id=2, minloglevel=2, num_threads=1)
+    return buf.getvalue()
+
+
+def prepare_for_converter(folder: Path, case: ConverterCase, spm_model: bytes) -> None:
+    """Give `folder` the vocab files the converter reads for `case` (see `ConverterCase`)."""
+    vocab = case.vocab
+    if vocab == "spm":
+        (folder / "tokenizer.model").write_bytes(spm_model)
+    elif vocab != "json":
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"tokenizer_class": vocab}))

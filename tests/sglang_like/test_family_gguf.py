@@ -18,7 +18,6 @@ a file that does say it (metadata added with gguf-py's copy_with_new_metadata) w
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -28,13 +27,15 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from benchmarks.tiny_families import TRAIN_TEXT
+from benchmarks.tiny_families import CONVERTER_CASES as CASES
+from benchmarks.tiny_families import ConverterCase as Case
+from benchmarks.tiny_families import prepare_for_converter, tokenizer_model
 from sglang_like.model_loader import load_model
 from sglang_like.models.registry import family_for
 
 from ..llama_cpp_source import llama_cpp_converter_env, llama_cpp_tree
 from .test_hf_archs import _our_prefill_logits, tokenizer_json  # noqa: F401
-from .test_model_families import FAMILIES, NEW_TOKENS, PROMPTS, Family, _engine
+from .test_model_families import NEW_TOKENS, PROMPTS, _engine
 from .test_model_families import build_folder as build_hf_folder
 
 pytest.importorskip("transformers")
@@ -60,56 +61,6 @@ ROPE_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "short_f
              "long_factor", "attention_factor", "beta_fast", "beta_slow")
 
 
-class Case(NamedTuple):
-    family: Family
-    # how the converter gets the vocab: "json" (tokenizer.json as written), "spm" (a
-    # tokenizer.model beside it: gemma / gemma2 read only that, and the converter's Qwen path
-    # takes it before transformers' Qwen2Tokenizer, which rebuilds the tokenizer.json's
-    # pre-tokenizer into one the converter does not know), or a tokenizer_class for
-    # tokenizer_config.json (Phi-3's converter reads the key; Gemma 3's AutoTokenizer would
-    # add Gemma's special tokens past the vocab)
-    vocab: str = "json"
-    # the file metadata that says the folder's window, where the converter writes none
-    window_metadata: dict[str, Any] | None = None
-
-
-_BY_NAME = {f.name: f for f in FAMILIES}
-
-
-def _variant(name: str, new_name: str | None = None, drop: tuple[str, ...] = (),
-             **config: Any) -> Family:
-    base = _BY_NAME[name]
-    kept = {k: v for k, v in base.config.items() if k not in drop}
-    return base._replace(name=new_name or name, config=kept | config)
-
-
-GEMMA3_LAYERS = 6  # one global layer in six, as llama.cpp assumes (no pattern in the file)
-SMOLLM3_LAYERS = 4  # llama.cpp: every 4th layer without RoPE (hard-coded)
-CASES = [
-    Case(_BY_NAME["llama-yarn"]),
-    # Llama 3's scaling: the converter stores it as per-frequency factors (rope_freqs)
-    Case(Family("llama3", "llama", {"rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}})),
-    Case(_BY_NAME["mistral-window"],
-         window_metadata={"llama.attention.sliding_window": ("UINT32", 8)}),
-    Case(_BY_NAME["qwen2-window"], "spm", window_metadata={
-        "qwen2.attention.sliding_window": ("UINT32", 8),
-        "qwen2.attention.sliding_window_pattern": ("ARRAY", [False, True])}),
-    Case(Family("qwen3", "qwen3", {}), "spm"),
-    Case(_BY_NAME["gemma"], "spm"),
-    # llama.cpp scales Gemma 2/3 scores by head_dim ** -0.5 (hidden / heads for the 27Bs),
-    # which their released query_pre_attn_scalar equals; the converter does not write it
-    Case(_variant("gemma2", query_pre_attn_scalar=16), "spm"),
-    Case(_variant("gemma3", query_pre_attn_scalar=16, num_hidden_layers=GEMMA3_LAYERS,
-                  layer_types=["sliding_attention"] * 5 + ["full_attention"]),
-         "PreTrainedTokenizerFast"),
-    Case(_BY_NAME["phi3-longrope-partial"], "GPT2Tokenizer"),
-    Case(_BY_NAME["olmo2"]),
-    Case(_BY_NAME["granite"]),
-    Case(_variant("smollm3", num_hidden_layers=SMOLLM3_LAYERS, no_rope_layers=[1, 1, 1, 0])),
-]
-
 # Runs llama.cpp's convert_hf_to_gguf.main() once per job in one process (its imports of torch
 # and transformers then cost once, not per file), and gguf-py's copy_with_new_metadata for the
 # files that say a window. Jobs come one JSON line each on stdin, as the test makes the folders,
@@ -134,26 +85,6 @@ for line in sys.stdin:
         new = {k: MetadataDetails(gguf.GGUFValueType[t], v) for k, (t, v) in job["meta"].items()}
         copy_with_new_metadata(reader, writer, new, [])
 """
-
-
-def _tokenizer_model() -> bytes:
-    """A tiny SentencePiece BPE model on this module's text: the converter pads its ~100
-    pieces to the folder's vocab_size with unused [PAD] tokens, so the model keeps the
-    folder's vocabulary (the comparisons feed both loads the same ids)."""
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter([TRAIN_TEXT] * 4 + PROMPTS * 4), model_writer=buf,
-        vocab_size=100, model_type="bpe", character_coverage=1.0, unk_id=0, bos_id=1,
-        eos_id=2, minloglevel=2, num_threads=1)
-    return buf.getvalue()
-
-
-def _prepare_vocab(folder: Any, vocab: str, spm_model: bytes) -> None:
-    if vocab == "spm":
-        (folder / "tokenizer.model").write_bytes(spm_model)
-    elif vocab != "json":
-        path = folder / "tokenizer_config.json"
-        path.write_text(json.dumps(json.loads(path.read_text()) | {"tokenizer_class": vocab}))
 
 
 def _without_window(folder: Any, target: Any) -> None:
@@ -182,7 +113,7 @@ def converted(tmp_path_factory, tokenizer_json: tuple[str, int]  # noqa: F811
               ) -> dict[str, Files]:
     """Every case's folder and its conversions, made once for the module."""
     root = tmp_path_factory.mktemp("family-gguf")
-    spm_model = _tokenizer_model()
+    spm_model = tokenizer_model()
     log = open(root / "convert.log", "w+")  # noqa: SIM115  (read back on failure)
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, str(llama_cpp_tree())],
                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
@@ -202,7 +133,7 @@ def converted(tmp_path_factory, tokenizer_json: tuple[str, int]  # noqa: F811
             folder = root / name
             folder.mkdir()
             build_hf_folder(case.family, folder, tokenizer_json)
-            _prepare_vocab(folder, case.vocab, spm_model)
+            prepare_for_converter(folder, case, spm_model)
             out = {t: root / f"{name}.{t}.gguf" for t in ("f32", "q8_0")}
             for outtype, path in out.items():
                 send(kind="convert", folder=str(folder), outtype=outtype, out=str(path))

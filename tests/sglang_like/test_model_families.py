@@ -18,6 +18,7 @@ import torch
 import sglang_like.engine_core.setup as setup_mod
 from benchmarks.tiny_families import (  # noqa: F401  (test_family_gguf imports them here)
     FAMILIES,
+    PROMPTS,
     SHARED,
     WINDOW,
     Family,
@@ -31,11 +32,6 @@ from .test_hf_archs import _hf_greedy, _hf_logits, _our_prefill_logits, tokenize
 
 transformers = pytest.importorskip("transformers")
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    return fibonacci(n - 1) + fibonacci(n - 2) if n > 1 else n",
-    "<|im_start|>user\nWrite 3 haiku about rain.<|im_end|>\n",
-]
 NEW_TOKENS = 24
 LOGITS_ATOL = 1e-4
 TOP1_MIN = 0.95
