@@ -1,7 +1,7 @@
 """Every family's tiny model three ways: our HF-folder load, our load of the F32 GGUF that
 llama.cpp's own converter writes from that folder, and llama-server on the same GGUF.
 
-    python -m benchmarks.check_family_peers --llama-cpp-bin ~/.cache/peers/llama.cpp-0.3.36/build/bin
+    LLAMA_CPP_BIN=~/.cache/peers/llama.cpp-0.3.36/build/bin python -m benchmarks.check_family_peers
 
 The models are benchmarks/tiny_families.py's CONVERTER_CASES (2 layers, hidden 64, the
 family's settings as far as a GGUF can say them, trained a few steps so that greedy choices
