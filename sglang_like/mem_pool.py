@@ -4,12 +4,42 @@ from __future__ import annotations
 
 import torch
 
+from sglang_like_kernels import kv_quant
+
+# --kv-cache-dtype's values (ServerArgs.kv_cache_dtype): "auto" (the activations' dtype, see
+# resolve_kv_cache_dtype), a float pool, or a quantized one (8-bit codes and a float32 scale
+# per token and KV head, sglang_like_kernels.kv_quant). "fp8" is vLLM's name for e4m3; the
+# torch names a resolved ServerArgs carries ("float8_e4m3fn", ...) are taken back as well.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+_KV_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(name: str, default: torch.dtype) -> torch.dtype:
+    """The pool dtype `--kv-cache-dtype name` asks for (`default` for "auto"); a ValueError
+    naming the choices for anything else."""
+    if name == "auto":
+        return default
+    dtype = _KV_DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                         f"got {name!r}")
+    return dtype
+
 
 class KVPool:
     """Per-layer K and V tensors of shape [num_slots + 1, num_kv_heads, head_dim].
 
     Row 0 is a padding slot that no request owns; slots 1..num_slots are handed out by
     `radix_cache.KVSlotAllocator`. Only the scheduler thread writes here, through the model.
+    A quantized `dtype` (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) makes the
+    buffers codes, with per-layer scales beside them in `k_scales` / `v_scales` [num_slots +
+    1, num_kv_heads] float32 (None for a float pool), which every write and read passes on.
     """
 
     def __init__(
@@ -26,15 +56,37 @@ class KVPool:
         # torch.empty: pages are committed only when a slot is first written.
         self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for buf in (*self.k_buffers, *self.v_buffers):
-            buf[0].zero_()
+        self.dtype = dtype
+        self.quantized = kv_quant.is_quantized(dtype)
+        self.k_scales: list[torch.Tensor] | None = None
+        self.v_scales: list[torch.Tensor] | None = None
+        if self.quantized:
+            scale_shape = (num_slots + 1, num_kv_heads)
+            self.k_scales = [torch.empty(scale_shape, dtype=torch.float32, device=device)
+                             for _ in range(num_layers)]
+            self.v_scales = [torch.empty(scale_shape, dtype=torch.float32, device=device)
+                             for _ in range(num_layers)]
+        for buf in (*self.k_buffers, *self.v_buffers, *(self.k_scales or ()),
+                    *(self.v_scales or ())):
+            kv_quant.as_bytes(buf[0]).zero_()
         self.bytes_per_slot = self.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor,
+                                            torch.Tensor | None, torch.Tensor | None]:
+        """(K, V, K scales, V scales) of one layer; the scales None for a float pool."""
+        if self.k_scales is None:
+            return self.k_buffers[layer_id], self.v_buffers[layer_id], None, None
+        return (self.k_buffers[layer_id], self.v_buffers[layer_id], self.k_scales[layer_id],
+                self.v_scales[layer_id])
 
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        """K and V of one token over every layer, a quantized pool's scales included."""
+        element = torch.iinfo(dtype).bits if dtype == torch.int8 else torch.finfo(dtype).bits
+        per_head = head_dim * element // 8 + (4 if kv_quant.is_quantized(dtype) else 0)
+        return 2 * num_layers * num_kv_heads * per_head
 
 
 class ReqToTokenPool:

@@ -14,6 +14,9 @@ this package is imported:
 
 Any other value is a ValueError at import.
 
+A quantized pool (int8 / fp8 codes, ``kv_quant``) is passed with its scales, ``k_scale`` /
+``v_scale`` [num_slots, num_kv_heads] float32, to ``store_kv`` and every attention.
+
 Every attention takes ``window`` and ``softcap`` (None: off), as transformers' Mistral and
 Gemma 2/3 compute them: scores ``s = (q . k) * sm_scale`` become ``softcap * tanh(s / softcap)``
 before the mask, and a query at position p sees only the keys at p - window < j <= p (itself
@@ -81,9 +84,12 @@ def store_kv(
     slot_ids: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v [T, Hkv, D] into k_pool/v_pool rows slot_ids [T] int64, cast to pool dtype."""
-    _backend(k_pool).store_kv(k_pool, v_pool, slot_ids, k, v)
+    """Write k, v [T, Hkv, D] into k_pool/v_pool rows slot_ids [T] int64, cast to pool dtype
+    (a quantized pool: codes, and the rows' scales into k_scale / v_scale)."""
+    _backend(k_pool).store_kv(k_pool, v_pool, slot_ids, k, v, k_scale, v_scale)
 
 
 def decode_attention(
@@ -96,6 +102,8 @@ def decode_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: q [B, Hq, D] (query at position seq_len-1, K/V already stored).
 
@@ -104,7 +112,7 @@ def decode_attention(
     """
     return _backend(q).decode_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, seq_lens, sm_scale,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -119,6 +127,8 @@ def extend_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill/extend attention: q [T, Hq, D] packed by request in batch order.
 
@@ -128,7 +138,7 @@ def extend_attention(
     """
     return _backend(q).extend_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -143,6 +153,8 @@ def tree_verify_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Speculative verify: q [B*N, Hq, D], N draft tokens per request.
 
@@ -152,7 +164,7 @@ def tree_verify_attention(
     """
     return _backend(q).tree_verify_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, tree_mask, sm_scale,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -167,6 +179,8 @@ def masked_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention under a per-request mask (ragged trees mixed with extends): request b's
     masks[b].shape[0] packed queries see its first prefix_lens[b] keys and key
@@ -174,7 +188,7 @@ def masked_attention(
     verify batch on CUDA goes through `tree_verify_attention` instead)."""
     return reference.masked_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, masks, sm_scale,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )
 
 

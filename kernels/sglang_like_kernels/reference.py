@@ -3,6 +3,10 @@
 Layout (per layer): ``k_pool``/``v_pool`` [num_slots, num_kv_heads, head_dim], slot 0 is a
 padding slot; ``req_to_token`` [max_requests, max_context] int32 maps (request pool row,
 position) -> slot id. All attention math is fp32; outputs are in q's dtype.
+
+A quantized pool (``kv_quant``: int8 / fp8 codes) comes with ``k_scale``/``v_scale`` [num_slots,
+num_kv_heads] float32; every path reads it through `_Dequantized`, which turns the rows it
+gathers into float32, so the paths themselves are the same code for every pool.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import threading
 from typing import NamedTuple
 
 import torch
+
+from sglang_like_kernels import kv_quant
 
 __all__ = [
     "apply_token_bitmask_",
@@ -29,11 +35,50 @@ def store_kv(
     slot_ids: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v [T, Hkv, D] into pool rows slot_ids [T] (cast to the pool dtype)."""
+    """Write k, v [T, Hkv, D] into pool rows slot_ids [T] (cast to the pool dtype; a quantized
+    pool gets the rows' codes, and their scales go to k_scale / v_scale [num_slots, Hkv])."""
     slot_ids = slot_ids.to(device=k_pool.device, dtype=torch.long)
-    k_pool.index_copy_(0, slot_ids, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, slot_ids, v.to(v_pool.dtype))
+    if k_scale is None:
+        k_pool.index_copy_(0, slot_ids, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, slot_ids, v.to(v_pool.dtype))
+        return
+    assert v_scale is not None
+    for pool, scales, x in ((k_pool, k_scale, k), (v_pool, v_scale, v)):
+        codes, scale = kv_quant.quantize(x, pool.dtype)
+        kv_quant.as_bytes(pool).index_copy_(0, slot_ids, kv_quant.as_bytes(codes))
+        scales.index_copy_(0, slot_ids, scale)
+
+
+class _Dequantized:
+    """A quantized pool as the attention paths read it: the rows a gather takes (index_select
+    on dim 0, or indexing by a tensor of slots) come back float32, code * scale; shape and
+    device are the codes'. Only the gathered rows are ever dequantized."""
+
+    dtype = torch.float32
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        self.codes, self.scale = codes, scale
+        self.shape, self.device = codes.shape, codes.device
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        assert dim == 0
+        return kv_quant.dequantize(self.codes.index_select(0, index),
+                                   self.scale.index_select(0, index))
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        return kv_quant.dequantize(self.codes[index], self.scale[index])
+
+
+def _readable(pool: torch.Tensor, scale: torch.Tensor | None):
+    """The pool as the paths gather from it (itself unless quantized)."""
+    if scale is None:
+        if kv_quant.is_quantized(pool.dtype):
+            raise ValueError(f"a {pool.dtype} KV pool needs its scales (k_scale / v_scale)")
+        return pool
+    return _Dequantized(pool, scale)
 
 
 def check_window_softcap(window: int | None, softcap: float | None) -> None:
@@ -59,6 +104,8 @@ def decode_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request over its first seq_len cached tokens.
 
@@ -66,6 +113,7 @@ def decode_attention(
     Query head h reads kv head h // (Hq // Hkv). `window`: only the last `window` keys
     (positions max(0, n - window) .. n - 1); `softcap`: scores -> cap * tanh(scores / cap).
     """
+    k_pool, v_pool = _readable(k_pool, k_scale), _readable(v_pool, v_scale)
     check_window_softcap(window, softcap)
     batch = q.shape[0]
     if batch == 0:
@@ -451,6 +499,8 @@ def extend_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New tokens attend to their request's cached prefix and causally to each other.
 
@@ -459,6 +509,7 @@ def extend_attention(
     `window`: the token at position p sees keys p - window < j <= p only; `softcap`: scores
     -> cap * tanh(scores / cap). Returns [T, Hq, D] in q's dtype.
     """
+    k_pool, v_pool = _readable(k_pool, k_scale), _readable(v_pool, v_scale)
     check_window_softcap(window, softcap)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for start, end, slots, allowed in _extend_plan(req_to_token, req_pool_indices, prefix_lens,
@@ -524,6 +575,8 @@ def tree_verify_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """N draft tokens per request attend to the prefix and to draft keys tree_mask allows.
 
@@ -533,6 +586,7 @@ def tree_verify_attention(
     node's visible keys are its path, so this is p - window < j <= p along it); `softcap`:
     scores -> cap * tanh(scores / cap). Returns [B*N, Hq, D] in q's dtype.
     """
+    k_pool, v_pool = _readable(k_pool, k_scale), _readable(v_pool, v_scale)
     check_window_softcap(window, softcap)
     batch, num_draft, _ = tree_mask.shape
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -560,6 +614,8 @@ def masked_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries under a per-request mask over the keys after a fully visible prefix.
 
@@ -571,6 +627,7 @@ def masked_attention(
     `tree_verify_attention`); `softcap`: scores -> cap * tanh(scores / cap).
     Returns [sum of rows, Hq, D] in q's dtype.
     """
+    k_pool, v_pool = _readable(k_pool, k_scale), _readable(v_pool, v_scale)
     check_window_softcap(window, softcap)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for start, end, slots, allowed in _masked_plan(req_to_token, req_pool_indices, prefix_lens,

@@ -5,6 +5,12 @@ interpreter has no bf16 arithmetic); ``DOT_DTYPE`` is the dtype fed to ``tl.dot`
 (exact, ``ieee``) under the interpreter and for fp32 pools, the pool's 16-bit dtype on GPU.
 Pool row offsets are computed in int64 so large pools cannot overflow.
 
+A quantized pool (``KV_KIND`` 1 int8, 2 fp8 e4m3, 3 fp8 e5m2; 0 a float pool) holds 8-bit codes
+and a float32 scale per (slot, kv head) in ``k_scale`` / ``v_scale``; `_load_kv_block` turns
+codes into floats and multiplies by the row's scale. fp8 pools come as their bytes (uint8)
+and are widened with integer ops (`_fp8_to_f32`), which the interpreter runs too (numpy has
+no fp8) and every GPU has.
+
 The attention kernels take a sliding ``window`` and a score ``softcap`` as runtime values,
 switched on by the constexprs ``USE_WINDOW`` / ``USE_SOFTCAP``: with both off a kernel compiles
 to what it was without them (Llama's layers pay nothing for Gemma's).
@@ -71,29 +77,59 @@ def _online_softmax_step(
 
 
 @triton.jit
+def _fp8_to_f32(codes, KV_KIND: tl.constexpr):
+    """fp8 bytes (e4m3 for KV_KIND 2, e5m2 for 3) -> float32, exact: the exponent and
+    mantissa bits move into a float's place, then one multiply by 2^(127 - bias) rebiases
+    (subnormal codes included)."""
+    u = codes.to(tl.int32) & 0xFF
+    sign = (u & 0x80) << 24
+    if KV_KIND == 2:
+        bits = sign | ((u & 0x7F) << 20)
+        return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+    else:
+        bits = sign | ((u & 0x7F) << 21)
+        return bits.to(tl.float32, bitcast=True) * 5.192296858534828e33  # 2^112
+
+
+@triton.jit
+def _load_rows(pool, scale, offs, mask, slots, n_valid, kv_head, stride_scale_s,
+               KV_KIND: tl.constexpr):  # fmt: skip
+    """Rows [N, D] of one pool as float32: a float pool's values, or codes times scales."""
+    if KV_KIND == 0:
+        return tl.load(pool + offs, mask=mask, other=0.0).to(tl.float32)
+    codes = tl.load(pool + offs, mask=mask, other=0)
+    row_scale = tl.load(scale + slots * stride_scale_s + kv_head, mask=n_valid, other=0.0)
+    if KV_KIND == 1:
+        return codes.to(tl.float32) * row_scale[:, None]
+    return _fp8_to_f32(codes, KV_KIND) * row_scale[:, None]
+
+
+@triton.jit
 def _load_kv_block(
-    k_pool, v_pool, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
-    stride_pool_s, stride_pool_h,
-    DOT_DTYPE: tl.constexpr,
+    k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
+    stride_pool_s, stride_pool_h, stride_scale_s,
+    DOT_DTYPE: tl.constexpr, KV_KIND: tl.constexpr,
 ):  # fmt: skip
     """K and V rows [N, D] for positions offs_n of one req_to_token row (invalid -> 0)."""
     slots = tl.load(token_row + offs_n, mask=n_valid, other=0).to(tl.int64)
     offs = slots[:, None] * stride_pool_s + kv_head * stride_pool_h + offs_d[None, :]
     mask = n_valid[:, None] & d_valid[None, :]
-    k = tl.load(k_pool + offs, mask=mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
-    v = tl.load(v_pool + offs, mask=mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+    k = _load_rows(k_pool, k_scale, offs, mask, slots, n_valid, kv_head, stride_scale_s,
+                   KV_KIND).to(DOT_DTYPE)
+    v = _load_rows(v_pool, v_scale, offs, mask, slots, n_valid, kv_head, stride_scale_s,
+                   KV_KIND).to(DOT_DTYPE)
     return k, v
 
 
 @triton.jit
 def decode_split_kernel(
-    q, k_pool, v_pool, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
+    q, k_pool, v_pool, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
     sm_scale, window, softcap,
-    stride_q_b, stride_q_h, stride_pool_s, stride_pool_h, stride_table,
+    stride_q_b, stride_q_h, stride_pool_s, stride_pool_h, stride_scale_s, stride_table,
     num_q_heads, group, head_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_KIND: tl.constexpr,
 ):  # fmt: skip
     """Stage 1 of flash-decoding. Grid (B, Hkv, NUM_SPLITS).
 
@@ -134,8 +170,8 @@ def decode_split_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
         k, v = _load_kv_block(
-            k_pool, v_pool, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
-            stride_pool_s, stride_pool_h, DOT_DTYPE,
+            k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d,
+            d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
         )  # fmt: skip
         allowed = g_valid[:, None] & n_valid[None, :]
         m_i, l_i, acc = _online_softmax_step(
@@ -178,14 +214,15 @@ def decode_reduce_kernel(
 
 @triton.jit
 def extend_kernel(
-    q, k_pool, v_pool, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
     extend_starts,
     sm_scale, window, softcap,
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
-    stride_table,
+    stride_scale_s, stride_table,
     group, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hq, cdiv(max extend_len, BLOCK_M)): one block of new queries of one head.
 
@@ -227,8 +264,8 @@ def extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < key_end
         k, v = _load_kv_block(
-            k_pool, v_pool, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
-            stride_pool_s, stride_pool_h, DOT_DTYPE,
+            k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d,
+            d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
         )  # fmt: skip
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :] & m_valid[:, None]
         if USE_WINDOW:
@@ -244,13 +281,14 @@ def extend_kernel(
 
 @triton.jit
 def tree_verify_kernel(
-    q, k_pool, v_pool, out, req_to_token, req_pool_indices, prefix_lens, tree_mask,
+    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens, tree_mask,
     sm_scale, window, softcap,
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
-    stride_table,
+    stride_scale_s, stride_table,
     num_draft, group, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, Hq): the num_draft draft queries of one request and head.
 
@@ -301,8 +339,8 @@ def tree_verify_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < prefix_len
         k, v = _load_kv_block(
-            k_pool, v_pool, token_row, offs_n, n_valid, kv_head, offs_d, d_valid,
-            stride_pool_s, stride_pool_h, DOT_DTYPE,
+            k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d,
+            d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
         )  # fmt: skip
         allowed = m_valid[:, None] & n_valid[None, :]
         if USE_WINDOW:
@@ -312,8 +350,8 @@ def tree_verify_kernel(
         )
 
     k, v = _load_kv_block(
-        k_pool, v_pool, token_row, prefix_len + offs_j, j_valid, kv_head, offs_d, d_valid,
-        stride_pool_s, stride_pool_h, DOT_DTYPE,
+        k_pool, v_pool, k_scale, v_scale, token_row, prefix_len + offs_j, j_valid, kv_head,
+        offs_d, d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
     )  # fmt: skip
     m_i, l_i, acc = _online_softmax_step(
         q_blk, k, v, draft_allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP

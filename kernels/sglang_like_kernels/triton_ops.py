@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_like_kernels import kv_quant
 from sglang_like_kernels import triton_kernels as tk
 from sglang_like_kernels.reference import check_window_softcap
 
@@ -28,7 +29,12 @@ __all__ = [
     "tree_verify_meta",
 ]
 
-_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# A quantized pool's rows are code * scale in float32; on GPU they go to tl.dot in bf16 (8
+# bits of mantissa hold an int8 code's 7 and the rounding of its scale's product).
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.int8: tl.bfloat16,
+               torch.float8_e4m3fn: tl.bfloat16, torch.float8_e5m2: tl.bfloat16}
+# triton_kernels' KV_KIND of each pool dtype (0: a float pool)
+_KV_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 _MAX_DECODE_SPLITS = 16
 _DECODE_SPLIT_TOKENS = 256
 _BITMASK_BLOCK = 1024
@@ -60,9 +66,25 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _flags(window: int | None, softcap: float | None) -> dict[str, bool]:
-    """The attention kernels' switches: with both off they compile as they did without."""
-    return {"USE_WINDOW": window is not None, "USE_SOFTCAP": softcap is not None}
+def _flags(window: int | None, softcap: float | None,
+           pool_dtype: torch.dtype) -> dict[str, object]:
+    """The attention kernels' switches: with all off they compile as they did without."""
+    return {"USE_WINDOW": window is not None, "USE_SOFTCAP": softcap is not None,
+            "KV_KIND": _KV_KINDS.get(pool_dtype, 0)}
+
+
+def _kv_args(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+             v_scale: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(k_pool, v_pool, k_scale, v_scale, scale row stride) as the kernels take them: fp8
+    codes as their bytes, and the pools themselves in the scales' place for a float pool
+    (never read there: KV_KIND 0)."""
+    if not kv_quant.is_quantized(k_pool.dtype):
+        return k_pool, v_pool, k_pool, v_pool, 0
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {k_pool.dtype} KV pool needs its scales (k_scale / v_scale)")
+    assert k_scale.stride() == v_scale.stride() and k_scale.stride(1) == 1
+    return (kv_quant.as_bytes(k_pool), kv_quant.as_bytes(v_pool), k_scale, v_scale,
+            k_scale.stride(0))
 
 
 def _runtime(window: int | None, softcap: float | None) -> tuple[int, float]:
@@ -95,7 +117,7 @@ def decode_meta(
         "BLOCK_D": _block(head_dim),
         "DOT_DTYPE": dtype,
         "BLOCK_S": triton.next_power_of_2(num_splits),
-        **_flags(window, softcap),
+        **_flags(window, softcap, pool_dtype),
     }
 
 
@@ -107,7 +129,7 @@ def extend_meta(
     dtype = dot_dtype(pool_dtype, interpret)
     block = _tile(dtype, interpret)
     return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": _block(head_dim), "DOT_DTYPE": dtype,
-            **_flags(window, softcap)}
+            **_flags(window, softcap, pool_dtype)}
 
 
 def tree_verify_meta(
@@ -121,7 +143,7 @@ def tree_verify_meta(
         "BLOCK_N": _tile(dtype, interpret),
         "BLOCK_D": _block(head_dim),
         "DOT_DTYPE": dtype,
-        **_flags(window, softcap),
+        **_flags(window, softcap, pool_dtype),
     }
 
 
@@ -141,22 +163,35 @@ def store_kv(
     slot_ids: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """pool[slot_ids] = k, v.
 
     k_pool, v_pool: [num_slots, Hkv, D] (contiguous); slot_ids: [T] int; k, v: [T, Hkv, D]
-    in any float dtype (cast to the pool dtype first), any strides.
+    in any float dtype (cast to the pool dtype first), any strides. A quantized pool gets
+    kv_quant.quantize's codes, and the rows' scales go to k_scale / v_scale [num_slots, Hkv].
     """
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     assert k_pool.is_contiguous() and v_pool.is_contiguous()
     assert k_pool.stride() == v_pool.stride()
+    slot_ids = slot_ids.to(device=k_pool.device)
+    if kv_quant.is_quantized(k_pool.dtype):
+        # codes and scales made in torch (the reference's bits), the codes then copied as
+        # bytes by the kernel below
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"a {k_pool.dtype} KV pool needs its scales (k_scale / v_scale)")
+        (k, ks), (v, vs) = kv_quant.quantize(k, k_pool.dtype), kv_quant.quantize(v, v_pool.dtype)
+        k_scale.index_copy_(0, slot_ids.long(), ks)
+        v_scale.index_copy_(0, slot_ids.long(), vs)
+        k_pool, v_pool = kv_quant.as_bytes(k_pool), kv_quant.as_bytes(v_pool)
+        k, v = kv_quant.as_bytes(k), kv_quant.as_bytes(v)
     # Cast in torch (round to nearest) so the kernel is a plain copy: the interpreter's
     # fp32 -> bf16 conversion truncates instead.
     k = _inner_contiguous(k.to(k_pool.dtype))
     v = _inner_contiguous(v.to(v_pool.dtype))
-    slot_ids = slot_ids.to(device=k_pool.device)
     tk.store_kv_kernel[(num_tokens,)](
         k_pool, v_pool, slot_ids, k, v,
         k_pool.stride(0), k_pool.stride(1),
@@ -177,6 +212,8 @@ def decode_attention(
     num_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flash-decoding: one query per request over its cached tokens.
 
@@ -202,15 +239,17 @@ def decode_attention(
     device = q.device
     mid_out = _empty((batch, num_q_heads, splits, head_dim), torch.float32, device)
     mid_lse = _empty((batch, num_q_heads, splits), torch.float32, device)
+    k_arg, v_arg, ks_arg, vs_arg, stride_scale = _kv_args(k_pool, v_pool, k_scale, v_scale)
     tk.decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_pool, v_pool, req_to_token, req_pool_indices.to(device), seq_lens.to(device),
-        mid_out, mid_lse,
+        q, k_arg, v_arg, ks_arg, vs_arg, req_to_token, req_pool_indices.to(device),
+        seq_lens.to(device), mid_out, mid_lse,
         sm_scale, window_value, softcap_value,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), stride_scale,
+        req_to_token.stride(0),
         num_q_heads, num_q_heads // num_kv_heads, head_dim,
         NUM_SPLITS=splits, BLOCK_G=meta["BLOCK_G"], BLOCK_N=meta["BLOCK_N"],
         BLOCK_D=meta["BLOCK_D"], DOT_DTYPE=meta["DOT_DTYPE"], USE_WINDOW=meta["USE_WINDOW"],
-        USE_SOFTCAP=meta["USE_SOFTCAP"],
+        USE_SOFTCAP=meta["USE_SOFTCAP"], KV_KIND=meta["KV_KIND"],
     )  # fmt: skip
     tk.decode_reduce_kernel[(batch, num_q_heads)](
         mid_out, mid_lse, out,
@@ -232,6 +271,8 @@ def extend_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over prefix + themselves (the token at
     position p over p - window < j <= p with a `window`; scores soft-capped with `softcap`).
@@ -257,12 +298,13 @@ def extend_attention(
     window_value, softcap_value = _runtime(window, softcap)
     meta = extend_meta(head_dim, k_pool.dtype, window=window, softcap=softcap)
     grid = (batch, num_q_heads, triton.cdiv(max_extend, meta["BLOCK_M"]))
+    k_arg, v_arg, ks_arg, vs_arg, stride_scale = _kv_args(k_pool, v_pool, k_scale, v_scale)
     tk.extend_kernel[grid](
-        q, k_pool, v_pool, out, req_to_token, req_pool_indices.to(device),
+        q, k_arg, v_arg, ks_arg, vs_arg, out, req_to_token, req_pool_indices.to(device),
         prefix_lens.to(device), extend_lens, extend_starts,
         sm_scale, window_value, softcap_value,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        k_pool.stride(0), k_pool.stride(1), stride_scale, req_to_token.stride(0),
         num_q_heads // num_kv_heads, head_dim,
         **meta,
     )  # fmt: skip
@@ -280,6 +322,8 @@ def tree_verify_attention(
     sm_scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Speculative verify: N draft tokens per request over the prefix and their tree.
 
@@ -300,12 +344,13 @@ def tree_verify_attention(
     device = q.device
     mask = tree_mask.to(device=device, dtype=torch.int8).contiguous()
     window_value, softcap_value = _runtime(window, softcap)
+    k_arg, v_arg, ks_arg, vs_arg, stride_scale = _kv_args(k_pool, v_pool, k_scale, v_scale)
     tk.tree_verify_kernel[(batch, num_q_heads)](
-        q, k_pool, v_pool, out, req_to_token, req_pool_indices.to(device),
+        q, k_arg, v_arg, ks_arg, vs_arg, out, req_to_token, req_pool_indices.to(device),
         prefix_lens.to(device), mask,
         sm_scale, window_value, softcap_value,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        k_pool.stride(0), k_pool.stride(1), stride_scale, req_to_token.stride(0),
         num_draft, num_q_heads // num_kv_heads, head_dim,
         **tree_verify_meta(num_draft, head_dim, k_pool.dtype, window=window, softcap=softcap),
     )  # fmt: skip

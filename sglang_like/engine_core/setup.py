@@ -14,7 +14,7 @@ from sglang_like.layers.quantization import (
     any_gguf_blocks,
     resolve_quantization,
 )
-from sglang_like.mem_pool import KVPool
+from sglang_like.mem_pool import KVPool, resolve_kv_cache_dtype
 from sglang_like.model_loader import load_model
 from sglang_like.model_runner import ModelRunner
 from sglang_like.scheduler import Scheduler, SchedulerConfig
@@ -57,7 +57,9 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     )
     quant = QuantConfig(quantization, dtype,
                         deterministic=server_args.enable_deterministic_inference)
-    kv_dtype = _resolve_dtype(server_args.kv_cache_dtype, device, default=quant.kv_dtype)
+    # a quantized pool (int8 / fp8) resolves to its torch dtype's name ("int8",
+    # "float8_e4m3fn", "float8_e5m2"), which TP ranks read back with getattr(torch, ...)
+    kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, quant.kv_dtype)
     tokenizer = loaded.tokenizer
     if server_args.tokenizer_path is not None:
         from sglang_like.model_loader import load_tokenizer

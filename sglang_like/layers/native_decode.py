@@ -55,6 +55,10 @@ MAX_ROWS = 64
 # kernel (quantization/int4.py).
 MAX_MASKED_ROWS = 256
 
+# The KV pool dtypes the native kernels read and write: float32, bfloat16, and the quantized
+# pools (int8 / fp8 codes with their scales, sglang_like_kernels.kv_quant).
+POOL_DTYPES = frozenset(ops.POOL_KINDS)
+
 Linear = Callable[[torch.Tensor], torch.Tensor]
 FUSED_ENV = "SGLANG_LIKE_FUSED_DECODE"
 
@@ -274,6 +278,7 @@ class NativeDecodePlan:
         positions, out_slots, on_layer = fb.positions, fb.out_slots, fb.on_layer
         table, rows, seq_lens = attn
         k_buffers, v_buffers = pool.k_buffers, pool.v_buffers
+        k_scales, v_scales = pool.k_scales, pool.v_scales  # None: a float pool
         layers = self.layers
         last = len(layers) - 1
         first = layers[0].attn_in
@@ -284,7 +289,9 @@ class NativeDecodePlan:
                 aux[i] = x  # never written in place: each step makes a new residual tensor
             a = attend(p.qkv(h), p.num_heads, p.num_kv_heads, p.head_dim, p.cos, p.sin,
                        positions, k_buffers[p.layer_id], v_buffers[p.layer_id], out_slots,
-                       table, rows, seq_lens, p.sm_scale, p.o_in_dtype, **p.attn_kw)
+                       table, rows, seq_lens, p.sm_scale, p.o_in_dtype, **p.attn_kw,
+                       k_scale=None if k_scales is None else k_scales[p.layer_id],
+                       v_scale=None if v_scales is None else v_scales[p.layer_id])
             x, h = residual_norm(x, p.o_proj(a), *p.mlp_in, *p.attn_out)
             down = p.down(act_mul(p.gate_up(h), p.activation, p.down_in_dtype))
             # the next layer's input (the last layer's add only: no norm, float32)
@@ -363,6 +370,7 @@ class _FusedX16:
         self._held = [t for lr, n in zip(runs, norms, strict=True)
                       for t in (*(buf for r in lr for _, buf, _ in r), *n) if t is not None]
         self._pool: KVPool | None = None
+        self.kv_scales: torch.Tensor | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
@@ -400,14 +408,21 @@ class _FusedX16:
 
     def _refresh_pool(self, pool: KVPool) -> None:
         """The pool's K/V buffer addresses into the table, once per pool (a pool makes its
-        buffers when it is built and keeps them; holding it keeps them alive)."""
+        buffers when it is built and keeps them; holding it keeps them alive), and a
+        quantized pool's scale addresses into `kv_scales` [L, 2]."""
         if pool is self._pool:
             return
+        self.kv_scales = None
+        if pool.k_scales is not None:
+            self.kv_scales = torch.zeros(len(self.layer_ids), 2, dtype=torch.int64)
         for j, i in enumerate(self.layer_ids):
             for col, buf in ((self._K, pool.k_buffers[i]), (self._V, pool.v_buffers[i])):
                 if not buf.is_contiguous():
                     raise ValueError("the fused decode step needs contiguous KV pool buffers")
                 self.ptrs[j, col] = buf.data_ptr()
+            if self.kv_scales is not None:
+                self.kv_scales[j, 0] = pool.k_scales[i].data_ptr()
+                self.kv_scales[j, 1] = pool.v_scales[i].data_ptr()
         self._pool = pool
 
     def _aux_slot(self, aux_layers: tuple[int, ...]) -> torch.Tensor:
@@ -431,5 +446,5 @@ class _FusedX16:
                             self.cos, self.sin, fb.positions, fb.out_slots, table, rows,
                             seq_lens, hq, hkv, d, inter, self.sm_scale,
                             self._aux_slot(aux_layers), features, runs=self.runs, cfg=self.cfg,
-                            fcfg=self.fcfg, local_tables=self.local)
+                            fcfg=self.fcfg, local_tables=self.local, kv_scales=self.kv_scales)
         return x, features

@@ -372,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
         path's bf16 activations need for its output not to depend on the schedule."""
         if (not self.native_decode or fb.tree_mask is not None
                 or fb.input_ids.device.type != "cpu"
-                or pool.k_buffers[0].dtype not in (torch.float32, torch.bfloat16)):
+                or pool.k_buffers[0].dtype not in native.POOL_DTYPES):
             return None
         every = self.quant.deterministic
         if fb.custom_masks is not None:

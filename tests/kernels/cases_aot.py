@@ -41,12 +41,14 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) 
 
 
 def _attention_pointers(dtype: torch.dtype) -> dict[str, str]:
-    t = _TYPES[dtype]
+    # a quantized pool: bf16 queries and outputs, int8 codes or fp8 bytes in the pool
+    t = _TYPES.get(dtype, "bf16")
+    pool = {torch.int8: "i8", torch.float8_e4m3fn: "u8", torch.float8_e5m2: "u8"}.get(dtype, t)
     return {
-        "q": t, "k_pool": t, "v_pool": t, "out": t, "req_to_token": "i32",
+        "q": t, "k_pool": pool, "v_pool": pool, "out": t, "req_to_token": "i32",
         "req_pool_indices": "i64", "seq_lens": "i64", "prefix_lens": "i64",
         "extend_lens": "i64", "extend_starts": "i64", "tree_mask": "i8",
-        "mid_out": "fp32", "mid_lse": "fp32",
+        "mid_out": "fp32", "mid_lse": "fp32", "k_scale": "fp32", "v_scale": "fp32",
     }  # fmt: skip
 
 
@@ -113,6 +115,22 @@ def test_window_and_softcap_variants_compile(builder, dtype, head_dim, group, ca
     local layers) compile too, within the same shared memory."""
     kernel, pointers, constexprs = builder(dtype, head_dim, group, window=4096, softcap=50.0)
     assert constexprs["USE_WINDOW"] and constexprs["USE_SOFTCAP"]
+    src = ASTSource(kernel, _signature(kernel, pointers, constexprs), constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64))
+    assert len(compiled.asm["cubin"]) > 0
+    assert compiled.metadata.shared <= MAX_SHARED[capability]
+
+
+@pytest.mark.parametrize("capability", [90, 80])
+@pytest.mark.parametrize("builder", [_decode_split, _extend, _tree_verify],
+                         ids=lambda b: b.__name__.strip("_"))
+@pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["int8", "e4m3", "e5m2"])
+def test_quantized_pool_variants_compile(builder, pool_dtype, capability):
+    """The attention kernels over a quantized pool (codes, fp8 as bytes, and float32 scales;
+    bf16 dots) compile for the GPU too."""
+    kernel, pointers, constexprs = builder(pool_dtype, 128, 4)
+    assert constexprs["KV_KIND"] > 0
     src = ASTSource(kernel, _signature(kernel, pointers, constexprs), constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64))
     assert len(compiled.asm["cubin"]) > 0

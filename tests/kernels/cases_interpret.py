@@ -173,3 +173,62 @@ def test_bitmask_equals_reference(vocab, extra_words):
     triton_ops.apply_token_bitmask_(logits, bitmask)
     assert torch.equal(logits, want)
     assert torch.isneginf(logits).any() and torch.isfinite(logits[1]).all()
+
+
+# Quantized pools (int8, fp8 e4m3 / e5m2: codes and a float32 scale per slot and kv head):
+# the kernels read code * scale as the references do, with fp8 widened from its bytes.
+QUANT = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _quantized_pool(pool: _Pool, dtype: torch.dtype):
+    from sglang_like_kernels import kv_quant
+
+    # rows of very different magnitudes, as K after RoPE and V of different layers are
+    rows = torch.logspace(-2, 1, pool.k.shape[0])[:, None, None]
+    (k, ks), (v, vs) = (kv_quant.quantize(pool.k * rows, dtype),
+                        kv_quant.quantize(pool.v * rows.flip(0), dtype))
+    return k, v, {"k_scale": ks, "v_scale": vs}
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("window,softcap", [(None, None), (50, 30.0)])
+def test_quantized_pools_in_decode_extend_and_verify(dtype, window, softcap):
+    kw = {"window": window, "softcap": softcap}
+    lens = [1, 140, 70]
+    pool = _Pool(lens, 2, 64, F32, seed=3)
+    k, v, scales = _quantized_pool(pool, dtype)
+    q = pool.randn(3, 6, 64, dtype=F32)
+    args = (q, k, v, pool.table, pool.rows, torch.tensor(lens), 0.125)
+    _check(triton_ops.decode_attention(*args, num_splits=3, **scales, **kw),
+           reference.decode_attention(*args, **scales, **kw), F32)
+    prefix, extend = [0, 100, 30], [1, 40, 40]
+    qe = pool.randn(81, 6, 64, dtype=F32)
+    args = (qe, k, v, pool.table, pool.rows, torch.tensor(prefix), torch.tensor(extend), 0.125)
+    _check(triton_ops.extend_attention(*args, **scales, **kw),
+           reference.extend_attention(*args, **scales, **kw), F32)
+    tree = _random_tree_mask(3, 5, pool.gen)
+    qt = pool.randn(15, 6, 64, dtype=F32)
+    args = (qt, k, v, pool.table, pool.rows, torch.tensor([0, 120, 60]), tree, 0.125)
+    _check(triton_ops.tree_verify_attention(*args, **scales, **kw),
+           reference.tree_verify_attention(*args, **scales, **kw), F32)
+    with pytest.raises(ValueError, match="needs its scales"):
+        triton_ops.decode_attention(q, k, v, pool.table, pool.rows, torch.tensor(lens), 0.125)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_store_kv_into_a_quantized_pool_is_the_references_codes(dtype):
+    from sglang_like_kernels import kv_quant
+
+    gen = torch.Generator().manual_seed(7)
+    pools = [torch.zeros(40, 2, 64, dtype=dtype) for _ in range(4)]
+    scales = [torch.full((40, 2), float("nan")) for _ in range(4)]
+    slots = torch.randperm(39, generator=gen)[:11] + 1
+    qkv = torch.randn(11, 3, 2, 64, generator=gen) * 5
+    triton_ops.store_kv(pools[0], pools[1], slots, qkv[:, 1], qkv[:, 2], scales[0], scales[1])
+    reference.store_kv(pools[2], pools[3], slots, qkv[:, 1], qkv[:, 2], scales[2], scales[3])
+    for a, b in ((0, 2), (1, 3)):
+        assert torch.equal(kv_quant.as_bytes(pools[a]), kv_quant.as_bytes(pools[b]))
+        assert torch.equal(scales[a][slots], scales[b][slots])
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert scales[0][untouched].isnan().all()

@@ -356,7 +356,8 @@ def test_attention_layer_passes_its_window_and_cap(kind):
                  out_slots=torch.cat([pool.table[rows[0], 12:20], pool.table[rows[1], :9]]).long())
     t = sum(extend)
     q, k, v = pool.randn(t, 4, head_dim), pool.randn(t, 2, head_dim), pool.randn(t, 2, head_dim)
-    kv = SimpleNamespace(k_buffers={3: pool.k}, v_buffers={3: pool.v})
+    kv = SimpleNamespace(k_buffers={3: pool.k}, v_buffers={3: pool.v}, k_scales=None,
+                         v_scales=None)
     out = Attention(3, 0.6, window=window, softcap=softcap)(q, k, v, fb, kv)
     assert torch.equal(pool.k[fb.out_slots], k) and torch.equal(pool.v[fb.out_slots], v)
     _check_extend(out, q, pool, prefix, extend, 0.6, window, softcap)

@@ -1,4 +1,5 @@
-// Decode attention over the slot-addressed KV pool (fp32 or bf16): RoPE on q/k of a fused
+// Decode attention over the slot-addressed KV pool (fp32, bf16, or 8-bit codes with a float32
+// scale per slot and kv head: int8, fp8 e4m3, fp8 e5m2; ops.h's KV_*): RoPE on q/k of a fused
 // qkv row, k/v stored into the pool, then each query row attends to the first seq_len slots of
 // its row of a key table (a request's own row for a decode; one row per query for a
 // speculative verify, see native_decode.masked_rows). What the model families add: q/k norms
@@ -16,13 +17,94 @@
 #include "ops.h"
 #include "simd.h"
 
-// 8 lanes of a pool row at element offset `off` (fp32, or bf16 widened)
-static inline __m256 load8(const void *base, int bf16, int64_t off) {
-    if (bf16) {
+static inline int64_t kv_elem_bytes(int kind) {
+    return kind == KV_F32 ? 4 : (kind == KV_BF16 ? 2 : 1);
+}
+
+// 8 lanes of a pool row at element offset `off`: fp32, bf16 widened, or 8-bit codes as floats
+// (not yet times their row's scale). fp8 codes are widened by moving their exponent and
+// mantissa bits into a float's place and multiplying by 2^(127 - bias): exact for every code,
+// subnormals included (no flush-to-zero here), in 4 integer ops and a multiply; kind is a
+// constant at every call, so each kernel below is compiled for one kind.
+static inline __m256 load8(const void *base, int kind, int64_t off) {
+    if (kind == KV_F32) return _mm256_loadu_ps((const float *)base + off);
+    if (kind == KV_BF16) {
         const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
-    return _mm256_loadu_ps((const float *)base + off);
+    const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + off));
+    if (kind == KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256i u = _mm256_cvtepu8_epi32(b);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7F));
+    if (kind == KV_E4M3)
+        return _mm256_mul_ps(
+            _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(mag, 20), sign)),
+            _mm256_set1_ps(0x1p120f));
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(mag, 21), sign)),
+                         _mm256_set1_ps(0x1p112f));
+}
+
+// float -> fp8, rounded to nearest even as torch's casts are: e4m3fn saturates at 448 (no
+// infinities; NaN 0x7F), e5m2 overflows to infinity. The stored values are within the range
+// (scaled by the row's maximum), so the edges never meet a real row.
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return 0x7F;
+    if (u > 0x43E00000u) return sign | 0x7E;  // above 448: torch saturates
+    if (u < 0x3C800000u) {                     // below 2^-6: a multiple of 2^-9
+        float a;
+        memcpy(&a, &u, 4);
+        return sign | (uint8_t)nearbyintf(a * 512.0f);
+    }
+    u += 0x7FFFFu + ((u >> 20) & 1u);  // keep 3 mantissa bits, ties to even
+    return sign | (uint8_t)((u >> 20) - (120u << 3));
+}
+
+static inline uint8_t f32_to_e5m2(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return 0x7F;
+    if (u >= 0x47800000u) return sign | 0x7C;  // 2^16 and up: infinity
+    if (u < 0x38800000u) {                     // below 2^-14: a multiple of 2^-16
+        float a;
+        memcpy(&a, &u, 4);
+        return sign | (uint8_t)nearbyintf(a * 65536.0f);
+    }
+    u += 0xFFFFFu + ((u >> 21) & 1u);  // keep 2 mantissa bits, ties to even
+    return sign | (uint8_t)((u >> 21) - (112u << 2));
+}
+
+// One kv head's row x [D] into the pool at row `row` (slot * Hkv + head): fp32 / bf16 as it
+// is, or codes and scale as kv_quant.quantize makes them (scale = max|x| / QMAX, codes =
+// x / scale rounded to nearest even), the same bits: float32 division in both.
+static inline void store_kv_row(void *pool, float *scales, int kind, int64_t row, int64_t D,
+                                const float *x) {
+    if (kind == KV_F32 || kind == KV_BF16) {
+        store_row(pool, kind, row * D, (int)D, x);
+        return;
+    }
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float scale = amax / (kind == KV_I8 ? 127.0f : (kind == KV_E4M3 ? 448.0f : 57344.0f));
+    scales[row] = scale;
+    const float div = scale > 0.0f ? scale : 1.0f;
+    uint8_t *dst = (uint8_t *)pool + row * D;
+    for (int64_t d = 0; d < D; d++) {
+        const float y = x[d] / div;
+        if (kind == KV_I8) {
+            float r = nearbyintf(y);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            dst[d] = (uint8_t)(int8_t)r;
+        } else {
+            dst[d] = kind == KV_E4M3 ? f32_to_e4m3(y) : f32_to_e5m2(y);
+        }
+    }
 }
 
 // Keys are gathered by slot: a request's slots are scattered over the pool once requests come
@@ -31,14 +113,16 @@ static inline __m256 load8(const void *base, int bf16, int64_t off) {
 // has what it saved).
 #define KV_PREFETCH 8
 
-static inline void prefetch_row(const void *base, int bf16, int64_t off, int64_t D) {
-    const char *p = (const char *)base + off * (bf16 ? 2 : 4);
-    for (int64_t b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+static inline void prefetch_row(const void *base, int kind, int64_t off, int64_t D) {
+    const int64_t eb = kv_elem_bytes(kind);
+    const char *p = (const char *)base + off * eb;
+    for (int64_t b = 0; b < D * eb; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-static inline void prefetch_row_l2(const void *base, int bf16, int64_t off, int64_t n) {
-    const char *p = (const char *)base + off * (bf16 ? 2 : 4);
-    for (int64_t b = 0; b < n * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+static inline void prefetch_row_l2(const void *base, int kind, int64_t off, int64_t n) {
+    const int64_t eb = kv_elem_bytes(kind);
+    const char *p = (const char *)base + off * eb;
+    for (int64_t b = 0; b < n * eb; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 // the four lane sums of a, b, c, d
@@ -51,38 +135,48 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 // Attention of the G query heads that read kv head g (GQA) over keys [t0, t1): for each head,
 // its chunk's max score, sum of exp(score - max) and acc [D] = sum exp(score - max) * v, with
-// each key and value row loaded (and widened from bf16) once for the G heads. Every head's
+// each key and value row loaded (and widened to float) once for the G heads. Every head's
 // sums run in the same order whatever G is. q: the G heads' queries [G, D]; scores
 // [G, KV_CHUNK]; part: head j's (max, sum, acc) at part + j * part_stride. D a multiple of 8.
 // softcap > 0: each score becomes softcap * tanh(score / softcap) before the max.
-#define ATTEND_GROUP(G)                                                                        \
-    static void attend_group_##G(const float *q, const int32_t *slots, int64_t t0, int64_t t1,  \
-                                 const void *k_pool, const void *v_pool, int bf16, int64_t Hkv, \
-                                 int64_t g, int64_t D, float sm_scale, float softcap,           \
-                                 float *scores, float *part, int64_t part_stride, int pf_all) { \
+// One function per G and pool kind (KIND a constant). A quantized pool's dots run on the
+// codes as floats, then one multiply per key brings in its scale: k_scale into the score
+// (with sm_scale), v_scale into the weight of its value row; ksc / vsc [S, Hkv] (unused for
+// fp32 and bf16, whose code is what it was before quantized pools).
+#define ATTEND_GROUP(G, KIND, NAME)                                                             \
+    static void attend_group_##G##_##NAME(                                                      \
+        const float *q, const int32_t *slots, int64_t t0, int64_t t1, const void *k_pool,       \
+        const void *v_pool, const float *ksc, const float *vsc, int64_t Hkv, int64_t g,         \
+        int64_t D, float sm_scale, float softcap, float *scores, float *part,                   \
+        int64_t part_stride, int pf_all) {                                                      \
+        const int kind = KIND, quant = KIND >= KV_I8;                                           \
         const int64_t n = t1 - t0;                                                              \
         int64_t t = 0;                                                                          \
         for (; t + 4 <= n; t += 4) {                                                            \
             for (int64_t u = t + KV_PREFETCH; u < t + KV_PREFETCH + 4 && u < n; u++) {          \
-                const int64_t ou = ((int64_t)slots[t0 + u] * Hkv + g) * D;                      \
-                prefetch_row(k_pool, bf16, ou, D);                                              \
-                prefetch_row(v_pool, bf16, ou, D);                                              \
+                const int64_t ru = (int64_t)slots[t0 + u] * Hkv + g, ou = ru * D;               \
+                prefetch_row(k_pool, kind, ou, D);                                              \
+                prefetch_row(v_pool, kind, ou, D);                                              \
+                if (quant) {                                                                    \
+                    _mm_prefetch((const char *)(ksc + ru), _MM_HINT_T0);                        \
+                    _mm_prefetch((const char *)(vsc + ru), _MM_HINT_T0);                        \
+                }                                                                               \
                 if (pf_all) {                                                                   \
                     const int64_t row0 = (int64_t)slots[t0 + u] * Hkv * D;                      \
-                    prefetch_row_l2(k_pool, bf16, row0, Hkv * D);                               \
-                    prefetch_row_l2(v_pool, bf16, row0, Hkv * D);                               \
+                    prefetch_row_l2(k_pool, kind, row0, Hkv * D);                               \
+                    prefetch_row_l2(v_pool, kind, row0, Hkv * D);                               \
                 }                                                                               \
             }                                                                                   \
-            const int64_t o0 = ((int64_t)slots[t0 + t] * Hkv + g) * D;                          \
-            const int64_t o1 = ((int64_t)slots[t0 + t + 1] * Hkv + g) * D;                      \
-            const int64_t o2 = ((int64_t)slots[t0 + t + 2] * Hkv + g) * D;                      \
-            const int64_t o3 = ((int64_t)slots[t0 + t + 3] * Hkv + g) * D;                      \
+            const int64_t r0 = (int64_t)slots[t0 + t] * Hkv + g, o0 = r0 * D;                   \
+            const int64_t r1 = (int64_t)slots[t0 + t + 1] * Hkv + g, o1 = r1 * D;               \
+            const int64_t r2 = (int64_t)slots[t0 + t + 2] * Hkv + g, o2 = r2 * D;               \
+            const int64_t r3 = (int64_t)slots[t0 + t + 3] * Hkv + g, o3 = r3 * D;               \
             __m256 a[G][4];                                                                     \
             for (int j = 0; j < G; j++)                                                         \
                 a[j][0] = a[j][1] = a[j][2] = a[j][3] = _mm256_setzero_ps();                    \
             for (int64_t d = 0; d < D; d += 8) {                                                \
-                const __m256 k0 = load8(k_pool, bf16, o0 + d), k1 = load8(k_pool, bf16, o1 + d); \
-                const __m256 k2 = load8(k_pool, bf16, o2 + d), k3 = load8(k_pool, bf16, o3 + d); \
+                const __m256 k0 = load8(k_pool, kind, o0 + d), k1 = load8(k_pool, kind, o1 + d); \
+                const __m256 k2 = load8(k_pool, kind, o2 + d), k3 = load8(k_pool, kind, o3 + d); \
                 for (int j = 0; j < G; j++) {                                                   \
                     const __m256 qv = _mm256_loadu_ps(q + j * D + d);                           \
                     a[j][0] = _mm256_fmadd_ps(qv, k0, a[j][0]);                                 \
@@ -91,23 +185,26 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
                     a[j][3] = _mm256_fmadd_ps(qv, k3, a[j][3]);                                 \
                 }                                                                               \
             }                                                                                   \
+            __m128 mul = _mm_set1_ps(sm_scale);                                                 \
+            if (quant)                                                                          \
+                mul = _mm_mul_ps(mul, _mm_set_ps(ksc[r3], ksc[r2], ksc[r1],                     \
+                                                 ksc[r0]));                                     \
             for (int j = 0; j < G; j++)                                                         \
                 _mm_storeu_ps(scores + j * KV_CHUNK + t,                                        \
-                              _mm_mul_ps(hsum4(a[j][0], a[j][1], a[j][2], a[j][3]),             \
-                                         _mm_set1_ps(sm_scale)));                               \
+                              _mm_mul_ps(hsum4(a[j][0], a[j][1], a[j][2], a[j][3]), mul));      \
         }                                                                                       \
         for (; t < n; t++) {                                                                    \
-            const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D;                           \
+            const int64_t r = (int64_t)slots[t0 + t] * Hkv + g, o = r * D;                      \
             __m256 a[G];                                                                        \
             for (int j = 0; j < G; j++) a[j] = _mm256_setzero_ps();                             \
             for (int64_t d = 0; d < D; d += 8) {                                                \
-                const __m256 kv = load8(k_pool, bf16, o + d);                                   \
+                const __m256 kv = load8(k_pool, kind, o + d);                                   \
                 for (int j = 0; j < G; j++)                                                     \
                     a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + d), kv, a[j]);           \
             }                                                                                   \
+            const float mul = quant ? sm_scale * ksc[r] : sm_scale;                             \
             for (int j = 0; j < G; j++)                                                         \
-                scores[j * KV_CHUNK + t] =                                                      \
-                    _mm_cvtss_f32(hsum4(a[j], a[j], a[j], a[j])) * sm_scale;                    \
+                scores[j * KV_CHUNK + t] = _mm_cvtss_f32(hsum4(a[j], a[j], a[j], a[j])) * mul;  \
         }                                                                                       \
         for (int j = 0; j < G; j++) {                                                           \
             float *sc = scores + j * KV_CHUNK, mx = -INFINITY;                                  \
@@ -122,11 +219,13 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
             for (int j = 0; j < G; j++)                                                         \
                 acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = _mm256_setzero_ps();            \
             for (t = 0; t < n; t++) {                                                           \
-                const int64_t o = ((int64_t)slots[t0 + t] * Hkv + g) * D + d0;                  \
-                const __m256 v0 = load8(v_pool, bf16, o), v1 = load8(v_pool, bf16, o + 8);      \
-                const __m256 v2 = load8(v_pool, bf16, o + 16), v3 = load8(v_pool, bf16, o + 24); \
+                const int64_t r = (int64_t)slots[t0 + t] * Hkv + g, o = r * D + d0;             \
+                const __m256 v0 = load8(v_pool, kind, o), v1 = load8(v_pool, kind, o + 8);      \
+                const __m256 v2 = load8(v_pool, kind, o + 16), v3 = load8(v_pool, kind, o + 24); \
+                const float vs = quant ? vsc[r] : 1.0f;                                         \
                 for (int j = 0; j < G; j++) {                                                   \
-                    const __m256 p = _mm256_set1_ps(scores[j * KV_CHUNK + t]);                  \
+                    const float w = scores[j * KV_CHUNK + t];                                   \
+                    const __m256 p = _mm256_set1_ps(quant ? w * vs : w);                        \
                     acc[j][0] = _mm256_fmadd_ps(p, v0, acc[j][0]);                              \
                     acc[j][1] = _mm256_fmadd_ps(p, v1, acc[j][1]);                              \
                     acc[j][2] = _mm256_fmadd_ps(p, v2, acc[j][2]);                              \
@@ -137,37 +236,50 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
                 for (int i = 0; i < 4; i++)                                                     \
                     _mm256_storeu_ps(part + j * part_stride + 2 + d0 + 8 * i, acc[j][i]);       \
         }                                                                                       \
-        for (; d0 < D; d0 += 8) { /* a head size not a multiple of 32 */                       \
+        for (; d0 < D; d0 += 8) { /* a head size not a multiple of 32 */                        \
             __m256 acc[G];                                                                      \
             for (int j = 0; j < G; j++) acc[j] = _mm256_setzero_ps();                           \
             for (t = 0; t < n; t++) {                                                           \
-                const __m256 v = load8(v_pool, bf16, ((int64_t)slots[t0 + t] * Hkv + g) * D + d0); \
-                for (int j = 0; j < G; j++)                                                     \
-                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(scores[j * KV_CHUNK + t]), v, acc[j]); \
+                const int64_t r = (int64_t)slots[t0 + t] * Hkv + g, o = r * D + d0;             \
+                const __m256 v = load8(v_pool, kind, o);                                        \
+                const float vs = quant ? vsc[r] : 1.0f;                                         \
+                for (int j = 0; j < G; j++) {                                                   \
+                    const float w = scores[j * KV_CHUNK + t];                                   \
+                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(quant ? w * vs : w), v, acc[j]);    \
+                }                                                                               \
             }                                                                                   \
             for (int j = 0; j < G; j++) _mm256_storeu_ps(part + j * part_stride + 2 + d0, acc[j]); \
         }                                                                                       \
     }
-ATTEND_GROUP(1)
-ATTEND_GROUP(2)
-ATTEND_GROUP(3)
-ATTEND_GROUP(4)
 
-// heads [h0, h0 + G) of kv head g, G <= 4 (see ATTEND_GROUP)
+#define ATTEND_KINDS(G)                                                                         \
+    ATTEND_GROUP(G, KV_F32, f32)                                                                \
+    ATTEND_GROUP(G, KV_BF16, bf16)                                                              \
+    ATTEND_GROUP(G, KV_I8, i8)                                                                  \
+    ATTEND_GROUP(G, KV_E4M3, e4m3)                                                              \
+    ATTEND_GROUP(G, KV_E5M2, e5m2)
+ATTEND_KINDS(1)
+ATTEND_KINDS(2)
+ATTEND_KINDS(3)
+ATTEND_KINDS(4)
+
+typedef void (*attend_fn)(const float *, const int32_t *, int64_t, int64_t, const void *,
+                          const void *, const float *, const float *, int64_t, int64_t, int64_t,
+                          float, float, float *, float *, int64_t, int);
+#define ATTEND_ROW(G)                                                                           \
+    {attend_group_##G##_f32, attend_group_##G##_bf16, attend_group_##G##_i8,                    \
+     attend_group_##G##_e4m3, attend_group_##G##_e5m2}
+static const attend_fn ATTEND_FNS[4][KV_KINDS] = {ATTEND_ROW(1), ATTEND_ROW(2), ATTEND_ROW(3),
+                                                  ATTEND_ROW(4)};
+
+// heads [h0, h0 + G) of kv head g, G <= 4, over a pool of `kind` (see ATTEND_GROUP)
 static void attend_group(int G, const float *q, const int32_t *slots, int64_t t0, int64_t t1,
-                         const void *k_pool, const void *v_pool, int bf16, int64_t Hkv,
-                         int64_t g, int64_t D, float sm_scale, float softcap, float *scores,
-                         float *part, int64_t part_stride, int pf_all) {
-    switch (G) {
-        case 1: attend_group_1(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
-                               softcap, scores, part, part_stride, pf_all); break;
-        case 2: attend_group_2(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
-                               softcap, scores, part, part_stride, pf_all); break;
-        case 3: attend_group_3(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
-                               softcap, scores, part, part_stride, pf_all); break;
-        default: attend_group_4(q, slots, t0, t1, k_pool, v_pool, bf16, Hkv, g, D, sm_scale,
-                                softcap, scores, part, part_stride, pf_all); break;
-    }
+                         const void *k_pool, const void *v_pool, int kind, const float *ksc,
+                         const float *vsc, int64_t Hkv, int64_t g, int64_t D, float sm_scale,
+                         float softcap, float *scores, float *part, int64_t part_stride,
+                         int pf_all) {
+    ATTEND_FNS[(G < 4 ? G : 4) - 1][kind](q, slots, t0, t1, k_pool, v_pool, ksc, vsc, Hkv, g, D,
+                                          sm_scale, softcap, scores, part, part_stride, pf_all);
 }
 
 // rotate-half RoPE of one head: out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin_signed[i],
@@ -290,8 +402,8 @@ size_t attn_thread_floats(const attn_plan *p) {
 // so every new k/v is in the pool before any query reads it); q and k first normed as `qk`
 // says, and not rotated where it has no table. tmp: attn_thread_floats.
 void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, const attn_qk *qk,
-                          const int64_t *positions, void *k_pool, void *v_pool, int pool_bf16,
-                          const int64_t *out_slots, float *tmp) {
+                          const int64_t *positions, void *k_pool, void *v_pool, int pool_kind,
+                          float *k_scale, float *v_scale, const int64_t *out_slots, float *tmp) {
     const int64_t Hq = p->Hq, Hkv = p->Hkv, D = p->D, row = (Hq + 2 * Hkv) * D;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < p->B; b++) {
@@ -309,8 +421,9 @@ void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, con
         if (!qk->cos) {  // no rotation: q as it is, k stored as it is
             memcpy(p->q_all + b * Hq * D, buf, sizeof(float) * (size_t)(Hq * D));
             for (int64_t h = 0; h < Hkv; h++) {
-                store_row(k_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, buf + (Hq + h) * D);
-                store_row(v_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, buf + (Hq + Hkv + h) * D);
+                store_kv_row(k_pool, k_scale, pool_kind, slot * Hkv + h, D, buf + (Hq + h) * D);
+                store_kv_row(v_pool, v_scale, pool_kind, slot * Hkv + h, D,
+                             buf + (Hq + Hkv + h) * D);
             }
             continue;
         }
@@ -320,8 +433,8 @@ void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, con
         float *rot = buf + row;
         for (int64_t h = 0; h < Hkv; h++) {
             rope_head(buf + (Hq + h) * D, c, s, (int)D, rot);
-            store_row(k_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, rot);
-            store_row(v_pool, pool_bf16, (slot * Hkv + h) * D, (int)D, buf + (Hq + Hkv + h) * D);
+            store_kv_row(k_pool, k_scale, pool_kind, slot * Hkv + h, D, rot);
+            store_kv_row(v_pool, v_scale, pool_kind, slot * Hkv + h, D, buf + (Hq + Hkv + h) * D);
         }
     }
 }
@@ -330,7 +443,8 @@ void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, con
 // in chunks of KV_CHUNK keys from lo (`omp for` items: request, kv head, set of up to 4 of its
 // query heads, chunk), then each head's chunks merged into out [B, Hq * D].
 void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool,
-                      int pool_bf16, const int32_t *table, int64_t ld_table,
+                      int pool_kind, const float *k_scale, const float *v_scale,
+                      const int32_t *table, int64_t ld_table,
                       const int64_t *rows, const int64_t *seq_lens, float sm_scale,
                       float softcap, void *out, int out_bf16, float *tmp) {
     const int64_t Hq = p->Hq, Hkv = p->Hkv, D = p->D, row = (Hq + 2 * Hkv) * D;
@@ -360,7 +474,8 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
                 const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
                 float *part = p->partials + (p->item_start[b] + h0 * nchb + c) * (D + 2);
                 const float *q = p->q_all + (b * Hq + h0) * D;
-                attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_bf16, Hkv, g, D,
+                attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_kind, k_scale,
+                             v_scale, Hkv, g, D,
                              sm_scale, softcap, scores, part, nchb * (D + 2), prefetch);
                 prefetch = 0;
             }
@@ -398,12 +513,14 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
 // allocated.
 int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, int64_t Hkv,
                           int64_t D, const float *cos_tab, const float *sin_tab,
-                          const int64_t *positions, void *k_pool, void *v_pool, int pool_bf16,
+                          const int64_t *positions, void *k_pool, void *v_pool, int pool_kind,
                           const int64_t *out_slots, const int32_t *req_to_token, int64_t ld_r2t,
                           const int64_t *req_pool_indices, const int64_t *seq_lens,
                           float sm_scale, void *out, int out_bf16, int64_t window,
                           float softcap, int qk_norm, const float *q_norm, const float *k_norm,
-                          float qk_eps) {
+                          float qk_eps, float *k_scale, float *v_scale) {
+    if (pool_kind < 0 || pool_kind >= KV_KINDS || (pool_kind >= KV_I8 && (!k_scale || !v_scale)))
+        return -2;
     attn_plan plan;
     if (attn_plan_init(&plan, B, Hq, Hkv, D, req_to_token, ld_r2t, req_pool_indices, seq_lens,
                        window) != 0)
@@ -419,9 +536,9 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
 #pragma omp parallel num_threads(threads)
     {
         float *mine = tmp + per_thread * (size_t)omp_get_thread_num();
-        attn_rope_store_team(&plan, qkv, qkv_bf16, &qk, positions, k_pool, v_pool, pool_bf16,
-                             out_slots, mine);
-        attn_attend_team(&plan, k_pool, v_pool, pool_bf16, req_to_token, ld_r2t,
+        attn_rope_store_team(&plan, qkv, qkv_bf16, &qk, positions, k_pool, v_pool, pool_kind,
+                             k_scale, v_scale, out_slots, mine);
+        attn_attend_team(&plan, k_pool, v_pool, pool_kind, k_scale, v_scale, req_to_token, ld_r2t,
                          req_pool_indices, seq_lens, sm_scale, softcap, out, out_bf16, mine);
     }
     free(tmp);

@@ -14,7 +14,8 @@
 // Every phase is the per-op path's own code (ops.h), so the two paths give the same bits.
 // Linears are x16-packed int4 (q4_rows.c), or (with `runs`) GGUF types packed for kquants.c,
 // a linear being up to DS_RUNS runs of output rows of one kind each; no bias; activations and
-// the residual stream float32; the KV pool float32 or bfloat16.
+// the residual stream float32; the KV pool float32, bfloat16 or 8-bit codes with scales
+// (ops.h's KV_* kinds; kv_scales [L][2] their addresses).
 
 #include <omp.h>
 #include <stdint.h>
@@ -81,19 +82,21 @@ static void linear_team(const int64_t *runs, const uint8_t *x16, int64_t N, int6
 // layer uses it). Attention: query row t reads slots [lo, seq_lens[t]) of table[rows[t]]
 // (ld_table int32 per row; lo from the layer's window); its new k/v go to out_slots[t] at
 // positions[t]. aux_slot [L]: -1, or where the residual entering the layer goes in features
-// [T, n_aux * H] (EAGLE-3's capture). Returns 0; -1 when scratch memory could not be
+// [T, n_aux * H] (EAGLE-3's capture). pool_kind: ops.h's KV_*; kv_scales [L, 2] (NULL for a
+// float pool): each layer's K and V scale addresses ([S, Hkv] float32). Returns 0; -1 when scratch memory could not be
 // allocated; -2 for shapes or settings the kernels do not take.
 int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
-                    int64_t I, float *x, const int64_t *ptrs, float eps, int pool_bf16,
+                    int64_t I, float *x, const int64_t *ptrs, float eps, int pool_kind,
                     const float *cos_tab, const float *sin_tab, const float *cos_local,
                     const float *sin_local, const int64_t *positions,
                     const int64_t *out_slots, const int32_t *table, int64_t ld_table,
                     const int64_t *rows, const int64_t *seq_lens, const int64_t *cfg,
                     const float *fcfg, const int64_t *aux_slot, int64_t n_aux, float *features,
-                    const int64_t *runs) {
+                    const int64_t *runs, const int64_t *kv_scales) {
     const int64_t nqkv = (Hq + 2 * Hkv) * D, hqd = Hq * D;
     if (T <= 0 || L <= 0 || H % XQK || hqd % XQK || I % XQK || nqkv % 16 || H % 16 ||
-        (2 * I) % 16 || Hkv <= 0 || Hq % Hkv || D % 8)
+        (2 * I) % 16 || Hkv <= 0 || Hq % Hkv || D % 8 || pool_kind < 0 ||
+        pool_kind >= KV_KINDS || (pool_kind >= KV_I8 && !kv_scales))
         return -2;
     // one attention plan per distinct window (which keys each row reads), shared by its layers
     int64_t windows[DS_PLANS];
@@ -162,6 +165,8 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
             const uint8_t *w_gu = (const uint8_t *)p[P_GATE_UP];
             const uint8_t *w_down = (const uint8_t *)p[P_DOWN];
             void *k_pool = (void *)p[P_K], *v_pool = (void *)p[P_V];
+            float *k_scale = kv_scales ? (float *)kv_scales[2 * l] : NULL;
+            float *v_scale = kv_scales ? (float *)kv_scales[2 * l + 1] : NULL;
             const float scale = fc[F_RESIDUAL_SCALE];
             const attn_qk qk = {
                 c[C_ROPE] == ROPE_NONE ? NULL : (c[C_ROPE] == ROPE_LOCAL ? cos_local : cos_tab),
@@ -182,9 +187,10 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                 }
             }
             linear_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv);
-            attn_rope_store_team(plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_bf16,
-                                 out_slots, tmp);
-            attn_attend_team(plan, k_pool, v_pool, pool_bf16, table, ld_table, rows, seq_lens,
+            attn_rope_store_team(plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_kind,
+                                 k_scale, v_scale, out_slots, tmp);
+            attn_attend_team(plan, k_pool, v_pool, pool_kind, k_scale, v_scale, table, ld_table,
+                             rows, seq_lens,
                              fc[F_SM_SCALE], fc[F_SOFTCAP], att, 0, tmp);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) quantize_row(&a, att + t * hqd, hqd, t);

@@ -165,10 +165,11 @@ int eagle_head_x16(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int
             quantize(q, e, S, xin + t * 2 * H, 2 * H, t);
         }
         q4_x16_matmul_team((const uint8_t *)ptrs[E_QKV], nqkv, 2 * H, q, e, S, T, qkv, nqkv);
-        attn_rope_store_team(&plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_bf16,
+        attn_rope_store_team(&plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_bf16, NULL,
+                             NULL,
                              out_slots, tmp);
-        attn_attend_team(&plan, k_pool, v_pool, pool_bf16, table, ld_table, rows, seq_lens,
-                         sm_scale, 0.0f, att, 0, tmp);
+        attn_attend_team(&plan, k_pool, v_pool, pool_bf16, NULL, NULL, table, ld_table, rows,
+                         seq_lens, sm_scale, 0.0f, att, 0, tmp);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) quantize(q, e, S, att + t * hqd, hqd, t);
         q4_x16_matmul_team((const uint8_t *)ptrs[E_O], H, hqd, q, e, S, T, proj, H);

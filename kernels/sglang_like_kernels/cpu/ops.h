@@ -69,12 +69,19 @@ typedef struct {
     float eps;
 } attn_qk;
 
+// The KV pool's element kinds (pool_kind; 0 and 1 are the older bf16 flag's values): float32,
+// bfloat16, or 8-bit codes with a float32 scale per (slot, kv head) in k_scale / v_scale
+// [S, Hkv] (kv_quant.py: scale = max|x| / 127, 448 or 57344; code = x / scale rounded).
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_E4M3 = 3, KV_E5M2 = 4, KV_KINDS = 5 };
+
+// k_scale / v_scale: unused (NULL) unless pool_kind is a quantized kind
 void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, const attn_qk *qk,
-                          const int64_t *positions, void *k_pool, void *v_pool, int pool_bf16,
-                          const int64_t *out_slots, float *tmp);
+                          const int64_t *positions, void *k_pool, void *v_pool, int pool_kind,
+                          float *k_scale, float *v_scale, const int64_t *out_slots, float *tmp);
 // softcap: scores -> softcap * tanh(scores / softcap) (0: none)
 void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool,
-                      int pool_bf16, const int32_t *table, int64_t ld_table,
+                      int pool_kind, const float *k_scale, const float *v_scale,
+                      const int32_t *table, int64_t ld_table,
                       const int64_t *rows, const int64_t *seq_lens, float sm_scale,
                       float softcap, void *out, int out_bf16, float *tmp);
 

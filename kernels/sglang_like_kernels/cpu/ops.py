@@ -1,8 +1,9 @@
 """torch-facing wrappers of the fused decode-step ops in ops.c (CPU tensors only).
 
 Each takes and returns contiguous CPU tensors; activations are float32 or bfloat16 as the
-caller's next matmul wants (`out_dtype`), the residual stream is float32, the KV pool float32
-or bfloat16. They are the model's decode path when `sglang_like_kernels.cpu.available()`.
+caller's next matmul wants (`out_dtype`), the residual stream is float32, the KV pool float32,
+bfloat16, or 8-bit codes (int8, fp8 e4m3 / e5m2) with float32 scales per slot and kv head
+beside it (`sglang_like_kernels.kv_quant`). They are the model's decode path when `sglang_like_kernels.cpu.available()`.
 """
 
 from __future__ import annotations
@@ -11,14 +12,41 @@ import torch
 
 from sglang_like_kernels.cpu import _lib
 
-__all__ = ["act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope", "decode_step_x16",
-           "eagle_head_x16", "residual_norm", "rmsnorm", "silu_mul"]
+__all__ = ["POOL_KINDS", "act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope", "decode_step_x16",
+           "eagle_head_x16", "pool_kind", "residual_norm", "rmsnorm",
+           "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
 # the C side's codes (ops.h, decode_step.c) of a layer description's values (layers/decoder.py)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 QK_NORMS = {None: 0, "head": 1, "full": 2}
 ROPES = {"global": 0, "local": 1, "none": 2}
+
+
+# attention.c's pool kinds (ops.h KV_*): float32 and bfloat16 keep the older flag's values
+POOL_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3,
+              torch.float8_e5m2: 4}
+
+
+def pool_kind(dtype: torch.dtype) -> int:
+    try:
+        return POOL_KINDS[dtype]
+    except KeyError:
+        raise TypeError(f"the native KV pool is float32, bfloat16, int8 or fp8, not {dtype}"
+                        ) from None
+
+
+def _scales(pool: torch.Tensor, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> tuple[int | None, int | None]:
+    """The scale addresses a pool of pool.dtype needs (None for a float pool), checked."""
+    if pool_kind(pool.dtype) < 2:
+        return None, None
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if (t is None or t.dtype != torch.float32 or not t.is_contiguous()
+                or tuple(t.shape) != tuple(pool.shape[:2])):
+            raise TypeError(f"a {pool.dtype} pool needs {name}: contiguous float32 "
+                            f"{tuple(pool.shape[:2])}")
+    return k_scale.data_ptr(), v_scale.data_ptr()
 
 
 def _flag(dtype: torch.dtype) -> int:
@@ -126,14 +154,17 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
                           window: int | None = None, softcap: float | None = None,
                           qk_norm: str | None = None, q_norm: torch.Tensor | None = None,
                           k_norm: torch.Tensor | None = None,
-                          qk_eps: float = 0.0) -> torch.Tensor:
+                          qk_eps: float = 0.0, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step's attention from the fused qkv [B, (Hq + 2 Hkv) * D]: RoPE on q and k
     (tables [P, D]: [cos, cos] and [-sin, sin] rows; None: no rotation), k/v stored at
     `out_slots`, then each query over its request's first seq_len slots. Returns [B, Hq * D]
     in out_dtype. `window`: a query reads only the last `window` of its seq_len slots;
     `softcap`: scores -> cap * tanh(scores / cap); `qk_norm` "head" or "full" with float32
     weights q_norm / k_norm ([D], or [Hq D] / [Hkv D]) and eps `qk_eps`: q and k RMS-normed
-    before RoPE (per head, or over all of a token's q / k rows)."""
+    before RoPE (per head, or over all of a token's q / k rows). A quantized pool (int8 /
+    fp8 codes) comes with its scales `k_scale` / `v_scale` [S, Hkv] float32: the new rows are
+    quantized as kv_quant.quantize does, bit for bit, and every key read as code * scale."""
     qkv = qkv.contiguous()
     b = qkv.shape[0]
     out = torch.empty(b, num_heads * head_dim, dtype=out_dtype)
@@ -151,15 +182,17 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
                 raise TypeError(f"{name} must be a contiguous float32 weight of {n}")
     if (cos_table is None) != (sin_table is None):
         raise ValueError("RoPE takes both tables or neither")
+    k_scale_ptr, v_scale_ptr = _scales(k_pool, k_scale, v_scale)
     rc = _lib(None).decode_attention_rope(
         qkv.data_ptr(), _flag(qkv.dtype), b, num_heads, num_kv_heads, head_dim,
         None if cos_table is None else cos_table.data_ptr(),
         None if sin_table is None else sin_table.data_ptr(), positions.data_ptr(),
-        k_pool.data_ptr(), v_pool.data_ptr(), _flag(k_pool.dtype), out_slots.data_ptr(),
+        k_pool.data_ptr(), v_pool.data_ptr(), pool_kind(k_pool.dtype), out_slots.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         seq_lens.data_ptr(), sm_scale, out.data_ptr(), _flag(out_dtype), window_value,
         softcap_value, qk_code, None if q_norm is None or not qk_code else q_norm.data_ptr(),
-        None if k_norm is None or not qk_code else k_norm.data_ptr(), qk_eps)
+        None if k_norm is None or not qk_code else k_norm.data_ptr(), qk_eps, k_scale_ptr,
+        v_scale_ptr)
     if rc != 0:
         raise MemoryError("decode_attention_rope could not allocate its scratch memory")
     return out
@@ -195,7 +228,8 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
                     aux_slot: torch.Tensor, features: torch.Tensor | None,
                     variant: str | None = None, runs: torch.Tensor | None = None,
                     cfg: torch.Tensor | None = None, fcfg: torch.Tensor | None = None,
-                    local_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    local_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    kv_scales: torch.Tensor | None = None) -> None:
     """Every layer of a decode or verify step (decode_step.c), x float32 [T, H] updated in
     place from the embedded rows to the residual stream after the last layer. `ptrs` int64
     [L, DECODE_STEP_PTRS]: addresses of each layer's x16 qkv, o, gate_up and down weights,
@@ -209,7 +243,9 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     weight address, rows; rows 0 ends a linear), in place of ptrs' weight addresses.
     `cfg` int64 [L, DECODE_STEP_CFG] and `fcfg` float32 [L, DECODE_STEP_FCFG]: each layer's
     settings (`layer_settings`; None: Llama's, scores scaled by sm_scale); `local_tables`:
-    the cos/sin pair of the layers whose RoPE is "local"."""
+    the cos/sin pair of the layers whose RoPE is "local". A quantized `pool_dtype` (int8,
+    fp8) needs `kv_scales` int64 [L, 2]: each layer's K and V scale addresses ([S, Hkv]
+    float32, as `decode_attention_rope`'s k_scale / v_scale)."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError("x must be a contiguous float32 tensor")
     if table.dtype != torch.int32 or table.stride(-1) != 1:
@@ -228,17 +264,21 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     if t == 0:
         return
     n_aux = 0 if features is None else features.shape[1] // h
+    kind = pool_kind(pool_dtype)
+    if kind >= 2 and (kv_scales is None or tuple(kv_scales.shape) != (num_layers, 2)):
+        raise ValueError(f"a {pool_dtype} pool needs kv_scales [{num_layers}, 2]")
     cos_local, sin_local = local_tables if local_tables is not None else (None, None)
     rc = _lib(variant).decode_step_x16(
         num_layers, t, h, num_heads, num_kv_heads, head_dim, intermediate, x.data_ptr(),
-        _int64("ptrs", ptrs), eps, _flag(pool_dtype), cos_table.data_ptr(),
+        _int64("ptrs", ptrs), eps, kind, cos_table.data_ptr(),
         sin_table.data_ptr(), None if cos_local is None else cos_local.data_ptr(),
         None if sin_local is None else sin_local.data_ptr(), _int64("positions", positions),
         _int64("out_slots", out_slots), table.data_ptr(), table.stride(0),
         _int64("rows", rows), _int64("seq_lens", seq_lens), _int64("cfg", cfg),
         fcfg.data_ptr(), _int64("aux_slot", aux_slot), n_aux,
         None if features is None else features.data_ptr(),
-        None if runs is None else _int64("runs", runs))
+        None if runs is None else _int64("runs", runs),
+        None if kind < 2 else _int64("kv_scales", kv_scales))
     if rc == -2:
         raise ValueError(f"decode_step_x16 cannot take these shapes or settings (H={h}, heads "
                          f"{num_heads}/{num_kv_heads}x{head_dim}, intermediate {intermediate}; "
