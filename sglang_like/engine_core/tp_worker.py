@@ -65,7 +65,8 @@ def main(args_path: str) -> int:
         return None if os.getppid() == parent_pid else "tensor-parallel rank 0 is gone"
 
     timeout = datetime.timedelta(seconds=spec["timeout_s"])
-    store = torch.distributed.TCPStore("127.0.0.1", spec["store_port"], tp_size, False, timeout)
+    store = torch.distributed.FileStore(spec["store_path"], tp_size)
+    store.set_timeout(timeout)
     device = (torch.device("cuda", rank) if sa.device.startswith("cuda")
               else torch.device(sa.device))
     slot = AllReduceSlot()

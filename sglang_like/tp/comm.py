@@ -74,7 +74,15 @@ class ShmAllReduce:
     def create_file(cls, path: str, tp_size: int, slot_bytes: int) -> None:
         """The zeroed shared file (rank 0 makes it before the others start)."""
         assert tp_size * 2 * _LINE <= _HEADER, tp_size
-        with open(path, "wb") as f:
+        # only this user may map it (it carries every rank's activations); never through a
+        # link planted at the path
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:  # a crashed group's (pid reused) or a planted one: not ours
+            os.unlink(path)
+            fd = os.open(path, flags, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.truncate(cls.file_size(tp_size, slot_bytes))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 each, `python -m sglang_like.engine_core.tp_worker`), ships each forward's batch to them, runs the
 all-reduces with them and watches that they live; `close` stops them.
 
-Start-up: rank 0 opens a TCPStore on a free loopback port (the rendezvous of
-torch.distributed) and the shared all-reduce file, spawns the workers, builds its own shard
+Start-up: rank 0 opens a FileStore (the rendezvous of torch.distributed) and the shared
+all-reduce file in a folder only its user can enter, and each worker's batch socket as an ipc
+path there too (no loopback port another local user could connect to), spawns the workers, builds its own shard
 while they build theirs, then waits for each worker's "ready" key in the store (or its
 error, or its death). The workers stop on the stop message, when rank 0's process is gone,
 or, on an engine thread (`engine_in_process`), once the thread that built the group ended.
@@ -82,9 +83,9 @@ class TPGroup:
         self._slot = AllReduceSlot()
         self.shard = TPShard(self.plan, self._slot.all_reduce)
         self._dir = tempfile.mkdtemp(prefix="sglang_like-tp-")
-        self._store = torch.distributed.TCPStore(
-            "127.0.0.1", 0, self.tp_size, True, datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=False)
+        self._store_path = os.path.join(self._dir, "store")  # mkdtemp: mode 0700
+        self._store = torch.distributed.FileStore(self._store_path, self.tp_size)
+        self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self._shm_path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else self._dir,
                                       f"sglang_like-tp-{os.getpid()}-{id(self):x}")
         if self.kind == "shm":
@@ -113,13 +114,14 @@ class TPGroup:
     def _spawn(self, rank: int, server_args: ServerArgs, num_threads: int) -> None:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        addr = f"ipc://{os.path.join(self._dir, f'rank{rank}.sock')}"
+        sock.bind(addr)
         self._socks.append(sock)
         args_path = os.path.join(self._dir, f"rank{rank}.pkl")
         with open(args_path, "wb") as f:
             pickle.dump({
                 "server_args": server_args, "rank": rank, "tp_size": self.tp_size,
-                "store_port": self._store.port, "batch_addr": f"tcp://127.0.0.1:{port}",
+                "store_path": self._store_path, "batch_addr": addr,
                 "allreduce": self.kind, "shm_path": self._shm_path,
                 "shm_slot_bytes": SHM_SLOT_BYTES, "timeout_s": self.timeout_s,
                 "num_threads": num_threads, "parent_pid": os.getpid(),

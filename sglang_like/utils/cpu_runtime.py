@@ -110,9 +110,12 @@ def claim_loop_cpu() -> int | None:
         return None
     for cpu in cpus:
         try:
-            fd = os.open(os.path.join(folder, f"cpu{cpu}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError:
-            return None
+            # O_NOFOLLOW: the claim folder is shared by every user's engines, and a link
+            # planted at a lock's path must not make us open another file read-write
+            fd = os.open(os.path.join(folder, f"cpu{cpu}.lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError:  # a planted link (ELOOP), a file of another user's: try the next
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -40,6 +40,23 @@ def _release(proc: subprocess.Popen) -> None:
 
 
 @needs_two
+def test_a_link_planted_at_a_lock_path_is_not_followed(tmp_path) -> None:
+    """The claim folder is shared by every user's engines: a symlink at cpuN.lock must not
+    make an engine open (and lock) the file it points to; that core is skipped."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    folder = tmp_path / "claims"
+    folder.mkdir()
+    (folder / f"cpu{CPUS[0]}.lock").symlink_to(victim)
+    proc, cpu = _claimant(str(folder))
+    try:
+        assert cpu == CPUS[1]
+        assert victim.read_text() == "keep"
+    finally:
+        _release(proc)
+
+
+@needs_two
 def test_claims_take_the_lowest_free_core_and_end_with_their_process(tmp_path) -> None:
     folder = str(tmp_path)
     held = [_claimant(folder) for _ in range(len(CPUS))]

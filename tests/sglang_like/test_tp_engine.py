@@ -14,6 +14,7 @@ from typing import Any
 import jsonschema
 import psutil
 import pytest
+import zmq
 
 from sglang_like.engine import Engine
 
@@ -92,6 +93,35 @@ def tp2(make_engine: Any) -> Any:
     engine = make_engine(tp_size=2)
     yield engine
     engine.shutdown()
+
+
+def test_rank_channels_are_private_to_this_user(tp2: Any) -> None:
+    """The rendezvous store, the batch sockets and the all-reduce file are files only this
+    user can open (a 0700 folder, a 0600 shared-memory file), not loopback ports any local
+    user could connect to."""
+    import stat
+
+    group = tp2.runner.tp_group
+    assert stat.S_IMODE(os.stat(group._dir).st_mode) == 0o700
+    assert group._store_path.startswith(group._dir)
+    assert all(s.getsockopt_string(zmq.LAST_ENDPOINT).startswith(f"ipc://{group._dir}/")
+               for s in group._socks)
+    assert not os.path.exists(group._shm_path)  # mapped by every rank, then unlinked
+
+
+def test_allreduce_file_is_private_and_never_follows_a_link(tmp_path: Any) -> None:
+    import stat
+
+    from sglang_like.tp.comm import ShmAllReduce
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    path = tmp_path / "allreduce"
+    path.symlink_to(victim)  # planted where the group will make its file
+    ShmAllReduce.create_file(str(path), 2, 4096)
+    assert not path.is_symlink() and victim.read_bytes() == b"keep"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.stat().st_size == ShmAllReduce.file_size(2, 4096)
 
 
 def test_radix_hit_gives_the_same_output(tp2: Any) -> None:
