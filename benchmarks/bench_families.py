@@ -10,7 +10,8 @@ windows, Gemma 3's q/k norms and local RoPE, Phi-4-mini's partial rotary and lon
 SmolLM3's NoPE layers, Granite's multipliers, ...) and saved once as a Hugging Face folder
 (cached under ~/.cache/sglang_like/bench_families/); speed on random weights is speed. Each
 family and format runs in a fresh process: load, batch-1 decode of 128 tokens, batch-32 decode
-of 32 tokens each (benchmarks.common.decode_tok_s). The table gives tokens/s, each family's
+of 32 tokens each (benchmarks.common.decode_tok_s); `--rounds N` repeats every job N times,
+interleaved, and keeps each figure's median. The table gives tokens/s, each family's
 ratio to the Llama in the same format and run, and whether the native decode step (one native
 call a step on CPU) took the family's layers. A PNG draws the ratios.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch-new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every job N times, interleaved round by round; keep the median")
     ap.add_argument("--output-json", default=os.path.join(RESULTS_DIR, "families.json"))
     ap.add_argument("--plot", default=os.path.join(RESULTS_DIR, "families.png"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -175,7 +179,16 @@ def main(argv: list[str] | None = None) -> None:
     passthrough = ["--new-tokens", str(args.new_tokens),
                    "--batch-new-tokens", str(args.batch_new_tokens)]
     jobs = [(f, fmt) for fmt in args.formats.split(",") for f in families]
-    rows = [_run_worker(f, fmt, passthrough) for f, fmt in tqdm(jobs, desc="measuring")]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {job: [] for job in jobs}
+    for job in tqdm(jobs * args.rounds, desc="measuring"):  # round by round: drift is shared
+        runs[job].append(_run_worker(*job, passthrough))
+    rows = []
+    for job in jobs:
+        row = dict(runs[job][0])
+        for key in ("b1_tok_s", "b32_tok_s"):
+            row[key] = statistics.median(r[key] for r in runs[job])
+            row[f"{key}_runs"] = [round(r[key], 1) for r in runs[job]]
+        rows.append(row)
     print_table(rows)
     os.makedirs(os.path.dirname(args.output_json), exist_ok=True)
     with open(args.output_json, "w") as f:
