@@ -6,6 +6,7 @@ gains most."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -232,17 +233,39 @@ class NgramDrafter:
         self.min_window = min_window
         self.max_window = max_window
         self.breadth = breadth
-        self.recent = RecentTexts(min_window, max_window, capacity) if capacity > 0 else None
+        self.capacity = capacity
+        # finished texts per tenant (the radix cache's namespaces): a tenant's request drafts
+        # only from its own tenant's texts, since acceptance (spec_verify_ct, the speed) would
+        # otherwise tell it what another tenant wrote. The shared part keeps `capacity`
+        # tokens; the most recent TENANT_TEXTS tenants an eighth each (bounded memory whatever
+        # cache salts clients send)
+        self._recent: OrderedDict[int | None, RecentTexts] = OrderedDict()
+
+    TENANT_TEXTS = 8
+
+    def _texts(self, namespace: int | None, create: bool) -> RecentTexts | None:
+        texts = self._recent.get(namespace)
+        if texts is None and create and self.capacity > 0:
+            size = self.capacity if namespace is None else max(self.capacity // 8, 1)
+            texts = self._recent[namespace] = RecentTexts(self.min_window, self.max_window,
+                                                          size)
+            tenants = [k for k in self._recent if k is not None]
+            if len(tenants) > self.TENANT_TEXTS:
+                del self._recent[tenants[0]]  # the least recently finished-into tenant
+        if texts is not None and namespace is not None:
+            self._recent.move_to_end(namespace)
+        return texts
 
     def finished(self, req: Req) -> None:
-        """A request ended: its text (prompt and output) becomes draftable for others."""
-        if self.recent is not None:
-            self.recent.add(req.fill_ids)
+        """A request ended: its text (prompt and output) becomes draftable for others of its
+        tenant."""
+        texts = self._texts(req.cache_namespace, create=True)
+        if texts is not None:
+            texts.add(req.fill_ids)
 
     def flush(self) -> None:
         """Forget every finished request's text (with the radix cache's flush)."""
-        if self.recent is not None:
-            self.recent.clear()
+        self._recent.clear()
 
     def propose(self, reqs: list[Req], max_depths: list[int], ctx: DraftContext | None = None
                 ) -> list[DraftTree | None]:
@@ -258,8 +281,9 @@ class NgramDrafter:
         depth = min(max_depth, self.num_draft_tokens - 1)
         conts, matched = index.continuations(seq, depth, self.breadth)
         evidence = matched
-        if self.recent is not None:
-            other, other_matched = self.recent.continuation(seq, depth, matched + 1)
+        recent = self._recent.get(req.cache_namespace)
+        if recent is not None:
+            other, other_matched = recent.continuation(seq, depth, matched + 1)
             if other and other not in conts:
                 conts = [other, *conts][: self.breadth]
                 evidence = -other_matched

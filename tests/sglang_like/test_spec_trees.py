@@ -4,6 +4,7 @@ recent requests' texts), the settings, and the masked attention a verify runs.""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -170,6 +171,28 @@ def test_ngram_drafter_drafts_from_finished_requests() -> None:
     off = NgramDrafter(num_draft_tokens=5, min_window=1, max_window=3, breadth=1)
     off.finished(done)
     assert off.propose([_req([9, 9, 2, 3])], [10]) == [None]
+
+
+def _tenant_req(ids: list[int], namespace: int | None) -> Any:
+    req = _req(ids)
+    req.cache_namespace = namespace
+    return req
+
+
+def test_ngram_drafts_only_from_its_own_tenants_texts() -> None:
+    """Acceptance (spec_verify_ct, speed) would tell a tenant what another one wrote: a
+    tenant's request drafts from its own tenant's finished texts only, the shared part's
+    from the shared part's; at most TENANT_TEXTS tenants are kept."""
+    drafter = NgramDrafter(num_draft_tokens=5, min_window=1, max_window=3, breadth=1,
+                           capacity=80)
+    drafter.finished(_tenant_req([7, 1, 2, 3, 4, 5, 6], namespace=11))
+    assert drafter.propose([_tenant_req([9, 9, 2, 3], 22)], [10]) == [None]
+    assert drafter.propose([_tenant_req([9, 9, 2, 3], None)], [10]) == [None]
+    tree = drafter.propose([_tenant_req([9, 9, 2, 3], 11)], [10])[0]
+    assert tree.tokens == [3, 4, 5, 6]
+    for ns in range(100, 100 + NgramDrafter.TENANT_TEXTS):  # newer tenants push 11 out
+        drafter.finished(_tenant_req([8, 8, 8], ns))
+    assert drafter.propose([_tenant_req([9, 9, 2, 3], 11)], [10]) == [None]
 
 
 def test_spec_config_defaults_and_errors() -> None:
