@@ -181,11 +181,14 @@ class ServerArgs:
     # shared by the prefill and decode workers of a PD cluster: every bootstrap message is
     # signed with it, and a peer without it is not heard (None: PD needs loopback peers only)
     disaggregation_secret: str | None = None
+    # the prefill hosts a request's bootstrap_host may name (a decode worker connects to it
+    # and pings it before the secret is checked); empty: loopback hosts only
+    disaggregation_allowed_peers: tuple[str, ...] = ()
     log_level: str = "info"
     served_model_name: str | None = None
     # How /v1/chat/completions reads tool calls out of the model's text (see
     # sglang_like.function_call): "auto" picks by the chat template, Hermes tags when it has none
-    tool_call_parser: str = "auto"  # "auto" | "hermes" | "llama3" | "mistral"
+    tool_call_parser: str = "auto"  # "auto" | "hermes" | "llama3" | "mistral" | "granite"
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import functools
+import ipaddress
 import logging
 import threading
 import time
@@ -299,6 +300,8 @@ class Engine:
             sp.validate(self.model_config.vocab_size)
             self._check_lengths(ids, sp, return_logprob, logprob_start_len, top_logprobs_num)
             host, port, room = pd[k]
+            if room is not None:
+                check_bootstrap_peer(host, self.server_args.disaggregation_allowed_peers)
             if room is not None and sp.n != 1:
                 raise ValueError("n > 1 is not supported for a disaggregated (bootstrap_room) "
                                  "request")
@@ -380,6 +383,21 @@ class Engine:
         finally:
             if not handle.done:
                 self.abort(handle.rid)
+
+
+def check_bootstrap_peer(host: str | None, allowed: tuple[str, ...]) -> None:
+    """A ValueError (a 400) unless `host` (None: loopback) is a loopback address or one of
+    `allowed`: a decode worker connects to the prefill side a request names, so a client must
+    not make it reach any host it likes (the peer's secret is checked only once connected)."""
+    if host is None or host in allowed or host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"bootstrap_host {host!r} is not an allowed prefill peer of this worker "
+                     "(--disaggregation-allowed-peers)")
 
 
 def _bootstrap_per_item(bootstrap: tuple[Any, Any, Any], num_items: int,

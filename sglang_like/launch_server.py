@@ -177,6 +177,11 @@ def add_scale_out_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
     p.add_argument("--enable-disaggregation-mode-switch", action="store_true",
                    default=d.enable_disaggregation_mode_switch,
                    help="allow POST /switch_disaggregation_mode (admin key) on this worker")
+    p.add_argument("--disaggregation-allowed-peers", default=",".join(
+                       d.disaggregation_allowed_peers),
+                   type=lambda v: tuple(h.strip() for h in v.split(",") if h.strip()),
+                   help="comma-separated prefill hosts a request's bootstrap_host may name "
+                        "(default: loopback hosts only)")
 
 
 ENV_API_KEY = "SGLANG_LIKE_API_KEY"

@@ -228,3 +228,21 @@ def test_decode_side_hears_only_verified_peers_about_their_own_rooms() -> None:
         assert closed == [b"p2:2"] and b"p2:2" not in dm._peers
     finally:
         dm.close()
+
+
+def test_a_request_cannot_send_the_decode_worker_to_any_host(make_engine: Any) -> None:
+    """bootstrap_host is the client's word: outside loopback, only the hosts the operator
+    allowed (--disaggregation-allowed-peers) are reached; others are a 400 before anything
+    is submitted."""
+    from sglang_like.engine import check_bootstrap_peer
+
+    engine = make_engine()
+    with pytest.raises(ValueError, match="not an allowed prefill peer"):
+        engine.generate("Hi", {"max_new_tokens": 1}, bootstrap_host="203.0.113.7",
+                        bootstrap_port=8998, bootstrap_room=3)
+    for host in (None, "127.0.0.1", "127.1.2.3", "::1", "localhost"):
+        check_bootstrap_peer(host, ())
+    check_bootstrap_peer("10.1.2.3", ("10.1.2.3",))
+    for host in ("10.1.2.3", "example.org", "0.0.0.0"):
+        with pytest.raises(ValueError, match="allowed prefill peer"):
+            check_bootstrap_peer(host, ("10.9.9.9",))
