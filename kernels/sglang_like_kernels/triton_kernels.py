@@ -214,7 +214,8 @@ def decode_reduce_kernel(
 
 @triton.jit
 def extend_kernel(
-    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens,
+    extend_lens,
     extend_starts,
     sm_scale, window, softcap,
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
@@ -281,7 +282,8 @@ def extend_kernel(
 
 @triton.jit
 def tree_verify_kernel(
-    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens, tree_mask,
+    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens,
+    tree_mask,
     sm_scale, window, softcap,
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
     stride_scale_s, stride_table,

@@ -47,6 +47,10 @@ class MooncakeKVTransfer:
     """One worker's Mooncake engine with its KV pool registered."""
 
     def __init__(self, pool: Any, host: str) -> None:
+        if getattr(pool, "k_scales", None) is not None:
+            # the transfer moves K and V rows only: a quantized pool's scales would not follow
+            raise ValueError("PD disaggregation does not move a quantized KV pool (int8 / fp8) "
+                             "yet: run both workers with --kv-cache-dtype auto or bfloat16")
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:  # a clear error where the package or libibverbs1 is missing

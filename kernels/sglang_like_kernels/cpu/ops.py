@@ -3,7 +3,8 @@
 Each takes and returns contiguous CPU tensors; activations are float32 or bfloat16 as the
 caller's next matmul wants (`out_dtype`), the residual stream is float32, the KV pool float32,
 bfloat16, or 8-bit codes (int8, fp8 e4m3 / e5m2) with float32 scales per slot and kv head
-beside it (`sglang_like_kernels.kv_quant`). They are the model's decode path when `sglang_like_kernels.cpu.available()`.
+beside it (`sglang_like_kernels.kv_quant`). They are the model's decode path when
+`sglang_like_kernels.cpu.available()`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 
 from sglang_like_kernels.cpu import _lib
 
-__all__ = ["POOL_KINDS", "act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope", "decode_step_x16",
-           "eagle_head_x16", "pool_kind", "residual_norm", "rmsnorm",
+__all__ = ["POOL_KINDS", "act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope",
+           "decode_step_x16", "eagle_head_x16", "pool_kind", "residual_norm", "rmsnorm",
            "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
