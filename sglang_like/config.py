@@ -69,6 +69,10 @@ class ModelConfig:
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "fp16", "gguf")
 """Values of `--quantization` (see sglang_like.layers.quantization)."""
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+"""Values of `--kv-cache-dtype` (sglang_like.mem_pool; "fp8" is accepted as vLLM's name for
+fp8_e4m3): the 8-bit ones keep a float32 scale per token and KV head beside the codes."""
+
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
 """Values of `--speculative-algorithm` (see sglang_like.speculative)."""
 
@@ -91,7 +95,8 @@ class ServerArgs:
     # CUDA: none. fp16: every matrix fp16 in fbgemm (asked for only)
     quantization: str = "auto"  # "auto" | "none" | "int8" | "int4" | "fp16"
     # auto -> the activations' dtype: bf16 for int8/int4 on CPU, else the dense dtype (fp32
-    # on CPU); or "float32" / "bfloat16" / "float16"
+    # on CPU); or "float32" / "bfloat16" / "float16", or 8-bit codes with a scale per token
+    # and KV head: "int8" / "fp8_e4m3" / "fp8_e5m2" (KV_CACHE_DTYPES)
     kv_cache_dtype: str = "auto"
     context_length: int | None = None  # None -> the model's max_position_embeddings
     # Memory: the KV pool holds max_total_tokens token slots (page size 1).

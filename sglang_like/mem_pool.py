@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from sglang_like.config import KV_CACHE_DTYPES
 from sglang_like_kernels import kv_quant
 
 # --kv-cache-dtype's values (ServerArgs.kv_cache_dtype): "auto" (the activations' dtype, see
 # resolve_kv_cache_dtype), a float pool, or a quantized one (8-bit codes and a float32 scale
 # per token and KV head, sglang_like_kernels.kv_quant). "fp8" is vLLM's name for e4m3; the
 # torch names a resolved ServerArgs carries ("float8_e4m3fn", ...) are taken back as well.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
 _KV_DTYPES = {
     "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "int8": torch.int8,
