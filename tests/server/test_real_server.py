@@ -171,7 +171,9 @@ def test_real_bad_input_is_400(real_server: Any, body: dict, needle: str) -> Non
     r = httpx.post(real_server.url + "/generate", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"].lower()
-    r = httpx.post(real_server.url + "/generate", content=b'{"text": "\xff"}', timeout=60)
+    # a JSON body (as its Content-Type says) that is not UTF-8; without the header it is a 415
+    r = httpx.post(real_server.url + "/generate", content=b'{"text": "\xff"}', timeout=60,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400
 
 
