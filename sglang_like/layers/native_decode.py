@@ -68,8 +68,8 @@ def supports(description: DecoderLayerDescription) -> bool:
     ("pre", "sandwich", "post"), a SiLU- or GeLU(tanh)-gated MLP, q/k norms per head or over
     the whole projection (the latter needs one rank: native runs only without tensor
     parallelism), the global, local or no RoPE table, any sliding window, soft-cap and
-    residual scale. Biases are added after the per-op path's linears (the one-call step
-    refuses them itself)."""
+    residual scale. Biases are added after the linears (the one-call step takes q/k/v's and
+    o's; it refuses an MLP bias itself)."""
     d = description
     return (d.norm == "rms" and d.norm_layout in ("pre", "sandwich", "post")
             and d.activation in ops.ACTIVATIONS and d.qk_norm in ops.QK_NORMS
@@ -308,6 +308,11 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight.float().contiguous()
 
 
+def _bias(lin: torch.nn.Module) -> torch.Tensor | None:
+    """A linear's bias as the fused step reads it (float32, contiguous), None without."""
+    return None if lin.bias is None else lin.bias.detach().float().contiguous()
+
+
 def _fused_runs(lin: torch.nn.Module) -> list[tuple[int, torch.Tensor, int]] | None:
     """A linear as the fused step's runs (kquants.c kind or -1 for x16, packed weight, rows),
     or None where the step cannot run it."""
@@ -345,13 +350,16 @@ class _FusedX16:
                  + ([_weight(p.q_norm), _weight(p.k_norm)] if p.description.qk_norm
                     else [None, None]) for p in layers]
 
+        # qkv's and o's biases as the per-op path adds them (float32, after the matmul)
+        biases = [[_bias(p.qkv_proj), _bias(p.o_proj)] for p in layers]
+
         def addr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
 
         self.ptrs = torch.tensor([
             [r[0][1].data_ptr() for r in lr]
-            + [addr(n[0]), addr(n[1]), 0, 0, *(addr(w) for w in n[2:])]
-            for lr, n in zip(runs, norms, strict=True)], dtype=torch.int64)
+            + [addr(n[0]), addr(n[1]), 0, 0, *(addr(w) for w in n[2:]), *(addr(b) for b in bs)]
+            for lr, n, bs in zip(runs, norms, biases, strict=True)], dtype=torch.int64)
         settings = [ops.layer_settings(
             p.description.sliding_window, p.description.rope, p.description.qk_norm,
             p.description.activation, p.sm_scale, p.description.attn_logit_softcap,
@@ -367,8 +375,8 @@ class _FusedX16:
                     for k, (kind, buf, rows) in enumerate(r):
                         self.runs[i, j, k] = torch.tensor([kind, buf.data_ptr(), rows])
         # what the addresses point into, kept alive with them
-        self._held = [t for lr, n in zip(runs, norms, strict=True)
-                      for t in (*(buf for r in lr for _, buf, _ in r), *n) if t is not None]
+        self._held = [t for lr, n, bs in zip(runs, norms, biases, strict=True)
+                      for t in (*(buf for r in lr for _, buf, _ in r), *n, *bs) if t is not None]
         self._pool: KVPool | None = None
         self.kv_scales: torch.Tensor | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
@@ -376,9 +384,9 @@ class _FusedX16:
     @classmethod
     def build(cls, layers: list[DecoderLayerParts], tables: RopeTables) -> _FusedX16 | None:
         """The fused step of these layers, or None where it does not apply: the env switch
-        off, a linear not x16 or with a bias, a norm not float32 (out) or of another eps than
-        the others (the step takes one), layers that differ in shape, more window sizes than
-        the step plans for."""
+        off, a linear not x16, an MLP linear with a bias, a norm not float32 (out) or of
+        another eps than the others (the step takes one), layers that differ in shape, more
+        window sizes than the step plans for."""
         if os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers:
             return None
         first = layers[0]
@@ -389,7 +397,8 @@ class _FusedX16:
             qk = [n for n in (p.q_norm, p.k_norm) if n is not None and p.description.qk_norm]
             if eps is None:
                 eps = (ins or outs or qk)[0].eps if (ins or outs or qk) else 1e-5
-            if (any(_fused_runs(lin) is None or lin.bias is not None for lin in p.linears)
+            if (any(_fused_runs(lin) is None for lin in p.linears)
+                    or p.gate_up_proj.bias is not None or p.down_proj.bias is not None
                     or any(n.out_dtype != torch.float32 for n in ins)
                     or any(n.eps != eps or n.weight.dtype != torch.float32
                            for n in (*ins, *outs, *qk))

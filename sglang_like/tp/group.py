@@ -4,10 +4,11 @@ all-reduces with them and watches that they live; `close` stops them.
 
 Start-up: rank 0 opens a FileStore (the rendezvous of torch.distributed) and the shared
 all-reduce file in a folder only its user can enter, and each worker's batch socket as an ipc
-path there too (no loopback port another local user could connect to), spawns the workers, builds its own shard
-while they build theirs, then waits for each worker's "ready" key in the store (or its
-error, or its death). The workers stop on the stop message, when rank 0's process is gone,
-or, on an engine thread (`engine_in_process`), once the thread that built the group ended.
+path there too (no loopback port another local user could connect to), spawns the
+workers, builds its own shard while they build theirs, then waits for each worker's "ready"
+key in the store (or its error, or its death). The workers stop on the stop message, when
+rank 0's process is gone, or, on an engine thread (`engine_in_process`), once the thread that
+built the group ended.
 """
 
 from __future__ import annotations

@@ -302,7 +302,8 @@ def test_decode_step_features_are_the_per_op_calls_bit_for_bit(variant, pool_dty
 
     ptrs = torch.tensor([[*(w.data_ptr() for w in ly.weights), addr(ly.norm_in),
                           addr(ly.norm_mlp), pools[i][0].data_ptr(), pools[i][1].data_ptr(),
-                          addr(ly.attn_out), addr(ly.mlp_out), addr(ly.q_norm), addr(ly.k_norm)]
+                          addr(ly.attn_out), addr(ly.mlp_out), addr(ly.q_norm), addr(ly.k_norm),
+                          0, 0]  # no biases
                          for i, ly in enumerate(layers)], dtype=torch.int64)
     settings = [ops.layer_settings(ly.window, ly.rope, ly.qk_norm, ly.act, sm_scale, ly.softcap,
                                    ly.scale) for ly in layers]
@@ -332,7 +333,7 @@ def test_decode_step_refuses_settings_it_cannot_run():
     ly = _StepLayer(specs[0], hidden, hq, hkv, dim, inter, gen)
     k, v = torch.zeros(50, hkv, dim), torch.zeros(50, hkv, dim)
     ptrs = torch.tensor([[*(w.data_ptr() for w in ly.weights), ly.norm_in.data_ptr(),
-                          ly.norm_mlp.data_ptr(), k.data_ptr(), v.data_ptr(), 0, 0, 0, 0]])
+                          ly.norm_mlp.data_ptr(), k.data_ptr(), v.data_ptr(), 0, 0, 0, 0, 0, 0]])
     rope = RotaryEmbedding(dim, 64, 10000.0, None, "cpu")
     r = _Rows([3], hkv, dim, F32, seed=0, slots=50)
     cfg = torch.tensor([ops.layer_settings(rope="local")[0]])

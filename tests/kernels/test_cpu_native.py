@@ -372,7 +372,7 @@ def test_decode_step_x16_is_the_per_op_calls_bit_for_bit(variant, pool_dtype, t)
 
     ptrs = torch.tensor([[*(w.data_ptr() for w in weights[i]), norms[i][0].data_ptr(),
                           norms[i][1].data_ptr(), pools[i][0].data_ptr(), pools[i][1].data_ptr(),
-                          0, 0, 0, 0]  # a Llama layer: no output norms, no q/k norms
+                          0, 0, 0, 0, 0, 0]  # a Llama layer: no output or q/k norms, no biases
                          for i in range(layers)], dtype=torch.int64)
     got, features = x0.clone(), torch.empty(t, hidden)
     ops.decode_step_x16(layers, got, ptrs, eps, pool_dtype, rope.cos_table, rope.sin_table,

@@ -361,7 +361,7 @@ def test_fused_decode_step_over_a_quantized_pool_is_the_per_op_calls_bit_for_bit
             x = x + down
     ptrs = torch.tensor([[*(w.data_ptr() for w in weights[i]), norms[i][0].data_ptr(),
                           norms[i][1].data_ptr(), pool.k_buffers[i].data_ptr(),
-                          pool.v_buffers[i].data_ptr(), 0, 0, 0, 0] for i in range(layers)],
+                          pool.v_buffers[i].data_ptr(), 0, 0, 0, 0, 0, 0] for i in range(layers)],
                         dtype=torch.int64)
     scales = torch.tensor([[pool.k_scales[i].data_ptr(), pool.v_scales[i].data_ptr()]
                            for i in range(layers)], dtype=torch.int64)

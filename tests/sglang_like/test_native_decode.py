@@ -256,8 +256,8 @@ def test_fused_step_is_the_per_op_path_bit_for_bit(make_engine, monkeypatch):
 
 # The model families' layers (layers/decoder.py descriptions) on the native path: tiny seeded
 # folders of each family whose layers differ from Llama's (benchmarks/tiny_families).
-NATIVE_FAMILIES = ("mistral-window", "gemma2", "gemma3", "phi3-longrope-partial", "olmo2",
-                   "granite", "smollm3")
+NATIVE_FAMILIES = ("mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3-longrope-partial",
+                   "olmo2", "granite", "smollm3")  # qwen2: q/k/v biases in the fused step too
 
 
 def _family_engine(tmp_path_factory, name: str, **kwargs):

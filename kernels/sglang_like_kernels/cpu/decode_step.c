@@ -28,9 +28,17 @@
 
 // per-layer addresses, [L][DS_PTRS] int64: P_NORM_IN / P_NORM_POST are the norms before
 // attention and before the MLP (0 for "post"), P_ATTN_OUT / P_MLP_OUT those on their outputs
-// (0 for "pre"), P_Q_NORM / P_K_NORM the q/k norms (0 without)
+// (0 for "pre"), P_Q_NORM / P_K_NORM the q/k norms (0 without), P_QKV_BIAS / P_O_BIAS float32
+// biases of qkv and o (0 without: Qwen2 biases q/k/v, Llama's attention_bias o too)
 enum { P_QKV, P_O, P_GATE_UP, P_DOWN, P_NORM_IN, P_NORM_POST, P_K, P_V, P_ATTN_OUT, P_MLP_OUT,
-       P_Q_NORM, P_K_NORM, DS_PTRS };
+       P_Q_NORM, P_K_NORM, P_QKV_BIAS, P_O_BIAS, DS_PTRS };
+
+// y [T, N] += bias [N]: one float32 add per output, as the per-op path adds it after its matmul
+static void add_bias_team(float *y, const float *bias, int64_t T, int64_t N) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < N; j++) y[t * N + j] += bias[j];
+}
 // per-layer settings: cfg [L][DS_CFG] int64 and fcfg [L][DS_FCFG] float
 enum { C_WINDOW, C_ROPE, C_QK_NORM, C_ACT, DS_CFG };  // window (0: none), ROPE_*, QK_NORM_*, ACT_*
 enum { F_SM_SCALE, F_SOFTCAP, F_RESIDUAL_SCALE, DS_FCFG };  // softcap 0: none
@@ -187,6 +195,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                 }
             }
             linear_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv);
+            if (p[P_QKV_BIAS]) add_bias_team(qkv, (const float *)p[P_QKV_BIAS], T, nqkv);
             attn_rope_store_team(plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_kind,
                                  k_scale, v_scale, out_slots, tmp);
             attn_attend_team(plan, k_pool, v_pool, pool_kind, k_scale, v_scale, table, ld_table,
@@ -195,6 +204,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) quantize_row(&a, att + t * hqd, hqd, t);
             linear_team(LINEAR_RUNS(1), w_o, H, hqd, &a, T, proj);
+            if (p[P_O_BIAS]) add_bias_team(proj, (const float *)p[P_O_BIAS], T, H);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 residual_norm_row(x + t * H, proj, 0, t, (const float *)p[P_ATTN_OUT], eps,

@@ -206,7 +206,7 @@ def _int64(name: str, t: torch.Tensor) -> int:
 
 
 DECODE_STEP_RUNS = 4  # decode_step.c's DS_RUNS
-DECODE_STEP_PTRS = 12  # decode_step.c's DS_PTRS
+DECODE_STEP_PTRS = 14  # decode_step.c's DS_PTRS
 DECODE_STEP_PLANS = 4  # DS_PLANS: distinct window sizes (None counting as one) a step takes
 DECODE_STEP_CFG = 4  # DS_CFG: window, RoPE table, q/k norm, activation (ROPES, QK_NORMS, ...)
 DECODE_STEP_FCFG = 3  # DS_FCFG: scale of the scores, soft-cap, residual scale
@@ -236,9 +236,10 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     [L, DECODE_STEP_PTRS]: addresses of each layer's x16 qkv, o, gate_up and down weights,
     its float32 norms before attention and before the MLP, its K and V pool buffers (of
     `pool_dtype`), its norms on attention's and the MLP's outputs, its q and k norms (0 where
-    the layer has none). Query row t attends to the first seq_lens[t] slots of table[rows[t]]
-    (int32 table) and stores its k/v at out_slots[t]. aux_slot int64 [L]: -1 or the column
-    block of `features` [T, n * H] that receives the residual stream entering that layer.
+    the layer has none), its float32 qkv and o biases (0 without). Query row t attends to
+    the first seq_lens[t] slots of table[rows[t]] (int32 table) and stores its k/v at
+    out_slots[t]. aux_slot int64 [L]: -1 or the column block of `features` [T, n * H] that
+    receives the residual stream entering that layer.
     `variant`: the build to run (default: this CPU's). `runs` int64 [L, 4, DECODE_STEP_RUNS,
     3] (GGUF types): each linear as runs of output rows (kind of kquants.c or -1 for x16,
     weight address, rows; rows 0 ends a linear), in place of ptrs' weight addresses.
