@@ -300,11 +300,11 @@ class Engine:
             sp.validate(self.model_config.vocab_size)
             self._check_lengths(ids, sp, return_logprob, logprob_start_len, top_logprobs_num)
             host, port, room = pd[k]
-            if room is not None:
-                check_bootstrap_peer(host, self.server_args.disaggregation_allowed_peers)
             if room is not None and sp.n != 1:
                 raise ValueError("n > 1 is not supported for a disaggregated (bootstrap_room) "
                                  "request")
+            if room is not None:
+                check_bootstrap_peer(host, self.server_args.disaggregation_allowed_peers)
             base = item_rid or uuid.uuid4().hex
             for i in range(sp.n):
                 sp_i = sp if sp.n == 1 else sp.replace_for_sample(i)
