@@ -66,14 +66,15 @@ def convert_f32(src_dir: str, folder: Path) -> Path:
     return out
 
 
-def ours(path: str) -> dict[str, Any]:
-    """Our greedy tokens (fp32, no quantization) for the prompts, in this process."""
+def ours(path: str, ids: list[list[int]] | None = None) -> dict[str, Any]:
+    """Our greedy tokens (fp32, no quantization) for the prompts (or the given prompt ids),
+    in this process."""
     from sglang_like.engine import Engine
 
     engine = Engine(model_path=path, engine_in_process=True, max_total_tokens=4096,
                     quantization="none", context_length=512)
     try:
-        ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+        ids = ids or [engine.tokenizer.encode(p) for p in PROMPTS]
         outs = engine.generate(input_ids=ids, sampling_params={
             "max_new_tokens": AGREE_TOKENS, "temperature": 0})
         return {"prompts": ids, "outputs": [o["output_ids"] for o in outs],
@@ -82,9 +83,10 @@ def ours(path: str) -> dict[str, Any]:
         engine.shutdown()
 
 
-def _ours_in_worker(path: str) -> dict[str, Any]:
+def _ours_in_worker(path: str, ids: list[list[int]] | None = None) -> dict[str, Any]:
+    extra = ["--worker-ids", json.dumps(ids)] if ids else []
     proc = subprocess.run([sys.executable, "-m", "benchmarks.check_family_peers", "--worker",
-                           path], capture_output=True, text=True, check=False)
+                           path, *extra], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -98,7 +100,6 @@ def equal_prefix(a: list[int], b: list[int]) -> int:
 def check(case: ConverterCase, bin_dir: str, src_dir: str) -> dict[str, Any]:
     row: dict[str, Any] = {"family": case.family.name}
     folder = folder_of(case)
-    hf = _ours_in_worker(str(folder))
     try:
         gguf = convert_f32(src_dir, folder)
     except RuntimeError as exc:
@@ -109,6 +110,9 @@ def check(case: ConverterCase, bin_dir: str, src_dir: str) -> dict[str, Any]:
     except RuntimeError as exc:
         row["error"] = f"our GGUF load: {exc}"
         return row
+    # the same prompt ids for the folder: a converted SentencePiece vocab may split text
+    # otherwise than the folder's tokenizer.json
+    hf = _ours_in_worker(str(folder), ggufs["prompts"])
     if case.window_metadata is None:  # else the file has no window (the converter writes none)
         row["gguf_vs_hf"] = [equal_prefix(a, b)
                              for a, b in zip(ggufs["outputs"], hf["outputs"], strict=True)]
@@ -137,9 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--families", default=",".join(c.family.name for c in CONVERTER_CASES))
     ap.add_argument("--output-json", default=os.path.join(RESULTS_DIR, "family_peers.json"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-ids", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(ours(args.worker)))
+        ids = json.loads(args.worker_ids) if args.worker_ids else None
+        print(json.dumps(ours(args.worker, ids)))
         return
     if not args.llama_cpp_bin:
         ap.error("--llama-cpp-bin (or LLAMA_CPP_BIN): build it with ../shared/peers/llama-cpp.sh")
