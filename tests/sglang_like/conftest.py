@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import pytest
 
@@ -21,7 +22,9 @@ def make_engine():
     """Build Engines with different knobs without reloading the weights each time."""
     original = setup_mod.load_model
     setup_mod.load_model = _cached_load
-    engines = []
+    # weak: an engine its test has let go of is freed then (its KV pool and packed weights
+    # are hundreds of MB; held to the session's end, a suite's worth outgrew the machine)
+    engines: list[weakref.ref] = []
 
     def factory(**kwargs):
         kwargs.setdefault("max_total_tokens", 16384)
@@ -29,10 +32,11 @@ def make_engine():
         # the weights loaded once (test_engine_process.py covers the engine process)
         kwargs.setdefault("engine_in_process", True)
         e = engine_mod.Engine(**kwargs)
-        engines.append(e)
+        engines.append(weakref.ref(e))
         return e
 
     yield factory
-    for e in engines:
-        e.shutdown()
+    for ref in engines:
+        if (e := ref()) is not None:
+            e.shutdown()
     setup_mod.load_model = original
