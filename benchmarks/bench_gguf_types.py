@@ -84,17 +84,16 @@ AGREE_PROMPTS = [
 ]
 
 
-def _prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
-    return [tokenizer.encode(p) for p in AGREE_PROMPTS[:n]]
-
-
-def _greedy_ours(path: str, n: int) -> dict[str, Any]:
-    """(in a worker process) our greedy tokens for the agreement prompts, with `auto`."""
+def greedy_ours(path: str, prompts: list[str], ids: list[list[int]] | None = None,
+                **engine_kwargs: Any) -> dict[str, Any]:
+    """(in a worker process) our greedy tokens for `prompts` (or the prompt `ids`), up to
+    AGREE_TOKENS each, stopping at EOS as llama-server does."""
     from sglang_like.engine import Engine
 
-    engine = Engine(model_path=path, engine_in_process=True, max_total_tokens=16384)
+    engine = Engine(model_path=path, engine_in_process=True,
+                    **({"max_total_tokens": 16384} | engine_kwargs))
     try:
-        ids = _prompt_ids(engine.tokenizer, n)
+        ids = ids or [engine.tokenizer.encode(p) for p in prompts]
         outs = engine.generate(input_ids=ids, sampling_params={
             "max_new_tokens": AGREE_TOKENS, "temperature": 0})
         return {"prompts": ids, "outputs": [o["output_ids"] for o in outs],
@@ -257,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plot", default=os.path.join(RESULTS_DIR, "gguf_types.png"))
     args = ap.parse_args(argv)
     if args.worker_greedy:
-        print(json.dumps(_greedy_ours(args.worker_greedy, args.agreement_prompts)))
+        print(json.dumps(greedy_ours(args.worker_greedy,
+                                     AGREE_PROMPTS[:args.agreement_prompts])))
         return
     formats = [f for f in args.formats.split(",") if f]
     files = [(t, quantized_file(args.llama_cpp_bin, t, args.cache_dir)) for t in args.types

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_gguf_types import AGREE_TOKENS, _llama_server_tokens
+from benchmarks.bench_gguf_types import AGREE_TOKENS, _llama_server_tokens, greedy_ours
 from benchmarks.common import RESULTS_DIR
 from benchmarks.random_gguf import llama_cpp_source
 from benchmarks.tiny_families import (
@@ -64,23 +64,6 @@ def convert_f32(src_dir: str, folder: Path) -> Path:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1])
     os.replace(str(out) + ".tmp", out)
     return out
-
-
-def ours(path: str, ids: list[list[int]] | None = None) -> dict[str, Any]:
-    """Our greedy tokens (fp32, no quantization) for the prompts (or the given prompt ids),
-    in this process."""
-    from sglang_like.engine import Engine
-
-    engine = Engine(model_path=path, engine_in_process=True, max_total_tokens=4096,
-                    quantization="none", context_length=512)
-    try:
-        ids = ids or [engine.tokenizer.encode(p) for p in PROMPTS]
-        outs = engine.generate(input_ids=ids, sampling_params={
-            "max_new_tokens": AGREE_TOKENS, "temperature": 0})
-        return {"prompts": ids, "outputs": [o["output_ids"] for o in outs],
-                "eos": min(engine.tokenizer.eos_token_ids)}
-    finally:
-        engine.shutdown()
 
 
 def _ours_in_worker(path: str, ids: list[list[int]] | None = None) -> dict[str, Any]:
@@ -145,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.worker:
         ids = json.loads(args.worker_ids) if args.worker_ids else None
-        print(json.dumps(ours(args.worker, ids)))
+        # fp32, no quantization: the comparison is of the models, not of the formats
+        print(json.dumps(greedy_ours(args.worker, PROMPTS, ids, max_total_tokens=4096,
+                                     quantization="none", context_length=512)))
         return
     if not args.llama_cpp_bin:
         ap.error("--llama-cpp-bin (or LLAMA_CPP_BIN): build it with ../shared/peers/llama-cpp.sh")

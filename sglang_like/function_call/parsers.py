@@ -18,6 +18,21 @@ from sglang_like.function_call.tools import Tool, ToolCall, dump_arguments
 _DECODER = json.JSONDecoder()
 
 
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _json_at(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value starting at `pos` (after whitespace) and where it ends; None while it is
+    still being written (or is no JSON)."""
+    try:
+        return _DECODER.raw_decode(text, _skip_space(text, pos))
+    except ValueError:
+        return None
+
+
 class ToolCallParser:
     """The base: subclasses set `name`, `starts` and implement `read_region`."""
 
@@ -196,12 +211,10 @@ class Llama3JsonParser(ToolCallParser):
         pos = len(self.starts[0]) if text.startswith(self.starts[0]) else 0
         calls: list[ToolCall] = []
         while True:
-            while pos < len(text) and text[pos].isspace():
-                pos += 1
-            try:
-                value, pos = _DECODER.raw_decode(text, pos)
-            except ValueError:
+            read = _json_at(text, pos)
+            if read is None:
                 return None  # the object is still being written
+            value, pos = read
             found = _calls_from(value, tools)
             if found is None:
                 return None, pos
@@ -251,16 +264,13 @@ class MistralParser(ToolCallParser):
     def read_region(
         self, text: str, tools: list[Tool], final: bool
     ) -> tuple[list[ToolCall] | None, int] | None:
-        pos = len(self.starts[0])
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
+        pos = _skip_space(text, len(self.starts[0]))
         if pos < len(text) and text[pos] not in "[{":
             return self._read_named(text, pos, tools)
-        try:
-            value, end = _DECODER.raw_decode(text, pos)
-        except ValueError:
+        read = _json_at(text, pos)
+        if read is None:
             return None
-        return _calls_from(value, tools), end
+        return _calls_from(read[0], tools), read[1]
 
     def _read_named(
         self, text: str, pos: int, tools: list[Tool]
@@ -269,13 +279,10 @@ class MistralParser(ToolCallParser):
         if args_at < 0:
             return None  # the name (and call id) is still being written
         name = text[pos:args_at].split(self._CALL_ID, 1)[0].strip()
-        start = args_at + len(self._ARGS)
-        while start < len(text) and text[start].isspace():
-            start += 1
-        try:
-            arguments, end = _DECODER.raw_decode(text, start)
-        except ValueError:
+        read = _json_at(text, args_at + len(self._ARGS))
+        if read is None:
             return None
+        arguments, end = read
         call = _call_from({"name": name, "arguments": arguments}, tools)
         return (None if call is None else [call]), end
 
@@ -301,14 +308,10 @@ class GraniteParser(ToolCallParser):
     def read_region(
         self, text: str, tools: list[Tool], final: bool
     ) -> tuple[list[ToolCall] | None, int] | None:
-        pos = len(self.starts[0])
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        try:
-            value, end = _DECODER.raw_decode(text, pos)
-        except ValueError:
+        read = _json_at(text, len(self.starts[0]))
+        if read is None:
             return None
-        return _calls_from(value, tools), end
+        return _calls_from(read[0], tools), read[1]
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
         return "<|tool_call|>[" + ", ".join(_call_json(c, "arguments") for c in calls) + "]"
