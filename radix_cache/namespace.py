@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["cache_namespace", "tree_key", "untag_token"]
+__all__ = ["adapter_namespace", "cache_namespace", "tree_key", "untag_token"]
 
 _NAMESPACE_BITS = 30
 _TOKEN_BITS = 32
@@ -22,6 +22,13 @@ def cache_namespace(salt: str | None) -> int | None:
         return None
     digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> (64 - _NAMESPACE_BITS)
+
+
+def adapter_namespace(namespace: int | None, adapter_uid: int) -> int:
+    """The namespace of a request on LoRA adapter load `adapter_uid` within a tenant's
+    `namespace`: KV computed with an adapter's weights is never another adapter's (or the
+    base model's), and a reload of the same name starts afresh."""
+    return cache_namespace(f"lora:{adapter_uid}:{namespace}")  # type: ignore[return-value]
 
 
 def tree_key(token_ids: list[int], namespace: int | None) -> list[int]:

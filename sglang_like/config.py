@@ -161,6 +161,18 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"
     # a decode-side request whose KV has not arrived after this many seconds ends with an error
     disaggregation_transfer_timeout: float = 120.0
+    # Multi-LoRA (sglang_like.lora; SGLang's flags): adapters served over the one base model,
+    # per request. lora_paths: "name=path", a bare path (named by itself), or SGLang's JSON
+    # '{"lora_name": ..., "lora_path": ..., "pinned": true}'; giving any turns LoRA on
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8  # distinct adapters running at once; more wait their turn
+    # adapters held in memory; loading past it evicts the least recently used unpinned, idle
+    # one (None: no limit)
+    max_loaded_loras: int | None = None
+    max_lora_rank: int | None = None  # an adapter of a higher rank is refused at load
+    # the modules adapters may target (lora.LORA_TARGETS); None / "all": every one
+    lora_target_modules: tuple[str, ...] | None = None
     # Server
     host: str = "127.0.0.1"
     port: int = 30000

@@ -52,6 +52,10 @@ class Engine:
         self.loop_cpu = info.loop_cpu  # the core the engine loop has to itself, if any
         self.tokenizer = self._client.tokenizer
         self._lock = threading.Lock()
+        # names of the loaded LoRA adapters (a request naming another is refused here, 400)
+        self._lora_names: set[str] = (
+            {a["name"] for a in self._client.call("list_lora_adapters")}
+            if self.server_args.enable_lora else set())
         _live_engines.add(self)
         logger.info(
             "loaded %s (%s, %d layers) on %s/%s, weights %s (%.0f MB) in %.1fs; KV pool %d "
@@ -103,13 +107,16 @@ class Engine:
         bootstrap_port: int | list[int] | None = None,
         bootstrap_room: int | list[int] | None = None,
         cache_salt: str | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict), a list (a list of dicts), or stream increments.
-        `cache_salt`: requests of different salts share no cached prefix (tenants)."""
+        `cache_salt`: requests of different salts share no cached prefix (tenants).
+        `lora_path`: the name of a loaded LoRA adapter to run on (SGLang's field), or one per
+        prompt of a batch (None: the base model)."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
                                          logprob_start_len, top_logprobs_num, stream, rid,
                                          (bootstrap_host, bootstrap_port, bootstrap_room),
-                                         cache_salt)
+                                         cache_salt, lora_path)
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
             return self._stream_sync(handles[0], is_batch)
@@ -131,6 +138,7 @@ class Engine:
         bootstrap_port: int | list[int] | None = None,
         bootstrap_room: int | list[int] | None = None,
         cache_salt: str | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """The asyncio form of `generate`; with stream=True, an async iterator of increments.
         A text prompt is tokenized on a thread of the engine's, not on the event loop, which
@@ -138,7 +146,7 @@ class Engine:
         make = functools.partial(
             self._make_reqs, prompt, sampling_params, input_ids, return_logprob,
             logprob_start_len, top_logprobs_num, stream, rid,
-            (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt)
+            (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt, lora_path)
         loop = asyncio.get_running_loop()
         if prompt is None:
             reqs, is_batch = make()
@@ -282,11 +290,79 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False
+                          ) -> dict[str, Any]:
+        """Read the PEFT adapter at `lora_path` (here, off the engine loop) and serve it as
+        `lora_name`; its info, with `evicted`: adapters unloaded to make room
+        (`max_loaded_loras`). ValueError when it cannot be served; nothing changes then."""
+        from sglang_like.lora import read_adapter
+
+        self._check_lora_enabled()
+        if not isinstance(lora_name, str) or not lora_name:
+            raise ValueError("lora_name must be a non-empty string")
+        with self._lock:
+            if lora_name in self._lora_names:
+                raise ValueError(f"a LoRA adapter named {lora_name!r} is already loaded; "
+                                 f"unload it first")
+        sa = self.server_args
+        adapter = read_adapter(lora_name, lora_path, self.model_config,
+                               max_rank=sa.max_lora_rank, target_modules=sa.lora_target_modules)
+        info = self._client.call("install_lora_adapter", payload=adapter.to_payload(),
+                                 pinned=bool(pinned))
+        with self._lock:
+            self._lora_names.add(lora_name)
+            self._lora_names.difference_update(info["evicted"])
+        return info
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Stop serving `lora_name`: requests running on it finish on it; later ones naming it
+        are refused. ValueError when no such adapter is loaded."""
+        self._check_lora_enabled()
+        info = self._client.call("unload_lora_adapter", name=lora_name)
+        with self._lock:
+            self._lora_names.discard(lora_name)
+        return info
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded adapters: name, path, rank, alpha, targets, bytes, pinned, in_flight."""
+        return self._client.call("list_lora_adapters")
+
+    def _check_lora_enabled(self) -> None:
+        if not self.server_args.enable_lora:
+            raise ValueError("LoRA is not enabled (start with enable_lora=True / --enable-lora "
+                             "or --lora-paths)")
+
+    def _lora_per_item(self, lora_path: Any, num_items: int, is_batch: bool) -> list[str | None]:
+        """Each prompt's adapter name (None: the base), checked against the loaded ones."""
+        if lora_path is None:
+            return [None] * num_items
+        if isinstance(lora_path, list):
+            if not is_batch or len(lora_path) != num_items:
+                raise ValueError("lora_path must be a name, or a list with one entry per "
+                                 "prompt of a batch")
+            names = list(lora_path)
+        else:
+            names = [lora_path] * num_items
+        if any(n is not None and not isinstance(n, str) for n in names):
+            raise ValueError("lora_path entries must be adapter names (strings) or null")
+        names = [n or None for n in names]
+        if any(n is not None for n in names):
+            self._check_lora_enabled()
+            with self._lock:
+                unknown = next((n for n in names if n is not None and n not in self._lora_names),
+                               None)
+                loaded = sorted(self._lora_names)
+            if unknown is not None:
+                raise ValueError(f"LoRA adapter {unknown!r} is not loaded (loaded: "
+                                 f"{', '.join(loaded) or 'none'})")
+        return names
+
     # ---- requests --------------------------------------------------------------------------
     def _make_reqs(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
                    logprob_start_len: int, top_logprobs_num: int, stream: bool,
                    rid: Any, bootstrap: tuple[Any, Any, Any] = (None, None, None),
-                   cache_salt: str | None = None,
+                   cache_salt: str | None = None, lora_path: Any = None,
                    ) -> tuple[list[GenerateReqInput], bool]:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
@@ -294,6 +370,7 @@ class Engine:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         items, is_batch = prepare_inputs(self.tokenizer, prompt, input_ids, sampling_params, rid)
         pd = _bootstrap_per_item(bootstrap, len(items), is_batch)
+        loras = self._lora_per_item(lora_path, len(items), is_batch)
         reqs: list[GenerateReqInput] = []
         for k, (ids, sp_dict, item_rid) in enumerate(items):
             sp = SamplingParams.from_dict(sp_dict)
@@ -313,7 +390,8 @@ class Engine:
                     return_logprob=bool(return_logprob), logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num, stream=bool(stream),
                     arrival_time=time.perf_counter(), bootstrap_host=host,
-                    bootstrap_port=port, bootstrap_room=room, cache_salt=cache_salt or None))
+                    bootstrap_port=port, bootstrap_room=room, cache_salt=cache_salt or None,
+                    lora_name=loras[k]))
         for msg in reqs:  # all or none: a field the wire cannot carry fails before any submit
             try:
                 encode(msg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +36,8 @@ class ForwardBatch:
     # called with i once layer i has stored this batch's K/V (prefill/decode disaggregation
     # streams each layer's KV out while the next layers compute); None: no hook
     on_layer: Callable[[int], None] | None = None
+    # rows of requests on LoRA adapters, by adapter (layers.lora); None: all on the base
+    lora: Any = None  # a layers.lora.LoraBatch
     seq_lens: torch.Tensor = field(init=False)  # [B] prefix + extend, built once per forward
 
     def __post_init__(self) -> None:

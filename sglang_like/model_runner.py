@@ -9,6 +9,7 @@ import torch
 
 from sglang_like.config import ModelConfig
 from sglang_like.forward_batch import ForwardBatch
+from sglang_like.layers.lora import LoraBatch
 from sglang_like.layers.quantization import QuantConfig
 from sglang_like.mem_pool import KVPool, ReqToTokenPool
 from sglang_like.models.registry import model_class
@@ -118,6 +119,8 @@ class ModelRunner:
             custom_masks=custom_masks,
             is_decode=batch.is_decode,
             on_layer=batch.on_layer,
+            lora=LoraBatch.build([r.lora.adapter.weights if r.lora is not None else None
+                                  for r in batch.reqs], batch.extend_lens, dev),
         )
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:

@@ -115,6 +115,10 @@ class Req:
         # the tenant's part of the radix tree (scheduler.cache_manager.cache_namespace of its
         # cache_salt); None: the shared part
         self.cache_namespace: int | None = None
+        # the LoRA adapter it runs on (a lora.registry.LoadedAdapter, held from admission to
+        # the end even if the adapter is unloaded meanwhile); None: the base model
+        self.lora: Any = None
+        self.lora_name: str | None = None  # the adapter it asked for (resolved at admission)
         self.finished_reason: FinishReason | None = None
         self.logprobs = Logprobs()
         # next prompt position whose logprob is still to be collected
@@ -176,6 +180,8 @@ class Req:
         if self.finished_reason is None:
             self.finished_reason = reason
             self.finish_time = time.perf_counter()
+            if self.lora is not None:
+                self.lora.in_flight -= 1  # the registry may evict it once idle
 
     def __repr__(self) -> str:
         return (

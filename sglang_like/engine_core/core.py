@@ -56,6 +56,7 @@ def make_req(msg: GenerateReqInput) -> Req:
     if msg.arrival_time:
         req.arrival_time = msg.arrival_time
     req.cache_namespace = cache_namespace(msg.cache_salt)
+    req.lora_name = msg.lora_name  # resolved on the loop thread (Scheduler.add_request)
     if msg.bootstrap_room is not None:
         req.bootstrap = (msg.bootstrap_host or "127.0.0.1",
                          msg.bootstrap_port or 8998, msg.bootstrap_room)
@@ -66,7 +67,8 @@ class EngineCore:
     """The model, its scheduler and the loop that drives them; built on the loop's thread."""
 
     RPC_METHODS = ("get_server_info", "get_load", "flush_cache", "get_stats", "cache_tree",
-                   "cache_node", "cache_match", "switch_disaggregation_mode")
+                   "cache_node", "cache_match", "switch_disaggregation_mode",
+                   "install_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 
     def __init__(self, server_args: ServerArgs, hooks: LoopHooks | None = None) -> None:
         from sglang_like.engine_core.setup import build_engine_parts
@@ -75,6 +77,7 @@ class EngineCore:
         self.server_args, self.model_config = parts.server_args, parts.model_config
         self.tokenizer, self.runner, self.scheduler = parts.tokenizer, parts.runner, parts.scheduler
         self.eos_token_ids = parts.eos_token_ids
+        self.loras = parts.loras  # None unless LoRA is on
         # the detokenizer's per-token byte table (0.6 s on the default model's tokenizer):
         # built with the engine, not inside the first request's first decode step
         if getattr(self.tokenizer, "is_byte_level", False):
@@ -174,7 +177,33 @@ class EngineCore:
             "context_length": self.server_args.context_length,
             "disaggregation": (s.disagg.info() if s.disagg is not None
                                else {"mode": "null"}),
+            "lora_adapters": self.list_lora_adapters(),
         }
+
+    # ---- LoRA adapters: read and checked by the Engine, off this thread; a dict insert here
+    def _lora_registry(self) -> Any:
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled on this server (start it with --enable-lora "
+                             "or --lora-paths)")
+        return self.loras
+
+    def install_lora_adapter(self, payload: dict[str, Any], pinned: bool = False
+                             ) -> dict[str, Any]:
+        """Serve the adapter `payload` carries (`LoraAdapter.to_payload`); its info and the
+        names evicted to make room."""
+        from sglang_like.lora import LoraAdapter
+
+        registry = self._lora_registry()
+        adapter = LoraAdapter.from_payload(payload)
+        evicted = registry.install(adapter, pinned)
+        return {**registry.get(adapter.name).info(), "evicted": evicted}
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Stop serving `name`: requests running on it finish on it, new ones are refused."""
+        return self._lora_registry().unload(name).info()
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        return [] if self.loras is None else self.loras.info()
 
     def get_load(self) -> dict[str, int]:
         """What SGLang's /get_load reports for one data-parallel rank: requests (running and

@@ -31,6 +31,8 @@ class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):
     # the tenant's namespace in the prefix cache: requests of different salts share no
     # cached prefix (vLLM's cache_salt; the server adds the caller's key to it)
     cache_salt: str | None = None
+    # the LoRA adapter to run on (a loaded adapter's name); None: the base model
+    lora_name: str | None = None
 
 
 class AbortReq(msgspec.Struct, tag="abort", frozen=True):

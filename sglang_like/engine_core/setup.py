@@ -35,6 +35,7 @@ class EngineParts(NamedTuple):
     runner: ModelRunner
     scheduler: Scheduler
     eos_token_ids: frozenset[int]
+    loras: Any = None  # a lora.LoraRegistry when LoRA is on
 
 
 def build_engine_parts(server_args: ServerArgs) -> EngineParts:
@@ -72,7 +73,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     sa = server_args.replace(
         context_length=context_len, max_total_tokens=num_slots, device=str(device),
         dtype=str(dtype).removeprefix("torch."), quantization=quantization,
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."), **_lora_args(server_args),
     )
     runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype)
     eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
@@ -86,10 +87,57 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
             disable_radix_cache=sa.disable_radix_cache, eviction_policy=sa.eviction_policy,
             enable_jump_forward=sa.enable_jump_forward, random_seed=sa.random_seed,
             speculative_auto_disable=sa.speculative_auto_disable,
+            max_loras_per_batch=sa.max_loras_per_batch,
         ),
         runner, tokenizer, eos, drafter,
     )
-    return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos)
+    loras = _load_loras(sa, loaded.config) if sa.enable_lora else None
+    scheduler.loras = loras
+    return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos,
+                       loras)
+
+
+def _lora_args(sa: ServerArgs) -> dict[str, Any]:
+    """The LoRA knobs checked and resolved: adapters given turn LoRA on; "all" targets are
+    every target (None)."""
+    from sglang_like.lora import LORA_TARGETS
+
+    enable = sa.enable_lora or bool(sa.lora_paths)
+    targets = sa.lora_target_modules
+    if targets is not None:
+        targets = tuple(targets)
+        if "all" in targets:
+            targets = None
+        else:
+            unknown = [t for t in targets if t not in LORA_TARGETS]
+            if unknown:
+                raise ValueError(f"lora_target_modules: unknown {unknown}; choose from "
+                                 f"{', '.join(LORA_TARGETS)} or all")
+    if enable:
+        if sa.tp_size > 1:
+            raise ValueError("LoRA adapters with --tp-size > 1 are not supported yet")
+        if sa.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1; got {sa.max_loras_per_batch}")
+        if sa.max_loaded_loras is not None and sa.max_loaded_loras < 1:
+            raise ValueError(f"max_loaded_loras must be >= 1; got {sa.max_loaded_loras}")
+        if sa.max_lora_rank is not None and sa.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1; got {sa.max_lora_rank}")
+    return {"enable_lora": enable, "lora_target_modules": targets}
+
+
+def _load_loras(sa: ServerArgs, config: ModelConfig) -> Any:
+    """The registry, with `--lora-paths` loaded (read here: nothing is served yet)."""
+    from sglang_like.lora import LoraRegistry, parse_lora_paths, read_adapter
+
+    entries = parse_lora_paths(sa.lora_paths)
+    if sa.max_loaded_loras is not None and len(entries) > sa.max_loaded_loras:
+        raise ValueError(f"{len(entries)} --lora-paths but --max-loaded-loras "
+                         f"{sa.max_loaded_loras}")
+    registry = LoraRegistry(sa.max_loaded_loras)
+    for name, path, pinned in entries:
+        registry.install(read_adapter(name, path, config, max_rank=sa.max_lora_rank,
+                                      target_modules=sa.lora_target_modules), pinned)
+    return registry
 
 
 def _build_runner(sa: ServerArgs, config: ModelConfig, weights: dict[str, Any],

@@ -22,6 +22,7 @@ from sglang_like.layers.activation import gated
 from sglang_like.layers.attention import Attention
 from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerParts
 from sglang_like.layers.logits import LogitsHead
+from sglang_like.layers.lora import LoraContext
 from sglang_like.layers.native_decode import AttnRows, NativeDecodePlan
 from sglang_like.layers.norm import RMSNorm
 from sglang_like.layers.quantization import QuantConfig, QuantLinear, WeightSource
@@ -253,6 +254,12 @@ class LlamaForCausalLM(nn.Module):
         self.ropes: dict[str, RotaryEmbedding] = {}
         self.native_decode = self._native_decode_supported()
         self._native_plan: NativeDecodePlan | None = None  # built at the first native step
+        # LoRA: every decoder linear reads the forward's adapter rows from one context, keyed
+        # by its module path (what lora.adapter names an adapter's weights by)
+        self.lora_ctx = LoraContext()
+        for name, mod in self.model.layers.named_modules(prefix="model.layers"):
+            if isinstance(mod, QuantLinear):
+                mod.lora_ctx, mod.lora_key = self.lora_ctx, name
 
     def _native_decode_supported(self) -> bool:
         """Whether decode steps can run through the native kernels: quantized weights (the
@@ -349,6 +356,16 @@ class LlamaForCausalLM(nn.Module):
         attn = self._native_rows(fb, pool)
         if attn is not None:
             return self._decode_layers_native(x, fb, pool, attn, aux_layers)
+        if fb.lora is None:
+            return self._torch_layers(x, fb, pool, aux_layers)
+        self.lora_ctx.batch = fb.lora
+        try:
+            return self._torch_layers(x, fb, pool, aux_layers)
+        finally:
+            self.lora_ctx.batch = None
+
+    def _torch_layers(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
+                      aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         # gathered once, used by every layer
         ropes = {kind: r.tables(fb.positions) for kind, r in self.ropes.items()}
         aux: dict[int, torch.Tensor] = {}
@@ -370,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
         every batch, prefill chunks and mixed ones included: a token's row is then computed
         by the same per-row sums whatever batch, chunk or verify it is in, which the int4
         path's bf16 activations need for its output not to depend on the schedule."""
-        if (not self.native_decode or fb.tree_mask is not None
+        if (not self.native_decode or fb.tree_mask is not None or fb.lora is not None
                 or fb.input_ids.device.type != "cpu"
                 or pool.k_buffers[0].dtype not in native.POOL_DTYPES):
             return None

@@ -23,6 +23,8 @@ class SchedulerConfig:
     random_seed: int = 0
     check_accounting: bool = False  # assert the pool invariant after every step (tests)
     speculative_auto_disable: bool = True  # speculate only where measured to pay
+    # distinct LoRA adapters among the running requests; a request on one more waits
+    max_loras_per_batch: int = 8
 
     @property
     def prefill_budget(self) -> int:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from radix_cache import KVSlotAllocator, RadixCache
+from radix_cache.namespace import adapter_namespace
 from sglang_like.layers.sampler import SampleOutput, Sampler, select_rows
 from sglang_like.mem_pool import ReqToTokenPool
 from sglang_like.req import FinishReason, Req, internal_error_message
@@ -66,6 +67,9 @@ class Scheduler:
         # prefill/decode disaggregation (sglang_like.disaggregation, set by the engine core):
         # None on a regular worker
         self.disagg: DisaggHooks | None = None
+        # the loaded LoRA adapters (a lora.LoraRegistry, set by the engine core when LoRA is
+        # enabled): a request naming one holds it from here to its end
+        self.loras: Any = None
         # rows cost a share of a step on CPU (its floor, measured there), next to nothing on CUDA
         on_cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
         self.spec_controller = SpecController(enabled=config.speculative_auto_disable,
@@ -86,6 +90,8 @@ class Scheduler:
         if not sp.is_greedy:
             seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
             req.generator = torch.Generator().manual_seed(seed)
+        if req.lora_name is not None and not self._take_adapter(req):
+            return
         if req.seq_len + 1 > self.config.pool_size:
             self.finish_outside_step(req, FinishReason("abort", message=(
                 f"the prompt has {req.seq_len} tokens but the KV pool holds only "
@@ -97,6 +103,19 @@ class Scheduler:
                 self._finished_outside_step.append(req)
             return
         self.waiting.append(req)
+
+    def _take_adapter(self, req: Req) -> bool:
+        """Give `req` the adapter it names, in a radix namespace of that load of it (KV is
+        never shared across adapters, nor with a later load of the same name); False (and
+        the request ended, 400) when no adapter of that name is loaded now."""
+        entry = self.loras.acquire(req.lora_name) if self.loras is not None else None
+        if entry is None:
+            self.finish_outside_step(req, FinishReason(
+                "abort", message=f"LoRA adapter {req.lora_name!r} is not loaded", status_code=400))
+            return False
+        req.lora = entry
+        req.cache_namespace = adapter_namespace(req.cache_namespace, entry.uid)
+        return True
 
     def abort(self, rid: str) -> bool:
         """End a queued or running request now and free what it holds."""
@@ -324,11 +343,15 @@ class Scheduler:
 
         lpm = self.config.schedule_policy == "lpm" and len(self.waiting) > 1
         ordered = order_waiting(self.waiting, "lpm" if lpm else "fcfs", lambda r: peek(r)[0])
+        adapters = {r.lora.uid for r in self.running if r.lora is not None}
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if self.cache.req_to_token_pool.num_free_rows == 0:
                 break
+            if (req.lora is not None and req.lora.uid not in adapters
+                    and len(adapters) >= self.config.max_loras_per_batch):
+                continue  # one adapter too many for this batch: it waits for a later one
             cap = self._max_prefix_len(req)
             match_len, match_unlocked = peek(req)
             if any(common_prefix_len(req.fill_ids, p.fill_ids) - match_len
@@ -353,6 +376,8 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             picked.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora.uid)
             self._add_to_batch(batch, req, n, slots)
             budget -= n
             reserve += _DECODE_RESERVE_PER_REQ

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglang_like.layers.lora import LoraContext, apply_lora
 from sglang_like.layers.quantization.base import LinearMethod, WeightSource
 
 
@@ -28,6 +29,10 @@ class QuantLinear(nn.Module):
         self.partitions = list(partitions)
         self.has_bias = bias
         self.register_buffer("bias", None)
+        # LoRA: the model's context (the forward's rows by adapter) and this linear's key in
+        # an adapter's weights; None where the model serves no adapters on it
+        self.lora_ctx: LoraContext | None = None
+        self.lora_key = ""
 
     @property
     def out_features(self) -> int:
@@ -49,7 +54,9 @@ class QuantLinear(nn.Module):
         if x.dtype != self.method.input_dtype:  # e.g. attention's fp32 output into a bf16 matmul
             x = x.to(self.method.input_dtype)
         y = self.method.apply(self, x)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = y if self.bias is None else y + self.bias.to(y.dtype)
+        lora = self.lora_ctx.batch if self.lora_ctx is not None else None
+        return y if lora is None else apply_lora(y, x, self.lora_key, lora)
 
     @property
     def has_argmax(self) -> bool:
