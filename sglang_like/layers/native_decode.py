@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerParts
+from sglang_like.layers.lora import LoraBatch, apply_lora
 from sglang_like.layers.quantization.gguf_native import GGUFNativeMethod
 from sglang_like.layers.quantization.q4_native import Q4X16Method
 from sglang_like_kernels.cpu import KQ_KINDS, ops
@@ -265,7 +266,11 @@ class NativeDecodePlan:
                 _input(p.mlp_norm, p.gate_up_proj, d.norm_eps), _linear(p.gate_up_proj),
                 d.activation, p.down_proj.method.input_dtype, _linear(p.down_proj),
                 _output(p.mlp_out_norm, d.norm_eps, d.residual_scale)))
+        # each layer's linears' keys in an adapter's weights (qkv, o, gate_up, down)
+        self.lora_keys = [tuple(lin.lora_key for lin in p.linears) for p in layers]
         self.fused = _FusedX16.build(layers, tables)
+        if self.fused is not None:
+            self.fused.lora_keys = self.lora_keys
 
     def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
             aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -276,6 +281,12 @@ class NativeDecodePlan:
             return self.fused.run(x, fb, pool, attn, aux_layers)
         attend, residual_norm, act_mul = ops.decode_attention_rope, ops.residual_norm, ops.act_mul
         positions, out_slots, on_layer = fb.positions, fb.out_slots, fb.on_layer
+        lb: LoraBatch | None = fb.lora
+
+        def lin(f: Linear, x: torch.Tensor, key: str) -> torch.Tensor:
+            y = f(x)
+            return y if lb is None else apply_lora(y, x, key, lb)
+
         table, rows, seq_lens = attn
         k_buffers, v_buffers = pool.k_buffers, pool.v_buffers
         k_scales, v_scales = pool.k_scales, pool.v_scales  # None: a float pool
@@ -285,15 +296,17 @@ class NativeDecodePlan:
         h = ops.rmsnorm(x, *first) if first.weight is not None else x.to(first.out_dtype)
         aux: dict[int, torch.Tensor] = {}
         for i, p in enumerate(layers):
+            keys = self.lora_keys[i]
             if i in aux_layers:
                 aux[i] = x  # never written in place: each step makes a new residual tensor
-            a = attend(p.qkv(h), p.num_heads, p.num_kv_heads, p.head_dim, p.cos, p.sin,
-                       positions, k_buffers[p.layer_id], v_buffers[p.layer_id], out_slots,
+            a = attend(lin(p.qkv, h, keys[0]), p.num_heads, p.num_kv_heads, p.head_dim, p.cos,
+                       p.sin, positions, k_buffers[p.layer_id], v_buffers[p.layer_id], out_slots,
                        table, rows, seq_lens, p.sm_scale, p.o_in_dtype, **p.attn_kw,
                        k_scale=None if k_scales is None else k_scales[p.layer_id],
                        v_scale=None if v_scales is None else v_scales[p.layer_id])
-            x, h = residual_norm(x, p.o_proj(a), *p.mlp_in, *p.attn_out)
-            down = p.down(act_mul(p.gate_up(h), p.activation, p.down_in_dtype))
+            x, h = residual_norm(x, lin(p.o_proj, a, keys[1]), *p.mlp_in, *p.attn_out)
+            down = lin(p.down, act_mul(lin(p.gate_up, h, keys[2]), p.activation,
+                                       p.down_in_dtype), keys[3])
             # the next layer's input (the last layer's add only: no norm, float32)
             nxt = layers[i + 1].attn_in if i < last else _In(None, 0.0, torch.float32)
             x, h = residual_norm(x, down, *nxt, *p.mlp_out)
@@ -380,6 +393,10 @@ class _FusedX16:
         self._pool: KVPool | None = None
         self.kv_scales: torch.Tensor | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
+        self.lora_keys: list[tuple[str, ...]] = []
+        # an adapter's [L, 4, 3] table of addresses, by id of its weights (held with it, so
+        # the id stays its own while cached)
+        self._lora_tabs: dict[int, tuple[dict, torch.Tensor, int]] = {}
 
     @classmethod
     def build(cls, layers: list[DecoderLayerParts], tables: RopeTables) -> _FusedX16 | None:
@@ -443,6 +460,34 @@ class _FusedX16:
             self._aux_slots[aux_layers] = slots
         return slots
 
+    def _lora_tab(self, weights: dict) -> tuple[torch.Tensor, int]:
+        """(an adapter's table [L, 4, 3] of (A, B, R) per linear, its largest R)."""
+        hit = self._lora_tabs.get(id(weights))
+        if hit is not None and hit[0] is weights:
+            return hit[1], hit[2]
+        tab = torch.zeros(len(self.lora_keys), 4, 3, dtype=torch.int64)
+        rmax = 1
+        for i, keys in enumerate(self.lora_keys):
+            for j, key in enumerate(keys):
+                w = weights.get(key)
+                if w is not None:
+                    tab[i, j] = torch.tensor([w.a.data_ptr(), w.b.data_ptr(), w.a.shape[0]])
+                    rmax = max(rmax, w.a.shape[0])
+        if len(self._lora_tabs) >= 64:  # adapters come and go: keep the recent ones
+            self._lora_tabs.pop(next(iter(self._lora_tabs)))
+        self._lora_tabs[id(weights)] = (weights, tab, rmax)
+        return tab, rmax
+
+    def _lora_args(self, lb: LoraBatch, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        rows = torch.full((t,), -1, dtype=torch.int64)
+        tabs, rmax = [], 1
+        for s, (weights, sel) in enumerate(lb.groups):
+            rows[sel] = s
+            tab, r = self._lora_tab(weights)
+            tabs.append(tab)
+            rmax = max(rmax, r)
+        return rows, torch.stack(tabs), rmax
+
     def run(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, attn: AttnRows,
             aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._refresh_pool(pool)
@@ -455,5 +500,6 @@ class _FusedX16:
                             self.cos, self.sin, fb.positions, fb.out_slots, table, rows,
                             seq_lens, hq, hkv, d, inter, self.sm_scale,
                             self._aux_slot(aux_layers), features, runs=self.runs, cfg=self.cfg,
-                            fcfg=self.fcfg, local_tables=self.local, kv_scales=self.kv_scales)
+                            fcfg=self.fcfg, local_tables=self.local, kv_scales=self.kv_scales,
+                            lora=None if fb.lora is None else self._lora_args(fb.lora, t))
         return x, features

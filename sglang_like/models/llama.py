@@ -387,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
         every batch, prefill chunks and mixed ones included: a token's row is then computed
         by the same per-row sums whatever batch, chunk or verify it is in, which the int4
         path's bf16 activations need for its output not to depend on the schedule."""
-        if (not self.native_decode or fb.tree_mask is not None or fb.lora is not None
+        if (not self.native_decode or fb.tree_mask is not None
                 or fb.input_ids.device.type != "cpu"
                 or pool.k_buffers[0].dtype not in native.POOL_DTYPES):
             return None

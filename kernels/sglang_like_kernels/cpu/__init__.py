@@ -166,7 +166,7 @@ class _Library:
         lib.decode_attention_rope.restype = ctypes.c_int
         lib.decode_step_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, i32,
                                         ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                                        ptr, ptr, i64, ptr, ptr, ptr]
+                                        ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
         lib.decode_step_x16.restype = ctypes.c_int
         lib.eagle_head_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                        i32, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr, i32,

@@ -39,6 +39,49 @@ static void add_bias_team(float *y, const float *bias, int64_t T, int64_t N) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t j = 0; j < N; j++) y[t * N + j] += bias[j];
 }
+// LoRA deltas (layers/lora.py's math): for each row t on an adapter s (lora_rows[t] >= 0) whose
+// entry for this layer's linear `which` is (A [R, K], B [N, R], R) (lora_tab [S][L][4][3];
+// A 0: the adapter leaves the linear alone), y_t += B @ (A @ x_t), float32, in two phases
+// (u = A x over rows and ranks, then y over output columns), each a sum in a fixed order
+// whatever the batch: a row's delta does not depend on the rows beside it.
+typedef struct {
+    const int64_t *rows;  // [T]: adapter index or -1
+    const int64_t *tab;   // [S][L][4][3]
+    int64_t L, rmax;
+    float *u;  // [T, rmax] scratch
+} lora_rows_t;
+
+static void lora_team(const lora_rows_t *lo, int64_t l, int which, const float *x, int64_t ldx,
+                      int64_t K, float *y, int64_t N, int64_t T) {
+    const int64_t rmax = lo->rmax;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < T * rmax; i++) {
+        const int64_t t = i / rmax, r = i % rmax, s = lo->rows[t];
+        if (s < 0) continue;
+        const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * 3;
+        if (!e[0] || r >= e[2]) continue;
+        const float *a = (const float *)e[0] + r * K, *xt = x + t * ldx;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; k++) acc += a[k] * xt[k];
+        lo->u[t * rmax + r] = acc;
+    }
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t s = lo->rows[t];
+            if (s < 0) continue;
+            const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * 3;
+            if (!e[0]) continue;
+            const int64_t R = e[2];
+            const float *b = (const float *)e[1] + n * R, *ut = lo->u + t * rmax;
+            float acc = 0.0f;
+            for (int64_t r = 0; r < R; r++) acc += b[r] * ut[r];
+            y[t * N + n] += acc;
+        }
+    }
+}
+
 // per-layer settings: cfg [L][DS_CFG] int64 and fcfg [L][DS_FCFG] float
 enum { C_WINDOW, C_ROPE, C_QK_NORM, C_ACT, DS_CFG };  // window (0: none), ROPE_*, QK_NORM_*, ACT_*
 enum { F_SM_SCALE, F_SOFTCAP, F_RESIDUAL_SCALE, DS_FCFG };  // softcap 0: none
@@ -91,7 +134,9 @@ static void linear_team(const int64_t *runs, const uint8_t *x16, int64_t N, int6
 // (ld_table int32 per row; lo from the layer's window); its new k/v go to out_slots[t] at
 // positions[t]. aux_slot [L]: -1, or where the residual entering the layer goes in features
 // [T, n_aux * H] (EAGLE-3's capture). pool_kind: ops.h's KV_*; kv_scales [L, 2] (NULL for a
-// float pool): each layer's K and V scale addresses ([S, Hkv] float32). Returns 0; -1 when scratch memory could not be
+// float pool): each layer's K and V scale addresses ([S, Hkv] float32). LoRA (lora_rows NULL:
+// none): lora_rows [T] each row's adapter (-1: the base), lora_tab [n_lora][L][4][3] (see
+// lora_team), lora_rmax the largest R. Returns 0; -1 when scratch memory could not be
 // allocated; -2 for shapes or settings the kernels do not take.
 int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
                     int64_t I, float *x, const int64_t *ptrs, float eps, int pool_kind,
@@ -100,12 +145,17 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                     const int64_t *out_slots, const int32_t *table, int64_t ld_table,
                     const int64_t *rows, const int64_t *seq_lens, const int64_t *cfg,
                     const float *fcfg, const int64_t *aux_slot, int64_t n_aux, float *features,
-                    const int64_t *runs, const int64_t *kv_scales) {
+                    const int64_t *runs, const int64_t *kv_scales, const int64_t *lora_rows,
+                    const int64_t *lora_tab, int64_t n_lora, int64_t lora_rmax) {
     const int64_t nqkv = (Hq + 2 * Hkv) * D, hqd = Hq * D;
     if (T <= 0 || L <= 0 || H % XQK || hqd % XQK || I % XQK || nqkv % 16 || H % 16 ||
         (2 * I) % 16 || Hkv <= 0 || Hq % Hkv || D % 8 || pool_kind < 0 ||
-        pool_kind >= KV_KINDS || (pool_kind >= KV_I8 && !kv_scales))
+        pool_kind >= KV_KINDS || (pool_kind >= KV_I8 && !kv_scales) ||
+        (lora_rows && (!lora_tab || n_lora <= 0 || lora_rmax <= 0)))
         return -2;
+    if (lora_rows)
+        for (int64_t t = 0; t < T; t++)
+            if (lora_rows[t] >= n_lora) return -2;
     // one attention plan per distinct window (which keys each row reads), shared by its layers
     int64_t windows[DS_PLANS];
     int n_plans = 0;
@@ -150,8 +200,9 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     float *fl = (float *)malloc(sizeof(float) * (shared + per_thread * (size_t)threads));
     int8_t *q = (int8_t *)malloc((size_t)(T * kmax));
     int32_t *qs = runs ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * (kmax / 16))) : NULL;
-    if (!fl || !q || (runs && !qs)) {
-        free(fl); free(q); free(qs); free(plan_of);
+    float *lora_u = lora_rows ? (float *)malloc(sizeof(float) * (size_t)(T * lora_rmax)) : NULL;
+    if (!fl || !q || (runs && !qs) || (lora_rows && !lora_u)) {
+        free(fl); free(q); free(qs); free(lora_u); free(plan_of);
         for (int j = 0; j < n_plans; j++) attn_plan_free(&plans[j]);
         return -1;
     }
@@ -159,6 +210,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     float *gu = proj + T * H;
     act_rows a = {q, gu + T * 2 * I, gu + T * 2 * I + T * (kmax / XQK), qs};
     float *thread_base = a.S + T * (kmax / XQK);
+    const lora_rows_t lo = {lora_rows, lora_tab, L, lora_rmax, lora_u};
 
 #pragma omp parallel num_threads(threads)
     {
@@ -196,6 +248,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
             }
             linear_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv);
             if (p[P_QKV_BIAS]) add_bias_team(qkv, (const float *)p[P_QKV_BIAS], T, nqkv);
+            if (lora_rows) lora_team(&lo, l, 0, h, H, H, qkv, nqkv, T);
             attn_rope_store_team(plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_kind,
                                  k_scale, v_scale, out_slots, tmp);
             attn_attend_team(plan, k_pool, v_pool, pool_kind, k_scale, v_scale, table, ld_table,
@@ -205,6 +258,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
             for (int64_t t = 0; t < T; t++) quantize_row(&a, att + t * hqd, hqd, t);
             linear_team(LINEAR_RUNS(1), w_o, H, hqd, &a, T, proj);
             if (p[P_O_BIAS]) add_bias_team(proj, (const float *)p[P_O_BIAS], T, H);
+            if (lora_rows) lora_team(&lo, l, 1, att, hqd, hqd, proj, H, T);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 residual_norm_row(x + t * H, proj, 0, t, (const float *)p[P_ATTN_OUT], eps,
@@ -212,12 +266,14 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                 quantize_row(&a, h + t * H, H, t);
             }
             linear_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu);
+            if (lora_rows) lora_team(&lo, l, 2, h, H, H, gu, 2 * I, T);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 act_mul_row((int)c[C_ACT], gu + t * 2 * I, I);
                 quantize_row(&a, gu + t * 2 * I, I, t);
             }
             linear_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj);
+            if (lora_rows) lora_team(&lo, l, 3, gu, 2 * I, I, proj, H, T);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 const float *w_mlp_out = (const float *)p[P_MLP_OUT];
@@ -237,6 +293,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     free(fl);
     free(q);
     free(qs);
+    free(lora_u);
     free(plan_of);
     for (int j = 0; j < n_plans; j++) attn_plan_free(&plans[j]);
     return 0;

@@ -230,7 +230,8 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
                     variant: str | None = None, runs: torch.Tensor | None = None,
                     cfg: torch.Tensor | None = None, fcfg: torch.Tensor | None = None,
                     local_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    kv_scales: torch.Tensor | None = None) -> None:
+                    kv_scales: torch.Tensor | None = None,
+                    lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """Every layer of a decode or verify step (decode_step.c), x float32 [T, H] updated in
     place from the embedded rows to the residual stream after the last layer. `ptrs` int64
     [L, DECODE_STEP_PTRS]: addresses of each layer's x16 qkv, o, gate_up and down weights,
@@ -247,7 +248,10 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     settings (`layer_settings`; None: Llama's, scores scaled by sm_scale); `local_tables`:
     the cos/sin pair of the layers whose RoPE is "local". A quantized `pool_dtype` (int8,
     fp8) needs `kv_scales` int64 [L, 2]: each layer's K and V scale addresses ([S, Hkv]
-    float32, as `decode_attention_rope`'s k_scale / v_scale)."""
+    float32, as `decode_attention_rope`'s k_scale / v_scale). `lora`: (rows int64 [T], each
+    row's adapter index or -1; tab int64 [S, L, 4, 3], adapter s's (A address, B address, R)
+    for layer l's qkv, o, gate_up, down, A 0 where it has none; the largest R): each row
+    adds its adapter's float32 B @ (A @ x) to those linears' outputs."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError("x must be a contiguous float32 tensor")
     if table.dtype != torch.int32 or table.stride(-1) != 1:
@@ -270,6 +274,14 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     if kind >= 2 and (kv_scales is None or tuple(kv_scales.shape) != (num_layers, 2)):
         raise ValueError(f"a {pool_dtype} pool needs kv_scales [{num_layers}, 2]")
     cos_local, sin_local = local_tables if local_tables is not None else (None, None)
+    lora_rows = lora_tab = None
+    n_lora = rmax = 0
+    if lora is not None:
+        lora_rows, lora_tab, rmax = lora
+        if tuple(lora_rows.shape) != (t,) or lora_tab.dim() != 4 or tuple(
+                lora_tab.shape[1:]) != (num_layers, 4, 3):
+            raise ValueError(f"lora: rows [{t}] and a table [S, {num_layers}, 4, 3]")
+        n_lora = lora_tab.shape[0]
     rc = _lib(variant).decode_step_x16(
         num_layers, t, h, num_heads, num_kv_heads, head_dim, intermediate, x.data_ptr(),
         _int64("ptrs", ptrs), eps, kind, cos_table.data_ptr(),
@@ -280,7 +292,9 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
         fcfg.data_ptr(), _int64("aux_slot", aux_slot), n_aux,
         None if features is None else features.data_ptr(),
         None if runs is None else _int64("runs", runs),
-        None if kind < 2 else _int64("kv_scales", kv_scales))
+        None if kind < 2 else _int64("kv_scales", kv_scales),
+        None if lora_rows is None else _int64("lora_rows", lora_rows),
+        None if lora_tab is None else _int64("lora_tab", lora_tab), n_lora, rmax)
     if rc == -2:
         raise ValueError(f"decode_step_x16 cannot take these shapes or settings (H={h}, heads "
                          f"{num_heads}/{num_kv_heads}x{head_dim}, intermediate {intermediate}; "
