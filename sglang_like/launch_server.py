@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "token and its end at once); above 1 the serving side does less work "
                         "per token, which on a machine of few cores the decode step gets back")
     add_speculative_arguments(p, d)
+    add_lora_arguments(p, d)
     add_scale_out_arguments(p, d)
     p.add_argument("--engine-in-process", action="store_true", default=d.engine_in_process,
                    help="run the scheduler and model on a thread of the HTTP process instead "
@@ -155,6 +156,30 @@ def add_speculative_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None
                    default=d.speculative_eagle_ngram_branch,
                    help="EAGLE/EAGLE3: draft from the head alone (by default NGRAM's "
                         "continuation of the request's text is a branch of the head's tree)")
+
+
+def add_lora_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
+    """SGLang's multi-LoRA switches: PEFT adapters served over the one base model, picked per
+    request (`lora_path`, or an OpenAI `model` naming the adapter)."""
+    p.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
+                   help="serve LoRA adapters (on by itself with --lora-paths); load more at "
+                        "run time with POST /load_lora_adapter (admin key)")
+    p.add_argument("--lora-paths", nargs="+", default=list(d.lora_paths), metavar="ADAPTER",
+                   help="adapters loaded at start, each NAME=PATH, a bare PATH (named by "
+                        "itself), or SGLang's JSON '{\"lora_name\": ..., \"lora_path\": ..., "
+                        "\"pinned\": true}' (a pinned adapter is never evicted)")
+    p.add_argument("--max-loras-per-batch", type=int, default=d.max_loras_per_batch,
+                   help="distinct adapters running at once; requests on more wait their turn")
+    p.add_argument("--max-loaded-loras", type=int, default=d.max_loaded_loras,
+                   help="adapters held in memory; loading one more unloads the least recently "
+                        "used idle, unpinned one (default: no limit)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="adapters of a higher rank are refused at load (default: any)")
+    p.add_argument("--lora-target-modules", nargs="+", default=d.lora_target_modules,
+                   metavar="MODULE",
+                   help="modules adapters may adapt: q_proj k_proj v_proj o_proj gate_proj "
+                        "up_proj down_proj (qkv_proj, gate_up_proj for fused checkpoints), or "
+                        "all (the default); an adapter touching another is refused at load")
 
 
 def add_scale_out_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
@@ -235,6 +260,9 @@ def server_args_from(ns: argparse.Namespace,
         values["disaggregation_secret"] = env.get(ENV_DISAGGREGATION_SECRET) or None
     if values.get("allowed_hosts") is None:
         values["allowed_hosts"] = ()
+    for name in ("lora_paths", "lora_target_modules"):  # argparse's lists; the fields are tuples
+        if isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
     if values["admin_api_key"] and values["admin_api_key"] in keys:
         raise SystemExit("the admin API key must differ from every plain key")
     fields = set(ServerArgs.__dataclass_fields__)
@@ -250,6 +278,28 @@ def _check(args: ServerArgs) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("--ssl-keyfile and --ssl-certfile go together")
+    _check_lora(args)
+
+
+def _check_lora(args: ServerArgs) -> None:
+    """The LoRA flags' forms, before the model loads (the adapters themselves are read and
+    checked by the engine)."""
+    for name in ("max_loras_per_batch", "max_loaded_loras", "max_lora_rank"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if not (args.lora_paths or args.lora_target_modules):
+        return
+    from sglang_like.lora import LORA_TARGETS, LoraAdapterError, parse_lora_paths
+
+    try:
+        parse_lora_paths(args.lora_paths)
+    except LoraAdapterError as e:
+        raise SystemExit(str(e)) from None
+    unknown = [m for m in args.lora_target_modules or () if m not in (*LORA_TARGETS, "all")]
+    if unknown:
+        raise SystemExit(f"--lora-target-modules: unknown {unknown}; choose from "
+                         f"{' '.join(LORA_TARGETS)} or all")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         keep_threads_off(engine.loop_cpu, include_self=True)
     app = create_app(engine)
     state = app.state.server
+    if state.served_model_name in state.lora_names:  # `model` of that name means the base
+        engine.shutdown()
+        raise SystemExit(f"a LoRA adapter is named {state.served_model_name!r}, the served "
+                         "model's own name; give it another name in --lora-paths")
     info = engine.get_server_info()
     print(
         f"sglang_like: loaded {state.model_path} as '{state.served_model_name}' in "

@@ -17,7 +17,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.config import ServerArgs
-from sglang_like.server import dashboard, disaggregation_api, native_api, openapi, tokenize_api
+from sglang_like.server import (
+    dashboard,
+    disaggregation_api,
+    lora_api,
+    native_api,
+    openapi,
+    tokenize_api,
+)
 from sglang_like.server.auth import SecurityMiddleware
 from sglang_like.server.errors import ApiError, error_response
 from sglang_like.server.metrics import CONTENT_TYPE
@@ -63,6 +70,7 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     app.include_router(tokenize_api.router)
     app.include_router(dashboard.router)
     app.include_router(disaggregation_api.router)
+    app.include_router(lora_api.router)
     metrics_doc = openapi.operation(ok={CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}})
     app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics",
                       openapi_extra=metrics_doc)

@@ -35,7 +35,7 @@ OPEN_PATHS = frozenset({"/health"})
 # The operator's routes: they change the server's state or show what other users sent.
 ADMIN_PATHS = frozenset({
     "/flush_cache", "/switch_disaggregation_mode", "/metrics", "/dashboard", "/stats",
-    "/cache_tree", "/cache_match",
+    "/cache_tree", "/cache_match", "/load_lora_adapter", "/unload_lora_adapter",
 })
 _ADMIN_PREFIXES = ("/dashboard/", "/cache_tree/")
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

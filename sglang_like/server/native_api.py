@@ -88,7 +88,7 @@ def _split_for_streaming(kwargs: dict[str, Any], is_batch: bool) -> list[dict[st
         for choice in range(n):
             call = {k: v for k, v in kwargs.items() if k not in ("prompt", "input_ids")}
             call[key] = prompt
-            for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+            for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "lora_path"):
                 if isinstance(call.get(name), list):  # a batch's: this prompt's entry
                     call[name] = call[name][i]
             call["sampling_params"] = choice_params(params, choice)

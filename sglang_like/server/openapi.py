@@ -23,14 +23,17 @@ from sglang_like.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    LoadLoraAdapterRequest,
     SwitchModeRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 
 _REF = "#/components/schemas/{model}"
 _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     GenerateRequest, CompletionRequest, ChatCompletionRequest, AbortRequest, SwitchModeRequest,
-    TokenizeRequest, DetokenizeRequest, CacheMatchRequest,
+    TokenizeRequest, DetokenizeRequest, CacheMatchRequest, LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
 )
 _ERROR_TEXT = {
     400: "Bad request: the body or a parameter is invalid (the message says which)",
@@ -171,8 +174,36 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "data": {
                 "type": "array",
                 "items": {"type": "object", "required": ["id", "object"],
-                          "properties": {"id": _STR, "object": {"const": "model"}}},
+                          "properties": {
+                              "id": _STR, "object": {"const": "model"},
+                              "root": {**_STR, "description": "the model path, or a LoRA "
+                                                              "adapter's folder"},
+                              "parent": {**_nullable(_STR), "description": "a LoRA "
+                                         "adapter's base model; null for the base model"},
+                          }},
             },
+        },
+    },
+    "LoraUpdateResponse": {
+        "type": "object",
+        "description": "SGLang's answer (success, error_message, loaded_adapters: name -> "
+                       "path) with the adapter's facts; a refusal is a 400 ErrorResponse that "
+                       "also carries success: false and error_message",
+        "required": ["success", "loaded_adapters"],
+        "properties": {
+            "success": {"type": "boolean"},
+            "error_message": _nullable(_STR),
+            "loaded_adapters": {"type": "object", "additionalProperties": _STR},
+            "adapter": {
+                "type": "object",
+                "properties": {"name": _STR, "path": _STR, "rank": _INT, "alpha": {
+                    "type": "number"}, "use_rslora": {"type": "boolean"}, "target_modules": {
+                    "type": "array", "items": _STR}, "bytes": _INT, "pinned": {
+                    "type": "boolean"}, "in_flight": {**_INT, "description": "requests "
+                                                      "running on it (they finish on it)"}},
+            },
+            "evicted": {"type": "array", "items": _STR,
+                        "description": "adapters unloaded to make room (--max-loaded-loras)"},
         },
     },
     "ServerInfo": {

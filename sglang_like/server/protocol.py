@@ -49,6 +49,9 @@ _MAX_LOGPROB_START_LEN = (1 << 63) - 1
 CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 _CACHE_SALT_FIELD = Field(None, description="requests with different salts never share a "
                                             "cached prefix (vLLM's field)")
+# a LoRA adapter's name in a request: bounded like a rid (it also is an OpenAI model id)
+_MAX_LORA_NAME_CHARS = 256
+LoraPath = Annotated[str, Field(max_length=_MAX_LORA_NAME_CHARS)]
 
 
 # ---- native /generate ---------------------------------------------------------------------
@@ -87,6 +90,9 @@ class GenerateRequest(BaseModel):
     bootstrap_port: StrictInt | list[StrictInt] | None = None
     bootstrap_room: StrictInt | list[StrictInt] | None = None
     cache_salt: CacheSalt | None = _CACHE_SALT_FIELD
+    lora_path: LoraPath | list[LoraPath | None] | None = Field(
+        None, description="the loaded LoRA adapter to run on (SGLang's field: its name), or "
+                          "one per prompt of a batch; null: the base model")
 
     @property
     def is_batch(self) -> bool:
@@ -140,7 +146,46 @@ class GenerateRequest(BaseModel):
             "return_text_in_logprobs": self.return_text_in_logprobs,
             "rid": self.rid,
             **bootstrap_kwargs(self),
+            **self.lora_kwargs(),
         }
+
+    def lora_kwargs(self) -> dict[str, Any]:
+        """`lora_path` for Engine.generate, present only when an adapter is named (an engine
+        without LoRA never sees the keyword). SGLang's clients send a one-entry list for a
+        single prompt and lists of nulls for the base model: both are taken."""
+        lora = self.lora_path
+        if isinstance(lora, list):
+            if not self.is_batch:
+                if len(lora) != 1:
+                    raise ApiError(400, "lora_path must be a name, or a list with one entry "
+                                        "per prompt of a batch", "lora_path")
+                lora = lora[0]
+            elif len(lora) != self.batch_size:
+                raise ApiError(400, f"lora_path has {len(lora)} entries for "
+                                    f"{self.batch_size} prompts", "lora_path")
+            elif not any(lora):
+                lora = None
+        return {"lora_path": lora} if lora else {}
+
+
+# ---- LoRA adapters (sglang_like.server.lora_api) -----------------------------------------
+class LoadLoraAdapterRequest(BaseModel):
+    """POST /load_lora_adapter, SGLang's `LoadLoRAAdapterReqInput` (the fields we serve)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: NonEmptyStr = documented(..., maxLength=_MAX_LORA_NAME_CHARS,
+                                        description="the name requests will use")
+    lora_path: NonEmptyStr = Field(description="a PEFT adapter folder on the server's disk")
+    pinned: StrictBool = Field(False, description="never evicted by --max-loaded-loras")
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """POST /unload_lora_adapter, SGLang's `UnloadLoRAAdapterReqInput`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: NonEmptyStr
 
 
 class SwitchModeRequest(BaseModel):
@@ -269,6 +314,9 @@ class _OpenAISampling(BaseModel):
     bootstrap_port: StrictInt | None = None
     bootstrap_room: StrictInt | None = None
     cache_salt: CacheSalt | None = _CACHE_SALT_FIELD
+    lora_path: LoraPath | None = Field(
+        None, description="SGLang's field: the loaded LoRA adapter to run on; a `model` "
+                          "naming an adapter (`adapter` or `base:adapter`) comes first")
 
     def check_common(self) -> None:
         if not 1 <= self.n <= _OPENAI_MAX_N:

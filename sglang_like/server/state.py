@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -25,6 +26,11 @@ class ServerState:
     model_path: str
     served_model_name: str
     context_length: int
+    # the LoRA adapters' names as this server last heard them from the engine (at start, and
+    # from each load, unload and listing): an OpenAI `model` is resolved against them without
+    # asking the engine, whose answer waits for a scheduler step (server/lora_api.py)
+    lora_names: set[str] = field(default_factory=set)
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one update at a time
 
     @property
     def tokenizer(self) -> Any:
@@ -59,7 +65,11 @@ class ServerState:
             engine, metrics, args.max_queued_requests, args.max_running_requests,
             args.enable_cross_tenant_cache,
         )
-        return cls(engine, runner, metrics, args, model_path, name, int(context_length))
+        lister = getattr(engine, "list_lora_adapters", None)
+        lora_names = ({a["name"] for a in lister()}
+                      if lister is not None and (args.enable_lora or args.lora_paths) else set())
+        return cls(engine, runner, metrics, args, model_path, name, int(context_length),
+                   lora_names)
 
 
 def get_state(request: Request) -> ServerState:

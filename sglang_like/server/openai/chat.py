@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from sglang_like.function_call import ToolPlan
 from sglang_like.server.errors import ApiError, json_response, read_json_body
+from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.native_api import choice_params
 from sglang_like.server.openai import format as fmt
 from sglang_like.server.openai.common import (
@@ -30,12 +31,14 @@ router = APIRouter(prefix="/v1")
 
 
 @router.post("/chat/completions", openapi_extra=operation(
-    body=ChatCompletionRequest, ok=ok_content("ChatCompletionResponse"), errors=(400, 401, 429, 500)
+    body=ChatCompletionRequest, ok=ok_content("ChatCompletionResponse"),
+    errors=(400, 401, 404, 429, 500),
 ))
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     req = parse_model(ChatCompletionRequest, await read_json_body(request))
     req.check(state.context_length)
+    lora, model = resolve_model(state, req.model, req.lora_path)
     plan = _tool_plan(state, req)
     state.check_text_length([_content_text(m.content) for m in req.messages], "messages")
     # the template and the tokenizer run on a worker thread, off the loop that streams
@@ -51,13 +54,13 @@ async def chat_completions(request: Request) -> Response:
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
     base = {"input_ids": input_ids, **logprob_kwargs(req.logprobs, req.top_logprobs or 0),
-            **bootstrap_kwargs(req)}
+            **bootstrap_kwargs(req), **lora}
     if req.stream:
         calls = [
             {**base, "sampling_params": choice_params(sampling, j)} for j in range(req.n)
         ]
         streams = await open_streams(state.runner, calls, request)
-        return sse_response(_chat_events(state, req, plan, streams), streams)
+        return sse_response(_chat_events(model, req, plan, streams), streams)
     try:
         (result,) = await state.runner.generate(
             request, [{**base, "sampling_params": {**sampling, "n": req.n}}]
@@ -76,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
             "id": fmt.new_id("chatcmpl"),
             "object": "chat.completion",
             "created": fmt.now(),
-            "model": state.served_model_name,
+            "model": model,
             "choices": choices,
             "usage": fmt.usage(items),
         }
@@ -112,11 +115,11 @@ def _read_tool_calls(plan: ToolPlan, choice: dict[str, Any]) -> None:
 
 
 async def _chat_events(
-    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None,
+    model: str, req: ChatCompletionRequest, plan: ToolPlan | None,
     streams: list[EngineStream],
 ) -> AsyncIterator[str]:
     head = {"id": fmt.new_id("chatcmpl"), "object": "chat.completion.chunk",
-            "created": fmt.now(), "model": state.served_model_name}
+            "created": fmt.now(), "model": model}
     readers = [plan.stream() for _ in streams] if plan is not None else None
     for index in range(len(streams)):
         delta = {"role": "assistant", "content": ""}

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.server.errors import ApiError, json_response, read_json_body
+from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.native_api import choice_params
 from sglang_like.server.openai import format as fmt
 from sglang_like.server.openai.common import (
@@ -28,12 +29,13 @@ router = APIRouter(prefix="/v1")
 
 
 @router.post("/completions", openapi_extra=operation(
-    body=CompletionRequest, ok=ok_content("CompletionResponse"), errors=(400, 401, 429, 500)
+    body=CompletionRequest, ok=ok_content("CompletionResponse"), errors=(400, 401, 404, 429, 500)
 ))
 async def completions(request: Request) -> Response:
     state = get_state(request)
     req = parse_model(CompletionRequest, await read_json_body(request))
     req.check(state.context_length)
+    lora, model = resolve_model(state, req.model, req.lora_path)
     prompts = req.prompts()
     state.check_text_length([p for p in prompts if isinstance(p, str)])
     for prompt in prompts:
@@ -41,7 +43,8 @@ async def completions(request: Request) -> Response:
             check_prompt_len(state, len(prompt))
     sampling = req.sampling_dict(req.max_new_tokens)
     want_logprobs = req.logprobs is not None
-    base = {**logprob_kwargs(want_logprobs, req.logprobs or 0), **bootstrap_kwargs(req)}
+    base = {**logprob_kwargs(want_logprobs, req.logprobs or 0), **bootstrap_kwargs(req),
+            **lora}
     if want_logprobs and req.echo:
         base["logprob_start_len"] = 0  # the echoed prompt's tokens get logprobs too
     calls = [
@@ -56,7 +59,7 @@ async def completions(request: Request) -> Response:
             for j in range(req.n)
         ]
         streams = await open_streams(state.runner, stream_calls, request)
-        events = _completion_events(state, req, streams, echoes, want_logprobs)
+        events = _completion_events(model, req, streams, echoes, want_logprobs)
         return sse_response(events, streams)
     try:
         results = await state.runner.generate(request, calls)
@@ -75,7 +78,7 @@ async def completions(request: Request) -> Response:
             "id": fmt.new_id("cmpl"),
             "object": "text_completion",
             "created": fmt.now(),
-            "model": state.served_model_name,
+            "model": model,
             "choices": choices,
             "usage": fmt.merge_usage(usages),
         }
@@ -83,11 +86,11 @@ async def completions(request: Request) -> Response:
 
 
 async def _completion_events(
-    state: ServerState, req: CompletionRequest, streams: list[EngineStream],
+    model: str, req: CompletionRequest, streams: list[EngineStream],
     echoes: list[str], want_logprobs: bool,
 ) -> AsyncIterator[str]:
     head = {"id": fmt.new_id("cmpl"), "object": "text_completion", "created": fmt.now(),
-            "model": state.served_model_name}
+            "model": model}
     last_meta: dict[int, dict[str, Any]] = {}
     offsets = [0] * len(streams)
     async for index, chunk in merge_streams(streams):
