@@ -4,8 +4,8 @@ Phi-3's checkpoints fuse q/k/v and gate/up (a PEFT adapter then targets `qkv_pro
 `gate_up_proj`, one A per fused module) and Phi-4-mini's partial rotary reorders q/k rows at
 load: an adapter's B must get the same splits and reorders (lora.adapter sends it through the
 family's adapt_hf_weights). Gemma 2 (sandwich norms, soft-caps) and OLMo 2 (q/k norms over
-all heads; rsLoRA here) use the plain names. Per family: a seeded random PEFT adapter, our fp32 prefill logits within 1e-4
-of PeftModel's, and greedy output equal to its generate."""
+all heads; rsLoRA here) use the plain names. Per family: a seeded random PEFT adapter, our
+fp32 prefill logits within 1e-4 of PeftModel's, and greedy output equal to its generate."""
 
 from __future__ import annotations
 
