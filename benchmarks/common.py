@@ -403,14 +403,16 @@ def llama_bench_depths(bin_dir: str, model: str, threads: int, depths: list[int]
 
 
 def llama_batched_bench(bin_dir: str, model: str, threads: int, batch_sizes: list[int],
-                        n_prompt: int, n_gen: int, timeout_s: float = 1800) -> dict[str, Any]:
+                        n_prompt: int, n_gen: int, timeout_s: float = 1800,
+                        extra: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """`llama-batched-bench` decode tokens/s (S_TG) per number of parallel sequences, as
-    {"b<batch>_tok_s": ...}, each batch size its own run, and `paths` (as `llama_bench`)."""
+    {"b<batch>_tok_s": ...}, each batch size its own run, and `paths` (as `llama_bench`);
+    `extra` options appended (e.g. `--lora FILE`)."""
     result: dict[str, Any] = {"paths": {}}
     for batch in batch_sizes:
         cmd = [llama_binary(bin_dir, "llama-batched-bench"), "-m", model, "-t", str(threads),
                "-c", str(batch * (n_prompt + n_gen) + 256), "-npp", str(n_prompt),
-               "-ntg", str(n_gen), "-npl", str(batch), "--output-format", "jsonl"]
+               "-ntg", str(n_gen), "-npl", str(batch), "--output-format", "jsonl", *extra]
         run = _run_tool_or_without_repack(cmd, ["--no-repack"], timeout_s)
         for line in run.out.splitlines():
             line = line.strip()

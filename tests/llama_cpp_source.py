@@ -36,7 +36,7 @@ def _home() -> pathlib.Path:
 
 def _wanted(relative: str) -> bool:
     """Whether a path inside vendor/llama.cpp is one the tests use (keeps the extraction small)."""
-    if relative == "convert_hf_to_gguf.py":
+    if relative in ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py"):
         return True
     if relative.startswith(("conversion/", "gguf-py/", "models/templates/")):
         return True

@@ -19,6 +19,7 @@ import torch
 from sglang_like_kernels import kv_quant
 
 __all__ = [
+    "lora_delta_",
     "apply_token_bitmask_",
     "check_window_softcap",
     "decode_attention",
@@ -672,3 +673,17 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
     allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool().to(logits.device)
     logits.masked_fill_(~allowed, float("-inf"))
+
+
+def lora_delta_(y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor) -> None:
+    """In place: y[t] += B[slots[t]] @ (A[slots[t]] @ x[t]) for every row t with a slot >= 0;
+    a [S, R, K] and b [S, N, R] stacked adapters (zero-padded), float32 sums added in y's
+    dtype (the oracle of triton_ops.lora_delta_)."""
+    rows = (slots >= 0).nonzero().flatten()
+    if rows.numel() == 0:
+        return
+    s = slots[rows].long()
+    u = torch.einsum("trk,tk->tr", a[s].float(), x[rows].float())
+    delta = torch.einsum("tnr,tr->tn", b[s].float(), u)
+    y[rows] = (y[rows].float() + delta).to(y.dtype)

@@ -379,3 +379,54 @@ def token_bitmask_kernel(
     # Only masked-out entries are written, so allowed logits keep their exact bits.
     tl.store(ptrs, tl.full([BLOCK], float("-inf"), tl.float32).to(logits.dtype.element_ty),
              mask=valid & ~allowed)  # fmt: skip
+
+
+@triton.jit
+def lora_shrink_kernel(
+    x, a, slots, u, K, R, stride_x, stride_a_s, stride_a_r, stride_u,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, cdiv(R, BLOCK_R)): u[t, r] = A[slots[t], r, :] . x[t, :] in float32 (rows
+    with slot -1 are left alone). A is the batch's adapters stacked [S, R, K], zero-padded
+    past each adapter's own rank (Punica's BGMV shrink: one gathered matrix-vector a row)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + t)
+    if slot < 0:
+        return
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_valid = offs_r < R
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < K
+        xv = tl.load(x + t * stride_x + offs_k, mask=k_valid, other=0.0).to(tl.float32)
+        av = tl.load(a + slot * stride_a_s + offs_r[:, None] * stride_a_r + offs_k[None, :],
+                     mask=r_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(av * xv[None, :], axis=1)
+    tl.store(u + t * stride_u + offs_r, acc, mask=r_valid)
+
+
+@triton.jit
+def lora_expand_kernel(
+    u, b, slots, y, N, R, stride_u, stride_b_s, stride_b_n, stride_y,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, cdiv(N, BLOCK_N)): y[t, n] += B[slots[t], n, :] . u[t, :] (B stacked
+    [S, N, R], zero-padded; the sum in float32, added in y's dtype); slot -1 rows untouched."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + t)
+    if slot < 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_valid = offs_r < R
+        uv = tl.load(u + t * stride_u + offs_r, mask=r_valid, other=0.0)
+        bv = tl.load(b + slot * stride_b_s + offs_n[:, None] * stride_b_n + offs_r[None, :],
+                     mask=n_valid[:, None] & r_valid[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(bv * uv[None, :], axis=1)
+    dst = y + t * stride_y + offs_n
+    old = tl.load(dst, mask=n_valid, other=0.0).to(tl.float32)
+    tl.store(dst, (old + acc).to(y.dtype.element_ty), mask=n_valid)

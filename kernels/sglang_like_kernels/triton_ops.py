@@ -20,6 +20,8 @@ from sglang_like_kernels.reference import check_window_softcap
 
 __all__ = [
     "apply_token_bitmask_",
+    "lora_delta_",
+    "lora_meta",
     "decode_attention",
     "decode_meta",
     "extend_attention",
@@ -370,4 +372,36 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     grid = (batch, triton.cdiv(vocab, _BITMASK_BLOCK))
     tk.token_bitmask_kernel[grid](
         logits, bitmask, logits.stride(0), bitmask.stride(0), vocab, BLOCK=_BITMASK_BLOCK
+    )
+
+
+def lora_meta(rank: int) -> dict[str, int]:
+    """Block sizes of the LoRA kernels for stacked ranks up to `rank`."""
+    return {"BLOCK_R": max(16, triton.next_power_of_2(rank)), "BLOCK_K": 64, "BLOCK_N": 64}
+
+
+def lora_delta_(y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor) -> None:
+    """In place: y[t] += B[slots[t]] @ (A[slots[t]] @ x[t]) for every row t with a slot >= 0.
+
+    y [T, N] (float32 / bf16 / f16, unit stride in N), x [T, K], slots int [T], a [S, R, K]
+    and b [S, N, R] the batch's adapters stacked (zero-padded to the largest rank R; scale
+    folded into B), as reference.lora_delta_ takes them."""
+    tokens, n = y.shape
+    s, rank, k = a.shape
+    assert x.shape == (tokens, k) and b.shape == (s, n, rank) and slots.shape == (tokens,)
+    if tokens == 0 or rank == 0:
+        return
+    x = _inner_contiguous(x)
+    a, b = a.contiguous(), b.contiguous()
+    slots = slots.to(device=y.device, dtype=torch.int64).contiguous()
+    u = _empty((tokens, rank), torch.float32, y.device)
+    meta = lora_meta(rank)
+    tk.lora_shrink_kernel[(tokens, triton.cdiv(rank, meta["BLOCK_R"]))](
+        x, a, slots, u, k, rank, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
+        BLOCK_R=meta["BLOCK_R"], BLOCK_K=meta["BLOCK_K"],
+    )
+    tk.lora_expand_kernel[(tokens, triton.cdiv(n, meta["BLOCK_N"]))](
+        u, b, slots, y, n, rank, u.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_N=meta["BLOCK_N"], BLOCK_R=meta["BLOCK_R"],
     )

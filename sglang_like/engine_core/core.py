@@ -194,7 +194,7 @@ class EngineCore:
         from sglang_like.lora import LoraAdapter
 
         registry = self._lora_registry()
-        adapter = LoraAdapter.from_payload(payload)
+        adapter = LoraAdapter.from_payload(payload).to(self.runner.device)
         evicted = registry.install(adapter, pinned)
         return {**registry.get(adapter.name).info(), "evicted": evicted}
 

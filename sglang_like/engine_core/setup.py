@@ -91,7 +91,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         ),
         runner, tokenizer, eos, drafter,
     )
-    loras = _load_loras(sa, loaded.config) if sa.enable_lora else None
+    loras = _load_loras(sa, loaded.config, device) if sa.enable_lora else None
     scheduler.loras = loras
     return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos,
                        loras)
@@ -125,7 +125,7 @@ def _lora_args(sa: ServerArgs) -> dict[str, Any]:
     return {"enable_lora": enable, "lora_target_modules": targets}
 
 
-def _load_loras(sa: ServerArgs, config: ModelConfig) -> Any:
+def _load_loras(sa: ServerArgs, config: ModelConfig, device: torch.device) -> Any:
     """The registry, with `--lora-paths` loaded (read here: nothing is served yet)."""
     from sglang_like.lora import LoraRegistry, parse_lora_paths, read_adapter
 
@@ -135,8 +135,9 @@ def _load_loras(sa: ServerArgs, config: ModelConfig) -> Any:
                          f"{sa.max_loaded_loras}")
     registry = LoraRegistry(sa.max_loaded_loras)
     for name, path, pinned in entries:
-        registry.install(read_adapter(name, path, config, max_rank=sa.max_lora_rank,
-                                      target_modules=sa.lora_target_modules), pinned)
+        adapter = read_adapter(name, path, config, max_rank=sa.max_lora_rank,
+                               target_modules=sa.lora_target_modules)
+        registry.install(adapter.to(device), pinned)
     return registry
 
 

@@ -36,6 +36,33 @@ class LoraBatch:
 
     groups: list[tuple[dict[str, LoraLinearWeights], torch.Tensor | slice]] = field(
         default_factory=list)
+    num_rows: int = 0
+    _stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = field(
+        default_factory=dict, repr=False)
+
+    def stacked(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(slots [T], A [S, R, K], B [S, N, R]) of linear `key` for the stacked kernels
+        (triton_ops.lora_delta_): the groups' pairs zero-padded to the largest rank, each
+        row's slot its group (-1: none); None when no group has the linear. Once a forward."""
+        if key in self._stacks:
+            return self._stacks[key]
+        pairs = [(w.get(key), rows) for w, rows in self.groups]
+        present = [(w, rows) for w, rows in pairs if w is not None]
+        if not present:
+            self._stacks[key] = None
+            return None
+        w0 = present[0][0]
+        rank = max(w.a.shape[0] for w, _ in present)
+        dev = w0.a.device
+        a = torch.zeros(len(present), rank, w0.a.shape[1], device=dev)
+        b = torch.zeros(len(present), w0.b.shape[0], rank, device=dev)
+        slots = torch.full((self.num_rows,), -1, dtype=torch.long, device=dev)
+        for s, (w, rows) in enumerate(present):
+            a[s, : w.a.shape[0]] = w.a
+            b[s, :, : w.b.shape[1]] = w.b
+            slots[rows] = s
+        self._stacks[key] = (slots, a, b)
+        return self._stacks[key]
 
     @staticmethod
     def build(adapters: list[dict[str, LoraLinearWeights] | None], extend_lens: list[int],
@@ -50,13 +77,14 @@ class LoraBatch:
             start += n
         if not rows:
             return None
+        total = start
         groups: list[tuple[dict[str, LoraLinearWeights], torch.Tensor | slice]] = []
         for weights, idx in rows.values():
             if idx[-1] - idx[0] + 1 == len(idx):
                 groups.append((weights, slice(idx[0], idx[-1] + 1)))
             else:
                 groups.append((weights, torch.tensor(idx, dtype=torch.long, device=device)))
-        return LoraBatch(groups)
+        return LoraBatch(groups, total)
 
 
 class LoraContext:
@@ -69,7 +97,18 @@ class LoraContext:
 
 def apply_lora(y: torch.Tensor, x: torch.Tensor, key: str, batch: LoraBatch) -> torch.Tensor:
     """`y` (the base linear's output for input `x`) plus every group's delta for linear
-    `key`; float32 sums, added in y's dtype. Rows of adapters not targeting `key` are left."""
+    `key`; float32 sums, added in y's dtype. Rows of adapters not targeting `key` are left.
+    On CUDA one pair of Triton kernels over every row (the adapters stacked, Punica's BGMV);
+    elsewhere two matmuls a group."""
+    if y.is_cuda:
+        stacked = batch.stacked(key)
+        if stacked is None:
+            return y
+        from sglang_like_kernels import triton_ops
+
+        y = y.clone()
+        triton_ops.lora_delta_(y, x, *stacked)
+        return y
     out = None
     for weights, rows in batch.groups:
         w = weights.get(key)

@@ -63,6 +63,13 @@ class LoraAdapter:
     target_modules: tuple[str, ...]
     weights: dict[str, LoraLinearWeights]
 
+    def to(self, device: torch.device | str) -> LoraAdapter:
+        """The adapter with its weights on `device` (the model's)."""
+        weights = {k: LoraLinearWeights(w.a.to(device), w.b.to(device))
+                   for k, w in self.weights.items()}
+        return LoraAdapter(self.name, self.path, self.rank, self.alpha, self.use_rslora,
+                           self.target_modules, weights)
+
     @property
     def nbytes(self) -> int:
         return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())

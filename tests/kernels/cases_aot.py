@@ -89,7 +89,20 @@ def _bitmask(dtype, head_dim, group):
     return tk.token_bitmask_kernel, pointers, {"BLOCK": 1024}
 
 
-BUILDERS = [_decode_split, _decode_reduce, _extend, _tree_verify, _store_kv, _bitmask]
+def _lora_shrink(dtype, head_dim, group):
+    meta = triton_ops.lora_meta(48)
+    pointers = {"x": _TYPES[dtype], "a": _TYPES[dtype], "slots": "i64", "u": "fp32"}
+    return tk.lora_shrink_kernel, pointers, {k: meta[k] for k in ("BLOCK_R", "BLOCK_K")}
+
+
+def _lora_expand(dtype, head_dim, group):
+    meta = triton_ops.lora_meta(48)
+    pointers = {"u": "fp32", "b": _TYPES[dtype], "slots": "i64", "y": _TYPES[dtype]}
+    return tk.lora_expand_kernel, pointers, {k: meta[k] for k in ("BLOCK_N", "BLOCK_R")}
+
+
+BUILDERS = [_decode_split, _decode_reduce, _extend, _tree_verify, _store_kv, _bitmask,
+            _lora_shrink, _lora_expand]
 # fp16 takes the same code path as bf16; fp32 the exact-dot one with a masked head dim.
 CONFIGS = [(torch.bfloat16, 128, 4), (torch.float32, 80, 3)]
 

@@ -18,43 +18,14 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import sglang_like.layers.native_decode as native_decode
+from benchmarks.bench_lora import write_random_adapter as write_adapter
 from sglang_like.lora import LoraAdapterError, LoraRegistry, parse_lora_paths, read_adapter
 
 from .prompts import PROMPTS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def write_adapter(folder: Path, config: Any, *, rank: int = 8, seed: int = 0,
-                  targets: tuple[str, ...] = ALL, layers: range | None = None,
-                  b_std: float = 0.06, alpha: float = 16.0, **extra_config: Any) -> str:
-    """A PEFT-format LoRA adapter for a model of `config` (seeded random A and B), written
-    as PEFT writes it: adapter_config.json + adapter_model.safetensors."""
-    g = torch.Generator().manual_seed(seed)
-    hd = config.head_dim
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    h, inter = config.hidden_size, config.intermediate_size
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    tensors = {}
-    for i in layers if layers is not None else range(config.num_hidden_layers):
-        for m in targets:
-            sub = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            k_in, n_out = dims[m]
-            base = f"base_model.model.model.layers.{i}.{sub}.{m}"
-            tensors[f"{base}.lora_A.weight"] = torch.randn(rank, k_in, generator=g) / k_in**0.5
-            tensors[f"{base}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * b_std
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
-           "bias": "none", "use_rslora": False, "base_model_name_or_path": "SmolLM2-135M",
-           **extra_config}
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return str(folder)
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +278,31 @@ def test_speculation_grammar_and_samples_on_an_adapter(make_engine, adapters) ->
         jsonschema.validate(json.loads(o["text"]), schema)
     entry = plain.scheduler.loras.get("a")
     assert entry is not None and entry.in_flight == 0  # every request let go of it
+
+
+def test_stacked_form_equals_grouped_form(engine) -> None:
+    """What CUDA runs (the batch's adapters stacked and zero-padded, one slot per row, as
+    triton_ops.lora_delta_ takes them; its kernels equal reference.lora_delta_ under the
+    interpreter in tests/kernels) adds the same deltas as the CPU's matmuls per group."""
+    from sglang_like.layers.lora import LoraBatch, apply_lora
+    from sglang_like_kernels import reference
+
+    loras = engine.scheduler.loras
+    weights = [None, loras.get("a").adapter.weights, loras.get("b").adapter.weights, None,
+               loras.get("a").adapter.weights]
+    lens = [2, 3, 1, 2, 1]
+    batch = LoraBatch.build(weights, lens)
+    gen = torch.Generator().manual_seed(0)
+    for key in ("model.layers.0.self_attn.qkv_proj", "model.layers.5.mlp.gate_up_proj",
+                "model.layers.7.mlp.down_proj"):
+        w = weights[1][key]
+        x = torch.randn(sum(lens), w.a.shape[1], generator=gen)
+        y = torch.randn(sum(lens), w.b.shape[0], generator=gen)
+        grouped = apply_lora(y, x, key, batch)
+        stacked = y.clone()
+        reference.lora_delta_(stacked, x, *batch.stacked(key))
+        torch.testing.assert_close(stacked, grouped, rtol=1e-5, atol=1e-5)
+        assert torch.equal(grouped[:2], y[:2]) and torch.equal(grouped[6:8], y[6:8])
+    # b targets q and v only: no stack for the MLP beyond a's rows
+    slots, a, b = batch.stacked("model.layers.5.mlp.gate_up_proj")
+    assert a.shape[0] == 1 and slots.tolist() == [-1, -1, 0, 0, 0, -1, -1, -1, 0]
