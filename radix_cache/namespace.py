@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["adapter_namespace", "cache_namespace", "tree_key", "untag_token"]
+__all__ = ["adapter_namespace", "cache_namespace", "tree_key", "token_namespace", "untag_token"]
 
 _NAMESPACE_BITS = 30
 _TOKEN_BITS = 32
@@ -44,3 +44,8 @@ def tree_key(token_ids: list[int], namespace: int | None) -> list[int]:
 def untag_token(token: int) -> int:
     """The token id a tree key's first token stands for (itself unless namespaced)."""
     return token if token >= 0 else (-1 - token) & ((1 << _TOKEN_BITS) - 1)
+
+
+def token_namespace(token: int) -> int | None:
+    """The namespace a tree key's first token carries (None: the shared one)."""
+    return None if token >= 0 else (-1 - token) >> _TOKEN_BITS

@@ -290,7 +290,7 @@ class EngineCore:
             tree = last[2]
             if known_id == tree["snapshot_id"]:
                 return {"snapshot_id": known_id, "unchanged": True}
-            return tree
+            return {**tree, "lora_namespaces": self._lora_namespaces()}
         if now < self._next_snapshot_at:
             return {"retry_after": self._next_snapshot_at - now}
         t0 = time.perf_counter()
@@ -305,13 +305,18 @@ class EngineCore:
         self._snapshots[key] = (now, cost, tree)
         while len(self._snapshots) > 8:  # kept for the parameters asked last
             del self._snapshots[next(iter(self._snapshots))]
-        return tree
+        return {**tree, "lora_namespaces": self._lora_namespaces()}
 
     @_dashboard_call
     def cache_node(self, node_id: int) -> dict[str, Any] | None:
         from radix_cache.snapshot import node_detail
 
-        return node_detail(self.scheduler.cache.tree, node_id, self._holders())
+        node = node_detail(self.scheduler.cache.tree, node_id, self._holders())
+        return node if node is None else {**node, "lora_namespaces": self._lora_namespaces()}
+
+    def _lora_namespaces(self) -> dict[str, str]:
+        """{namespace: adapter name} of the adapters' branches (JSON keys are strings)."""
+        return {str(ns): name for ns, name in self.scheduler.lora_namespaces.items()}
 
     @_dashboard_call
     def cache_match(self, input_ids: list[int]) -> dict[str, Any]:

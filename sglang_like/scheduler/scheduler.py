@@ -70,6 +70,9 @@ class Scheduler:
         # the loaded LoRA adapters (a lora.LoraRegistry, set by the engine core when LoRA is
         # enabled): a request naming one holds it from here to its end
         self.loras: Any = None
+        # the radix namespaces requests on adapters took, with the adapter's name (the
+        # dashboard labels a branch with it); the latest few thousand
+        self.lora_namespaces: collections.OrderedDict[int, str] = collections.OrderedDict()
         # rows cost a share of a step on CPU (its floor, measured there), next to nothing on CUDA
         on_cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
         self.spec_controller = SpecController(enabled=config.speculative_auto_disable,
@@ -115,6 +118,10 @@ class Scheduler:
             return False
         req.lora = entry
         req.cache_namespace = adapter_namespace(req.cache_namespace, entry.uid)
+        self.lora_namespaces[req.cache_namespace] = entry.name
+        self.lora_namespaces.move_to_end(req.cache_namespace)
+        if len(self.lora_namespaces) > 4096:
+            self.lora_namespaces.popitem(last=False)
         return True
 
     def abort(self, rid: str) -> bool:

@@ -87,9 +87,16 @@ def test_dashboard_reads_a_tenants_edges_as_tokens() -> None:
 
     node = {"token_ids": tree_key([72, 105], cache_namespace("key:abc")),
             "prefix_token_ids": [72, 105]}
-    _untag(node, "token_ids", "prefix_token_ids")
+    _untag(node, {}, "token_ids", "prefix_token_ids")
     assert node == {"token_ids": [72, 105], "prefix_token_ids": [72, 105],
                     "tenant_namespace": True}
     plain = {"token_ids": [1, 2]}
-    _untag(plain, "token_ids")
+    _untag(plain, {}, "token_ids")
     assert plain == {"token_ids": [1, 2]}
+    # a LoRA adapter's branch is labelled with the adapter the engine says owns the namespace
+    from radix_cache.namespace import adapter_namespace
+
+    ns = adapter_namespace(None, 7)
+    branch = {"token_ids": tree_key([5, 6], ns)}
+    _untag(branch, {str(ns): "json-style"}, "token_ids")
+    assert branch == {"token_ids": [5, 6], "tenant_namespace": True, "lora_adapter": "json-style"}

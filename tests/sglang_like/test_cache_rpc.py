@@ -14,7 +14,8 @@ from sglang_like.engine_core.core import EngineCore
 
 def _core(tree: RadixCache) -> EngineCore:
     core = EngineCore.__new__(EngineCore)  # no model: only what the RPCs read
-    core.scheduler = types.SimpleNamespace(cache=types.SimpleNamespace(tree=tree), running=[])
+    core.scheduler = types.SimpleNamespace(cache=types.SimpleNamespace(tree=tree), running=[],
+                                           lora_namespaces={})
     core._snapshots = {}
     core._next_snapshot_at = 0.0
     core._snapshot_ids = 0

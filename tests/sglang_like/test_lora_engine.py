@@ -165,6 +165,15 @@ def test_kv_is_never_shared_across_adapters_or_loads(engine, adapters) -> None:
     again = engine.generate(prompt, GREEDY, lora_path="a")
     assert again["meta_info"]["cached_tokens"] > 0 and again["output_ids"] == first["output_ids"]
     assert engine.generate(prompt, GREEDY, lora_path="b")["meta_info"]["cached_tokens"] == 0
+    # the dashboard's view: each adapter's branch starts at the root under its namespace
+    from radix_cache.namespace import token_namespace
+
+    snap = engine.cache_tree(rows=True)
+    names = snap["lora_namespaces"]
+    first_tokens = [row[snap["fields"].index("token_ids")][0] for row in snap["rows"]
+                    if row[snap["fields"].index("token_ids")]]
+    labelled = {names.get(str(token_namespace(t))) for t in first_tokens if t < 0}
+    assert {"a", "b"} <= labelled
     # the same name loaded again (other weights, here the same file) starts afresh
     engine.unload_lora_adapter("a")
     engine.load_lora_adapter("a", adapters["a"])

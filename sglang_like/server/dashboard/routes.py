@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radix_cache.namespace import untag_token
+from radix_cache.namespace import token_namespace, untag_token
 from sglang_like.server.dashboard.history import StatsHistory
 from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.openapi import json_content, operation
@@ -49,14 +49,19 @@ def history_of(request: Request) -> StatsHistory:
     return history
 
 
-def _untag(node: dict[str, Any], *names: str) -> None:
-    """A tenant's edges start with a namespaced token (radix_cache.namespace): shown as the
-    token it stands for, with `tenant_namespace` set, so ids and text read as everywhere."""
+def _untag(node: dict[str, Any], adapters: dict[str, str], *names: str) -> None:
+    """A tenant's (or a LoRA adapter's) edges start with a namespaced token
+    (radix_cache.namespace): shown as the token it stands for, with `tenant_namespace` set,
+    so ids and text read as everywhere, and `lora_adapter` naming the adapter whose KV the
+    branch holds (`adapters`: the engine's namespace -> adapter name)."""
     for name in names:
         ids = node.get(name)
         if ids and ids[0] < 0:
+            adapter = adapters.get(str(token_namespace(ids[0])))
             node[name] = [untag_token(ids[0]), *ids[1:]]
             node["tenant_namespace"] = True
+            if adapter is not None:
+                node["lora_adapter"] = adapter
 
 
 def _text(decode: Any, token_ids: list[int]) -> str:
@@ -191,9 +196,10 @@ async def cache_tree(request: Request) -> Response:
             raise ApiError(503, "the cache snapshot budget is spent; retry", "max_nodes")
         if tree.get("unchanged") and known is not None:
             return known[1]
+        adapters = tree.pop("lora_namespaces", None) or {}
         tree = expand(tree)
         for node in tree["nodes"]:
-            _untag(node, "token_ids")
+            _untag(node, adapters, "token_ids")
         if text:
             for node in tree["nodes"]:
                 node["text"] = _text(decode, node["token_ids"])
@@ -221,7 +227,8 @@ async def cache_node(request: Request, node_id: str) -> Response:
     def build() -> dict[str, Any] | None:
         node = method(node_id)
         if node is not None:
-            _untag(node, "token_ids", "prefix_token_ids")
+            _untag(node, node.pop("lora_namespaces", None) or {}, "token_ids",
+                   "prefix_token_ids")
             node["text"] = _text(decode, node["token_ids"])
             node["prefix_text"] = _text(decode, node["prefix_token_ids"])
         return node

@@ -326,14 +326,16 @@ function renderTree(tree) {
     rect.setAttribute("rx", 2);
     const title = document.createElementNS(SVG_NS, "title");
     title.textContent = n.parent == null ? `root · ${fmtInt(tree.total_tokens)} tokens cached`
-      : `${n.tokens} tokens · ${n.state}${n.evict_rank != null ? ` (evicted #${n.evict_rank})` : ""}`
+      : (n.lora_adapter ? `LoRA ${n.lora_adapter} · ` : "")
+        + `${n.tokens} tokens · ${n.state}${n.evict_rank != null ? ` (evicted #${n.evict_rank})` : ""}`
         + ` · hits ${n.hit_count} · idle ${fmtIdle(n.idle_s)}`
         + (n.num_holders ? ` · held by ${n.num_holders}` : "") + `\n${n.text || ""}`;
     g.append(title, rect);
     const chars = Math.floor((w - 8) / 6.6);
     if (n.parent != null && chars >= 3) {
       // the token count, then the edge's text, wrapped over the rows the node spans
-      const text = `${n.tokens} ` + visible(n.text || "") + (n.text_truncated ? "…" : "");
+      const text = (n.lora_adapter ? `[${n.lora_adapter}] ` : "") + `${n.tokens} `
+        + visible(n.text || "") + (n.text_truncated ? "…" : "");
       const lines = Math.min(rows.get(n.id), 6, Math.ceil(text.length / chars));
       for (let i = 0; i < lines; i++) {
         let line = text.slice(i * chars, (i + 1) * chars);
@@ -404,6 +406,7 @@ async function selectNode(id) {
       ["idle", fmtIdle(node.idle_s)], ["children", fmtInt(node.num_children)],
       ["held by", node.holders.length ? node.holders.join(", ") : "no running request"],
     ];
+    if (node.lora_adapter) facts.unshift(["LoRA adapter", node.lora_adapter]);
     for (const [k, v] of facts) {
       const dt = document.createElement("dt"); dt.textContent = k;
       const dd = document.createElement("dd"); dd.textContent = v;
