@@ -62,6 +62,20 @@ def test_lora_paths_forms() -> None:
         parse_lora_paths(['{"lora_path": "/a"}'])
 
 
+def test_settings_that_cannot_run_are_refused(make_engine) -> None:
+    with pytest.raises(ValueError, match="with --tp-size > 1 are not supported yet"):
+        make_engine(enable_lora=True, tp_size=2, max_total_tokens=1024)
+    with pytest.raises(ValueError, match="max_loras_per_batch must be >= 1"):
+        make_engine(enable_lora=True, max_loras_per_batch=0, max_total_tokens=1024)
+    with pytest.raises(ValueError, match="lora_target_modules: unknown"):
+        make_engine(enable_lora=True, lora_target_modules=("lm_head",), max_total_tokens=1024)
+    plain = make_engine(max_total_tokens=1024)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.generate("Hi", GREEDY, lora_path="a")
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.load_lora_adapter("a", "/nowhere")
+
+
 def test_adapters_that_cannot_be_served_are_refused_by_name(tmp_path, engine) -> None:
     cfg = engine.model_config
 
