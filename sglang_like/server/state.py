@@ -26,9 +26,9 @@ class ServerState:
     model_path: str
     served_model_name: str
     context_length: int
-    # the LoRA adapters' names as this server last heard them from the engine (at start, and
-    # from each load, unload and listing): an OpenAI `model` is resolved against them without
-    # asking the engine, whose answer waits for a scheduler step (server/lora_api.py)
+    # the LoRA adapters' names as this server last heard them from the engine (at start, then
+    # after each load and unload, under lora_lock): an OpenAI `model` is resolved against them
+    # without asking the engine, whose answer waits for a scheduler step (server/lora_api.py)
     lora_names: set[str] = field(default_factory=set)
     lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one update at a time
 
