@@ -44,10 +44,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import DECODE_PROMPT, RESULTS_DIR, llama_batched_bench
+from sglang_like.lora import SHIPPED_ADAPTER
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "sglang_like", "lora", "adapters", "smollm2-135m-json-answer")
 
 
 def write_random_adapter(folder: Path, config: Any, *, rank: int = 8, seed: int = 0,
@@ -125,8 +124,7 @@ def ours(args: argparse.Namespace, paths: list[str]) -> list[dict[str, Any]]:
                 best[name] = max(best.get(name, 0.0), v)
                 print(f"round {r + 1}: {name} {v:.1f} tok/s", file=sys.stderr)
         load = {"random": _load_ms(engine, paths[0], args.load_repeats)}
-        if os.path.isdir(SHIPPED):
-            load["shipped"] = _load_ms(engine, SHIPPED, args.load_repeats)
+        load["shipped"] = _load_ms(engine, SHIPPED_ADAPTER, args.load_repeats)
         info = engine.get_server_info()
     finally:
         engine.shutdown()

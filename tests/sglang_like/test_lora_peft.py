@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.train_lora import DEFAULT_OUT as SHIPPED
+from sglang_like.lora import SHIPPED_ADAPTER as SHIPPED
 from training.train_lora import heldout_questions, parse_answer
 
 from . import lora_reference
