@@ -262,7 +262,7 @@ def test_load_and_unload_while_16_streams_run(server: Any, folders: dict[str, st
     assert admin(server, "load_lora_adapter", lora_name="c",
                  lora_path=folders["b"]).status_code == 200
     models = [BASE, "a", "b", "c"]
-    new_tokens = 24
+    new_tokens = 64  # long enough that the streams on c are still running at its unload
 
     async def run() -> tuple[list[str], dict[str, Any]]:
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
@@ -304,6 +304,7 @@ def test_load_and_unload_while_16_streams_run(server: Any, folders: dict[str, st
             http.post("/load_lora_adapter", json={"lora_name": "d", "lora_path": folders["a"]}),
             http.post("/unload_lora_adapter", json={"lora_name": "c"}))
         assert [r.status_code for r in changes] == [200, 200], [r.text for r in changes]
+        assert changes[1].json()["adapter"]["in_flight"] > 0  # c went while streams used it
         late = {"native c": await http.post("/generate", json={
             "text": PROMPT, "lora_path": "c", "sampling_params": GREEDY})}
         try:
