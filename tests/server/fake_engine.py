@@ -98,7 +98,10 @@ class FakeEngine:
                              return_text_in_logprobs: bool = False, stream: bool = False,
                              rid: Any = None, bootstrap_host: Any = None,
                              bootstrap_port: Any = None, bootstrap_room: Any = None,
-                             cache_salt: str | None = None) -> Any:
+                             cache_salt: str | None = None, lora_path: Any = None) -> Any:
+        if lora_path is not None and any(n is not None for n in (
+                lora_path if isinstance(lora_path, list) else [lora_path])):
+            raise ValueError("LoRA is not enabled (the fake engine serves no adapters)")
         self.calls.append({"prompt": prompt, "input_ids": input_ids, "stream": stream,
                            "sampling_params": sampling_params, "rid": rid,
                            "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
