@@ -33,6 +33,7 @@ _UPDATE_OK = json_content({"$ref": "#/components/schemas/LoraUpdateResponse"})
 # How a ValueError raised inside the engine process reaches this process: as the engine
 # client's EngineProcessError (a RuntimeError) with this text before the original message.
 _CORE_VALUE_ERROR = "failed in the engine: ValueError: "
+_NOT_ENABLED = "LoRA is not enabled on this server (start it with --enable-lora or --lora-paths)"
 
 
 @router.post("/load_lora_adapter", openapi_extra=operation(
@@ -101,7 +102,17 @@ def resolve_model(state: ServerState, model: str | None, lora_path: str | None
     adapter = _adapter_of(state, model)
     if adapter is not None:
         return {"lora_path": adapter}, str(model)
-    return ({"lora_path": lora_path} if lora_path else {}), state.served_model_name
+    if not lora_path:
+        return {}, state.served_model_name
+    require_lora(state)
+    return {"lora_path": lora_path}, state.served_model_name
+
+
+def require_lora(state: ServerState) -> None:
+    """A request naming an adapter on a server without LoRA: a 400 here, before any work
+    (and whatever the engine behind this server is)."""
+    if not _lora_enabled(state):
+        raise ApiError(400, _NOT_ENABLED, "lora_path")
 
 
 def _adapter_of(state: ServerState, model: str | None) -> str | None:
@@ -133,8 +144,7 @@ def _lora_enabled(state: ServerState) -> bool:
 def _engine_method(state: ServerState, name: str) -> Any:
     method = getattr(state.engine, name, None)
     if method is None or not _lora_enabled(state):
-        raise ApiError(400, "LoRA is not enabled on this server (start it with --enable-lora "
-                            "or --lora-paths)")
+        raise ApiError(400, _NOT_ENABLED)
     return method
 
 

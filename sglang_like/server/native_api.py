@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.config import SECRET_SERVER_ARGS
+from sglang_like.server import lora_api
 from sglang_like.server.auth import principal_of
 from sglang_like.server.errors import ApiError, json_response, read_json_body
 from sglang_like.server.openapi import TEXT_CONTENT, json_content, operation, sse_content
@@ -41,6 +42,8 @@ async def generate(request: Request) -> Response:
     if body.text is not None:
         state.check_text_length(body.text, "text")
     kwargs = body.engine_kwargs()
+    if "lora_path" in kwargs:
+        lora_api.require_lora(state)
     if body.stream:
         streams = await open_streams(
             state.runner, _split_for_streaming(kwargs, body.is_batch), request

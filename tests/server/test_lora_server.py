@@ -352,3 +352,20 @@ def test_lora_routes_need_the_admin_key(fake_server_factory: Any) -> None:
                        headers={"Authorization": "Bearer admin-key"})
         # past the key: this engine serves no adapters, which the route says
         assert r.status_code == 400 and "LoRA is not enabled" in r.json()["error_message"]
+
+
+def test_naming_an_adapter_on_a_server_without_lora(fake_server: Any) -> None:
+    """Refused at the edge, before any work, whatever the engine behind the server."""
+    for path, body in (("/generate", {"text": "hi", "lora_path": "x"}),
+                       ("/generate", {"text": ["hi", "ho"], "lora_path": [None, "x"]}),
+                       ("/v1/completions", {"prompt": "hi", "lora_path": "x"})):
+        r = httpx.post(fake_server.url + path, json=body)
+        assert r.status_code == 400 and "LoRA is not enabled" in r.text, (path, r.text)
+    r = httpx.post(fake_server.url + "/v1/completions", json={"model": "fake-model:x",
+                                                               "prompt": "hi"})
+    assert r.status_code == 404 and "LoRA is not enabled" in r.text, r.text
+    # nulls and the base model's name are no adapter: served as before
+    assert httpx.post(fake_server.url + "/generate", json={
+        "text": ["hi", "ho"], "lora_path": [None, None]}).status_code == 200
+    models = httpx.get(fake_server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["fake-model"]
