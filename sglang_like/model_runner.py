@@ -120,7 +120,8 @@ class ModelRunner:
             is_decode=batch.is_decode,
             on_layer=batch.on_layer,
             lora=LoraBatch.build([r.lora.adapter.weights if r.lora is not None else None
-                                  for r in batch.reqs], batch.extend_lens, dev),
+                                  for r in batch.reqs], batch.extend_lens, dev)
+            if any(r.lora is not None for r in batch.reqs) else None,
         )
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
