@@ -79,12 +79,13 @@ def main(args_path: str) -> int:
         store.set(f"tp/ready/{rank}", f"{type(exc).__name__}: {exc}".encode()
                   or traceback.format_exc().encode())
         return 1
+    # connected before "ready": rank 0 may send its first batch as soon as the group forms
+    sock = zmq.Context().socket(zmq.PULL)
+    sock.connect(spec["batch_addr"])
     store.set(f"tp/ready/{rank}", b"ok")
     if slot.comm is None:
         group = make_process_group(store, rank, tp_size, device, spec["timeout_s"])
         slot.comm = GroupAllReduce(group, parent_error)
-    sock = zmq.Context().socket(zmq.PULL)
-    sock.connect(spec["batch_addr"])
     logger.debug("rank %d of %d ready (pid %d)", rank, tp_size, os.getpid())
     try:
         while True:

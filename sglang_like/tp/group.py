@@ -41,6 +41,7 @@ SHM_SLOT_BYTES = 8 << 20
 COLLECTIVE_TIMEOUT_S = 120.0  # a peer that is alive but stuck that long ends the group
 _READY_TIMEOUT_S = 900.0
 _STOP_TIMEOUT_S = 10.0
+_SEND_POLL_MS = 100  # how often a send that waits on a worker checks the worker lives
 ALLREDUCE_ENV = "SGLANG_LIKE_TP_ALLREDUCE"  # "shm" (CPU default) | "group" (gloo / NCCL)
 
 
@@ -179,11 +180,25 @@ class TPGroup:
             raise TPRankLost(why)
         frames = encode_batch(fb)
         for rank, sock in enumerate(self._socks, start=1):
+            self._send(rank, sock, frames)
+
+    def _send(self, rank: int, sock: zmq.Socket, frames: list) -> None:
+        """Send without blocking forever: zmq connects in the background, so a worker that
+        has just started (or a loaded machine) may not take the first batch at once; wait
+        for it while it lives, up to the collective timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
             try:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
             except zmq.Again as exc:
-                raise TPRankLost(self.peer_error()
-                                 or f"tensor-parallel rank {rank} takes no batches") from exc
+                why = self.peer_error()
+                if why is not None:
+                    raise TPRankLost(why) from exc
+                if time.monotonic() > deadline:
+                    raise TPRankLost(f"tensor-parallel rank {rank} took no batch in "
+                                     f"{self.timeout_s:g} s") from exc
+                sock.poll(_SEND_POLL_MS, zmq.POLLOUT)
 
     def _close_after(self, owner: threading.Thread) -> None:
         owner.join()
