@@ -34,6 +34,17 @@ SHARED = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
               initializer_range=0.1, bos_token_id=0, eos_token_id=2)
 
+MOE_FAMILIES = [
+    Family("qwen3-moe", "qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    Family("qwen2-moe", "qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 32,
+                                      "shared_expert_intermediate_size": 48,
+                                      "mlp_only_layers": [1]}),
+    Family("mixtral", "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    Family("olmoe", "olmoe", {"num_experts": 8, "num_experts_per_tok": 2}),
+]
+
 FAMILIES = [
     Family("llama-yarn", "llama", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -64,6 +75,10 @@ FAMILIES = [
                                   "attention_multiplier": 0.1, "logits_scaling": 2.5}),
     Family("smollm3", "smollm3", {"no_rope_layers": [1, 0], "tie_word_embeddings": True,
                                   "pad_token_id": 0}),
+    # mixtures of experts: top-2 of 8 experts (4 for Mixtral), weights renormalized or not as
+    # each family's released models do; Qwen2-MoE with its gated shared expert and a dense
+    # second layer (mlp_only_layers), so that both MLP kinds sit in one model
+    *MOE_FAMILIES,
 ]
 
 

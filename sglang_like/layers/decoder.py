@@ -52,6 +52,9 @@ class DecoderLayerDescription:
     sliding_window: int | None = None
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     residual_scale: float = 1.0  # sub-layer outputs are scaled by it before the add (Granite)
+    # "dense": one gated MLP; "moe": a router and experts (layers/moe.py; Qwen-MoE, Mixtral,
+    # OLMoE), with a shared expert where the config has one
+    mlp: str = "dense"
 
     @property
     def has_pre_attn_norm(self) -> bool:

@@ -69,10 +69,11 @@ def supports(description: DecoderLayerDescription) -> bool:
     ("pre", "sandwich", "post"), a SiLU- or GeLU(tanh)-gated MLP, q/k norms per head or over
     the whole projection (the latter needs one rank: native runs only without tensor
     parallelism), the global, local or no RoPE table, any sliding window, soft-cap and
-    residual scale. Biases are added after the linears (the one-call step takes q/k/v's and
+    residual scale; a dense MLP (a mixture of experts runs on the per-op path, layers/moe.py).
+    Biases are added after the linears (the one-call step takes q/k/v's and
     o's; it refuses an MLP bias itself)."""
     d = description
-    return (d.norm == "rms" and d.norm_layout in ("pre", "sandwich", "post")
+    return (d.norm == "rms" and d.mlp == "dense" and d.norm_layout in ("pre", "sandwich", "post")
             and d.activation in ops.ACTIVATIONS and d.qk_norm in ops.QK_NORMS
             and d.rope in ops.ROPES
             and (d.sliding_window is None or d.sliding_window >= 1)

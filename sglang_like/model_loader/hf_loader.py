@@ -47,13 +47,16 @@ def _local_rope_theta(cfg: dict[str, Any]) -> float | None:
     return None if base is None else float(base)
 
 
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
 def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[str, ...] | None:
     """Each layer's attention kind ("full_attention" / "sliding_attention") as transformers
     computes it; None where every layer is full."""
     window = cfg.get("sliding_window")
     if not window:
         return None
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if model_type in _QWEN and not cfg.get("use_sliding_window"):
         return None  # Qwen configs carry a window they only use behind this flag
     kinds = cfg.get("layer_types")
     if kinds is None:  # configs written before transformers listed each layer's kind
@@ -63,7 +66,7 @@ def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple
         elif model_type == "gemma3_text":  # every `pattern`-th layer is global
             pattern = int(cfg.get("sliding_window_pattern", 6))
             kinds = [full if (i + 1) % pattern == 0 else sliding for i in range(num_layers)]
-        elif model_type in ("qwen2", "qwen3"):  # the layers from max_window_layers slide
+        elif model_type in _QWEN:  # the layers from max_window_layers slide
             first = int(cfg.get("max_window_layers", num_layers))
             kinds = [sliding if i >= first else full for i in range(num_layers)]
         else:  # Mistral: every layer
@@ -86,10 +89,34 @@ def _activation(cfg: dict[str, Any], model_type: str) -> str:
     return _ACTIVATIONS[name]
 
 
-def _family_fields(cfg: dict[str, Any], model_type: str, hidden: int, head_dim: int
-                   ) -> dict[str, Any]:
+def _moe_fields(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """A mixture of experts' ModelConfig fields (none for a dense model)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    if cfg.get("clip_qkv"):  # OLMoE's option; its released models leave it off
+        raise ValueError(f"clip_qkv={cfg['clip_qkv']} is not supported")
+    # Qwen-MoE: a layer is sparse unless listed dense or off the sparse step
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size")
+                                     or cfg["intermediate_size"]),
+        # Mixtral renormalizes its top-2 always (its config has no flag)
+        "norm_topk_prob": model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size")
+                                               or 0),
+        "moe_layers": None if all(sparse) else sparse,
+    }
+
+
+def _family_fields(cfg: dict[str, Any], model_type: str, hidden: int, head_dim: int,
+                   num_layers: int) -> dict[str, Any]:
     """The ModelConfig fields in which a family differs from Llama."""
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = _moe_fields(cfg, model_type, num_layers)
     if model_type.startswith("gemma"):
         fields["embedding_scale"] = hidden**0.5
         if model_type != "gemma":
@@ -140,15 +167,16 @@ def hf_model_config(
         rope_scaling=scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", not has_lm_head)),
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text", "olmo2"),
+        attention_bias=(model_type == "qwen2" or bool(cfg.get("attention_bias", False))
+                        or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe", "olmoe"),
         bos_token_id=None if isinstance(bos, list) or bos is None else int(bos),
         eos_token_ids=eos_token_ids,
         model_path=model_path,
         hidden_act=_activation(cfg, model_type),
         layer_types=layer_types,
         sliding_window=int(cfg["sliding_window"]) if layer_types else None,
-        **_family_fields(cfg, model_type, hidden, head_dim),
+        **_family_fields(cfg, model_type, hidden, head_dim, num_layers),
     )
 
 

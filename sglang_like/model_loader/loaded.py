@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,7 +32,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     from sglang_like.models.registry import model_class
 
     describe = model_class(config.architecture).layer_description
-    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    h, hd = config.hidden_size, config.head_dim
     q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h),
@@ -48,10 +48,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_rows, h),
             p + "self_attn.v_proj.weight": (kv_rows, h),
             p + "self_attn.o_proj.weight": (h, q_rows),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         }
+        shapes |= _mlp_shapes(config, desc, p)
         shapes |= {f"{p}{norm}.weight": (h,) for norm in _LAYOUT_NORMS[desc.norm_layout]}
         if desc.has_qkv_bias:
             shapes |= {
@@ -65,6 +63,25 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             q_n, k_n = (hd, hd) if desc.qk_norm == "head" else (q_rows, kv_rows)
             shapes |= {p + "self_attn.q_norm.weight": (q_n,),
                        p + "self_attn.k_norm.weight": (k_n,)}
+    return shapes
+
+
+def _gated(prefix: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, h), prefix + "up_proj.weight": (inter, h),
+            prefix + "down_proj.weight": (h, inter)}
+
+
+def _mlp_shapes(config: ModelConfig, desc: Any, p: str) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP weights: one gated MLP, or a router, its experts and a shared expert."""
+    h = config.hidden_size
+    if desc.mlp == "dense":
+        return _gated(p + "mlp.", h, config.intermediate_size)
+    shapes = {p + "mlp.gate.weight": (config.num_experts, h)}
+    for j in range(config.num_experts):
+        shapes |= _gated(f"{p}mlp.experts.{j}.", h, config.moe_intermediate_size)
+    if config.shared_expert_intermediate_size:
+        shapes |= _gated(p + "mlp.shared_expert.", h, config.shared_expert_intermediate_size)
+        shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 

@@ -1,10 +1,12 @@
 """The decoder-only transformer every family is built as, and the Llama family itself.
 
 `LlamaForCausalLM` builds each layer from its `DecoderLayerDescription` (layers/decoder.py):
-Llama, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm) use it as it is; the other
-families' files (gemma.py, phi3.py, olmo2.py, granite.py, smollm3.py) subclass it and only
-say how their layers differ (`layer_description`) and how their checkpoints' tensors map onto
-these modules (`adapt_hf_weights`).
+Llama, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm) use it as it is, and so
+do their mixtures of experts (Qwen2-MoE, Qwen3-MoE; Mixtral from GGUF), whose sparse layers'
+MLP is layers/moe.py's; the other families' files (gemma.py, phi3.py, olmo2.py, granite.py,
+smollm3.py, mixtral.py, olmoe.py) subclass it and only say how their layers differ
+(`layer_description`) and how their checkpoints' tensors map onto these modules
+(`adapt_hf_weights`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from sglang_like.layers.attention import Attention
 from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerParts
 from sglang_like.layers.logits import LogitsHead
 from sglang_like.layers.lora import LoraContext
+from sglang_like.layers.moe import SparseMoE
 from sglang_like.layers.native_decode import AttnRows, NativeDecodePlan
 from sglang_like.layers.norm import RMSNorm
 from sglang_like.layers.quantization import QuantConfig, QuantLinear, WeightSource
+from sglang_like.layers.quantization.base import dense
 from sglang_like.layers.rotary import RotaryEmbedding, RotaryTables
 from sglang_like.mem_pool import KVPool
 from sglang_like.tp.parallel import TPShard
@@ -40,9 +44,14 @@ def layer_description(config: ModelConfig, layer_id: int = 0) -> DecoderLayerDes
     bias = config.attention_bias
     return DecoderLayerDescription(
         norm_eps=config.rms_norm_eps, qk_norm="head" if config.qk_norm else None,
-        has_qkv_bias=bias, has_o_bias=bias and config.architecture != "qwen2",
+        has_qkv_bias=bias, has_o_bias=bias and config.architecture not in _QKV_BIAS_ONLY,
         activation=config.hidden_act, sliding_window=config.layer_window(layer_id),
-        attn_logit_softcap=config.attn_logit_softcap, residual_scale=config.residual_scale)
+        attn_logit_softcap=config.attn_logit_softcap, residual_scale=config.residual_scale,
+        mlp="moe" if config.layer_is_moe(layer_id) else "dense")
+
+
+# architectures whose attention_bias biases q/k/v but not o_proj (HF names and GGUF names)
+_QKV_BIAS_ONLY = frozenset({"qwen2", "qwen2_moe", "qwen2moe"})
 
 
 def _reduce(y: torch.Tensor, tp: TPShard | None, dtype: torch.dtype) -> torch.Tensor:
@@ -151,7 +160,12 @@ class LlamaDecoderLayer(nn.Module):
         act, h, eps = quant.activation_dtype, config.hidden_size, desc.norm_eps
         self.description = desc
         self.self_attn = LlamaAttention(config, desc, layer_id, quant, tp)
-        self.mlp = LlamaMLP(config, desc, quant, tp)
+        if desc.mlp == "moe":
+            self.mlp: nn.Module = SparseMoE(config, desc, quant, tp)
+        elif desc.mlp == "dense":
+            self.mlp = LlamaMLP(config, desc, quant, tp)
+        else:
+            raise ValueError(f"unknown MLP kind {desc.mlp!r}")
         layout = desc.norm_layout
         if layout not in ("pre", "sandwich", "post"):
             raise ValueError(f"unknown norm layout {layout!r}")
@@ -434,7 +448,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(param.shape)}"
                 )
-            param.data = src.float().to(device)  # norms stay float32 (they compute in it)
+            # norms and routers stay float32 (they compute in it); a router a GGUF file
+            # quantized is dequantized
+            param.data = dense(src).to(device)
 
     def _linears(self) -> list[tuple[str, QuantLinear]]:
         """(HF name prefix of its partitions, layer) for every linear; a tied head once."""

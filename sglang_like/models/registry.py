@@ -24,10 +24,25 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
         name="llama",
         model_class="sglang_like.models.llama:LlamaForCausalLM",
-        model_types=("llama", "mistral", "qwen2", "qwen3"),
+        model_types=("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"),
         hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                          "Qwen3ForCausalLM"),
-        gguf_architectures=("llama", "mistral", "qwen2", "qwen3"),
+                          "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
+        # a "llama" file with expert tensors is Mixtral (llama.cpp writes it so)
+        gguf_architectures=("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe"),
+    ),
+    ModelFamily(
+        name="mixtral",
+        model_class="sglang_like.models.mixtral:MixtralForCausalLM",
+        model_types=("mixtral",),
+        hf_architectures=("MixtralForCausalLM",),
+        gguf_architectures=(),
+    ),
+    ModelFamily(
+        name="olmoe",
+        model_class="sglang_like.models.olmoe:OlmoeForCausalLM",
+        model_types=("olmoe",),
+        hf_architectures=("OlmoeForCausalLM",),
+        gguf_architectures=("olmoe",),
     ),
     ModelFamily(
         name="gemma",

@@ -1,0 +1,140 @@
+"""A mixture-of-experts MLP: a router picks each token's experts, the chosen experts' gated MLPs
+run over their tokens, and their outputs, scaled by the router's weights, are summed.
+
+The experts are ordinary `QuantLinear`s (`mlp.experts.{j}.gate_up_proj` / `down_proj`, named as
+Hugging Face names their partitions), so every packed format the dense MLP runs on (int4, the
+GGUF kinds, int8, dense) runs them too. A step routes its T tokens once and groups the
+T * top_k (token, expert) pairs by expert; each expert that got any token then runs once over
+all of its rows: its weights are read once per step whatever the batch, and an expert nobody
+chose costs nothing. The router itself stays float32 (its top-k choice is the layer's most
+rounding-sensitive decision; it is E x hidden, small beside one expert).
+
+Routing (each family's config says which): softmax over the router's E logits, the top_k
+largest, renormalized to sum to 1 over the chosen when `norm_topk_prob` (Qwen3-MoE's released
+models, Mixtral) or left as they are (Qwen2-MoE, OLMoE). Qwen2-MoE adds a shared expert that
+every token runs, its output scaled by sigmoid(shared_expert_gate(x)).
+
+With tensor parallelism each rank keeps its share of every expert's intermediate columns (and
+of the shared expert's): gate/up column-parallel, down row-parallel; the experts' partial sums
+and the shared expert's are added before the layer's one all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from sglang_like.layers.activation import gated
+from sglang_like.layers.quantization import QuantConfig, QuantLinear
+
+if TYPE_CHECKING:
+    from sglang_like.config import ModelConfig
+    from sglang_like.layers.decoder import DecoderLayerDescription
+
+__all__ = ["ExpertMLP", "Router", "SparseMoE", "route"]
+
+
+class Router(nn.Module):
+    """A float32 [out, hidden] matrix applied as x @ W.T (the router, Qwen2-MoE's shared
+    expert gate): a parameter, so checkpoints load it by name like a norm."""
+
+    def __init__(self, hidden: int, out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out, hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.weight.T
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, top_k], expert ids int64 [T, top_k]) of router logits [T, E]:
+    softmax, the top_k largest (ties: the lower expert id, as torch.topk), renormalized over
+    the chosen when asked."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class ExpertMLP(nn.Module):
+    """One gated MLP (an expert, or the shared expert): gate/up fused, then down."""
+
+    def __init__(self, hidden: int, inter: int, activation: str, quant: QuantConfig) -> None:
+        super().__init__()
+        self.activation = activation
+        self.intermediate_size = inter
+        self.gate_up_proj = QuantLinear(quant.linear_method(hidden, 2 * inter), hidden,
+                                        [inter, inter], ["gate_proj", "up_proj"])
+        self.down_proj = QuantLinear(quant.linear_method(inter, hidden), inter, [hidden],
+                                     ["down_proj"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated(self.gate_up_proj(x), self.intermediate_size,
+                                    self.activation))
+
+
+class SparseMoE(nn.Module):
+    """The MLP of a sparse layer (see the module docstring). `forward` returns the layer's
+    MLP output in the residual dtype, summed over the tensor-parallel ranks."""
+
+    def __init__(self, config: ModelConfig, desc: DecoderLayerDescription, quant: QuantConfig,
+                 tp: Any = None) -> None:
+        """`tp`: a model's tp.parallel.TPShard (layers sit below tp/, so it is not named)."""
+        super().__init__()
+        hidden = config.hidden_size
+        self.tp = tp
+        self.residual_dtype = quant.dtype
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts "
+                             f"({self.num_experts})")
+        inter = tp.plan.moe_intermediate_size if tp else config.moe_intermediate_size
+        self.gate = Router(hidden, self.num_experts)
+        self.experts = nn.ModuleList(ExpertMLP(hidden, inter, desc.activation, quant)
+                                     for _ in range(self.num_experts))
+        if config.shared_expert_intermediate_size:
+            shared = (tp.plan.shared_intermediate_size if tp
+                      else config.shared_expert_intermediate_size)
+            self.shared_expert = ExpertMLP(hidden, shared, desc.activation, quant)
+            self.shared_expert_gate = Router(hidden, 1)
+        else:
+            self.shared_expert = None
+        self.last_routing: torch.Tensor | None = None  # ids of the last forward (tests)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        self.last_routing = ids
+        out = self.experts_forward(x, weights, ids)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))
+            out = out + gate * self.shared_expert(x).float()
+        out = out.to(self.residual_dtype)
+        return out if self.tp is None else self.tp.all_reduce(out.contiguous())
+
+    def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                        ) -> torch.Tensor:
+        """sum over k of weights[t, k] * expert[ids[t, k]](x[t]), float32 [T, hidden]: each
+        chosen expert runs once over all its rows (the pairs sorted by expert, stably, so a
+        token's rows come in token order)."""
+        num_tokens = x.shape[0]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        scale = weights.reshape(-1)[order, None]
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start:start + n]
+            y = self.experts[expert](x[rows]).float() * scale[start:start + n]
+            out.index_add_(0, rows, y)
+            start += n
+        return out
