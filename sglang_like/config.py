@@ -49,6 +49,17 @@ class ModelConfig:
     embedding_scale: float = 1.0  # the embedded tokens are multiplied by it (Gemma, Granite)
     residual_scale: float = 1.0  # each sub-layer's output before the residual add (Granite)
     logit_scale: float = 1.0  # the logits are multiplied by it (Granite: 1 / logits_scaling)
+    # Mixture of experts (0 experts: every MLP dense). A sparse layer routes each token to
+    # `num_experts_per_tok` of `num_experts` gated MLPs of `moe_intermediate_size` columns by
+    # a softmax over its router's logits, renormalized over the chosen ones when
+    # `norm_topk_prob`; a shared expert (Qwen2-MoE, its output scaled by a sigmoid gate) runs
+    # for every token. `moe_layers`: which layers are sparse (None: all of them).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, None for a full-attention layer."""
@@ -57,6 +68,10 @@ class ModelConfig:
         if self.layer_types is None:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
     @property
     def num_queries_per_kv(self) -> int:
