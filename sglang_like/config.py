@@ -221,6 +221,12 @@ class ServerArgs:
     # How /v1/chat/completions reads tool calls out of the model's text (see
     # sglang_like.function_call): "auto" picks by the chat template, Hermes tags when it has none
     tool_call_parser: str = "auto"  # "auto" | "hermes" | "llama3" | "mistral" | "granite"
+    # How /v1/chat/completions splits a reasoning model's think block from its answer
+    # (sglang_like.reasoning_parser.REASONING_PARSERS); None: the answer is returned as written
+    reasoning_parser: str | None = None
+    # the default thinking_budget of a chat request (tokens before the server closes the think
+    # block; llama.cpp's --reasoning-budget); None: unlimited
+    reasoning_budget: int | None = None
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -24,6 +24,7 @@ from sglang_like.config import (
     ServerArgs,
 )
 from sglang_like.function_call.parsers import TOOL_CALL_PARSERS
+from sglang_like.reasoning_parser import REASONING_PARSERS
 
 logger = logging.getLogger("sglang_like.launch_server")
 
@@ -104,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=list(TOOL_CALL_PARSERS),
                    help="the model's tool-call format; auto: by its chat template (Hermes "
                         "<tool_call> tags when the template has no tool syntax)")
+    p.add_argument("--reasoning-parser", default=d.reasoning_parser,
+                   choices=list(REASONING_PARSERS),
+                   help="split a reasoning model's think block from its answer in chat "
+                        "completions: message.reasoning_content (delta.reasoning_content "
+                        "when streamed) beside content")
+    p.add_argument("--reasoning-budget", type=int, default=d.reasoning_budget,
+                   help="default thinking_budget of a chat request: after this many answer "
+                        "tokens the server closes the think block (-1: unlimited)")
     p.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
                    help="/health answers 503 while one scheduler step has run this many "
                         "seconds (a stuck forward)")
@@ -265,6 +274,8 @@ def server_args_from(ns: argparse.Namespace,
             values[name] = tuple(values[name])
     if values["admin_api_key"] and values["admin_api_key"] in keys:
         raise SystemExit("the admin API key must differ from every plain key")
+    if values.get("reasoning_budget") is not None and values["reasoning_budget"] < 0:
+        values["reasoning_budget"] = None  # llama.cpp's -1: unlimited
     fields = set(ServerArgs.__dataclass_fields__)
     return ServerArgs(**{k: v for k, v in values.items() if k in fields})
 
@@ -278,6 +289,8 @@ def _check(args: ServerArgs) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("--ssl-keyfile and --ssl-certfile go together")
+    if args.reasoning_budget is not None and args.reasoning_parser is None:
+        raise SystemExit("--reasoning-budget needs --reasoning-parser")
     _check_lora(args)
 
 

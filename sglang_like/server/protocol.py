@@ -494,9 +494,19 @@ class ChatCompletionRequest(_OpenAISampling):
     parallel_tool_calls: StrictBool | None = Field(
         None, description="false: at most one tool call (default true)")
     continue_final_message: StrictBool = False
-    # sglang-router sends these on every chat body; this server has no reasoning parser
-    separate_reasoning: StrictBool = Field(True, description="ignored")
-    stream_reasoning: StrictBool = Field(True, description="ignored")
+    # reasoning models (--reasoning-parser; sglang-router sends the first two on every body)
+    separate_reasoning: StrictBool = Field(
+        True, description="with --reasoning-parser: the think block as message.reasoning_content "
+                          "(delta.reasoning_content when streamed); false: the raw text")
+    stream_reasoning: StrictBool = Field(
+        True, description="false: the reasoning in one delta once the block closes (needs "
+                          "--reasoning-parser)")
+    thinking_budget: StrictInt | None = documented(
+        None, minimum=0, description="at most this many answer tokens before the server "
+        "closes the think block (needs --reasoning-parser; default --reasoning-budget)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='variables for the chat template, e.g. {"enable_thinking": false}; '
+                          "each must be one the template reads")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -517,6 +527,8 @@ class ChatCompletionRequest(_OpenAISampling):
                 )
             if not self.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.thinking_budget is not None and self.thinking_budget < 0:
+            raise ApiError(400, "thinking_budget must be at least 0", "thinking_budget")
 
 
 for _model in (CompletionRequest, ChatCompletionRequest):

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.function_call import ToolPlan
+from sglang_like.server.auth import principal_of
 from sglang_like.server.errors import ApiError, json_response, read_json_body
 from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.native_api import choice_params
@@ -20,6 +21,12 @@ from sglang_like.server.openai.common import (
     logprob_kwargs,
     ok_content,
     stream_usage,
+)
+from sglang_like.server.openai.reasoning import (
+    BudgetStream,
+    ReasoningPlan,
+    check_template_kwargs,
+    generate_with_budget,
 )
 from sglang_like.server.openapi import operation
 from sglang_like.server.protocol import ChatCompletionRequest, bootstrap_kwargs, parse_model
@@ -42,8 +49,10 @@ async def chat_completions(request: Request) -> Response:
     plan = _tool_plan(state, req)
     state.check_text_length([_content_text(m.content) for m in req.messages], "messages")
     # the template and the tokenizer run on a worker thread, off the loop that streams
-    input_ids = await run_in_threadpool(_chat_input_ids, state, req, plan)
+    prompt, input_ids = await run_in_threadpool(_chat_prompt, state, req, plan)
     check_prompt_len(state, len(input_ids))
+    args = state.server_args
+    thinking = ReasoningPlan.build(args.reasoning_parser, args.reasoning_budget, req, prompt)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = max(1, state.context_length - len(input_ids))
@@ -53,26 +62,39 @@ async def chat_completions(request: Request) -> Response:
             sampling = plan.sampling_params(sampling)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
+    if thinking is not None:
+        sampling = thinking.sampling_params(sampling)
+    budget = thinking if thinking is not None and thinking.has_budget else None
     base = {"input_ids": input_ids, **logprob_kwargs(req.logprobs, req.top_logprobs or 0),
             **bootstrap_kwargs(req), **lora}
     if req.stream:
-        calls = [
-            {**base, "sampling_params": choice_params(sampling, j)} for j in range(req.n)
-        ]
-        streams = await open_streams(state.runner, calls, request)
-        return sse_response(_chat_events(model, req, plan, streams), streams)
+        first = sampling if budget is None else {
+            **sampling, "max_new_tokens": budget.first_max_tokens(max_tokens)}
+        calls = [{**base, "sampling_params": choice_params(first, j)} for j in range(req.n)]
+        streams: list[Any] = await open_streams(state.runner, calls, request)
+        if budget is not None:
+            owner = principal_of(request.scope).tenant
+            streams = [BudgetStream(state.runner, s, call, owner, budget, state.tokenizer,
+                                    max_tokens) for s, call in zip(streams, calls, strict=True)]
+        return sse_response(_chat_events(model, req, plan, thinking, streams), streams)
     try:
-        (result,) = await state.runner.generate(
-            request, [{**base, "sampling_params": {**sampling, "n": req.n}}]
-        )
+        if budget is not None:
+            items = await generate_with_budget(state.runner, request, base, sampling, req.n,
+                                               budget, state.tokenizer)
+        else:
+            (result,) = await state.runner.generate(
+                request, [{**base, "sampling_params": {**sampling, "n": req.n}}]
+            )
+            items = result if isinstance(result, list) else [result]
     except ClientGone:
         return Response(status_code=499)
-    if (message := fmt.internal_error([result])) is not None:
+    if (message := fmt.internal_error([items])) is not None:
         raise ApiError(500, message)
-    items = result if isinstance(result, list) else [result]
     choices = [fmt.chat_choice(j, item, req.logprobs) for j, item in enumerate(items)]
-    if plan is not None:
-        for choice in choices:
+    for choice in choices:
+        if thinking is not None and thinking.separate:
+            _read_reasoning(thinking, choice)
+        if plan is not None:
             _read_tool_calls(plan, choice)
     return json_response(
         {
@@ -103,6 +125,14 @@ def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | Non
         raise ApiError(400, str(e), "tools") from None
 
 
+def _read_reasoning(thinking: ReasoningPlan, choice: dict[str, Any]) -> None:
+    """Split a choice's text into reasoning_content and content (None when empty)."""
+    message = choice["message"]
+    reasoning, content = thinking.split(message["content"] or "")
+    message["reasoning_content"] = reasoning
+    message["content"] = content or None
+
+
 def _read_tool_calls(plan: ToolPlan, choice: dict[str, Any]) -> None:
     """Turn a choice's text into content + tool_calls; finish_reason "tool_calls" when the
     model ended its turn with calls."""
@@ -116,11 +146,13 @@ def _read_tool_calls(plan: ToolPlan, choice: dict[str, Any]) -> None:
 
 async def _chat_events(
     model: str, req: ChatCompletionRequest, plan: ToolPlan | None,
-    streams: list[EngineStream],
+    thinking: ReasoningPlan | None, streams: list[EngineStream],
 ) -> AsyncIterator[str]:
     head = {"id": fmt.new_id("chatcmpl"), "object": "chat.completion.chunk",
             "created": fmt.now(), "model": model}
     readers = [plan.stream() for _ in streams] if plan is not None else None
+    splitters = [thinking.reader() for _ in streams] if (
+        thinking is not None and thinking.separate) else None
     for index in range(len(streams)):
         delta = {"role": "assistant", "content": ""}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -138,10 +170,17 @@ async def _chat_events(
             logprobs = fmt.chat_logprobs(
                 meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs")
             )
+        parts = [("content", text)] if text else []
+        if splitters is not None:
+            parts = splitters[index].feed(text)
+            if reason is not None:
+                parts += splitters[index].finish()
+        deltas = [{"reasoning_content": t} for kind, t in parts if kind == "reasoning"]
+        content = "".join(t for kind, t in parts if kind == "content")
         if readers is None:
-            deltas = [{"content": text}] if text else []
+            deltas += [{"content": content}] if content else []
         else:
-            deltas = readers[index].feed(text)
+            deltas += readers[index].feed(content)
             if reason is not None:
                 deltas += readers[index].finish()
                 if readers[index].num_calls and reason == "stop":
@@ -166,9 +205,18 @@ async def _chat_events(
 def _chat_input_ids(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None
 ) -> list[int]:
+    return _chat_prompt(state, req, plan)[1]
+
+
+def _chat_prompt(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None
+) -> tuple[str, list[int]]:
+    """The rendered prompt and its token ids."""
     tokenizer = state.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions")
+    template_kwargs = check_template_kwargs(getattr(req, "chat_template_kwargs", None),
+                                            tokenizer.chat_template)
     messages = [m.template_dict() for m in req.messages]
     prompt = None
     # a template with no tool syntax may still refuse a `tool` turn: then results go in user turns
@@ -176,7 +224,8 @@ def _chat_input_ids(
         turns, tools = plan.template_inputs(messages, tool_role) if plan else (messages, None)
         try:
             prompt = tokenizer.apply_chat_template(
-                turns, add_generation_prompt=not req.continue_final_message, tools=tools
+                turns, add_generation_prompt=not req.continue_final_message, tools=tools,
+                **template_kwargs,
             )
             break
         except Exception as e:  # noqa: BLE001 - a template's own error is about this request
@@ -185,7 +234,7 @@ def _chat_input_ids(
         raise ApiError(400, f"chat template failed on these messages: {error}") from None
     if req.continue_final_message:
         prompt = _strip_end_of_turn(prompt, messages[-1]["content"])
-    return list(tokenizer.encode(prompt))
+    return prompt, list(tokenizer.encode(prompt))
 
 
 def _strip_end_of_turn(prompt: str, last_content: str) -> str:
