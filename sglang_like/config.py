@@ -91,6 +91,10 @@ fp8_e4m3): the 8-bit ones keep a float32 scale per token and KV head beside the 
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
 """Values of `--speculative-algorithm` (see sglang_like.speculative)."""
 
+REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "smollm3", "mistral")
+"""Values of `--reasoning-parser` (see sglang_like.server.openai.reasoning_parser): SGLang's
+names for the served families that think."""
+
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 """Values of `--disaggregation-mode` (see sglang_like.disaggregation)."""
 
@@ -222,7 +226,7 @@ class ServerArgs:
     # sglang_like.function_call): "auto" picks by the chat template, Hermes tags when it has none
     tool_call_parser: str = "auto"  # "auto" | "hermes" | "llama3" | "mistral" | "granite"
     # How /v1/chat/completions splits a reasoning model's think block from its answer
-    # (sglang_like.reasoning_parser.REASONING_PARSERS); None: the answer is returned as written
+    # (REASONING_PARSERS); None: the answer is returned as written
     reasoning_parser: str | None = None
     # the default thinking_budget of a chat request (tokens before the server closes the think
     # block; llama.cpp's --reasoning-budget); None: unlimited

@@ -20,11 +20,11 @@ from sglang_like.config import (
     DISAGGREGATION_MODES,
     KV_CACHE_DTYPES,
     QUANTIZATION_CHOICES,
+    REASONING_PARSERS,
     SPECULATIVE_ALGORITHMS,
     ServerArgs,
 )
 from sglang_like.function_call.parsers import TOOL_CALL_PARSERS
-from sglang_like.reasoning_parser import REASONING_PARSERS
 
 logger = logging.getLogger("sglang_like.launch_server")
 

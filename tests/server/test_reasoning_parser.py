@@ -1,6 +1,7 @@
-"""The reasoning parsers (sglang_like.reasoning_parser) on whole answers and on the same answers
-streamed in every split into two and three chunks: the streamed events joined equal the whole
-split, and the whole split equals a reference written with plain string operations."""
+"""The reasoning parsers (sglang_like.server.openai.reasoning_parser) on whole answers and on
+the same answers streamed in every split into two and three chunks: the streamed events joined
+equal the whole split, and the whole split equals a reference written with plain string
+operations."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import itertools
 
 import pytest
 
-from sglang_like.reasoning_parser import (
-    REASONING_PARSERS,
+from sglang_like.config import REASONING_PARSERS
+from sglang_like.server.openai.reasoning_parser import (
     ReasoningReader,
     get_reasoning_format,
     opens_in_prompt,

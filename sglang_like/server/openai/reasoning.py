@@ -16,14 +16,14 @@ from typing import Any
 
 import jinja2.meta
 
-from sglang_like.reasoning_parser import (
+from sglang_like.server.errors import ApiError
+from sglang_like.server.native_api import choice_params
+from sglang_like.server.openai.reasoning_parser import (
     ReasoningFormat,
     ReasoningReader,
     get_reasoning_format,
     opens_in_prompt,
 )
-from sglang_like.server.errors import ApiError
-from sglang_like.server.native_api import choice_params
 from sglang_like.server.runner import EngineRunner, EngineStream
 from sglang_like.tokenizer import compile_chat_template
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["REASONING_PARSERS", "ReasoningFormat", "ReasoningReader", "get_reasoning_format",
+from sglang_like.config import REASONING_PARSERS
+
+__all__ = ["ReasoningFormat", "ReasoningReader", "get_reasoning_format",
            "opens_in_prompt"]
 
 
@@ -38,8 +40,7 @@ _FORMATS = (
     ReasoningFormat("mistral", start="[THINK]", end="[/THINK]", needs_special_tokens=True),
 )
 _BY_NAME = {f.name: f for f in _FORMATS}
-REASONING_PARSERS: tuple[str, ...] = tuple(_BY_NAME)
-"""Values of `--reasoning-parser`."""
+assert tuple(_BY_NAME) == REASONING_PARSERS, "config.REASONING_PARSERS names these formats"
 
 
 def get_reasoning_format(name: str) -> ReasoningFormat:
