@@ -196,6 +196,15 @@ CONVERTER_CASES = [
     ConverterCase(_BY_NAME["granite"]),
     ConverterCase(_variant("smollm3", num_hidden_layers=SMOLLM3_LAYERS,
                            no_rope_layers=[1, 1, 1, 0])),
+    # merged expert tensors (ffn_*_exps); Mixtral is written as a "llama" file. The Qwen-MoE
+    # and OLMoE converters read the vocab through AutoTokenizer only (no SentencePiece path),
+    # whose family tokenizers (Qwen2's, GPT-NeoX's) would rebuild the pre-tokenizer or add
+    # tokens past the vocab: the plain fast tokenizer keeps the folder's
+    ConverterCase(_BY_NAME["qwen3-moe"], "PreTrainedTokenizerFast"),
+    # (the Qwen2-MoE converter takes no dense layer: every layer sparse here)
+    ConverterCase(_variant("qwen2-moe", drop=("mlp_only_layers",)), "PreTrainedTokenizerFast"),
+    ConverterCase(_BY_NAME["mixtral"]),
+    ConverterCase(_BY_NAME["olmoe"], "PreTrainedTokenizerFast"),  # not GPT-NeoX's tokenizer
 ]
 
 

@@ -32,7 +32,16 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, the shared expert and its gate (Qwen2-MoE); the
+    # experts' merged [experts, out, in] tensors are split by `_expert_tensors`
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 # Architectures whose ffn_up is gate and up stacked (gate rows first: llama.cpp's fused SwiGLU
 # gates with the first half, as Phi-3's gate_up_proj.chunk(2) does); the loader splits it.
 _FUSED_GATE_UP = frozenset({"phi3"})
@@ -245,11 +254,7 @@ def iter_hf_tensors(
     permuted = arch in PERMUTED_QK_ARCHS
     sandwiched = {m.group(1) for t in tensors
                   if (m := _BLOCK_RE.match(t.name)) and m.group(2) == "post_attention_norm"}
-    for tensor in tensors:
-        m = _BLOCK_RE.match(tensor.name)
-        name = hf_tensor_name(tensor.name, arch, m is not None and m.group(1) in sandwiched)
-        if name is None:
-            continue
+    for tensor, name in _named(tensors, arch, sandwiched):
         heads = None
         if permuted and ".self_attn.q_proj." in name:
             heads = num_heads
@@ -259,6 +264,35 @@ def iter_hf_tensors(
             yield name, _packed(tensor, heads)
             continue
         yield name, _dense(tensor, heads, dtype)
+
+
+def _named(tensors: list[GGUFTensor], arch: str, sandwiched: set[str]
+           ) -> Iterator[tuple[GGUFTensor, str]]:
+    """(tensor, its Hugging Face name) of every tensor HF keeps, a merged expert tensor as
+    one [out, in] tensor per expert (views of the file's rows)."""
+    for tensor in tensors:
+        m = _BLOCK_RE.match(tensor.name)
+        if m is not None and m.group(2) in _EXPERT_NAMES:
+            yield from _expert_tensors(tensor, m.group(1), _EXPERT_NAMES[m.group(2)])
+            continue
+        name = hf_tensor_name(tensor.name, arch, m is not None and m.group(1) in sandwiched)
+        if name is None:
+            continue
+        if name.endswith("shared_expert_gate.weight") and len(tensor.shape) == 1:
+            tensor = tensor._replace(shape=(1, tensor.shape[0]))  # [hidden] -> HF's [1, hidden]
+        yield tensor, name
+
+
+def _expert_tensors(tensor: GGUFTensor, layer: str, proj: str
+                    ) -> Iterator[tuple[GGUFTensor, str]]:
+    """A merged [experts, out, in] tensor (ffn_*_exps) as each expert's [out, in] tensor."""
+    if len(tensor.shape) != 3:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has shape {list(tensor.shape)}; "
+                         "merged experts are [experts, out, in]")
+    experts, rows, cols = tensor.shape
+    for j in range(experts):
+        part = tensor._replace(shape=(rows, cols), data=tensor.data[j * rows:(j + 1) * rows])
+        yield part, f"model.layers.{layer}.mlp.experts.{j}.{proj}.weight"
 
 
 def _dense(tensor: GGUFTensor, heads: int | None, dtype: torch.dtype) -> torch.Tensor:

@@ -166,6 +166,33 @@ def _family_fields(metadata: dict[str, Any], arch: str, *, hidden: int, num_head
     return fields
 
 
+# llama.cpp's graphs renormalize the chosen experts' weights for these architectures ("llama"
+# is Mixtral), whatever the file says; others read `{arch}.expert_weights_norm` (default off)
+_MOE_RENORMALIZED = frozenset({"llama", "qwen3moe"})
+
+
+def _moe_fields(metadata: dict[str, Any], arch: str, tensor_shapes: dict[str, tuple[int, ...]],
+                num_layers: int) -> dict[str, Any]:
+    """A mixture of experts' ModelConfig fields; a layer is sparse where it has a router."""
+    experts = int(metadata.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes for i in range(num_layers))
+    inter = metadata.get(f"{arch}.expert_feed_forward_length")
+    if inter is None:  # Mixtral's experts are its feed_forward_length wide
+        inter = _scalar(metadata, f"{arch}.feed_forward_length")
+    norm = metadata.get(f"{arch}.expert_weights_norm")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(_scalar(metadata, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(inter),
+        "norm_topk_prob": arch in _MOE_RENORMALIZED or bool(norm),
+        "shared_expert_intermediate_size": int(
+            metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+        "moe_layers": None if all(sparse) else sparse,
+    }
+
+
 def gguf_model_config(
     metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], tokenizer: Tokenizer,
     model_path: str, tensors: list[GGUFTensor] | None = None,
@@ -205,6 +232,7 @@ def gguf_model_config(
         sliding_window=window,
         **_family_fields(metadata, arch, hidden=hidden, num_heads=num_heads, head_dim=head_dim,
                          num_layers=num_layers),
+        **_moe_fields(metadata, arch, tensor_shapes, num_layers),
     )
 
 

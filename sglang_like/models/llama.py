@@ -2,15 +2,16 @@
 
 `LlamaForCausalLM` builds each layer from its `DecoderLayerDescription` (layers/decoder.py):
 Llama, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm) use it as it is, and so
-do their mixtures of experts (Qwen2-MoE, Qwen3-MoE; Mixtral from GGUF), whose sparse layers'
-MLP is layers/moe.py's; the other families' files (gemma.py, phi3.py, olmo2.py, granite.py,
-smollm3.py, mixtral.py, olmoe.py) subclass it and only say how their layers differ
+do their mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral), whose sparse layers' MLP is
+layers/moe.py's; the other families' files (gemma.py, phi3.py, olmo2.py, granite.py,
+smollm3.py, olmoe.py) subclass it and only say how their layers differ
 (`layer_description`) and how their checkpoints' tensors map onto these modules
 (`adapt_hf_weights`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -49,6 +50,10 @@ def layer_description(config: ModelConfig, layer_id: int = 0) -> DecoderLayerDes
         attn_logit_softcap=config.attn_logit_softcap, residual_scale=config.residual_scale,
         mlp="moe" if config.layer_is_moe(layer_id) else "dense")
 
+
+_MIXTRAL_MOE = re.compile(
+    r"^(model\.layers\.\d+)\.block_sparse_moe\.(experts\.\d+\.)?(\w+)\.weight$")
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "gate": "gate"}
 
 # architectures whose attention_bias biases q/k/v but not o_proj (HF names and GGUF names)
 _QKV_BIAS_ONLY = frozenset({"qwen2", "qwen2_moe", "qwen2moe"})
@@ -295,7 +300,16 @@ class LlamaForCausalLM(nn.Module):
     def adapt_hf_weights(cls, config: ModelConfig, weights: dict[str, Any]) -> None:
         """A Hugging Face checkpoint's tensors, renamed / split / folded in place into what
         these modules load (HF names, unfused, norm weights as multipliers); a family whose
-        checkpoints differ overrides it. GGUF files are mapped by the GGUF loader."""
+        checkpoints differ overrides it. GGUF files are mapped by the GGUF loader.
+
+        Here: Mixtral's sparse MLP is `block_sparse_moe` and an expert's matrices w1 (gate),
+        w3 (up), w2 (down); renamed to the names layers/moe.py loads."""
+        for name in [n for n in weights if ".block_sparse_moe." in n]:
+            m = _MIXTRAL_MOE.match(name)
+            if m is None or m.group(3) not in _MIXTRAL_NAMES:
+                raise ValueError(f"unexpected Mixtral tensor {name!r}")
+            layer, expert, part = m.groups()
+            weights[f"{layer}.mlp.{expert or ''}{_MIXTRAL_NAMES[part]}.weight"] = weights.pop(name)
 
     @property
     def rope(self) -> RotaryEmbedding | None:

@@ -24,18 +24,12 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
         name="llama",
         model_class="sglang_like.models.llama:LlamaForCausalLM",
-        model_types=("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"),
+        model_types=("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"),
         hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                          "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
+                          "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                          "MixtralForCausalLM"),
         # a "llama" file with expert tensors is Mixtral (llama.cpp writes it so)
         gguf_architectures=("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe"),
-    ),
-    ModelFamily(
-        name="mixtral",
-        model_class="sglang_like.models.mixtral:MixtralForCausalLM",
-        model_types=("mixtral",),
-        hf_architectures=("MixtralForCausalLM",),
-        gguf_architectures=(),
     ),
     ModelFamily(
         name="olmoe",

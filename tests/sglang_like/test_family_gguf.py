@@ -56,7 +56,9 @@ FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "max_position_embeddings", "tie_word_embeddings", "attention_bias", "qk_norm",
           "hidden_act", "layer_types", "sliding_window", "rope_local_theta", "rope_layers",
           "rotary_dim", "attention_scale", "attn_logit_softcap", "final_logit_softcap",
-          "embedding_scale", "residual_scale", "logit_scale")
+          "embedding_scale", "residual_scale", "logit_scale", "num_experts",
+          "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+          "shared_expert_intermediate_size", "moe_layers")
 ROPE_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "short_factor",
              "long_factor", "attention_factor", "beta_fast", "beta_slow")
 
@@ -226,7 +228,9 @@ def test_q8_0_file_tracks_the_folder(loaded: Loaded, quantization: str) -> None:
     the prompts and their fp32 greedy continuations, and the logits' relative error."""
     engine = _engine(loaded.files.q8_0, quantization=quantization)
     try:
-        method = type(engine.runner.model.model.layers[0].mlp.down_proj.method).__name__
+        mlp = engine.runner.model.model.layers[0].mlp
+        down = mlp.experts[0].down_proj if hasattr(mlp, "experts") else mlp.down_proj
+        method = type(down.method).__name__
         assert method == {"none": "DenseMethod", "auto": "GGUFMethod"}[quantization]
         _assert_same_config(engine.model_config, loaded.f32.model_config, "Q8_0 vs F32")
         agree = total = 0
