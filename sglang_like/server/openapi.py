@@ -35,6 +35,9 @@ _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     TokenizeRequest, DetokenizeRequest, CacheMatchRequest, LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
 )
+# Body models named by `operation(body=...)` outside protocol.py, by name (the routes' modules
+# import this one, so it cannot import their models)
+_ROUTE_BODY_MODELS: dict[str, type[BaseModel]] = {}
 _ERROR_TEXT = {
     400: "Bad request: the body or a parameter is invalid (the message says which)",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
@@ -307,6 +310,8 @@ def operation(
         }
     extra: dict[str, Any] = {"responses": responses}
     if body is not None:
+        # a route module's own body model (Anthropic's, Ollama's) is documented like ours
+        _ROUTE_BODY_MODELS.setdefault(body.__name__, body)
         extra["requestBody"] = {
             "required": True, "content": json_content(_ref(body.__name__))
         }
@@ -316,7 +321,8 @@ def operation(
 def component_schemas() -> dict[str, dict[str, Any]]:
     """The request models' schemas (their `$defs` lifted next to them) and the response shapes."""
     schemas: dict[str, dict[str, Any]] = {}
-    for model in _REQUEST_MODELS:
+    extra_models = [m for m in _ROUTE_BODY_MODELS.values() if m not in _REQUEST_MODELS]
+    for model in (*_REQUEST_MODELS, *extra_models):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

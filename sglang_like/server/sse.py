@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -71,10 +71,18 @@ async def _close_all(tasks: list[asyncio.Future]) -> None:
             await task.result().aclose()
 
 
+def _openai_error_event(status_code: int, message: str) -> str:
+    return sse(error_body(status_code, message)) + DONE
+
+
 def sse_response(
-    events: AsyncIterator[str], streams: list[EngineStream]
+    events: AsyncIterator[str], streams: list[EngineStream], *,
+    error_event: Callable[[int, str], str] = _openai_error_event,
+    media_type: str = "text/event-stream",
 ) -> StreamingResponse:
-    """Stream `events`; a late error becomes one error event; every stream is closed at the end.
+    """Stream `events`; a late error becomes `error_event(status, message)` (by default
+    OpenAI's error event, then [DONE]); every stream is closed at the end. Other APIs'
+    streams (Anthropic's events, Ollama's NDJSON) pass their own error shape and media type.
 
     Starlette cancels the body iterator when the client disconnects; the `finally` here then
     closes the engine streams, which aborts unfinished requests and frees their KV slots.
@@ -86,19 +94,17 @@ def sse_response(
                 yield event
         except (ValueError, ApiError) as e:
             status = e.status_code if isinstance(e, ApiError) else 400
-            yield sse(error_body(status, str(e)))
-            yield DONE
+            yield error_event(status, str(e))
         except Exception:  # noqa: BLE001 - headers are sent; report in-band
             error_id = uuid.uuid4().hex[:12]
             logger.exception("stream failed (%s)", error_id)  # its text only in the log
-            yield sse(error_body(500, f"internal error (id {error_id} in the server log)"))
-            yield DONE
+            yield error_event(500, f"internal error (id {error_id} in the server log)")
         finally:
             for stream in streams:
                 await stream.aclose()
 
     return StreamingResponse(
         body(),
-        media_type="text/event-stream",
+        media_type=media_type,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
