@@ -2,9 +2,10 @@
 (DNS rebinding, cross-site posts), the method and media type of state changes, the body size,
 and who is asking (API keys).
 
-Keys go as `Authorization: Bearer <key>` (API clients), or as the password of HTTP Basic auth
-with any user name: a browser cannot add a Bearer header when it opens /dashboard, but it asks
-for Basic credentials when challenged and sends them again with the page's own requests.
+Keys go as `Authorization: Bearer <key>` (API clients), as `x-api-key: <key>` (Anthropic's
+clients; read only when there is no Authorization header), or as the password of HTTP Basic
+auth with any user name: a browser cannot add a Bearer header when it opens /dashboard, but it
+asks for Basic credentials when challenged and sends them again with the page's own requests.
 
 Two kinds of key. A plain key (`--api-key`, or each line of `--api-key-file`) serves
 generation, tokenizing and model info; each plain key is a tenant of its own (its requests
@@ -147,12 +148,13 @@ class SecurityMiddleware:
                       ) -> tuple[Principal, object | None]:
         if self.is_open:
             return OPEN_SERVER, None
-        principal = self._principal(headers.get(b"authorization", b"").strip())
+        principal = self._principal(_given_key(headers))
         if path in OPEN_PATHS:
             return principal or Principal(False, None), None
         if principal is None:
             response = error_response(401, "missing or invalid API key (Authorization: Bearer "
-                                      "<key>, or Basic auth with the key as the password)")
+                                      "<key>, x-api-key: <key>, or Basic auth with the key as "
+                                      "the password)")
             # two challenges: API clients read Bearer; a browser asks its user for Basic
             response.headers.append("WWW-Authenticate", "Bearer")
             response.headers.append("WWW-Authenticate", 'Basic realm="sglang_like", '
@@ -190,6 +192,14 @@ class SecurityMiddleware:
             return error_response(413, f"request body of {length} bytes is over "
                                        f"{self.max_body} (--max-request-body-bytes)")
         return None
+
+
+def _given_key(headers: dict[bytes, bytes]) -> bytes:
+    """The Authorization header, or else Anthropic's `x-api-key: <key>` as a Bearer key."""
+    given = headers.get(b"authorization", b"").strip()
+    if not given and (api_key := headers.get(b"x-api-key", b"").strip()):
+        return b"Bearer " + api_key
+    return given
 
 
 def _credential(given: bytes) -> bytes | None:
