@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+import sglang_like_kernels.cpu
 from sglang_like.layers.activation import gated
+from sglang_like_kernels.cpu import ops as cpu_ops
 from sglang_like.layers.quantization import QuantConfig, QuantLinear
 
 if TYPE_CHECKING:
@@ -106,11 +108,27 @@ class SparseMoE(nn.Module):
         else:
             self.shared_expert = None
         self.last_routing: torch.Tensor | None = None  # ids of the last forward (tests)
+        self._runs: tuple[torch.Tensor, torch.Tensor] | bool | None = None  # native_runs
+        self.native = True  # False: the per-expert loop below even where moe.c could run
+
+    def native_runs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts' gate_up and down as moe.c's runs tables (int64 [E, runs, 3]), built
+        once; None where the native kernel cannot run them (a linear neither x16 int4 nor a
+        GGUF kind, the native library absent). The tables hold the packed buffers' addresses:
+        `load_weights` replaces the buffers and so drops them (see `LlamaForCausalLM`)."""
+        if self._runs is None:
+            self._runs = _native_tables(self) or False
+        return self._runs or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         self.last_routing = ids
-        out = self.experts_forward(x, weights, ids)
+        runs = self.native_runs() if x.device.type == "cpu" and self.native else None
+        if runs is not None:
+            out = cpu_ops.moe_experts(x, ids, weights, *runs, self.experts[0].intermediate_size,
+                                      self.experts[0].activation)
+        else:
+            out = self.experts_forward(x, weights, ids)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x).float()
@@ -122,6 +140,9 @@ class SparseMoE(nn.Module):
         """sum over k of weights[t, k] * expert[ids[t, k]](x[t]), float32 [T, hidden]: each
         chosen expert runs once over all its rows (the pairs sorted by expert, stably, so a
         token's rows come in token order)."""
+        fused = self._fused_experts_forward(x, weights, ids) if x.is_cuda else None
+        if fused is not None:
+            return fused
         num_tokens = x.shape[0]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -138,3 +159,56 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, y)
             start += n
         return out
+
+    def _fused_experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                               ) -> torch.Tensor | None:
+        """experts_forward by the Triton fused MoE (triton_ops.fused_moe: one grouped GEMM
+        over every expert for gate/up, one for down) where every expert is dense without a
+        bias and no LoRA batch is on; else None (the loop runs). On first use the experts'
+        weights are stacked into [E, 2I, H] / [E, H, I] and each expert's buffers become
+        views of the stacks, so memory holds one copy; a reload replaces the buffers, and
+        the next call stacks again."""
+        from sglang_like.layers.quantization.dense import DenseMethod
+
+        first = self.experts[0]
+        lora = first.gate_up_proj.lora_ctx
+        if lora is not None and lora.batch is not None:
+            return None
+        stacks = getattr(self, "_dense_stacks", None)
+        if stacks is False:
+            return None
+        if stacks is None or stacks[0].data_ptr() != first.gate_up_proj.weight.data_ptr():
+            linears = [lin for e in self.experts for lin in (e.gate_up_proj, e.down_proj)]
+            if not all(isinstance(lin.method, DenseMethod) and lin.bias is None
+                       for lin in linears):
+                self._dense_stacks: tuple[torch.Tensor, torch.Tensor] | bool = False
+                return None
+            stacks = (torch.stack([e.gate_up_proj.weight for e in self.experts]),
+                      torch.stack([e.down_proj.weight for e in self.experts]))
+            for j, e in enumerate(self.experts):
+                e.gate_up_proj.register_buffer("weight", stacks[0][j])
+                e.down_proj.register_buffer("weight", stacks[1][j])
+            self._dense_stacks = stacks
+        from sglang_like_kernels import triton_ops
+
+        return triton_ops.fused_moe(x, stacks[0], stacks[1], weights, ids, first.activation)
+
+
+def _native_tables(moe: SparseMoE) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(gate_up runs, down runs) int64 [E, DECODE_STEP_RUNS, 3] of every expert, or None."""
+    from sglang_like.layers.native_decode import fused_runs  # the fused step's own reading
+
+    if not sglang_like_kernels.cpu.available():
+        return None
+    tables = []
+    for which in ("gate_up_proj", "down_proj"):
+        table = torch.zeros(moe.num_experts, cpu_ops.DECODE_STEP_RUNS, 3, dtype=torch.int64)
+        for j, expert in enumerate(moe.experts):
+            lin = getattr(expert, which)
+            runs = None if lin.bias is not None else fused_runs(lin)
+            if runs is None or any(p.device.type != "cpu" for _, p, _ in runs):
+                return None
+            for r, (kind, packed, rows) in enumerate(runs):
+                table[j, r] = torch.tensor([kind, packed.data_ptr(), rows])
+        tables.append(table)
+    return tables[0], tables[1]

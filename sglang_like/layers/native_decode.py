@@ -327,7 +327,7 @@ def _bias(lin: torch.nn.Module) -> torch.Tensor | None:
     return None if lin.bias is None else lin.bias.detach().float().contiguous()
 
 
-def _fused_runs(lin: torch.nn.Module) -> list[tuple[int, torch.Tensor, int]] | None:
+def fused_runs(lin: torch.nn.Module) -> list[tuple[int, torch.Tensor, int]] | None:
     """A linear as the fused step's runs (kquants.c kind or -1 for x16, packed weight, rows),
     or None where the step cannot run it."""
     if isinstance(lin.method, Q4X16Method):
@@ -356,7 +356,7 @@ class _FusedX16:
         self.eps = eps
         self.sm_scale = p0.sm_scale
         self.layer_ids = [p.layer_id for p in layers]
-        runs = [[_fused_runs(lin) for lin in p.linears] for p in layers]
+        runs = [[fused_runs(lin) for lin in p.linears] for p in layers]
         # each layer's norm weights as the kernel reads them (float32, contiguous): before
         # attention, before the MLP, on their outputs, q, k (None where it has none)
         norms = [[_weight(n) for n in (p.input_norm, p.mlp_norm, p.attn_out_norm,
@@ -415,7 +415,7 @@ class _FusedX16:
             qk = [n for n in (p.q_norm, p.k_norm) if n is not None and p.description.qk_norm]
             if eps is None:
                 eps = (ins or outs or qk)[0].eps if (ins or outs or qk) else 1e-5
-            if (any(_fused_runs(lin) is None for lin in p.linears)
+            if (any(fused_runs(lin) is None for lin in p.linears)
                     or p.gate_up_proj.bias is not None or p.down_proj.bias is not None
                     or any(n.out_dtype != torch.float32 for n in ins)
                     or any(n.eps != eps or n.weight.dtype != torch.float32

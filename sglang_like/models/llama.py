@@ -454,6 +454,9 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         self._native_plan = None  # it holds the layers' buffers
+        for mod in self.modules():
+            if isinstance(mod, SparseMoE):
+                mod._runs = None  # so do the experts' runs tables
         for prefix, lin in self._linears():
             lin.load_weights(weights, prefix, device)
         for name, param in self.named_parameters():

@@ -39,7 +39,7 @@ __all__ = ["available", "isa", "kq_dequantize", "kq_matmul", "kq_record_bytes",
 
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "attention.c",
-                      "decode_step.c", "eagle_head.c", "kquants.c")]
+                      "decode_step.c", "eagle_head.c", "kquants.c", "moe.c")]
 _HEADERS = (Path(__file__).with_name("ops.h"), Path(__file__).with_name("simd.h"))
 _ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
 _FLAGS = {
@@ -179,6 +179,8 @@ class _Library:
         lib.kq_matmul.restype = ctypes.c_int
         lib.kq_dequantize.argtypes = [i32, ptr, i64, i64, ptr]
         lib.kq_dequantize.restype = ctypes.c_int
+        lib.moe_experts.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, ptr]
+        lib.moe_experts.restype = ctypes.c_int
         lib.kq_record_bytes.argtypes = [i32]
         lib.kq_record_bytes.restype = ctypes.c_int
         built = lib.q4_1_isa().decode()
@@ -203,6 +205,7 @@ class _Library:
         self.kq_matmul = lib.kq_matmul
         self.kq_dequantize = lib.kq_dequantize
         self.kq_record_bytes = lib.kq_record_bytes
+        self.moe_experts = lib.moe_experts
 
 
 @functools.cache

@@ -89,26 +89,18 @@ enum { ROPE_GLOBAL = 0, ROPE_LOCAL = 1, ROPE_NONE = 2 };
 #define DS_PLANS 4  // distinct sliding windows of a model's layers (and full attention)
 
 // runs [L][4 linears][DS_RUNS][3]: (kind, weight address, output rows); kind -1 is x16 Q4_1,
-// rows 0 ends a linear's runs
-#define DS_RUNS 4
-
-typedef struct {
-    int8_t *q;    // [T, Kmax]
-    float *e;     // [T, Kmax / 32]
-    float *S;
-    int32_t *qs;  // [T, Kmax / 16], NULL when every linear is x16
-} act_rows;
+// rows 0 ends a linear's runs (DS_RUNS: ops.h)
 
 // row t of a [T, K] activation (q4_x16_matmul_team's layout: q row stride K, e/S K / 32;
 // kq_matmul_team's qs K / 16)
-static inline void quantize_row(const act_rows *a, const float *x, int64_t K, int64_t t) {
+void quantize_act_row(const act_rows *a, const float *x, int64_t K, int64_t t) {
     q4_1_quantize_row_q8(x, (int)K, a->q + t * K, a->e + t * (K / XQK), a->S + t * (K / XQK));
     if (a->qs) kq_row_sums16(a->q + t * K, K, a->qs + t * (K / 16));
 }
 
 // y [T, N] = quantized rows @ W.T for linear `which` of a layer: its x16 weight, or its runs
-static void linear_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
-                        const act_rows *a, int64_t T, float *y) {
+void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
+                      const act_rows *a, int64_t T, float *y) {
     if (!runs) {
         q4_x16_matmul_team(x16, N, K, a->q, a->e, a->S, T, y, N);
         return;
@@ -243,10 +235,10 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                 for (int64_t t = 0; t < T; t++) {
                     residual_norm_row(x + t * H, NULL, 0, t, NULL, 0.0f, 1.0f, NULL,
                                       (const float *)p[P_NORM_IN], H, eps, h, 0, tmp);
-                    quantize_row(&a, h + t * H, H, t);
+                    quantize_act_row(&a, h + t * H, H, t);
                 }
             }
-            linear_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv);
+            linear_runs_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv);
             if (p[P_QKV_BIAS]) add_bias_team(qkv, (const float *)p[P_QKV_BIAS], T, nqkv);
             if (lora_rows) lora_team(&lo, l, 0, h, H, H, qkv, nqkv, T);
             attn_rope_store_team(plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_kind,
@@ -255,24 +247,24 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                              rows, seq_lens,
                              fc[F_SM_SCALE], fc[F_SOFTCAP], att, 0, tmp);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) quantize_row(&a, att + t * hqd, hqd, t);
-            linear_team(LINEAR_RUNS(1), w_o, H, hqd, &a, T, proj);
+            for (int64_t t = 0; t < T; t++) quantize_act_row(&a, att + t * hqd, hqd, t);
+            linear_runs_team(LINEAR_RUNS(1), w_o, H, hqd, &a, T, proj);
             if (p[P_O_BIAS]) add_bias_team(proj, (const float *)p[P_O_BIAS], T, H);
             if (lora_rows) lora_team(&lo, l, 1, att, hqd, hqd, proj, H, T);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 residual_norm_row(x + t * H, proj, 0, t, (const float *)p[P_ATTN_OUT], eps,
                                   scale, x, (const float *)p[P_NORM_POST], H, eps, h, 0, tmp);
-                quantize_row(&a, h + t * H, H, t);
+                quantize_act_row(&a, h + t * H, H, t);
             }
-            linear_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu);
+            linear_runs_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu);
             if (lora_rows) lora_team(&lo, l, 2, h, H, H, gu, 2 * I, T);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 act_mul_row((int)c[C_ACT], gu + t * 2 * I, I);
-                quantize_row(&a, gu + t * 2 * I, I, t);
+                quantize_act_row(&a, gu + t * 2 * I, I, t);
             }
-            linear_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj);
+            linear_runs_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj);
             if (lora_rows) lora_team(&lo, l, 3, gu, 2 * I, I, proj, H, T);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -281,7 +273,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                     residual_norm_row(x + t * H, proj, 0, t, w_mlp_out, eps, scale, x,
                                       (const float *)ptrs[(l + 1) * DS_PTRS + P_NORM_IN], H, eps,
                                       h, 0, tmp);
-                    quantize_row(&a, h + t * H, H, t);
+                    quantize_act_row(&a, h + t * H, H, t);
                 } else {
                     residual_norm_row(x + t * H, proj, 0, t, w_mlp_out, eps, scale, x, NULL, H,
                                       eps, NULL, 0, tmp);

@@ -35,6 +35,22 @@ void kq_matmul_team(int kind, const uint8_t *w, int64_t N, int64_t K, const int8
                     const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
                     int64_t ldy);
 
+// Activation rows quantized for the int linears: q [T, K] int8 codes, e / S [T, K / 32] the
+// block scales and sums, qs [T, K / 16] (NULL when every linear is x16) the sums kquants take.
+typedef struct {
+    int8_t *q;
+    float *e;
+    float *S;
+    int32_t *qs;
+} act_rows;
+void quantize_act_row(const act_rows *a, const float *x, int64_t K, int64_t t);
+// A linear as runs of output rows, one kind each: runs [DS_RUNS][3] (kind, packed weight
+// address, rows), kind -1 an x16 Q4_1 weight, else a kquants.c kind; rows 0 ends the list
+// (runs NULL: the whole linear is the x16 weight `x16`). y [T, N] = a's rows @ W.T.
+#define DS_RUNS 4
+void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
+                      const act_rows *a, int64_t T, float *y);
+
 typedef struct {
     int64_t B, Hq, Hkv, D;
     int64_t group, sub, subs;  // query heads per kv head; per attend call; calls per kv head

@@ -14,7 +14,7 @@ import torch
 from sglang_like_kernels.cpu import _lib
 
 __all__ = ["POOL_KINDS", "act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope",
-           "decode_step_x16", "eagle_head_x16", "pool_kind", "residual_norm", "rmsnorm",
+           "decode_step_x16", "eagle_head_x16", "moe_experts", "pool_kind", "residual_norm", "rmsnorm",
            "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
@@ -364,3 +364,32 @@ def eagle_head_x16(embeds: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torc
     if rc != 0:
         raise MemoryError("eagle_head_x16 could not allocate its scratch memory")
     return out, top_ids, top_lp
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                gate_up_runs: torch.Tensor, down_runs: torch.Tensor, intermediate_size: int,
+                activation: str) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert[ids[t, k]](x[t]) (moe.c): x float32 [T, H], ids
+    int64 [T, top_k], weights float32 [T, top_k]; each expert's gate_up and down as runs
+    (int64 [E, DECODE_STEP_RUNS, 3]: kind, packed weight address, rows; see ops.h). Returns
+    float32 [T, H]."""
+    x = x.float().contiguous()
+    ids, weights = ids.contiguous(), weights.float().contiguous()
+    T, H = x.shape
+    E = gate_up_runs.shape[0]
+    if ids.dtype != torch.int64 or ids.shape != weights.shape or ids.shape[0] != T:
+        raise TypeError("ids int64 and weights [T, top_k] beside x [T, H]")
+    for name, runs in (("gate_up_runs", gate_up_runs), ("down_runs", down_runs)):
+        if (runs.dtype != torch.int64 or not runs.is_contiguous()
+                or tuple(runs.shape) != (E, DECODE_STEP_RUNS, 3)):
+            raise TypeError(f"{name}: contiguous int64 [E, {DECODE_STEP_RUNS}, 3]")
+    out = torch.empty_like(x)
+    rc = _lib(None).moe_experts(T, H, intermediate_size, E, ids.shape[1], x.data_ptr(),
+                                ids.data_ptr(), weights.data_ptr(), gate_up_runs.data_ptr(),
+                                down_runs.data_ptr(), ACTIVATIONS[activation], out.data_ptr())
+    if rc == -1:
+        raise MemoryError("moe_experts: scratch memory")
+    if rc:
+        raise ValueError(f"moe_experts: shapes or expert ids it does not take (H={H}, "
+                         f"I={intermediate_size}, E={E}, top_k={ids.shape[1]})")
+    return out

@@ -1,0 +1,198 @@
+"""Mixture-of-experts layers (layers/moe.py, kernels/.../cpu/moe.c).
+
+- The router of every MoE family picks transformers' experts on prefill (fp32, tiny seeded
+  models from transformers' own config classes; greedy equality is test_model_families').
+- The experts' native call (moe.c: every chosen expert once over its rows) against a plain
+  loop over (token, expert) pairs through the same linears, on random routings with an expert
+  that gets no token and one that gets every token, for each packed kind it runs (x16 int4
+  where the CPU has it, GGUF Q8_0 / Q4_K / Q6_K); a token's output is the same bits alone and
+  in a batch.
+- An MoE model through the engine's other paths: n-gram speculation, a radix-cache hit,
+  a JSON grammar, chunked prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import sglang_like_kernels.cpu
+from benchmarks.tiny_families import MOE_FAMILIES, PROMPTS, build_folder
+from sglang_like.config import ModelConfig
+from sglang_like.layers.decoder import DecoderLayerDescription
+from sglang_like.layers.moe import SparseMoE, route
+from sglang_like.layers.quantization import GGUFBlockWeight, QuantConfig
+
+from ..gguf_quantize import quantize
+from .test_hf_archs import tokenizer_json  # noqa: F401
+from .test_model_families import _engine
+
+transformers = pytest.importorskip("transformers")
+native = pytest.mark.skipif(not sglang_like_kernels.cpu.available(),
+                            reason="the native CPU kernels are not built on this machine")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES, ids=[f.name for f in MOE_FAMILIES])
+def test_router_picks_transformers_experts_on_prefill(family: Any, tmp_path: Any,
+                                                      tokenizer_json: Any) -> None:  # noqa: F811
+    hf = build_folder(family, tmp_path, tokenizer_json)
+    engine = _engine(str(tmp_path), quantization="none", disable_radix_cache=True)
+    try:
+        ours: dict[int, list[torch.Tensor]] = {}
+        theirs: dict[int, list[torch.Tensor]] = {}
+        layers = engine.runner.model.model.layers
+        hooks = []
+        for i, layer in enumerate(layers):
+            if isinstance(layer.mlp, SparseMoE):
+                moe = layer.mlp
+                hooks.append(moe.gate.register_forward_hook(
+                    lambda m, a, out, i=i, moe=moe: ours.setdefault(i, []).append(
+                        route(out, moe.top_k, moe.renormalize)[1])))
+                hooks.append(hf.model.layers[i].mlp.gate.register_forward_hook(
+                    lambda m, a, out, i=i: theirs.setdefault(i, []).append(out[2])))
+        assert hooks, "no sparse layer"
+        for prompt in PROMPTS:
+            ids = engine.tokenizer.encode(prompt)
+            engine.generate(input_ids=[ids], sampling_params={"max_new_tokens": 1,
+                                                              "temperature": 0})
+            with torch.no_grad():
+                hf(torch.tensor([ids]))
+        for h in hooks:
+            h.remove()
+        for i in theirs:
+            got = torch.cat([t.reshape(-1, t.shape[-1]) for t in ours[i]])
+            want = torch.cat([t.reshape(-1, t.shape[-1]) for t in theirs[i]])
+            assert got.shape == want.shape and got.shape[0] > 30
+            assert torch.equal(got.sort(-1).values, want.sort(-1).values), f"layer {i}"
+            assert len(torch.unique(want)) > 2  # the tokens spread over experts
+    finally:
+        engine.shutdown()
+
+
+H, INTER, E, TOP_K = 256, 256, 8, 2
+
+
+def _moe(quant: str, qtype: str | None) -> SparseMoE:
+    """A random SparseMoE (H x INTER experts, E of them) whose experts are `qtype` GGUF blocks
+    (quant "gguf") or dense weights the method packs (quant "int4")."""
+    config = ModelConfig(architecture="qwen3_moe", vocab_size=16, hidden_size=H,
+                         intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4, head_dim=64, num_experts=E,
+                         num_experts_per_tok=TOP_K, moe_intermediate_size=INTER,
+                         norm_topk_prob=True)
+    moe = SparseMoE(config, DecoderLayerDescription(mlp="moe"),
+                    QuantConfig(quant, torch.float32))
+    gen = torch.Generator().manual_seed(7)
+    weights: dict[str, Any] = {}
+    for j in range(E):
+        for name, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)),
+                            ("down_proj", (H, INTER))):
+            w = torch.randn(*shape, generator=gen) * 0.05
+            weights[f"experts.{j}.{name}.weight"] = (
+                w if qtype is None
+                else GGUFBlockWeight(qtype, shape, quantize(w.numpy().astype(np.float32), qtype)))
+    for j, expert in enumerate(moe.experts):
+        for lin in (expert.gate_up_proj, expert.down_proj):
+            lin.load_weights(weights, f"experts.{j}.", torch.device("cpu"))
+    moe.gate.weight.data = torch.randn(E, H, generator=gen)
+    return moe
+
+
+def _pairwise(moe: SparseMoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor
+              ) -> torch.Tensor:
+    """The experts' sum one (token, expert) pair at a time, in expert order per token."""
+    out = torch.zeros(x.shape[0], x.shape[1])
+    for t in range(x.shape[0]):
+        for k in sorted(range(ids.shape[1]), key=lambda k: int(ids[t, k])):
+            out[t] += moe.experts[int(ids[t, k])](x[t:t + 1]).float()[0] * w[t, k]
+    return out
+
+
+KINDS = [("gguf", "Q8_0"), ("gguf", "Q4_K"), ("gguf", "Q6_K"), ("int4", None)]
+
+
+@native
+@pytest.mark.parametrize(("quant", "qtype"), KINDS, ids=[q or "int4" for _, q in KINDS])
+def test_native_experts_equal_a_pairwise_loop(quant: str, qtype: str | None) -> None:
+    moe = _moe(quant, qtype)
+    runs = moe.native_runs()
+    if runs is None:
+        assert quant == "int4"  # x16 int4 is an AVX-512 VNNI layout; GGUF kinds run on AVX2
+        pytest.skip("this CPU's int4 kernel is not x16")
+    gen = torch.Generator().manual_seed(3)
+    for T in (1, 5, 37):
+        x = torch.randn(T, H, generator=gen)
+        w, ids = route(moe.gate(x), TOP_K, True)
+        if T > 1:
+            ids = ids.clone()
+            ids[:, 0] = 3  # expert 3 gets every token
+            ids[:, 1] = torch.where(ids[:, 1] == 3, torch.full_like(ids[:, 1], 0), ids[:, 1])
+            ids[ids == 5] = 6  # expert 5 gets none
+        got = moe(x) if T == 1 else None
+        native_out = sglang_like_kernels.cpu.ops.moe_experts(
+            x, ids, w, *runs, INTER, "silu")
+        want = _pairwise(moe, x, w, ids)
+        bound = 1e-5 * want.abs().max().item()
+        assert (native_out - want).abs().max().item() <= bound, T
+        if got is not None:  # the layer itself takes the native path
+            assert (got - want).abs().max().item() <= bound
+        # a token alone gives the same bits as in the batch
+        for t in (0, T - 1):
+            alone = sglang_like_kernels.cpu.ops.moe_experts(
+                x[t:t + 1], ids[t:t + 1], w[t:t + 1], *runs, INTER, "silu")
+            assert torch.equal(alone[0], native_out[t])
+
+
+@native
+def test_bad_expert_ids_are_refused() -> None:
+    moe = _moe("gguf", "Q8_0")
+    x = torch.randn(2, H)
+    w = torch.full((2, TOP_K), 0.5)
+    with pytest.raises(ValueError, match="expert ids"):
+        sglang_like_kernels.cpu.ops.moe_experts(x, torch.tensor([[0, E], [1, 2]]), w,
+                                                *moe.native_runs(), INTER, "silu")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: Any, tokenizer_json: Any) -> str:  # noqa: F811
+    folder = tmp_path_factory.mktemp("qwen3-moe")
+    build_folder(MOE_FAMILIES[0], folder, tokenizer_json)
+    return str(folder)
+
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def test_moe_model_composes_with_speculation_cache_chunks(qwen3_moe: str) -> None:
+    """fp32: n-gram speculation (verify batches through the MoE layers), prefill in chunks
+    and a radix hit give the plain run's greedy tokens."""
+    plain = _engine(qwen3_moe, quantization="none", disable_radix_cache=True)
+    try:
+        want = [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]
+    finally:
+        plain.shutdown()
+    spec = _engine(qwen3_moe, quantization="none", speculative_algorithm="NGRAM",
+                   chunked_prefill_size=7)
+    try:
+        assert [o["output_ids"] for o in spec.generate(PROMPTS, GREEDY)] == want
+        again = spec.generate(PROMPTS[0], GREEDY)
+        assert again["output_ids"] == want[0]
+        assert again["meta_info"]["cached_tokens"] > 0
+    finally:
+        spec.shutdown()
+
+
+def test_moe_model_holds_a_json_grammar(qwen3_moe: str) -> None:
+    engine = _engine(qwen3_moe, quantization="int4")
+    try:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+                  "required": ["a"], "additionalProperties": False}
+        out = engine.generate(PROMPTS[2], {"max_new_tokens": 32, "temperature": 0.8,
+                                           "json_schema": json.dumps(schema)})
+        assert isinstance(json.loads(out["text"])["a"], int)
+    finally:
+        engine.shutdown()
