@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from sglang_like.config import ServerArgs
 from sglang_like.server import (
+    anthropic_api,
     dashboard,
     disaggregation_api,
     lora_api,
@@ -71,6 +72,7 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     app.include_router(dashboard.router)
     app.include_router(disaggregation_api.router)
     app.include_router(lora_api.router)
+    app.include_router(anthropic_api.router)
     metrics_doc = openapi.operation(ok={CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}})
     app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics",
                       openapi_extra=metrics_doc)
