@@ -8,6 +8,10 @@ divide (SmolLM2-135M at TP=2: KV heads 2 + 1, query heads 6 + 3). Per rank:
     qkv_proj, gate_up_proj   column-parallel: its rows of q/k/v (gate/up)
     o_proj, down_proj        row-parallel: its input columns; partial sums all-reduced
     embedding, norms, head   replicated (only rank 0 computes the logits)
+
+A mixture of experts splits every expert's intermediate dim (and the shared expert's) the
+same way; the routers are replicated, so every rank picks the same experts, and the layer
+all-reduces the sum of its experts' partial outputs once.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class ShardPlan:
     num_kv_heads: int
     inter_start: int
     intermediate_size: int
+    # a mixture of experts: every expert's intermediate columns [moe_inter_start, +
+    # moe_intermediate_size), the shared expert's [shared_inter_start, + ...] (0: none)
+    moe_inter_start: int = 0
+    moe_intermediate_size: int = 0
+    shared_inter_start: int = 0
+    shared_intermediate_size: int = 0
 
     @property
     def is_first(self) -> bool:
@@ -61,9 +71,31 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     if tp_size > config.num_key_value_heads:
         raise ValueError(f"tp_size {tp_size} exceeds the model's {config.num_key_value_heads} KV "
                          "heads (tensor parallelism splits by KV-head groups)")
-    if config.intermediate_size % MLP_CHUNK or config.intermediate_size // MLP_CHUNK < tp_size:
-        raise ValueError(f"intermediate_size {config.intermediate_size} cannot be split into "
-                         f"{tp_size} shares of {MLP_CHUNK}-column chunks")
+    for name, size in _mlp_widths(config).items():
+        if size % MLP_CHUNK or size // MLP_CHUNK < tp_size:
+            raise ValueError(f"{name} {size} cannot be split into {tp_size} shares of "
+                             f"{MLP_CHUNK}-column chunks")
+
+
+def _mlp_widths(config: ModelConfig) -> dict[str, int]:
+    """The intermediate widths the model's MLPs split (a dense one where a layer is dense)."""
+    layers = range(config.num_hidden_layers)
+    widths = {}
+    if not all(config.layer_is_moe(i) for i in layers):
+        widths["intermediate_size"] = config.intermediate_size
+    if config.num_experts:
+        widths["moe_intermediate_size"] = config.moe_intermediate_size
+    if config.shared_expert_intermediate_size:
+        widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    return widths
+
+
+def _share(size: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """(start, width) of rank `rank`'s chunks of an intermediate dim of `size` columns."""
+    if size % MLP_CHUNK:  # unused by the model (e.g. a sparse model's dense width)
+        return 0, size
+    shares = _split(size // MLP_CHUNK, tp_size)
+    return sum(shares[:rank]) * MLP_CHUNK, shares[rank] * MLP_CHUNK
 
 
 def make_shard_plan(config: ModelConfig, tp_size: int, rank: int) -> ShardPlan:
@@ -73,14 +105,17 @@ def make_shard_plan(config: ModelConfig, tp_size: int, rank: int) -> ShardPlan:
         raise ValueError(f"rank {rank} outside 0..{tp_size - 1}")
     group = config.num_attention_heads // config.num_key_value_heads  # query heads per KV head
     kv_shares = _split(config.num_key_value_heads, tp_size)
-    chunk_shares = _split(config.intermediate_size // MLP_CHUNK, tp_size)
     kv_start = sum(kv_shares[:rank])
+    inter = _share(config.intermediate_size, tp_size, rank)
+    moe = _share(config.moe_intermediate_size, tp_size, rank) if config.num_experts else (0, 0)
+    shared = _share(config.shared_expert_intermediate_size, tp_size, rank)
     return ShardPlan(
         rank=rank, tp_size=tp_size, head_dim=config.head_dim,
         q_head_start=kv_start * group, num_heads=kv_shares[rank] * group,
         kv_head_start=kv_start, num_kv_heads=kv_shares[rank],
-        inter_start=sum(chunk_shares[:rank]) * MLP_CHUNK,
-        intermediate_size=chunk_shares[rank] * MLP_CHUNK,
+        inter_start=inter[0], intermediate_size=inter[1],
+        moe_inter_start=moe[0], moe_intermediate_size=moe[1],
+        shared_inter_start=shared[0], shared_intermediate_size=shared[1],
     )
 
 
@@ -106,9 +141,9 @@ def shard_weights(weights: dict[str, WeightSource], config: ModelConfig,
     hd = plan.head_dim
     q = (plan.q_head_start * hd, (plan.q_head_start + plan.num_heads) * hd)
     kv = (plan.kv_head_start * hd, (plan.kv_head_start + plan.num_kv_heads) * hd)
-    inter = (plan.inter_start, plan.inter_start + plan.intermediate_size)
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
-    cols = {"o_proj": q, "down_proj": inter}
+    widths = {"dense": (plan.inter_start, plan.intermediate_size),
+              "experts": (plan.moe_inter_start, plan.moe_intermediate_size),
+              "shared_expert": (plan.shared_inter_start, plan.shared_intermediate_size)}
     out: dict[str, WeightSource] = {}
     for name, source in weights.items():
         if not name.startswith("model.layers."):
@@ -116,6 +151,12 @@ def shard_weights(weights: dict[str, WeightSource], config: ModelConfig,
             continue
         module, _, kind = name.rpartition(".")
         proj = module.rpartition(".")[2]
+        mlp = ("experts" if ".mlp.experts." in name
+               else "shared_expert" if ".mlp.shared_expert." in name else "dense")
+        start, width = widths[mlp]
+        inter = (start, start + width)
+        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
+        cols = {"o_proj": q, "down_proj": inter}
         if proj in rows:
             out[name] = slice_rows(source, *rows[proj])
         elif proj in cols and kind == "weight":

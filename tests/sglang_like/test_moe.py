@@ -196,3 +196,32 @@ def test_moe_model_holds_a_json_grammar(qwen3_moe: str) -> None:
         assert isinstance(json.loads(out["text"])["a"], int)
     finally:
         engine.shutdown()
+
+
+def test_tensor_parallel_moe_equals_one_rank(tmp_path: Any, tokenizer_json: Any  # noqa: F811
+                                             ) -> None:
+    """TP=2 splits every expert's columns (and the shared expert's, and the dense layer's):
+    fp32 greedy equals TP=1, or parts from it only where TP=1's top two were within 1e-3
+    nats (the ranks add the same products in another order)."""
+    family = next(f for f in MOE_FAMILIES if f.name == "qwen2-moe")
+    family = family._replace(config=family.config | {
+        "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128})
+    build_folder(family, tmp_path, tokenizer_json)
+    sp = {**GREEDY, "max_new_tokens": 16}
+    one = _engine(str(tmp_path), quantization="none")
+    try:
+        want = one.generate(PROMPTS, sp, return_logprob=True, top_logprobs_num=2)
+    finally:
+        one.shutdown()
+    two = _engine(str(tmp_path), quantization="none", tp_size=2)
+    try:
+        assert two.runner.model.model.layers[0].mlp.experts[0].intermediate_size == 64
+        got = two.generate(PROMPTS, sp)
+    finally:
+        two.shutdown()
+    for w, g in zip(want, got, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(w["output_ids"], g["output_ids"],
+                                                       strict=True)) if a != b), None)
+        if first is not None:
+            top = w["meta_info"]["output_top_logprobs"][first]
+            assert top[0][0] - top[1][0] < 1e-3, (first, top)
