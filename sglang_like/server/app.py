@@ -23,6 +23,7 @@ from sglang_like.server import (
     disaggregation_api,
     lora_api,
     native_api,
+    ollama_api,
     openapi,
     tokenize_api,
 )
@@ -73,6 +74,7 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     app.include_router(disaggregation_api.router)
     app.include_router(lora_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(ollama_api.router)
     metrics_doc = openapi.operation(ok={CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}})
     app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics",
                       openapi_extra=metrics_doc)
