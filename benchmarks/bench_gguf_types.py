@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also a random ~1B Llama at Q4_K_M (benchmarks/random_gguf.py: random "
                     "HF folder -> convert_hf_to_gguf.py -> llama-quantize; every matrix K-quant)")
     ap.add_argument("--files", nargs="*", default=[],
-                    help="GGUF files to run as they are (no requantizing)")
+                    help="GGUF files to run as they are (no requantizing), each as a path "
+                    "or label=path")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
@@ -267,7 +268,9 @@ def main(argv: list[str] | None = None) -> None:
 
         built = build_random_llama_gguf(args.llama_cpp_bin, args.cache_dir, qtypes=("Q4_K_M",))
         files.append(("1B Q4_K_M", built["Q4_K_M"]))
-    files += [(os.path.basename(f).rsplit(".", 2)[-2], f) for f in args.files]
+    for f in args.files:  # "label=path" or a path (labelled by its type)
+        label, _, path = f.rpartition("=") if "=" in f else ("", "", f)
+        files.append((label or os.path.basename(path).rsplit(".", 2)[-2], path))
     if not files:
         raise SystemExit("nothing to run: pass --llama-cpp-bin (to requantize) or --files")
     results = []

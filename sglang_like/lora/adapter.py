@@ -188,6 +188,9 @@ def read_adapter(name: str, path: str, config: ModelConfig, *, max_rank: int | N
         if layer >= config.num_hidden_layers:
             raise LoraAdapterError(f"{path!r}: layer {layer} is past the model's "
                                    f"{config.num_hidden_layers} layers")
+        if sub == "mlp" and config.layer_is_moe(layer):
+            raise LoraAdapterError(f"{path!r} adapts {module} of layer {layer}, a mixture of "
+                                   "experts: LoRA on experts is not served (attention only)")
         pairs.setdefault((layer, sub, module), {})[kind] = tensor.float()
     if not pairs:
         raise LoraAdapterError(f"{path!r} holds no LoRA weights")

@@ -225,3 +225,24 @@ def test_tensor_parallel_moe_equals_one_rank(tmp_path: Any, tokenizer_json: Any 
         if first is not None:
             top = w["meta_info"]["output_top_logprobs"][first]
             assert top[0][0] - top[1][0] < 1e-3, (first, top)
+
+
+def test_lora_on_experts_is_refused_attention_is_read(tmp_path: Any) -> None:
+    """An adapter of a sparse layer's MLP would have no linear to act on (each expert is its
+    own): refused by name; one of the attention projections reads."""
+    from benchmarks.bench_lora import write_random_adapter
+    from sglang_like.lora.adapter import LoraAdapterError, read_adapter
+
+    config = ModelConfig(architecture="qwen3_moe", vocab_size=64, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, qk_norm=True, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32,
+                         moe_layers=(True, False))
+    mlp = write_random_adapter(tmp_path / "mlp", config, targets=("gate_proj",))
+    with pytest.raises(LoraAdapterError, match="layer 0, a mixture of experts"):
+        read_adapter("mlp", mlp, config)
+    dense_mlp = write_random_adapter(tmp_path / "dense", config, targets=("gate_proj",),
+                                     layers=range(1, 2))
+    assert read_adapter("dense", dense_mlp, config).target_modules == ("gate_proj",)
+    attn = write_random_adapter(tmp_path / "attn", config, targets=("q_proj", "v_proj"))
+    assert set(read_adapter("attn", attn, config).target_modules) == {"q_proj", "v_proj"}
