@@ -19,6 +19,7 @@ import torch
 from sglang_like_kernels import kv_quant
 
 __all__ = [
+    "fused_moe_ref",
     "lora_delta_",
     "apply_token_bitmask_",
     "check_window_softcap",
@@ -687,3 +688,30 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.
     u = torch.einsum("trk,tk->tr", a[s].float(), x[rows].float())
     delta = torch.einsum("tnr,tr->tn", b[s].float(), u)
     y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu") -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert[topk_ids[t, k]](x[t]), float32 [T, H] (the
+    oracle of triton_ops.fused_moe, same shapes): one expert at a time over its rows in
+    token order, each GEMM in the weights' dtype, act(gate) * up in that dtype, the scaled
+    rows added in float32, as layers/moe.py's SparseMoE.experts_forward runs dense experts."""
+    inter = w_down.shape[2]
+    x = x.to(w_gate_up.dtype)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for expert in range(w_gate_up.shape[0]):
+        tokens, k = (topk_ids == expert).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        gate_up = torch.nn.functional.linear(x[tokens], w_gate_up[expert])
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if activation == "silu":
+            act = torch.nn.functional.silu(gate) * up
+        elif activation == "gelu_tanh":
+            act = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        else:
+            raise ValueError(f"unsupported activation {activation!r}")
+        y = torch.nn.functional.linear(act, w_down[expert]).float()
+        out.index_add_(0, tokens, y * topk_weights[tokens, k, None].float())
+    return out

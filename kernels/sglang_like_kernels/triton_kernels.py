@@ -430,3 +430,48 @@ def lora_expand_kernel(
     dst = y + t * stride_y + offs_n
     old = tl.load(dst, mask=n_valid, other=0.0).to(tl.float32)
     tl.store(dst, (old + acc).to(y.dtype.element_ty), mask=n_valid)
+
+
+@triton.jit
+def fused_moe_gemm_kernel(
+    a, w, out, routing_weights, sorted_pair_ids, block_expert_ids, num_padded,
+    N, K, num_pairs, pairs_per_row,
+    stride_a, stride_w_e, stride_w_n, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, MUL_ROUTING_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """Grid (blocks of sorted_pair_ids, cdiv(N, BLOCK_N)): the grouped GEMM of fused MoE.
+
+    Block i holds BLOCK_M (token, k) pair ids p = t * top_k + k, all routed to expert
+    block_expert_ids[i] (triton_ops.moe_align; ids >= num_pairs are padding). For each real
+    pair: out[p, n] = a[p // pairs_per_row, :] . w[e, n, :] (times routing_weights[p] with
+    MUL_ROUTING_WEIGHT), summed in float32. w is [E, N, K] with unit stride in K; a row of a
+    is a token (pairs_per_row = top_k) or a pair (1). Blocks at or past num_padded[0] (the
+    launcher sizes the grid for the worst case, so the count never goes to the host) exit.
+    """
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    expert = tl.load(block_expert_ids + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pair_ids + offs_m).to(tl.int64)
+    m_valid = pairs < num_pairs
+    rows = pairs // pairs_per_row
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    a_rows = a + rows[:, None] * stride_a
+    w_cols = w + expert * stride_w_e + offs_n[None, :].to(tl.int64) * stride_w_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < K
+        a_blk = tl.load(a_rows + offs_k[None, :], mask=m_valid[:, None] & k_valid[None, :],
+                        other=0.0).to(tl.float32).to(DOT_DTYPE)  # fmt: skip
+        w_blk = tl.load(w_cols + offs_k[:, None], mask=k_valid[:, None] & n_valid[None, :],
+                        other=0.0).to(tl.float32).to(DOT_DTYPE)  # fmt: skip
+        acc += tl.dot(a_blk, w_blk, input_precision="ieee")
+    if MUL_ROUTING_WEIGHT:
+        scale = tl.load(routing_weights + pairs, mask=m_valid, other=0.0).to(tl.float32)
+        acc = acc * scale[:, None]
+    dst = out + pairs[:, None] * stride_out + offs_n[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])

@@ -9,8 +9,10 @@ ahead-of-time compile test builds exactly what runs.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -19,7 +21,11 @@ from sglang_like_kernels import triton_kernels as tk
 from sglang_like_kernels.reference import check_window_softcap
 
 __all__ = [
+    "MoeAlignment",
     "apply_token_bitmask_",
+    "fused_moe",
+    "fused_moe_meta",
+    "moe_align",
     "lora_delta_",
     "lora_meta",
     "decode_attention",
@@ -405,3 +411,132 @@ def lora_delta_(y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.
         u, b, slots, y, n, rank, u.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_N=meta["BLOCK_N"], BLOCK_R=meta["BLOCK_R"],
     )
+
+
+class MoeAlignment(NamedTuple):
+    """The (token, k) pairs of a routing grouped by expert for fused_moe_gemm_kernel.
+
+    Pair p = t * top_k + k is token t's k-th choice; P = T * top_k.
+
+    - sorted_pair_ids, int32 [max_padded]: expert 0's pairs in p order, padded with the id P
+      to a multiple of block_m, then expert 1's, and so on (an expert with no pair has no
+      entry); P everywhere past num_padded.
+    - block_expert_ids, int32 [max_padded // block_m]: the expert of each block of block_m
+      entries; -1 past num_padded.
+    - num_padded, int64 [1] on the ids' device: the used length, a multiple of block_m.
+
+    max_padded = block_m * cdiv(P + min(E, P) * (block_m - 1), block_m) bounds num_padded
+    for any routing (an expert with pairs pads by at most block_m - 1), so a launch is sized
+    from shapes alone and the host never waits for the count.
+    """
+
+    sorted_pair_ids: torch.Tensor
+    block_expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Group the pairs of topk_ids [T, top_k] (int, each in 0..num_experts-1) by expert, each
+    expert's run padded to a multiple of block_m (see MoeAlignment). Torch ops only, none of
+    which syncs with the device: the stable argsort keeps each expert's pairs in p order."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    device = flat.device
+    max_padded = block_m * triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1),
+                                       block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    # the i-th sorted pair's rank within its expert, then its slot in the padded layout
+    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    slot = (padded_ends - padded)[expert_of] + rank
+    sorted_pair_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[slot] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_padded, block_m, device=device)
+    block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return MoeAlignment(sorted_pair_ids, block_expert, padded_ends[-1:].clone())
+
+
+MOE_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def fused_moe_meta(num_pairs: int, num_experts: int, dtype: torch.dtype,
+                   interpret: bool | None = None) -> dict[str, object]:
+    """Constexprs of fused_moe_gemm_kernel (both GEMMs; MUL_ROUTING_WEIGHT is the launch's).
+    BLOCK_M follows the mean pairs per expert (16 for decode, where most chosen experts get
+    a row or two; up to 64 for prefill), so padding stays a small share of the rows."""
+    dot = dot_dtype(dtype, interpret)
+    mean_rows = triton.cdiv(max(num_pairs, 1), num_experts)
+    return {
+        "BLOCK_M": min(64, _block(mean_rows)),
+        "BLOCK_N": 64,
+        "BLOCK_K": 32 if dot == tl.float32 and not _resolve(interpret) else 64,
+        "DOT_DTYPE": dot,
+    }
+
+
+def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+              routing_weights: torch.Tensor | None, align: MoeAlignment, pairs_per_row: int,
+              meta: dict[str, object]) -> None:
+    """out [P, N] = per pair, a's row for it times its expert's w [E, N, K] transposed."""
+    num_experts, n, k = w.shape
+    grid = (align.block_expert_ids.shape[0], triton.cdiv(n, meta["BLOCK_N"]))
+    tk.fused_moe_gemm_kernel[grid](
+        a, w, out, out if routing_weights is None else routing_weights,
+        align.sorted_pair_ids, align.block_expert_ids, align.num_padded,
+        n, k, out.shape[0], pairs_per_row,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        MUL_ROUTING_WEIGHT=routing_weights is not None, **meta,
+    )  # fmt: skip
+
+
+def _gated(gate_up: torch.Tensor, inter: int, activation: str) -> torch.Tensor:
+    """act(gate) * up of gate_up [P, 2 * inter] (gate then up), in its dtype."""
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: str = "silu") -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert[topk_ids[t, k]](x[t]): float32 [T, H].
+
+    x [T, H] (cast to the weights' dtype); w_gate_up [E, 2I, H] (each expert's gate rows,
+    then its up rows) and w_down [E, H, I], float32 / bf16 / f16; topk_weights [T, top_k]
+    float; topk_ids [T, top_k] int in 0..E-1. An expert is act(x W_gate^T) * (x W_up^T)
+    times W_down^T, `activation` "silu" or "gelu_tanh" (reference.fused_moe_ref, as
+    layers/moe.py's SparseMoE). The pairs are grouped by expert once (moe_align); the
+    gate/up GEMM writes [T * top_k, 2I] in the weights' dtype, act * up runs in torch, the
+    down GEMM scales each row by its weight into float32 [T * top_k, H], and each token's
+    top_k rows are summed in k order.
+    """
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r} (supported: {MOE_ACTIVATIONS})")
+    tokens, hidden = x.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    top_k = topk_ids.shape[1]
+    inter = two_inter // 2
+    assert w_gate_up.shape == (num_experts, 2 * inter, hidden)
+    assert w_down.shape == (num_experts, hidden, inter)
+    assert topk_ids.shape == (tokens, top_k) and topk_weights.shape == (tokens, top_k)
+    if tokens == 0:
+        return torch.zeros(0, hidden, dtype=torch.float32, device=x.device)
+    device = x.device
+    x = _inner_contiguous(x.to(w_gate_up.dtype))
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    num_pairs = tokens * top_k
+    meta = fused_moe_meta(num_pairs, num_experts, w_gate_up.dtype)
+    align = moe_align(topk_ids.to(device), num_experts, meta["BLOCK_M"])
+    gate_up = _empty((num_pairs, 2 * inter), w_gate_up.dtype, device)
+    _moe_gemm(x, w_gate_up, gate_up, None, align, top_k, meta)
+    act = _gated(gate_up, inter, activation).to(w_down.dtype)
+    down = _empty((num_pairs, hidden), torch.float32, device)
+    weights = topk_weights.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
+    _moe_gemm(act, w_down, down, weights, align, 1, meta)
+    return down.view(tokens, top_k, hidden).sum(dim=1)

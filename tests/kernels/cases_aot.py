@@ -101,8 +101,30 @@ def _lora_expand(dtype, head_dim, group):
     return tk.lora_expand_kernel, pointers, {k: meta[k] for k in ("BLOCK_N", "BLOCK_R")}
 
 
+def _moe_pointers(dtype: torch.dtype, out: str) -> dict[str, str]:
+    t = _TYPES[dtype]
+    return {"a": t, "w": t, "out": out, "routing_weights": "fp32", "sorted_pair_ids": "i32",
+            "block_expert_ids": "i32", "num_padded": "i64"}
+
+
+def _moe_gate_up(dtype, head_dim, group):
+    # a decode step's shape (8 pairs over 64 experts: BLOCK_M 16); out in the weights' dtype
+    meta = triton_ops.fused_moe_meta(8, 64, dtype, interpret=False)
+    assert meta["BLOCK_M"] == 16
+    return (tk.fused_moe_gemm_kernel, _moe_pointers(dtype, _TYPES[dtype]),
+            {**meta, "MUL_ROUTING_WEIGHT": False})
+
+
+def _moe_down(dtype, head_dim, group):
+    # a prefill's (4096 pairs over 64 experts: BLOCK_M 64); routing weights, float32 out
+    meta = triton_ops.fused_moe_meta(4096, 64, dtype, interpret=False)
+    assert meta["BLOCK_M"] == 64
+    return tk.fused_moe_gemm_kernel, _moe_pointers(dtype, "fp32"), {**meta,
+                                                                    "MUL_ROUTING_WEIGHT": True}
+
+
 BUILDERS = [_decode_split, _decode_reduce, _extend, _tree_verify, _store_kv, _bitmask,
-            _lora_shrink, _lora_expand]
+            _lora_shrink, _lora_expand, _moe_gate_up, _moe_down]
 # fp16 takes the same code path as bf16; fp32 the exact-dot one with a masked head dim.
 CONFIGS = [(torch.bfloat16, 128, 4), (torch.float32, 80, 3)]
 

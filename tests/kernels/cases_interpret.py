@@ -259,3 +259,68 @@ def test_lora_delta_equals_reference(dtype, tokens, rank, k, n):
     assert not got.isnan().any() and got.dtype == dtype
     tol = 1e-5 if dtype == F32 else 1e-2
     assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+def _routing(tokens: int, num_experts: int, top_k: int, hot: int | None, cold: list[int],
+             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, top_k], ids int64 [T, top_k]): a random top-k routing in which
+    expert `hot` is every token's choice and the `cold` experts are nobody's."""
+    scores = torch.rand(tokens, num_experts, generator=gen)
+    if hot is not None:
+        scores[:, hot] = 2.0
+    scores[:, cold] = -1.0
+    ids = torch.topk(scores, top_k, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    return weights, ids
+
+
+MOE_CASES = [
+    # tokens, experts, top_k, hidden, inter, dtype, hot expert, cold experts
+    (1, 64, 8, 64, 32, BF16, None, []),  # one token: 8 blocks of one row, 56 experts idle
+    (37, 8, 2, 80, 40, F32, 3, [0, 5]),  # T and H, 2I off the blocks; a hot and idle experts
+    (20, 4, 1, 64, 48, F16, None, [2]),  # top_k 1
+    (100, 4, 2, 48, 16, BF16, 0, []),  # 50 rows an expert: BLOCK_M 64, the hot one's 100
+    (5, 8, 8, 32, 24, F32, None, []),  # top_k = E: every expert gets every token
+    (3, 64, 2, 96, 64, F32, 63, list(range(32))),  # half the experts idle, the last hot
+]
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter,dtype,hot,cold", MOE_CASES)
+def test_fused_moe_equals_reference(tokens, num_experts, top_k, hidden, inter, dtype, hot,
+                                    cold):
+    gen = torch.Generator().manual_seed(tokens * 100 + num_experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w_gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5)
+    w_down = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
+    weights, ids = _routing(tokens, num_experts, top_k, hot, cold, gen)
+    if hot is not None:
+        assert (ids == hot).any(dim=1).all()
+    assert not torch.isin(ids, torch.tensor(cold, dtype=ids.dtype)).any()
+    activation = "gelu_tanh" if dtype == F16 else "silu"
+    got = triton_ops.fused_moe(x, w_gate_up, w_down, weights, ids, activation)
+    want = reference.fused_moe_ref(x, w_gate_up, w_down, weights, ids, activation)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert not got.isnan().any(), "a pair's row was never written"
+    # Sums of products with 16-bit roundings on the way (the reference rounds gate/up, the
+    # activation and the down output; the kernel rounds its gate/up store, by truncation
+    # under the interpreter: up to one ulp, 2^-7 for bf16): the bound is relative to the
+    # largest output, since an element near zero differs by the rounding of the large terms
+    # it sums. fp32: float32 sums in a different order only.
+    tol = {F32: 1e-5, F16: 4e-3, BF16: 2e-2}[dtype]
+    assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_fused_moe_drops_what_routing_weights_zero():
+    """The routing weight multiplies each pair's row: a zero weight removes that expert's
+    output exactly (a kernel that ignored the weights, or scaled the wrong row, fails)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=gen)
+    w_gate_up = torch.randn(4, 64, 64, generator=gen) / 8
+    w_down = torch.randn(4, 64, 32, generator=gen) / 6
+    weights, ids = _routing(9, 4, 2, None, [], gen)
+    weights[:, 1] = 0.0
+    got = triton_ops.fused_moe(x, w_gate_up, w_down, weights, ids)
+    want = reference.fused_moe_ref(x, w_gate_up, w_down, weights[:, :1], ids[:, :1])
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
