@@ -324,3 +324,72 @@ def test_fused_moe_drops_what_routing_weights_zero():
     want = reference.fused_moe_ref(x, w_gate_up, w_down, weights[:, :1], ids[:, :1])
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
+
+def _sparse_moe(num_experts: int, top_k: int, hidden: int, inter: int, quant_name: str,
+                dtype: torch.dtype, gen: torch.Generator):
+    """A layers.moe.SparseMoE with random experts loaded through their linears."""
+    from types import SimpleNamespace
+
+    from sglang_like.layers.decoder import DecoderLayerDescription
+    from sglang_like.layers.moe import SparseMoE
+    from sglang_like.layers.quantization import QuantConfig
+
+    config = SimpleNamespace(hidden_size=hidden, num_experts=num_experts,
+                             num_experts_per_tok=top_k, norm_topk_prob=True,
+                             moe_intermediate_size=inter, shared_expert_intermediate_size=0)
+    moe = SparseMoE(config, DecoderLayerDescription(), QuantConfig(quant_name, dtype))
+    weights = {}
+    for j in range(num_experts):
+        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                            ("down_proj", (hidden, inter))):
+            weights[f"e{j}.{name}.weight"] = torch.randn(shape, generator=gen) / shape[1]**0.5
+    for j, expert in enumerate(moe.experts):
+        for lin in (expert.gate_up_proj, expert.down_proj):
+            lin.load_weights(weights, f"e{j}.", torch.device("cpu"))
+    return moe
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_sparse_moe_fused_path_equals_its_loop(dtype):
+    """layers.moe's CUDA path (SparseMoE._fused_experts_forward, run here on CPU tensors
+    under the interpreter) equals its per-expert loop; after it the experts' weights are
+    views of the stacks (one copy), and a reload is stacked again."""
+    gen = torch.Generator().manual_seed(11)
+    moe = _sparse_moe(8, 2, 64, 32, "none", dtype, gen)
+    x = torch.randn(13, 64, generator=gen).to(dtype)
+    weights, ids = _routing(13, 8, 2, 6, [1], gen)
+    want = moe.experts_forward(x, weights, ids)  # on CPU: the loop
+    got = moe._fused_experts_forward(x, weights, ids)
+    tol = 1e-5 if dtype == F32 else 2e-2  # as in test_fused_moe_equals_reference
+    assert (got - want).abs().max() <= tol * want.abs().max()
+    gate_up, down = moe._dense_stacks
+    assert gate_up.shape == (8, 64, 64) and down.shape == (8, 64, 32)
+    # the oracle of the kernel tests is the layer's loop, bit for bit
+    assert torch.equal(reference.fused_moe_ref(x, gate_up, down, weights, ids), want)
+    for j, expert in enumerate(moe.experts):
+        assert expert.gate_up_proj.weight.data_ptr() == gate_up[j].data_ptr()
+        assert expert.down_proj.weight.data_ptr() == down[j].data_ptr()
+    assert torch.equal(moe.experts_forward(x, weights, ids), want)  # the loop over the views
+    for expert in moe.experts:  # what load_weights does: new buffers
+        expert.gate_up_proj.register_buffer("weight", -expert.gate_up_proj.weight.clone())
+    want = moe.experts_forward(x, weights, ids)
+    got = moe._fused_experts_forward(x, weights, ids)
+    assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_sparse_moe_fused_path_declines_quantized_experts_and_lora_batches():
+    from sglang_like.layers.lora import LoraContext
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 64, generator=gen)
+    weights, ids = _routing(4, 4, 2, None, [], gen)
+    quantized = _sparse_moe(4, 2, 64, 32, "int8", F32, gen)
+    assert quantized._fused_experts_forward(x, weights, ids) is None
+    dense = _sparse_moe(4, 2, 64, 32, "none", F32, gen)
+    ctx = LoraContext()
+    ctx.batch = object()  # any batch: adapters may target the experts' linears
+    for expert in dense.experts:
+        expert.gate_up_proj.lora_ctx = expert.down_proj.lora_ctx = ctx
+    assert dense._fused_experts_forward(x, weights, ids) is None
+    ctx.batch = None
+    assert dense._fused_experts_forward(x, weights, ids) is not None
