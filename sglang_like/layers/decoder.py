@@ -71,8 +71,8 @@ class DecoderLayerParts(NamedTuple):
     qkv_proj: nn.Module  # a QuantLinear: q, k, v rows fused
     o_proj: nn.Module
     mlp_norm: RMSNorm | None  # before the MLP ("pre", "sandwich")
-    gate_up_proj: nn.Module  # gate, up rows fused
-    down_proj: nn.Module
+    gate_up_proj: nn.Module | None  # gate, up rows fused (None: a sparse layer, see `moe`)
+    down_proj: nn.Module | None
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -83,8 +83,12 @@ class DecoderLayerParts(NamedTuple):
     mlp_out_norm: RMSNorm | None = None  # on the MLP's output ("sandwich", "post")
     q_norm: RMSNorm | None = None  # per `description.qk_norm`
     k_norm: RMSNorm | None = None
+    # a sparse layer's MLP (layers/moe.py's SparseMoE: router, experts, shared expert), called
+    # as a whole on the MLP's input; gate_up_proj / down_proj are None then
+    moe: nn.Module | None = None
 
     @property
-    def linears(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-        """qkv, o, gate_up, down: the order of the fused step's weight table."""
+    def linears(self) -> tuple[nn.Module, nn.Module, nn.Module | None, nn.Module | None]:
+        """qkv, o, gate_up, down: the order of the fused step's weight table (the last two
+        None for a sparse layer)."""
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj

@@ -69,11 +69,12 @@ def supports(description: DecoderLayerDescription) -> bool:
     ("pre", "sandwich", "post"), a SiLU- or GeLU(tanh)-gated MLP, q/k norms per head or over
     the whole projection (the latter needs one rank: native runs only without tensor
     parallelism), the global, local or no RoPE table, any sliding window, soft-cap and
-    residual scale; a dense MLP (a mixture of experts runs on the per-op path, layers/moe.py).
-    Biases are added after the linears (the one-call step takes q/k/v's and
+    residual scale; a dense MLP, or a mixture of experts (its SparseMoE called whole, on the
+    per-op path; the one-call step takes dense layers only). Biases are added after the linears (the one-call step takes q/k/v's and
     o's; it refuses an MLP bias itself)."""
     d = description
-    return (d.norm == "rms" and d.mlp == "dense" and d.norm_layout in ("pre", "sandwich", "post")
+    return (d.norm == "rms" and d.mlp in ("dense", "moe")
+            and d.norm_layout in ("pre", "sandwich", "post")
             and d.activation in ops.ACTIVATIONS and d.qk_norm in ops.QK_NORMS
             and d.rope in ops.ROPES
             and (d.sliding_window is None or d.sliding_window >= 1)
@@ -187,11 +188,12 @@ class _Layer(NamedTuple):
     o_proj: Linear
     attn_out: _Out
     mlp_in: _In
-    gate_up: Linear
+    gate_up: Linear | None
     activation: str
-    down_in_dtype: torch.dtype
-    down: Linear
+    down_in_dtype: torch.dtype | None
+    down: Linear | None
     mlp_out: _Out
+    moe: Linear | None  # a sparse layer's whole MLP (gate_up and down None)
 
 
 def _input(norm: RMSNorm | None, linear: torch.nn.Module, eps: float) -> _In:
@@ -259,16 +261,23 @@ class NativeDecodePlan:
         for p in layers:
             d = p.description
             cos, sin = tables[d.rope] if d.rope != "none" else (None, None)
+            moe = p.moe
+            # what the MLP's input feeds: its gate_up, or (sparse) the experts' first
+            mlp_first = p.gate_up_proj if moe is None else moe.experts[0].gate_up_proj
             self.layers.append(_Layer(
                 _input(p.input_norm, p.qkv_proj, d.norm_eps), _linear(p.qkv_proj), p.num_heads,
                 p.num_kv_heads, p.head_dim, p.layer_id, p.sm_scale, cos, sin, _attn_keywords(p),
                 p.o_proj.method.input_dtype, _linear(p.o_proj),
                 _output(p.attn_out_norm, d.norm_eps, d.residual_scale),
-                _input(p.mlp_norm, p.gate_up_proj, d.norm_eps), _linear(p.gate_up_proj),
-                d.activation, p.down_proj.method.input_dtype, _linear(p.down_proj),
-                _output(p.mlp_out_norm, d.norm_eps, d.residual_scale)))
-        # each layer's linears' keys in an adapter's weights (qkv, o, gate_up, down)
-        self.lora_keys = [tuple(lin.lora_key for lin in p.linears) for p in layers]
+                _input(p.mlp_norm, mlp_first, d.norm_eps),
+                None if moe else _linear(p.gate_up_proj), d.activation,
+                None if moe else p.down_proj.method.input_dtype,
+                None if moe else _linear(p.down_proj),
+                _output(p.mlp_out_norm, d.norm_eps, d.residual_scale), moe))
+        # each layer's linears' keys in an adapter's weights (qkv, o, gate_up, down; "" for a
+        # sparse layer's MLP, which adapters cannot target)
+        self.lora_keys = [tuple("" if lin is None else lin.lora_key for lin in p.linears)
+                          for p in layers]
         self.fused = _FusedX16.build(layers, tables)
         if self.fused is not None:
             self.fused.lora_keys = self.lora_keys
@@ -306,8 +315,11 @@ class NativeDecodePlan:
                        k_scale=None if k_scales is None else k_scales[p.layer_id],
                        v_scale=None if v_scales is None else v_scales[p.layer_id])
             x, h = residual_norm(x, lin(p.o_proj, a, keys[1]), *p.mlp_in, *p.attn_out)
-            down = lin(p.down, act_mul(lin(p.gate_up, h, keys[2]), p.activation,
-                                       p.down_in_dtype), keys[3])
+            if p.moe is not None:
+                down = p.moe(h)
+            else:
+                down = lin(p.down, act_mul(lin(p.gate_up, h, keys[2]), p.activation,
+                                           p.down_in_dtype), keys[3])
             # the next layer's input (the last layer's add only: no norm, float32)
             nxt = layers[i + 1].attn_in if i < last else _In(None, 0.0, torch.float32)
             x, h = residual_norm(x, down, *nxt, *p.mlp_out)
@@ -402,10 +414,11 @@ class _FusedX16:
     @classmethod
     def build(cls, layers: list[DecoderLayerParts], tables: RopeTables) -> _FusedX16 | None:
         """The fused step of these layers, or None where it does not apply: the env switch
-        off, a linear not x16, an MLP linear with a bias, a norm not float32 (out) or of
+        off, a sparse (MoE) layer, a linear not x16, an MLP linear with a bias, a norm not float32 (out) or of
         another eps than the others (the step takes one), layers that differ in shape, more
         window sizes than the step plans for."""
-        if os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers:
+        if (os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers
+                or any(p.moe is not None for p in layers)):
             return None
         first = layers[0]
         eps: float | None = None

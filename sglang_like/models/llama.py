@@ -216,11 +216,13 @@ class LlamaDecoderLayer(nn.Module):
         """This layer as the native decode step reads it."""
         a, m = self.self_attn, self.mlp
         attn_in, attn_out, mlp_in, mlp_out = self._roles()
+        sparse = isinstance(m, SparseMoE)
         return DecoderLayerParts(self.description, attn_in, a.qkv_proj, a.o_proj, mlp_in,
-                                 m.gate_up_proj, m.down_proj, a.num_heads, a.num_kv_heads,
-                                 a.head_dim, m.intermediate_size, a.layer_id, a.sm_scale,
-                                 attn_out_norm=attn_out, mlp_out_norm=mlp_out,
-                                 q_norm=a.q_norm, k_norm=a.k_norm)
+                                 None if sparse else m.gate_up_proj,
+                                 None if sparse else m.down_proj, a.num_heads, a.num_kv_heads,
+                                 a.head_dim, 0 if sparse else m.intermediate_size, a.layer_id,
+                                 a.sm_scale, attn_out_norm=attn_out, mlp_out_norm=mlp_out,
+                                 q_norm=a.q_norm, k_norm=a.k_norm, moe=m if sparse else None)
 
 
 class LlamaModel(nn.Module):

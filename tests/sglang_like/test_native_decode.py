@@ -285,11 +285,16 @@ def _plan_with_every_table(model) -> None:
                                           tables)
 
 
-@pytest.mark.parametrize("name", NATIVE_FAMILIES)
+# mixtures of experts: sparse layers (a Qwen2-MoE beside a dense one) on the per-op path
+NATIVE_MOE_FAMILIES = ("qwen3-moe", "qwen2-moe", "olmoe")
+
+
+@pytest.mark.parametrize("name", NATIVE_FAMILIES + NATIVE_MOE_FAMILIES)
 def test_family_native_decode_matches_the_torch_path(tmp_path_factory, name):
     """Each family's decode through the native per-op kernels (windows, soft-caps, GeGLU,
-    q/k norms, local and no RoPE, residual scales, sandwich and post layouts): the torch
-    path's greedy tokens, logprobs within float rounding (fp32 activations, as above)."""
+    q/k norms, local and no RoPE, residual scales, sandwich and post layouts, sparse MLPs):
+    the torch path's greedy tokens, logprobs within float rounding (fp32 activations, as
+    above)."""
     engine = _family_engine(tmp_path_factory, name, quantization=PATH_QUANT)
     try:
         model = engine.runner.model
