@@ -96,6 +96,12 @@ def _prefill_tok_s(engine: Any, num_tokens: int) -> float:
     return num_tokens / (time.perf_counter() - t0)
 
 
+def _a_down_proj(model: Any) -> Any:
+    """The first layer's down projection (its first expert's in a mixture of experts)."""
+    mlp = model.model.layers[0].mlp
+    return mlp.experts[0].down_proj if hasattr(mlp, "experts") else mlp.down_proj
+
+
 def worker(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
     """One format, in this process: numbers as a dict (printed as JSON by --worker)."""
     from sglang_like.engine import Engine
@@ -111,7 +117,7 @@ def worker(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
     import sglang_like_kernels.cpu
 
     out = {"format": fmt, "quantization": engine.server_args.quantization, "load_s": load_s,
-           "linear": type(model.model.layers[0].mlp.down_proj.method).__name__,
+           "linear": type(_a_down_proj(model).method).__name__,
            "native_decode": bool(model.native_decode), "native_isa": sglang_like_kernels.cpu.isa(),
            "weight_mb": model.weight_bytes() / 1e6, "decode_mb": model.decode_bytes() / 1e6}
     out["b1_tok_s"] = decode_tok_s(engine, 1, args.new_tokens)

@@ -108,27 +108,35 @@ class SparseMoE(nn.Module):
         else:
             self.shared_expert = None
         self.last_routing: torch.Tensor | None = None  # ids of the last forward (tests)
-        self._runs: tuple[torch.Tensor, torch.Tensor] | bool | None = None  # native_runs
+        self._native: tuple | bool | None = None  # native_layer's, built at first use
         self.native = True  # False: the per-expert loop below even where moe.c could run
 
-    def native_runs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The experts' gate_up and down as moe.c's runs tables (int64 [E, runs, 3]), built
-        once; None where the native kernel cannot run them (a linear neither x16 int4 nor a
-        GGUF kind, the native library absent). The tables hold the packed buffers' addresses:
-        `load_weights` replaces the buffers and so drops them (see `LlamaForCausalLM`)."""
-        if self._runs is None:
-            self._runs = _native_tables(self) or False
-        return self._runs or None
+    def native_layer(self) -> torch.Tensor | None:
+        """This layer as moe.c reads it (ops.moe_layer's int64 fields: the router and the
+        experts' runs tables by address), built once; None where the native kernel cannot
+        run it (an expert linear neither x16 int4 nor a GGUF kind, the native library
+        absent). `load_weights` replaces the buffers it points at and so drops it (see
+        `LlamaForCausalLM`)."""
+        if self._native is None:
+            tables = _native_tables(self)
+            if tables is None:
+                self._native = False
+            else:
+                router = self.gate.weight.detach().float().contiguous()
+                layer = cpu_ops.moe_layer(router, *tables, self.top_k,
+                                          self.experts[0].intermediate_size, self.renormalize,
+                                          self.experts[0].activation)
+                self._native = (layer, router, tables)  # the addresses' owners held with it
+        return self._native[0] if self._native else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        self.last_routing = ids
-        runs = self.native_runs() if x.device.type == "cpu" and self.native else None
-        if runs is not None:
-            out = cpu_ops.moe_experts(x, ids, weights, *runs, self.experts[0].intermediate_size,
-                                      self.experts[0].activation)
+        layer = self.native_layer() if x.device.type == "cpu" and self.native else None
+        if layer is not None:  # routing and experts in one call
+            out, ids, _ = cpu_ops.moe_forward(x, layer)
         else:
+            weights, ids = route(self.gate(x), self.top_k, self.renormalize)
             out = self.experts_forward(x, weights, ids)
+        self.last_routing = ids
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x).float()

@@ -363,12 +363,22 @@ class _FusedX16:
         p0 = layers[0]
         self.cos, self.sin = tables["global"]
         self.local = tables.get("local")
-        self.shape = (len(layers), p0.num_heads, p0.num_kv_heads, p0.head_dim,
-                      p0.intermediate_size)
+        dense = [p for p in layers if p.moe is None]
+        # the dense MLPs' width; a model without one passes its experts' (unused, valid)
+        inter = dense[0].intermediate_size if dense else layers[0].moe.experts[0].intermediate_size
+        self.shape = (len(layers), p0.num_heads, p0.num_kv_heads, p0.head_dim, inter)
         self.eps = eps
         self.sm_scale = p0.sm_scale
         self.layer_ids = [p.layer_id for p in layers]
-        runs = [[fused_runs(lin) for lin in p.linears] for p in layers]
+        # a sparse layer's MLP linears have no runs here: its row of the moe table has them
+        runs = [[fused_runs(lin) if lin is not None else [] for lin in p.linears]
+                for p in layers]
+        self.moe = None
+        if len(dense) < len(layers):
+            self.moe = torch.zeros(len(layers), ops.MOE_FIELDS, dtype=torch.int64)
+            for i, p in enumerate(layers):
+                if p.moe is not None:
+                    self.moe[i] = p.moe.native_layer()
         # each layer's norm weights as the kernel reads them (float32, contiguous): before
         # attention, before the MLP, on their outputs, q, k (None where it has none)
         norms = [[_weight(n) for n in (p.input_norm, p.mlp_norm, p.attn_out_norm,
@@ -383,7 +393,7 @@ class _FusedX16:
             return 0 if t is None else t.data_ptr()
 
         self.ptrs = torch.tensor([
-            [r[0][1].data_ptr() for r in lr]
+            [r[0][1].data_ptr() if r else 0 for r in lr]
             + [addr(n[0]), addr(n[1]), 0, 0, *(addr(w) for w in n[2:]), *(addr(b) for b in bs)]
             for lr, n, bs in zip(runs, norms, biases, strict=True)], dtype=torch.int64)
         settings = [ops.layer_settings(
@@ -394,7 +404,7 @@ class _FusedX16:
         self.fcfg = torch.tensor([f for _, f in settings], dtype=torch.float32)
         # GGUF types (or x16 linears of more than one run): each linear's runs of rows
         self.runs = None
-        if any(len(r) > 1 or r[0][0] >= 0 for lr in runs for r in lr):
+        if any(len(r) > 1 or r[0][0] >= 0 for lr in runs for r in lr if r):
             self.runs = torch.zeros(len(layers), 4, ops.DECODE_STEP_RUNS, 3, dtype=torch.int64)
             for i, lr in enumerate(runs):
                 for j, r in enumerate(lr):
@@ -403,6 +413,8 @@ class _FusedX16:
         # what the addresses point into, kept alive with them
         self._held = [t for lr, n, bs in zip(runs, norms, biases, strict=True)
                       for t in (*(buf for r in lr for _, buf, _ in r), *n, *bs) if t is not None]
+        # a sparse layer's table row points into its SparseMoE's own cache (native_layer)
+        self._held += [p.moe for p in layers if p.moe is not None]
         self._pool: KVPool | None = None
         self.kv_scales: torch.Tensor | None = None
         self._aux_slots: dict[tuple[int, ...], torch.Tensor] = {}
@@ -414,13 +426,14 @@ class _FusedX16:
     @classmethod
     def build(cls, layers: list[DecoderLayerParts], tables: RopeTables) -> _FusedX16 | None:
         """The fused step of these layers, or None where it does not apply: the env switch
-        off, a sparse (MoE) layer, a linear not x16, an MLP linear with a bias, a norm not float32 (out) or of
+        off, a linear not x16 or a GGUF kind (a sparse layer's experts included), an MLP
+        linear with a bias, a sparse layer with a shared expert, a norm not float32 (out) or of
         another eps than the others (the step takes one), layers that differ in shape, more
         window sizes than the step plans for."""
-        if (os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers
-                or any(p.moe is not None for p in layers)):
+        if os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers:
             return None
         first = layers[0]
+        dense = [p for p in layers if p.moe is None]
         eps: float | None = None
         for p in layers:
             ins = [n for n in (p.input_norm, p.mlp_norm) if n is not None]
@@ -428,17 +441,21 @@ class _FusedX16:
             qk = [n for n in (p.q_norm, p.k_norm) if n is not None and p.description.qk_norm]
             if eps is None:
                 eps = (ins or outs or qk)[0].eps if (ins or outs or qk) else 1e-5
-            if (any(fused_runs(lin) is None for lin in p.linears)
-                    or p.gate_up_proj.bias is not None or p.down_proj.bias is not None
+            mlp = ((p.gate_up_proj, p.down_proj) if p.moe is None
+                   else (p.moe.experts[0].gate_up_proj,))
+            if (any(fused_runs(lin) is None for lin in (p.qkv_proj, p.o_proj, *mlp))
+                    or any(lin.bias is not None for lin in mlp)
+                    # a sparse layer: its experts on moe.c, no shared expert (per-op path)
+                    or (p.moe is not None and (p.moe.shared_expert is not None
+                                               or p.moe.native_layer() is None))
                     or any(n.out_dtype != torch.float32 for n in ins)
                     or any(n.eps != eps or n.weight.dtype != torch.float32
                            for n in (*ins, *outs, *qk))
                     or (p.input_norm is None and p.qkv_proj.method.input_dtype != torch.float32)
-                    or (p.mlp_norm is None
-                        and p.gate_up_proj.method.input_dtype != torch.float32)
-                    or (p.num_heads, p.num_kv_heads, p.head_dim, p.intermediate_size)
-                    != (first.num_heads, first.num_kv_heads, first.head_dim,
-                        first.intermediate_size)):
+                    or (p.mlp_norm is None and mlp[0].method.input_dtype != torch.float32)
+                    or (p.num_heads, p.num_kv_heads, p.head_dim)
+                    != (first.num_heads, first.num_kv_heads, first.head_dim)
+                    or (p.moe is None and p.intermediate_size != dense[0].intermediate_size)):
                 return None
         if len({p.description.sliding_window for p in layers}) > ops.DECODE_STEP_PLANS:
             return None
@@ -515,5 +532,6 @@ class _FusedX16:
                             seq_lens, hq, hkv, d, inter, self.sm_scale,
                             self._aux_slot(aux_layers), features, runs=self.runs, cfg=self.cfg,
                             fcfg=self.fcfg, local_tables=self.local, kv_scales=self.kv_scales,
-                            lora=None if fb.lora is None else self._lora_args(fb.lora, t))
+                            lora=None if fb.lora is None else self._lora_args(fb.lora, t),
+                            moe=self.moe)
         return x, features

@@ -458,7 +458,7 @@ class LlamaForCausalLM(nn.Module):
         self._native_plan = None  # it holds the layers' buffers
         for mod in self.modules():
             if isinstance(mod, SparseMoE):
-                mod._runs = None  # so do the experts' runs tables
+                mod._native = None  # so does a sparse layer's native table
         for prefix, lin in self._linears():
             lin.load_weights(weights, prefix, device)
         for name, param in self.named_parameters():
@@ -482,6 +482,13 @@ class LlamaForCausalLM(nn.Module):
         return total + sum(lin.method.weight_bytes(lin) for _, lin in self._linears())
 
     def decode_bytes(self) -> int:
-        """Bytes of weights one decode step reads: the bandwidth floor of a token."""
+        """Bytes of weights one decode step of one token reads: the bandwidth floor of a
+        token (of a sparse layer's experts, the top_k a token runs)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        return total + sum(lin.method.decode_bytes(lin) for _, lin in self._linears())
+        total += sum(lin.method.decode_bytes(lin) for _, lin in self._linears())
+        for moe in self.modules():
+            if isinstance(moe, SparseMoE):
+                experts = sum(lin.method.decode_bytes(lin) for e in moe.experts
+                              for lin in (e.gate_up_proj, e.down_proj))
+                total -= experts * (moe.num_experts - moe.top_k) // moe.num_experts
+        return total

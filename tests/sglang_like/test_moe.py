@@ -119,32 +119,33 @@ KINDS = [("gguf", "Q8_0"), ("gguf", "Q4_K"), ("gguf", "Q6_K"), ("int4", None)]
 @pytest.mark.parametrize(("quant", "qtype"), KINDS, ids=[q or "int4" for _, q in KINDS])
 def test_native_experts_equal_a_pairwise_loop(quant: str, qtype: str | None) -> None:
     moe = _moe(quant, qtype)
-    runs = moe.native_runs()
-    if runs is None:
+    layer = moe.native_layer()
+    if layer is None:
         assert quant == "int4"  # x16 int4 is an AVX-512 VNNI layout; GGUF kinds run on AVX2
         pytest.skip("this CPU's int4 kernel is not x16")
+    forward = sglang_like_kernels.cpu.ops.moe_forward
     gen = torch.Generator().manual_seed(3)
     for T in (1, 5, 37):
         x = torch.randn(T, H, generator=gen)
         w, ids = route(moe.gate(x), TOP_K, True)
+        _, got_ids, got_w = forward(x, layer)  # its own routing: the router's choice
+        assert torch.equal(got_ids, ids.sort(-1).values)
+        assert torch.allclose(got_w, w.gather(1, ids.argsort(-1)), atol=1e-6)
         if T > 1:
             ids = ids.clone()
             ids[:, 0] = 3  # expert 3 gets every token
             ids[:, 1] = torch.where(ids[:, 1] == 3, torch.full_like(ids[:, 1], 0), ids[:, 1])
             ids[ids == 5] = 6  # expert 5 gets none
-        got = moe(x) if T == 1 else None
-        native_out = sglang_like_kernels.cpu.ops.moe_experts(
-            x, ids, w, *runs, INTER, "silu")
+        out, _, _ = forward(x, layer, (ids, w))
         want = _pairwise(moe, x, w, ids)
         bound = 1e-5 * want.abs().max().item()
-        assert (native_out - want).abs().max().item() <= bound, T
-        if got is not None:  # the layer itself takes the native path
-            assert (got - want).abs().max().item() <= bound
+        assert (out - want).abs().max().item() <= bound, T
+        if T == 1:  # the layer itself takes the native path
+            assert (moe(x) - want).abs().max().item() <= bound
         # a token alone gives the same bits as in the batch
         for t in (0, T - 1):
-            alone = sglang_like_kernels.cpu.ops.moe_experts(
-                x[t:t + 1], ids[t:t + 1], w[t:t + 1], *runs, INTER, "silu")
-            assert torch.equal(alone[0], native_out[t])
+            alone, _, _ = forward(x[t:t + 1], layer, (ids[t:t + 1], w[t:t + 1]))
+            assert torch.equal(alone[0], out[t])
 
 
 @native
@@ -153,8 +154,8 @@ def test_bad_expert_ids_are_refused() -> None:
     x = torch.randn(2, H)
     w = torch.full((2, TOP_K), 0.5)
     with pytest.raises(ValueError, match="expert ids"):
-        sglang_like_kernels.cpu.ops.moe_experts(x, torch.tensor([[0, E], [1, 2]]), w,
-                                                *moe.native_runs(), INTER, "silu")
+        sglang_like_kernels.cpu.ops.moe_forward(x, moe.native_layer(),
+                                                (torch.tensor([[0, E], [1, 2]]), w))
 
 
 @pytest.fixture(scope="module")

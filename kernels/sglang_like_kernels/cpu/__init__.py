@@ -166,7 +166,7 @@ class _Library:
         lib.decode_attention_rope.restype = ctypes.c_int
         lib.decode_step_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, i32,
                                         ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                                        ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64]
+                                        ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
         lib.decode_step_x16.restype = ctypes.c_int
         lib.eagle_head_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                        i32, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr, i32,
@@ -179,8 +179,8 @@ class _Library:
         lib.kq_matmul.restype = ctypes.c_int
         lib.kq_dequantize.argtypes = [i32, ptr, i64, i64, ptr]
         lib.kq_dequantize.restype = ctypes.c_int
-        lib.moe_experts.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, ptr]
-        lib.moe_experts.restype = ctypes.c_int
+        lib.moe_forward.argtypes = [i64, i64, ptr, ptr, i32, ptr, ptr, ptr]
+        lib.moe_forward.restype = ctypes.c_int
         lib.kq_record_bytes.argtypes = [i32]
         lib.kq_record_bytes.restype = ctypes.c_int
         built = lib.q4_1_isa().decode()
@@ -205,7 +205,7 @@ class _Library:
         self.kq_matmul = lib.kq_matmul
         self.kq_dequantize = lib.kq_dequantize
         self.kq_record_bytes = lib.kq_record_bytes
-        self.moe_experts = lib.moe_experts
+        self.moe_forward = lib.moe_forward
 
 
 @functools.cache

@@ -128,7 +128,9 @@ void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_
 // [T, n_aux * H] (EAGLE-3's capture). pool_kind: ops.h's KV_*; kv_scales [L, 2] (NULL for a
 // float pool): each layer's K and V scale addresses ([S, Hkv] float32). LoRA (lora_rows NULL:
 // none): lora_rows [T] each row's adapter (-1: the base), lora_tab [n_lora][L][4][3] (see
-// lora_team), lora_rmax the largest R. Returns 0; -1 when scratch memory could not be
+// lora_team), lora_rmax the largest R. moe_tab [L][MOE_FIELDS] (NULL: every layer dense): a
+// row with experts makes that layer's MLP a mixture of experts (moe.c's phases, in place of
+// gate_up / act / down; ptrs' MLP weights unused there). Returns 0; -1 when scratch memory could not be
 // allocated; -2 for shapes or settings the kernels do not take.
 int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
                     int64_t I, float *x, const int64_t *ptrs, float eps, int pool_kind,
@@ -138,7 +140,8 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                     const int64_t *rows, const int64_t *seq_lens, const int64_t *cfg,
                     const float *fcfg, const int64_t *aux_slot, int64_t n_aux, float *features,
                     const int64_t *runs, const int64_t *kv_scales, const int64_t *lora_rows,
-                    const int64_t *lora_tab, int64_t n_lora, int64_t lora_rmax) {
+                    const int64_t *lora_tab, int64_t n_lora, int64_t lora_rmax,
+                    const int64_t *moe_tab) {
     const int64_t nqkv = (Hq + 2 * Hkv) * D, hqd = Hq * D;
     if (T <= 0 || L <= 0 || H % XQK || hqd % XQK || I % XQK || nqkv % 16 || H % 16 ||
         (2 * I) % 16 || Hkv <= 0 || Hq % Hkv || D % 8 || pool_kind < 0 ||
@@ -148,17 +151,34 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     if (lora_rows)
         for (int64_t t = 0; t < T; t++)
             if (lora_rows[t] >= n_lora) return -2;
+    // sparse layers (moe_tab rows with experts): one scratch for the largest of them
+    int64_t moe_E = 0, moe_k = 0, moe_I = 0;
+    for (int64_t l = 0; moe_tab && l < L; l++) {
+        const int64_t *m = moe_tab + l * MOE_FIELDS;
+        if (!m[MOE_E]) continue;
+        if (moe_layer_check(m, H)) return -2;
+        if (m[MOE_E] > moe_E) moe_E = m[MOE_E];
+        if (m[MOE_TOP_K] > moe_k) moe_k = m[MOE_TOP_K];
+        if (m[MOE_I] > moe_I) moe_I = m[MOE_I];
+    }
+    moe_scratch ms;
+    memset(&ms, 0, sizeof(ms));
+    if (moe_E && moe_scratch_alloc(&ms, T, H, moe_E, moe_k, moe_I)) return -1;
     // one attention plan per distinct window (which keys each row reads), shared by its layers
     int64_t windows[DS_PLANS];
     int n_plans = 0;
     int64_t *plan_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)L);
-    if (!plan_of) return -1;
+    if (!plan_of) {
+        moe_scratch_free(&ms);
+        return -1;
+    }
     for (int64_t l = 0; l < L; l++) {
         const int64_t *c = cfg + l * DS_CFG;
         if (c[C_WINDOW] < 0 || c[C_ROPE] < ROPE_GLOBAL || c[C_ROPE] > ROPE_NONE ||
             (c[C_ROPE] == ROPE_LOCAL && !cos_local) || c[C_QK_NORM] < QK_NORM_NONE ||
             c[C_QK_NORM] > QK_NORM_FULL || c[C_ACT] < ACT_SILU || c[C_ACT] > ACT_GELU_TANH) {
             free(plan_of);
+            moe_scratch_free(&ms);
             return -2;
         }
         int j = 0;
@@ -166,6 +186,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
         if (j == n_plans) {
             if (n_plans == DS_PLANS) {
                 free(plan_of);
+                moe_scratch_free(&ms);
                 return -2;
             }
             windows[n_plans++] = c[C_WINDOW];
@@ -178,6 +199,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                            windows[j]) != 0) {
             for (int i = 0; i < j; i++) attn_plan_free(&plans[i]);
             free(plan_of);
+            moe_scratch_free(&ms);
             return -1;
         }
     }
@@ -196,6 +218,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     if (!fl || !q || (runs && !qs) || (lora_rows && !lora_u)) {
         free(fl); free(q); free(qs); free(lora_u); free(plan_of);
         for (int j = 0; j < n_plans; j++) attn_plan_free(&plans[j]);
+        moe_scratch_free(&ms);
         return -1;
     }
     float *h = fl, *qkv = h + T * H, *att = qkv + T * nqkv, *proj = att + T * hqd;
@@ -257,15 +280,20 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                                   scale, x, (const float *)p[P_NORM_POST], H, eps, h, 0, tmp);
                 quantize_act_row(&a, h + t * H, H, t);
             }
-            linear_runs_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu);
-            if (lora_rows) lora_team(&lo, l, 2, h, H, H, gu, 2 * I, T);
+            const int64_t *moe = moe_tab ? moe_tab + l * MOE_FIELDS : NULL;
+            if (moe && moe[MOE_E]) {  // a sparse layer: routing and experts (moe.c)
+                moe_team(moe, &ms, h, T, H, 1, proj);
+            } else {
+                linear_runs_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu);
+                if (lora_rows) lora_team(&lo, l, 2, h, H, H, gu, 2 * I, T);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) {
-                act_mul_row((int)c[C_ACT], gu + t * 2 * I, I);
-                quantize_act_row(&a, gu + t * 2 * I, I, t);
+                for (int64_t t = 0; t < T; t++) {
+                    act_mul_row((int)c[C_ACT], gu + t * 2 * I, I);
+                    quantize_act_row(&a, gu + t * 2 * I, I, t);
+                }
+                linear_runs_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj);
+                if (lora_rows) lora_team(&lo, l, 3, gu, 2 * I, I, proj, H, T);
             }
-            linear_runs_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj);
-            if (lora_rows) lora_team(&lo, l, 3, gu, 2 * I, I, proj, H, T);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 const float *w_mlp_out = (const float *)p[P_MLP_OUT];
@@ -288,5 +316,6 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     free(lora_u);
     free(plan_of);
     for (int j = 0; j < n_plans; j++) attn_plan_free(&plans[j]);
+    moe_scratch_free(&ms);
     return 0;
 }

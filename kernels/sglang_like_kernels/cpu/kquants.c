@@ -312,6 +312,16 @@ void kq_matmul_team(int kind, const uint8_t *w, int64_t N, int64_t K, const int8
         fn(w + g * group_bytes, nb, &a, M, (int)K, y + g * KQ_ROWS, ldy);
 }
 
+// kq_matmul_team's work for output group g (rows [16 g, 16 g + 16)) alone, on the calling
+// thread: y points at the group's first column
+void kq_matmul_group(int kind, const uint8_t *w, int64_t g, int64_t K, const int8_t *q,
+                     const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
+                     int64_t ldy) {
+    const kq_act a = {(int8_t *)q, (float *)e, (float *)S, (int32_t *)qs};
+    const int nb = (int)(K / XQK);
+    KQ_GROUP[kind](w + g * (int64_t)nb * kq_record_bytes(kind), nb, &a, M, (int)K, y, ldy);
+}
+
 // y [M, N] (row stride ldy) = x [M, K] float32 (row stride ldx) @ W.T, W [N, K] packed as
 // `kind`. Returns 0, or -1 for a bad kind or shape, or when scratch could not be allocated.
 int kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,

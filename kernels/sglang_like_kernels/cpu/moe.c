@@ -1,18 +1,26 @@
-// A mixture-of-experts MLP's experts in one call and one OpenMP team (layers/moe.py's math):
-// the per-op path makes four calls per chosen expert (gate_up, act * up, down, the scaled
-// add), each a Python -> ctypes crossing with tensor allocations; a decode step of a model
-// with 8 of 128 experts per token makes hundreds of them a layer. Here every chosen expert
-// runs as the team's phases, over all of its rows at once (its weights read once per call
-// whatever the batch):
+// A mixture-of-experts MLP (layers/moe.py's math) as phases of one OpenMP team: the
+// per-op path makes four calls per chosen expert (gate_up, act * up, down, the scaled add),
+// each a Python -> ctypes crossing with tensor allocations, and a team that ran the experts
+// one after another would wait at a barrier per expert and phase. Here a sparse layer is
 //
-//   quantize its rows of x | gate_up | act * up + quantize | down | out[t] += w * y
+//   route every token | sort the (token, expert) pairs by expert | quantize the pairs' rows |
+//   gate_up of every chosen expert | act * up + quantize | down of every chosen expert |
+//   each token's scaled sum
 //
-// Experts go in ascending id, so a token's output is the sum of its experts' scaled outputs
-// in expert order whatever the batch (rows of one expert are computed each on its own: the
-// kernels' per-row sums do not depend on the rows beside them).
-// Linears are runs (ops.h's linear_runs_team: x16 Q4_1 or kquants.c kinds), every expert of
-// a layer with its own runs: gu_runs / dn_runs [E][DS_RUNS][3].
+// six barriers whatever the number of experts: the matmul phases split (expert, group of 16
+// output rows) work items over the team, each expert over all of its rows at once (its weights
+// read once per step whatever the batch; an expert nobody chose costs nothing).
+//
+// Routing: logits = h @ router.T in float32, softmax, the top_k largest (ties: the lower
+// expert id), divided by their sum when `renorm`. A token's k experts are summed in ascending
+// id, and every row's numbers come from per-row sums: a token's output is the same bits alone
+// or in any batch. Linears are runs (ops.h's linear_runs_team: x16 Q4_1 or kquants.c kinds),
+// each expert with its own: gu_runs / dn_runs [E][DS_RUNS][3].
+//
+// The same phases run inside the fused decode step (decode_step.c) for its sparse layers, and
+// alone through moe_forward (the per-op path).
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,82 +29,225 @@
 #include "ops.h"
 
 #define XQK 32
+#define GROUP 16  // output rows of one work item (x16 and kquants.c groups)
 
-// x [T, H] float32; ids [T, top_k] int64 expert ids in [0, E); wts [T, top_k] float32 routing
-// weights; out [T, H] float32 (overwritten). act: ACT_* (ops.h). Returns 0; -1 when scratch
-// memory could not be allocated; -2 for shapes or ids the kernels do not take.
-int moe_experts(int64_t T, int64_t H, int64_t I, int64_t E, int64_t top_k, const float *x,
-                const int64_t *ids, const float *wts, const int64_t *gu_runs,
-                const int64_t *dn_runs, int act, float *out) {
-    if (T <= 0 || H % XQK || I % XQK || E <= 0 || top_k <= 0 || top_k > E) return -2;
-    const int64_t P = T * top_k;
-    for (int64_t i = 0; i < P; i++)
-        if (ids[i] < 0 || ids[i] >= E) return -2;
-    // the (token, k) pairs sorted by expert, stably: a counting sort
-    int64_t *start = (int64_t *)calloc((size_t)(E + 1), sizeof(int64_t));
-    int64_t *pair = (int64_t *)malloc(sizeof(int64_t) * (size_t)P);
-    if (!start || !pair) {
-        free(start); free(pair);
-        return -1;
-    }
-    for (int64_t i = 0; i < P; i++) start[ids[i] + 1]++;
-    int64_t most = 0;
-    for (int64_t e = 0; e < E; e++) {
-        if (start[e + 1] > most) most = start[e + 1];
-        start[e + 1] += start[e];
-    }
-    {
-        int64_t *fill = (int64_t *)malloc(sizeof(int64_t) * (size_t)E);
-        if (!fill) {
-            free(start); free(pair);
-            return -1;
-        }
-        memcpy(fill, start, sizeof(int64_t) * (size_t)E);
-        for (int64_t i = 0; i < P; i++) pair[fill[ids[i]]++] = i;
-        free(fill);
-    }
-    const int64_t kmax = H > I ? H : I;
-    // scratch: gate_up [most, 2I], down's output [most, H], quantized rows [most, kmax]
-    float *gu = (float *)malloc(sizeof(float) * (size_t)(most * (2 * I + H + 2 * (kmax / XQK))));
-    int8_t *q = (int8_t *)malloc((size_t)(most * kmax));
-    int32_t *qs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(most * (kmax / 16)));
-    if (!gu || !q || !qs) {
-        free(start); free(pair); free(gu); free(q); free(qs);
-        return -1;
-    }
-    float *y = gu + most * 2 * I;
-    act_rows a = {q, y + most * H, y + most * H + most * (kmax / XQK), qs};
-    memset(out, 0, sizeof(float) * (size_t)(T * H));
-#pragma omp parallel
-    {
+int moe_layer_check(const int64_t *m, int64_t H) {
+    const int64_t E = m[MOE_E], k = m[MOE_TOP_K], I = m[MOE_I];
+    if (E <= 0 || k <= 0 || k > E || I % XQK || (2 * I) % GROUP || H % XQK || H % GROUP ||
+        !m[MOE_ROUTER] || !m[MOE_GU_RUNS] || !m[MOE_DN_RUNS] || m[MOE_ACT] < ACT_SILU ||
+        m[MOE_ACT] > ACT_GELU_TANH)
+        return -2;
+    for (int w = 0; w < 2; w++) {  // every expert's runs cover its rows in groups of 16
+        const int64_t *runs = (const int64_t *)m[w ? MOE_DN_RUNS : MOE_GU_RUNS];
+        const int64_t want = w ? H : 2 * I;
         for (int64_t e = 0; e < E; e++) {
-            const int64_t lo = start[e], n = start[e + 1] - lo;
-            if (n == 0) continue;  // every thread skips it: no barrier is left unmatched
-            const int64_t *gr = gu_runs + e * DS_RUNS * 3, *dr = dn_runs + e * DS_RUNS * 3;
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) quantize_act_row(&a, x + (pair[lo + r] / top_k) * H, H, r);
-            linear_runs_team(gr, NULL, 2 * I, H, &a, n, gu);
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
-                float *row = gu + r * 2 * I;
-                act_mul_row(act, row, I);
-                quantize_act_row(&a, row, I, r);
+            int64_t rows = 0;
+            for (int r = 0; r < DS_RUNS && runs[(e * DS_RUNS + r) * 3 + 2] > 0; r++) {
+                const int64_t n = runs[(e * DS_RUNS + r) * 3 + 2];
+                if (n % GROUP || !runs[(e * DS_RUNS + r) * 3 + 1]) return -2;
+                rows += n;
             }
-            linear_runs_team(dr, NULL, H, I, &a, n, y);
-            // distinct rows of one expert are distinct tokens: no two threads add to one row
+            if (rows != want) return -2;
+        }
+    }
+    return 0;
+}
+
+void moe_scratch_free(moe_scratch *s) {
+    free(s->ints); free(s->floats); free(s->q); free(s->a.qs);
+    memset(s, 0, sizeof(*s));
+}
+
+int moe_scratch_alloc(moe_scratch *s, int64_t T, int64_t H, int64_t E, int64_t k, int64_t I) {
+    memset(s, 0, sizeof(*s));
+    const int64_t P = T * k, kmax = H > I ? H : I;
+    s->cap_T = T; s->cap_E = E; s->cap_k = k; s->cap_I = I; s->H = H;
+    // ints: ids [P] | start [E + 1] | pair [P] | pos [P] | hit [E + 1] | cursor [E]
+    s->ints = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * P + 3 * E + 2));
+    // floats: wts [P] | logits [T, E] | gu [P, 2I] | y [P, H] | e, S [P, kmax / 32]
+    s->floats = (float *)malloc(sizeof(float) *
+                                (size_t)(P + T * E + P * 2 * I + P * H + 2 * P * (kmax / XQK)));
+    s->q = (int8_t *)malloc((size_t)(P * kmax));
+    s->a.qs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(P * (kmax / 16)));
+    if (!s->ints || !s->floats || !s->q || !s->a.qs) {
+        moe_scratch_free(s);
+        return -1;
+    }
+    s->ids = s->ints; s->start = s->ids + P; s->pair = s->start + E + 1; s->pos = s->pair + P;
+    s->hit = s->pos + P; s->cursor = s->hit + E + 1;
+    s->wts = s->floats; s->logits = s->wts + P; s->gu = s->logits + T * E;
+    s->y = s->gu + P * 2 * I;
+    s->a.q = s->q; s->a.e = s->y + P * H; s->a.S = s->a.e + P * (kmax / XQK);
+    return 0;
+}
+
+// the top k of row[0..E) (ties: the lower index) into ids / w, by descending value
+static void top_k(const float *row, int64_t E, int64_t k, int64_t *ids, float *w) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || row[e] > row[best])) best = e;
+        }
+        ids[j] = best;
+        w[j] = row[best];
+    }
+}
+
+static void route_row(const moe_scratch *s, const int64_t *m, const float *h, int64_t H,
+                      int64_t t) {
+    const int64_t E = m[MOE_E], k = m[MOE_TOP_K];
+    const float *router = (const float *)m[MOE_ROUTER], *x = h + t * H;
+    float *lg = s->logits + t * E;
+    float most = -INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        const float *r = router + e * H;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < H; j++) acc += r[j] * x[j];
+        lg[e] = acc;
+        most = acc > most ? acc : most;
+    }
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        lg[e] = expf(lg[e] - most);
+        sum += lg[e];
+    }
+    for (int64_t e = 0; e < E; e++) lg[e] /= sum;
+    int64_t *ids = s->ids + t * k;
+    float *w = s->wts + t * k;
+    top_k(lg, E, k, ids, w);
+    if (m[MOE_RENORM]) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; j++) total += w[j];
+        for (int64_t j = 0; j < k; j++) w[j] /= total;
+    }
+}
+
+// a token's k (expert, weight) pairs in ascending expert id (insertion sort: k is small)
+static void sort_pairs(int64_t *ids, float *w, int64_t k) {
+    for (int64_t i = 1; i < k; i++) {
+        const int64_t id = ids[i];
+        const float v = w[i];
+        int64_t j = i - 1;
+        for (; j >= 0 && ids[j] > id; j--) {
+            ids[j + 1] = ids[j];
+            w[j + 1] = w[j];
+        }
+        ids[j + 1] = id;
+        w[j + 1] = v;
+    }
+}
+
+// group g of an expert's linear (runs [DS_RUNS][3]) over its n rows from row r0 of the
+// quantized activations (row stride K), into y (row stride ldy) at the group's columns
+static void linear_group(const int64_t *runs, int64_t g, int64_t K, const act_rows *a,
+                         int64_t r0, int64_t n, float *y, int64_t ldy) {
+    int64_t col = 0;
+    for (int r = 0; r < DS_RUNS; r++) {
+        const int64_t kind = runs[3 * r], rows = runs[3 * r + 2];
+        const uint8_t *w = (const uint8_t *)runs[3 * r + 1];
+        if (g < rows / GROUP) {
+            const int8_t *q = a->q + r0 * K;
+            const float *e = a->e + r0 * (K / XQK), *S = a->S + r0 * (K / XQK);
+            if (kind < 0)
+                q4_x16_matmul_group(w, g, K, q, e, S, n, y + col + g * GROUP, ldy);
+            else
+                kq_matmul_group((int)kind, w, g, K, q, e, S, a->qs + r0 * (K / 16), n,
+                                y + col + g * GROUP, ldy);
+            return;
+        }
+        g -= rows / GROUP;
+        col += rows;
+    }
+}
+
+void moe_team(const int64_t *m, const moe_scratch *s, const float *h, int64_t T, int64_t H,
+              int route, float *out) {
+    const int64_t E = m[MOE_E], k = m[MOE_TOP_K], I = m[MOE_I], P = T * k;
+    const int64_t *gu_runs = (const int64_t *)m[MOE_GU_RUNS];
+    const int64_t *dn_runs = (const int64_t *)m[MOE_DN_RUNS];
+    const act_rows *a = &s->a;
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
-                const int64_t p = pair[lo + r];
-                const float w = wts[p];
-                float *o = out + (p / top_k) * H;
-                const float *yr = y + r * H;
-                for (int64_t j = 0; j < H; j++) {
-                    const float v = w * yr[j];
-                    o[j] += v;
-                }
+    for (int64_t t = 0; t < T; t++) {
+        if (route) route_row(s, m, h, H, t);
+        sort_pairs(s->ids + t * k, s->wts + t * k, k);
+    }
+#pragma omp single
+    {  // the pairs sorted by expert (a counting sort, stable) and the experts chosen
+        int64_t *start = s->start;
+        memset(start, 0, sizeof(int64_t) * (size_t)(E + 1));
+        for (int64_t p = 0; p < P; p++) start[s->ids[p] + 1]++;
+        int64_t nh = 0;
+        for (int64_t e = 0; e < E; e++) {
+            if (start[e + 1]) s->hit[nh++] = e;
+            start[e + 1] += start[e];
+        }
+        s->hit[E] = nh;  // hit has E + 1 slots: the count last
+        int64_t *fill = s->cursor;
+        for (int64_t e = 0; e < E; e++) fill[e] = start[e];
+        for (int64_t p = 0; p < P; p++) s->pair[fill[s->ids[p]]++] = p;
+        for (int64_t r = 0; r < P; r++) s->pos[s->pair[r]] = r;
+    }
+    const int64_t nh = s->hit[E];
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < P; r++) quantize_act_row(a, h + (s->pair[r] / k) * H, H, r);
+    const int64_t gg = 2 * I / GROUP, gd = H / GROUP;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < nh * gg; i++) {
+        const int64_t e = s->hit[i / gg], r0 = s->start[e];
+        linear_group(gu_runs + e * DS_RUNS * 3, i % gg, H, a, r0, s->start[e + 1] - r0,
+                     s->gu + r0 * 2 * I, 2 * I);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < P; r++) {
+        float *row = s->gu + r * 2 * I;
+        act_mul_row((int)m[MOE_ACT], row, I);
+        quantize_act_row(a, row, I, r);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < nh * gd; i++) {
+        const int64_t e = s->hit[i / gd], r0 = s->start[e];
+        linear_group(dn_runs + e * DS_RUNS * 3, i % gd, I, a, r0, s->start[e + 1] - r0,
+                     s->y + r0 * H, H);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        memset(o, 0, sizeof(float) * (size_t)H);
+        for (int64_t j = 0; j < k; j++) {  // ascending expert id (sort_pairs)
+            const float w = s->wts[t * k + j];
+            const float *yr = s->y + s->pos[t * k + j] * H;
+            for (int64_t c = 0; c < H; c++) {
+                const float v = w * yr[c];
+                o[c] += v;
             }
         }
     }
-    free(start); free(pair); free(gu); free(q); free(qs);
+}
+
+// x [T, H] float32 -> out [T, H] float32, the experts' sum (the shared expert is not here).
+// m: the layer (ops.h's MOE_* fields). route 1: ids [T, k] / wts [T, k] are written (each
+// token's experts in ascending id); route 0: they are read (given routings, for tests).
+// Returns 0; -1 when scratch memory could not be allocated; -2 for shapes, ids or runs the
+// kernels do not take.
+int moe_forward(int64_t T, int64_t H, const float *x, const int64_t *m, int route,
+                int64_t *ids, float *wts, float *out) {
+    if (T <= 0 || moe_layer_check(m, H)) return -2;
+    const int64_t E = m[MOE_E], k = m[MOE_TOP_K];
+    if (!route)
+        for (int64_t p = 0; p < T * k; p++)
+            if (ids[p] < 0 || ids[p] >= E) return -2;
+    moe_scratch s;
+    if (moe_scratch_alloc(&s, T, H, E, k, m[MOE_I])) return -1;
+    if (!route) {
+        memcpy(s.ids, ids, sizeof(int64_t) * (size_t)(T * k));
+        memcpy(s.wts, wts, sizeof(float) * (size_t)(T * k));
+    }
+#pragma omp parallel
+    moe_team(m, &s, x, T, H, route, out);
+    memcpy(ids, s.ids, sizeof(int64_t) * (size_t)(T * k));
+    memcpy(wts, s.wts, sizeof(float) * (size_t)(T * k));
+    moe_scratch_free(&s);
     return 0;
 }

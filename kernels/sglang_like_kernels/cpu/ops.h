@@ -28,12 +28,19 @@ void q4_1_quantize_row_q8(const float *x, int K, int8_t *q, float *e, float *S);
 void q4_x16_matmul_team(const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
                         const float *e, const float *S, int64_t M, float *y, int64_t ldy);
 
+// one group of 16 output rows of q4_x16_matmul_team, on the calling thread
+void q4_x16_matmul_group(const uint8_t *w, int64_t g, int64_t K, const int8_t *q,
+                         const float *e, const float *S, int64_t M, float *y, int64_t ldy);
+
 // kquants.c: a GGUF-type matrix of `kind` (kquants.c's enum) times quantized rows, which
 // also carry qs [M, K/16] (kq_row_sums16 of q)
 void kq_row_sums16(const int8_t *q, int64_t K, int32_t *qs);
 void kq_matmul_team(int kind, const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
                     const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
                     int64_t ldy);
+void kq_matmul_group(int kind, const uint8_t *w, int64_t g, int64_t K, const int8_t *q,
+                     const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
+                     int64_t ldy);
 
 // Activation rows quantized for the int linears: q [T, K] int8 codes, e / S [T, K / 32] the
 // block scales and sums, qs [T, K / 16] (NULL when every linear is x16) the sums kquants take.
@@ -50,6 +57,25 @@ void quantize_act_row(const act_rows *a, const float *x, int64_t K, int64_t t);
 #define DS_RUNS 4
 void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
                       const act_rows *a, int64_t T, float *y);
+
+// moe.c: a sparse layer as int64 fields (a row of the fused step's moe table, or one layer
+// for moe_forward): experts, top k, expert width, renormalize (0/1), ACT_*, and addresses of
+// the float32 router [E, H] and the experts' runs [E][DS_RUNS][3] of gate_up and down
+enum { MOE_E, MOE_TOP_K, MOE_I, MOE_RENORM, MOE_ACT, MOE_ROUTER, MOE_GU_RUNS, MOE_DN_RUNS,
+       MOE_FIELDS };
+typedef struct {
+    int64_t cap_T, cap_E, cap_k, cap_I, H;  // what it was sized for
+    int64_t *ints, *ids, *start, *pair, *pos, *hit, *cursor;
+    float *floats, *wts, *logits, *gu, *y;
+    int8_t *q;
+    act_rows a;
+} moe_scratch;
+int moe_layer_check(const int64_t *m, int64_t H);  // 0, or -2 for a layer moe.c cannot run
+int moe_scratch_alloc(moe_scratch *s, int64_t T, int64_t H, int64_t E, int64_t k, int64_t I);
+void moe_scratch_free(moe_scratch *s);
+// team phases: out [T, H] = the experts' sum for h [T, H] (route 0: s->ids / s->wts given)
+void moe_team(const int64_t *m, const moe_scratch *s, const float *h, int64_t T, int64_t H,
+              int route, float *out);
 
 typedef struct {
     int64_t B, Hq, Hkv, D;

@@ -14,7 +14,7 @@ import torch
 from sglang_like_kernels.cpu import _lib
 
 __all__ = ["POOL_KINDS", "act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope",
-           "decode_step_x16", "eagle_head_x16", "moe_experts", "pool_kind", "residual_norm", "rmsnorm",
+           "decode_step_x16", "eagle_head_x16", "moe_forward", "moe_layer", "pool_kind", "residual_norm", "rmsnorm",
            "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
@@ -231,7 +231,8 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
                     cfg: torch.Tensor | None = None, fcfg: torch.Tensor | None = None,
                     local_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
                     kv_scales: torch.Tensor | None = None,
-                    lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+                    lora: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                    moe: torch.Tensor | None = None) -> None:
     """Every layer of a decode or verify step (decode_step.c), x float32 [T, H] updated in
     place from the embedded rows to the residual stream after the last layer. `ptrs` int64
     [L, DECODE_STEP_PTRS]: addresses of each layer's x16 qkv, o, gate_up and down weights,
@@ -251,13 +252,17 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     float32, as `decode_attention_rope`'s k_scale / v_scale). `lora`: (rows int64 [T], each
     row's adapter index or -1; tab int64 [S, L, 4, 3], adapter s's (A address, B address, R)
     for layer l's qkv, o, gate_up, down, A 0 where it has none; the largest R): each row
-    adds its adapter's float32 B @ (A @ x) to those linears' outputs."""
+    adds its adapter's float32 B @ (A @ x) to those linears' outputs. `moe` int64
+    [L, MOE_FIELDS] (None: every layer dense): a row with experts (`moe_layer`'s fields) makes
+    that layer's MLP its mixture of experts."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError("x must be a contiguous float32 tensor")
     if table.dtype != torch.int32 or table.stride(-1) != 1:
         raise TypeError("the key table must be int32 with contiguous rows")
     if tuple(ptrs.shape) != (num_layers, DECODE_STEP_PTRS):
         raise ValueError(f"ptrs must be [{num_layers}, {DECODE_STEP_PTRS}]")
+    if moe is not None and tuple(moe.shape) != (num_layers, MOE_FIELDS):
+        raise ValueError(f"moe must be [{num_layers}, {MOE_FIELDS}]")
     if cfg is None:
         cfg = torch.zeros(num_layers, DECODE_STEP_CFG, dtype=torch.int64)
     if fcfg is None:
@@ -294,7 +299,8 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
         None if runs is None else _int64("runs", runs),
         None if kind < 2 else _int64("kv_scales", kv_scales),
         None if lora_rows is None else _int64("lora_rows", lora_rows),
-        None if lora_tab is None else _int64("lora_tab", lora_tab), n_lora, rmax)
+        None if lora_tab is None else _int64("lora_tab", lora_tab), n_lora, rmax,
+        None if moe is None else _int64("moe", moe))
     if rc == -2:
         raise ValueError(f"decode_step_x16 cannot take these shapes or settings (H={h}, heads "
                          f"{num_heads}/{num_kv_heads}x{head_dim}, intermediate {intermediate}; "
@@ -366,30 +372,48 @@ def eagle_head_x16(embeds: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torc
     return out, top_ids, top_lp
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                gate_up_runs: torch.Tensor, down_runs: torch.Tensor, intermediate_size: int,
-                activation: str) -> torch.Tensor:
-    """sum over k of weights[t, k] * expert[ids[t, k]](x[t]) (moe.c): x float32 [T, H], ids
-    int64 [T, top_k], weights float32 [T, top_k]; each expert's gate_up and down as runs
-    (int64 [E, DECODE_STEP_RUNS, 3]: kind, packed weight address, rows; see ops.h). Returns
-    float32 [T, H]."""
-    x = x.float().contiguous()
-    ids, weights = ids.contiguous(), weights.float().contiguous()
-    T, H = x.shape
-    E = gate_up_runs.shape[0]
-    if ids.dtype != torch.int64 or ids.shape != weights.shape or ids.shape[0] != T:
-        raise TypeError("ids int64 and weights [T, top_k] beside x [T, H]")
+MOE_FIELDS = 8  # ops.h's MOE_*: E, top_k, I, renormalize, activation, router, gate_up, down
+
+
+def moe_layer(router: torch.Tensor, gate_up_runs: torch.Tensor, down_runs: torch.Tensor,
+              top_k: int, intermediate_size: int, renormalize: bool,
+              activation: str) -> torch.Tensor:
+    """A sparse layer as moe.c reads it: int64 [MOE_FIELDS] (the router float32 [E, H] and the
+    experts' runs int64 [E, DECODE_STEP_RUNS, 3] by address: the caller keeps them alive)."""
+    E = router.shape[0]
     for name, runs in (("gate_up_runs", gate_up_runs), ("down_runs", down_runs)):
         if (runs.dtype != torch.int64 or not runs.is_contiguous()
                 or tuple(runs.shape) != (E, DECODE_STEP_RUNS, 3)):
             raise TypeError(f"{name}: contiguous int64 [E, {DECODE_STEP_RUNS}, 3]")
+    if router.dtype != torch.float32 or not router.is_contiguous():
+        raise TypeError("router: contiguous float32 [E, H]")
+    return torch.tensor([E, top_k, intermediate_size, int(renormalize), ACTIVATIONS[activation],
+                         router.data_ptr(), gate_up_runs.data_ptr(), down_runs.data_ptr()],
+                        dtype=torch.int64)
+
+
+def moe_forward(x: torch.Tensor, layer: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor]
+                | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, ids, weights) of a sparse layer (moe.c) for x float32 [T, H]: out float32 [T, H]
+    the experts' sum, ids int64 / weights float32 [T, top_k] the routing (each token's experts
+    in ascending id). `routing` (ids, weights): use it instead of the router's."""
+    x = x.float().contiguous()
+    T, H = x.shape
+    k = int(layer[1])
+    if routing is None:
+        ids = torch.empty(T, k, dtype=torch.int64)
+        weights = torch.empty(T, k, dtype=torch.float32)
+    else:
+        ids = routing[0].to(torch.int64).contiguous().clone()
+        weights = routing[1].float().contiguous().clone()
+        if tuple(ids.shape) != (T, k) or ids.shape != weights.shape:
+            raise TypeError(f"routing: ids and weights [{T}, {k}]")
     out = torch.empty_like(x)
-    rc = _lib(None).moe_experts(T, H, intermediate_size, E, ids.shape[1], x.data_ptr(),
-                                ids.data_ptr(), weights.data_ptr(), gate_up_runs.data_ptr(),
-                                down_runs.data_ptr(), ACTIVATIONS[activation], out.data_ptr())
+    rc = _lib(None).moe_forward(T, H, x.data_ptr(), layer.data_ptr(), int(routing is None),
+                                ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     if rc == -1:
-        raise MemoryError("moe_experts: scratch memory")
+        raise MemoryError("moe_forward: scratch memory")
     if rc:
-        raise ValueError(f"moe_experts: shapes or expert ids it does not take (H={H}, "
-                         f"I={intermediate_size}, E={E}, top_k={ids.shape[1]})")
-    return out
+        raise ValueError(f"moe_forward: shapes, expert ids or runs it does not take (H={H}, "
+                         f"layer={layer.tolist()[:5]})")
+    return out, ids, weights

@@ -161,6 +161,18 @@ void q4_x16_matmul_team(const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
     }
 }
 
+// q4_x16_matmul_team's work for output group g (rows [16 g, 16 g + 16)) alone, on the
+// calling thread: y points at the group's first column
+void q4_x16_matmul_group(const uint8_t *w, int64_t g, int64_t K, const int8_t *q,
+                         const float *e, const float *S, int64_t M, float *y, int64_t ldy) {
+    const int nb = (int)(K / XQK);
+    const uint8_t *grp = w + g * (int64_t)nb * X16_RECORD;
+    for (int64_t r = 0; r < M; r += X16_MAX_ACT) {
+        const int rows = (int)(M - r < X16_MAX_ACT ? M - r : X16_MAX_ACT);
+        X16_PASSES[rows](grp, nb, q + r * K, e + r * nb, S + r * nb, (int)K, y + r * ldy, ldy);
+    }
+}
+
 // y [M, N] (row stride ldy) = x [M, K] float32 (row stride ldx) @ W.T, W [N, K] in the x16
 // layout (N a multiple of 16). Returns 0, or -1 when K is not a multiple of 32, N not of 16,
 // or scratch could not be allocated.
