@@ -9,6 +9,11 @@ all of its rows: its weights are read once per step whatever the batch, and an e
 chose costs nothing. The router itself stays float32 (its top-k choice is the layer's most
 rounding-sensitive decision; it is E x hidden, small beside one expert).
 
+Where the experts are x16 int4 or GGUF kinds on CPU, routing and experts are one native call
+(kernels/.../cpu/moe.c, `native_layer`), and inside the one-call decode step the same phases
+run for the layer; elsewhere (int8, dense, CUDA) `route` and `experts_forward` below, the
+latter one Triton grouped GEMM on CUDA for dense experts.
+
 Routing (each family's config says which): softmax over the router's E logits, the top_k
 largest, renormalized to sum to 1 over the chosen when `norm_topk_prob` (Qwen3-MoE's released
 models, Mixtral) or left as they are (Qwen2-MoE, OLMoE). Qwen2-MoE adds a shared expert that
@@ -28,8 +33,8 @@ from torch import nn
 
 import sglang_like_kernels.cpu
 from sglang_like.layers.activation import gated
-from sglang_like_kernels.cpu import ops as cpu_ops
 from sglang_like.layers.quantization import QuantConfig, QuantLinear
+from sglang_like_kernels.cpu import ops as cpu_ops
 
 if TYPE_CHECKING:
     from sglang_like.config import ModelConfig

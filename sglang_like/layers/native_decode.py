@@ -69,9 +69,9 @@ def supports(description: DecoderLayerDescription) -> bool:
     ("pre", "sandwich", "post"), a SiLU- or GeLU(tanh)-gated MLP, q/k norms per head or over
     the whole projection (the latter needs one rank: native runs only without tensor
     parallelism), the global, local or no RoPE table, any sliding window, soft-cap and
-    residual scale; a dense MLP, or a mixture of experts (its SparseMoE called whole, on the
-    per-op path; the one-call step takes dense layers only). Biases are added after the linears (the one-call step takes q/k/v's and
-    o's; it refuses an MLP bias itself)."""
+    residual scale; a dense MLP, or a mixture of experts (its SparseMoE called whole on the
+    per-op path, moe.c's phases in the one-call step). Biases are added after the linears
+    (the one-call step takes q/k/v's and o's; it refuses an MLP bias itself)."""
     d = description
     return (d.norm == "rms" and d.mlp in ("dense", "moe")
             and d.norm_layout in ("pre", "sandwich", "post")

@@ -14,8 +14,8 @@ import torch
 from sglang_like_kernels.cpu import _lib
 
 __all__ = ["POOL_KINDS", "act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope",
-           "decode_step_x16", "eagle_head_x16", "moe_forward", "moe_layer", "pool_kind", "residual_norm", "rmsnorm",
-           "silu_mul"]
+           "decode_step_x16", "eagle_head_x16", "moe_forward", "moe_layer", "pool_kind",
+           "residual_norm", "rmsnorm", "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
 # the C side's codes (ops.h, decode_step.c) of a layer description's values (layers/decoder.py)
