@@ -38,7 +38,7 @@ from sglang_like.server.errors import (
 )
 from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.openai import format as fmt
-from sglang_like.server.openai.chat import _chat_input_ids, _tool_plan
+from sglang_like.server.openai.chat import chat_input_ids, tool_plan
 from sglang_like.server.openai.common import check_prompt_len
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, check_max_tokens, parse_model
@@ -297,10 +297,10 @@ async def _prompt(
     """The chat request, its tool plan and the prompt's token ids (the template and the
     tokenizer on a worker thread)."""
     req = _chat_request(body)
-    plan = _tool_plan(state, req)
+    plan = tool_plan(state, req)
     state.check_text_length([m.content or "" for m in req.messages
                              if isinstance(m.content, str)], "messages")
-    input_ids = await run_in_threadpool(_chat_input_ids, state, req, plan)
+    input_ids = await run_in_threadpool(chat_input_ids, state, req, plan)
     check_prompt_len(state, len(input_ids))
     return req, plan, input_ids
 

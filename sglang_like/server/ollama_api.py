@@ -34,7 +34,7 @@ from sglang_like.server.errors import ApiError, dumps, json_response, read_json_
 from sglang_like.server.json_schemas import SAMPLING_RANGES, documented
 from sglang_like.server.lora_api import list_adapters, resolve_model
 from sglang_like.server.openai import format as fmt
-from sglang_like.server.openai.chat import _chat_input_ids, _tool_plan
+from sglang_like.server.openai.chat import chat_input_ids, tool_plan
 from sglang_like.server.openai.common import check_prompt_len
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, check_max_tokens, parse_model
@@ -283,9 +283,9 @@ async def chat(request: Request) -> Response:
         return json_response({**_head(model), "message": {"role": "assistant", "content": ""},
                               "done_reason": "load", "done": True})
     req = _chat_request(body, _chat_messages(body.messages), body.tools)
-    plan = _tool_plan(state, req)
+    plan = tool_plan(state, req)
     state.check_text_length([m.content for m in body.messages], "messages")
-    input_ids = await run_in_threadpool(_chat_input_ids, state, req, plan)
+    input_ids = await run_in_threadpool(chat_input_ids, state, req, plan)
     return await _answer(request, state, _Job(model, req, plan, input_ids, lora, body, "chat"))
 
 
@@ -305,7 +305,7 @@ async def generate(request: Request) -> Response:
     if body.raw:
         input_ids = list(await run_in_threadpool(state.tokenizer.encode, body.prompt))
     else:
-        input_ids = await run_in_threadpool(_chat_input_ids, state, req, None)
+        input_ids = await run_in_threadpool(chat_input_ids, state, req, None)
     input_ids = list(body.context or []) + input_ids
     return await _answer(request, state, _Job(model, req, None, input_ids, lora, body,
                                               "generate"))

@@ -46,7 +46,7 @@ async def chat_completions(request: Request) -> Response:
     req = parse_model(ChatCompletionRequest, await read_json_body(request))
     req.check(state.context_length)
     lora, model = resolve_model(state, req.model, req.lora_path)
-    plan = _tool_plan(state, req)
+    plan = tool_plan(state, req)
     state.check_text_length([_content_text(m.content) for m in req.messages], "messages")
     # the template and the tokenizer run on a worker thread, off the loop that streams
     prompt, input_ids = await run_in_threadpool(_chat_prompt, state, req, plan)
@@ -114,7 +114,7 @@ def _content_text(content: Any) -> str:
     return content or ""
 
 
-def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:
+def tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:
     args = state.server_args
     try:
         return ToolPlan.build(
@@ -202,7 +202,7 @@ async def _chat_events(
     yield DONE
 
 
-def _chat_input_ids(
+def chat_input_ids(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None
 ) -> list[int]:
     return _chat_prompt(state, req, plan)[1]
