@@ -168,6 +168,8 @@ class ProcessCoreClient:
         reply = slot[1]
         if isinstance(reply, str):
             raise EngineProcessError(reply)
+        if not reply.ok and reply.refused is not None:
+            raise ValueError(reply.refused)
         if not reply.ok:
             raise EngineProcessError(f"{method} failed in the engine: {reply.error}")
         return reply.value

@@ -63,6 +63,9 @@ class RpcReply(msgspec.Struct, tag="rpc_reply", frozen=True):
     ok: bool
     value: Any = None
     error: str = ""
+    # the method refused its input (it raised ValueError, with this message): the caller gets
+    # a ValueError too, as the in-process core's caller does
+    refused: str | None = None
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):

@@ -67,8 +67,9 @@ class RpcAnswer:
         if ok:
             self._outbox.add(m.RpcReply(self.call_id, True, value))
         else:
-            self._outbox.add(m.RpcReply(self.call_id, False,
-                                        error=f"{type(value).__name__}: {value}"))
+            self._outbox.add(m.RpcReply(
+                self.call_id, False, error=f"{type(value).__name__}: {value}",
+                refused=str(value) if isinstance(value, ValueError) else None))
 
 
 class Outbox(LoopHooks):

@@ -30,9 +30,6 @@ router = APIRouter()
 
 _MAX_NAME_CHARS = 256
 _UPDATE_OK = json_content({"$ref": "#/components/schemas/LoraUpdateResponse"})
-# How a ValueError raised inside the engine process reaches this process: as the engine
-# client's EngineProcessError (a RuntimeError) with this text before the original message.
-_CORE_VALUE_ERROR = "failed in the engine: ValueError: "
 _NOT_ENABLED = "LoRA is not enabled on this server (start it with --enable-lora or --lora-paths)"
 
 
@@ -165,15 +162,8 @@ async def _engine_call(method: Any, *args: Any) -> Any:
     adapter, a name taken or unknown, no room) become a 400 with the engine's message."""
     try:
         return await run_in_threadpool(method, *args)
-    except ValueError as e:
+    except ValueError as e:  # in process or from the engine process (its client re-raises)
         raise ApiError(400, str(e) or type(e).__name__) from None
-    except RuntimeError as e:
-        # the engine process's registry refuses with a ValueError too, which its client
-        # hands on as a RuntimeError carrying the message (anything else stays a 500)
-        text = str(e)
-        if _CORE_VALUE_ERROR not in text:
-            raise
-        raise ApiError(400, text.split(_CORE_VALUE_ERROR, 1)[1]) from None
 
 
 async def _loaded_adapters(state: ServerState) -> dict[str, str]:
