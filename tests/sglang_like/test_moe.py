@@ -261,3 +261,28 @@ def test_deterministic_moe_is_batch_invariant(qwen3_moe: str) -> None:
         assert alone == together == cached
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_eagle3_head_on_an_moe_target(qwen3_moe: str, tmp_path: Any, quant: str) -> None:
+    """An EAGLE-3 head (seeded random: its drafts are mostly rejected) on an MoE target: the
+    head reads the target's captured layers, every verify runs through the sparse layers
+    (int4: the native verify path and moe.c), and the greedy tokens are the plain run's."""
+    from .spec_fakes import random_head
+
+    plain = _engine(qwen3_moe, quantization=quant, disable_radix_cache=True)
+    try:
+        want = [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]
+        config = plain.model_config
+    finally:
+        plain.shutdown()
+    head = random_head(str(tmp_path / "head"), config.vocab_size, config.hidden_size,
+                       config.num_hidden_layers)
+    spec = _engine(qwen3_moe, quantization=quant, disable_radix_cache=True,
+                   speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+    try:
+        outs = spec.generate(PROMPTS, GREEDY)
+        assert [o["output_ids"] for o in outs] == want
+        assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs) > 0
+    finally:
+        spec.shutdown()
