@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter
@@ -360,15 +360,23 @@ _EVENTS = {"text/event-stream": {"schema": {
     AnthropicMessagesRequest, {**json_content(_MESSAGE_SCHEMA), **_EVENTS}))
 async def create_message(request: Request) -> Response:
     """Anthropic's Messages API: one assistant turn, whole or as SSE events."""
+    return await answer_refusals(_create_message, request, error_response)
+
+
+async def answer_refusals(route: Any, request: Request,
+                          respond: Callable[[int, str], Response]) -> Response:
+    """`route(request)`, its refusals answered by `respond(status, message)` in its API's
+    shape (also the Ollama routes'): an ApiError as it says, the engine's ValueError as a 400;
+    a client that left gets 499."""
     try:
-        return await _create_message(request)
+        return await route(request)
     except ClientGone:
         return Response(status_code=499)
     except ApiError as e:
-        return error_response(e.status_code, e.message)
+        return respond(e.status_code, e.message)
     except ValueError as e:  # the engine's refusal of the request
         get_state(request).metrics.observe_rejected(400)
-        return error_response(400, str(e) or type(e).__name__)
+        return respond(400, str(e) or type(e).__name__)
 
 
 @router.post("/messages/count_tokens", openapi_extra=_documented(

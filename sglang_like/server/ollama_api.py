@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.function_call import ToolPlan
-from sglang_like.server.anthropic_api import parse_body, raise_if_aborted
+from sglang_like.server.anthropic_api import answer_refusals, parse_body, raise_if_aborted
 from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.json_schemas import SAMPLING_RANGES, documented
 from sglang_like.server.lora_api import list_adapters, resolve_model
@@ -38,7 +38,7 @@ from sglang_like.server.openai.chat import chat_input_ids, tool_plan
 from sglang_like.server.openai.common import check_prompt_len
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, check_max_tokens, parse_model
-from sglang_like.server.runner import ClientGone, EngineStream
+from sglang_like.server.runner import EngineStream
 from sglang_like.server.sse import open_streams, sse_response
 from sglang_like.server.state import ServerState, get_state
 
@@ -258,15 +258,7 @@ def _guarded(route: Any) -> Any:
     """Run a route, answering its refusals in Ollama's shape."""
 
     async def run(request: Request) -> Response:
-        try:
-            return await route(request)
-        except ClientGone:
-            return Response(status_code=499)
-        except ApiError as e:
-            return _error_response(e.status_code, e.message)
-        except ValueError as e:  # the engine's refusal of the request
-            get_state(request).metrics.observe_rejected(400)
-            return _error_response(400, str(e) or type(e).__name__)
+        return await answer_refusals(route, request, _error_response)
 
     run.__name__ = route.__name__
     run.__doc__ = route.__doc__
