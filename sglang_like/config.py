@@ -8,6 +8,36 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The image side of a vision-language model: a ViT encoder (CLIP or SigLIP layout) and the
+    family's projector into the text model's embedding space (sglang_like.models.registry's
+    VISION_FAMILIES name the classes). Built by the loader from config.json."""
+
+    family: str  # "llava" | "idefics3"
+    encoder: str  # "clip" (class token, pre-norm) | "siglip"
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str  # "quick_gelu" | "gelu_pytorch_tanh" | "gelu"
+    image_token_id: int  # the prompt token each image embedding row replaces
+    # LLaVA: the encoder layer whose output feeds the projector (negative: from the end, as
+    # transformers' hidden_states index), and "default" (drop the class token) or "full"
+    feature_layer: int = -1
+    feature_select: str = "full"
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+    scale_factor: int = 1  # Idefics3's pixel shuffle: scale_factor**2 patches per token
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer of one of the supported families
     (sglang_like.models.registry), whatever file it came from.
@@ -60,6 +90,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] | None = None
+    # a vision-language model's image side (encoder, projector); None: the model reads text
+    vision: VisionConfig | None = field(default=None, hash=False, compare=False)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, None for a full-attention layer."""
@@ -192,6 +224,12 @@ class ServerArgs:
     max_lora_rank: int | None = None  # an adapter of a higher rank is refused at load
     # the modules adapters may target (lora.LORA_TARGETS); None / "all": every one
     lora_target_modules: tuple[str, ...] | None = None
+    # Images (a vision-language model; sglang_like.multimodal): local image paths are taken
+    # only under this folder (vLLM's --allowed-local-media-path; None: refused), at most
+    # limit_mm_per_prompt images a prompt, and the encoder outputs kept by image hash
+    allowed_local_media_path: str | None = None
+    limit_mm_per_prompt: int = 16
+    mm_encoder_cache_mb: int = 256
     # Server
     host: str = "127.0.0.1"
     port: int = 30000

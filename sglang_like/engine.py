@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from sglang_like.config import ServerArgs
-from sglang_like.engine_core.io import RequestHandle, prepare_inputs
-from sglang_like.engine_core.messages import GenerateReqInput, encode
+from sglang_like.engine_core.io import RequestHandle, encode_prompt, prepare_inputs
+from sglang_like.engine_core.messages import GenerateReqInput, ImageItem, encode
 from sglang_like.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class Engine:
         self.loop_cpu = info.loop_cpu  # the core the engine loop has to itself, if any
         self.tokenizer = self._client.tokenizer
         self._lock = threading.Lock()
+        self._prompter: Any = False  # loaded on first use (image_prompter)
         # names of the loaded LoRA adapters (a request naming another is refused here, 400)
         self._lora_names: set[str] = (
             {a["name"] for a in self._client.call("list_lora_adapters")}
@@ -108,15 +109,20 @@ class Engine:
         bootstrap_room: int | list[int] | None = None,
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
+        image_data: Any = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict), a list (a list of dicts), or stream increments.
         `cache_salt`: requests of different salts share no cached prefix (tenants).
         `lora_path`: the name of a loaded LoRA adapter to run on (SGLang's field), or one per
-        prompt of a batch (None: the base model)."""
+        prompt of a batch (None: the base model).
+        `image_data` (a vision-language model): an image or a list of them for a text prompt
+        that names each with the model's placeholder (`<image>`), or one such per prompt of a
+        batch; an image is a data: or http(s) URL, base64, bytes, a PIL image, or a local path
+        under `allowed_local_media_path`."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
                                          logprob_start_len, top_logprobs_num, stream, rid,
                                          (bootstrap_host, bootstrap_port, bootstrap_room),
-                                         cache_salt, lora_path)
+                                         cache_salt, lora_path, image_data)
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
             return self._stream_sync(handles[0], is_batch)
@@ -139,6 +145,7 @@ class Engine:
         bootstrap_room: int | list[int] | None = None,
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
+        image_data: Any = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """The asyncio form of `generate`; with stream=True, an async iterator of increments.
         A text prompt is tokenized on a thread of the engine's, not on the event loop, which
@@ -146,7 +153,7 @@ class Engine:
         make = functools.partial(
             self._make_reqs, prompt, sampling_params, input_ids, return_logprob,
             logprob_start_len, top_logprobs_num, stream, rid,
-            (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt, lora_path)
+            (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt, lora_path, image_data)
         loop = asyncio.get_running_loop()
         if prompt is None:
             reqs, is_batch = make()
@@ -165,8 +172,26 @@ class Engine:
 
     def chat(self, messages: list[dict], sampling_params: dict | None = None,
              **kwargs: Any) -> dict | Iterator[dict]:
-        """Apply the model's chat template to `messages` and generate the assistant turn."""
+        """Apply the model's chat template to `messages` and generate the assistant turn.
+        A message's content may be a list of parts: {"type": "text", "text": ...} and, for a
+        vision-language model, {"type": "image", "image": <any form `image_data` takes>}."""
+        images = [part.get("image") for m in messages if isinstance(m.get("content"), list)
+                  for part in m["content"] if isinstance(part, dict)
+                  and part.get("type") == "image"]
+        if images:
+            kwargs["image_data"] = images
         return self.generate(self.apply_chat_template(messages), sampling_params, **kwargs)
+
+    @property
+    def image_prompter(self) -> Any:
+        """The served model's image preprocessing and prompt expansion
+        (multimodal.processor.ImagePrompter); None when it reads text only."""
+        if self._prompter is False:
+            from sglang_like.multimodal.processor import load_prompter
+
+            self._prompter = load_prompter(self.model_config.model_path,
+                                           self.model_config.vision, self.model_config.vocab_size)
+        return self._prompter
 
     def apply_chat_template(self, messages: list[dict], tools: Any = None) -> str:
         if not messages:
@@ -363,11 +388,15 @@ class Engine:
                    logprob_start_len: int, top_logprobs_num: int, stream: bool,
                    rid: Any, bootstrap: tuple[Any, Any, Any] = (None, None, None),
                    cache_salt: str | None = None, lora_path: Any = None,
-                   ) -> tuple[list[GenerateReqInput], bool]:
+                   image_data: Any = None) -> tuple[list[GenerateReqInput], bool]:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        images: list[list[ImageItem] | None] | None = None
+        if image_data is not None:
+            input_ids, images = self._image_prompts(prompt, input_ids, image_data)
+            prompt = None
         items, is_batch = prepare_inputs(self.tokenizer, prompt, input_ids, sampling_params, rid)
         pd = _bootstrap_per_item(bootstrap, len(items), is_batch)
         loras = self._lora_per_item(lora_path, len(items), is_batch)
@@ -375,8 +404,13 @@ class Engine:
         for k, (ids, sp_dict, item_rid) in enumerate(items):
             sp = SamplingParams.from_dict(sp_dict)
             sp.validate(self.model_config.vocab_size)
-            self._check_lengths(ids, sp, return_logprob, logprob_start_len, top_logprobs_num)
+            item_images = images[k] if images else None
+            self._check_lengths(ids, sp, return_logprob, logprob_start_len, top_logprobs_num,
+                                item_images)
             host, port, room = pd[k]
+            if room is not None and item_images:
+                raise ValueError("a disaggregated (bootstrap_room) request cannot carry images "
+                                 "yet")
             if room is not None and sp.n != 1:
                 raise ValueError("n > 1 is not supported for a disaggregated (bootstrap_room) "
                                  "request")
@@ -391,7 +425,7 @@ class Engine:
                     top_logprobs_num=top_logprobs_num, stream=bool(stream),
                     arrival_time=time.perf_counter(), bootstrap_host=host,
                     bootstrap_port=port, bootstrap_room=room, cache_salt=cache_salt or None,
-                    lora_name=loras[k]))
+                    lora_name=loras[k], images=item_images))
         for msg in reqs:  # all or none: a field the wire cannot carry fails before any submit
             try:
                 encode(msg)
@@ -408,7 +442,8 @@ class Engine:
         return reqs, is_batch
 
     def _check_lengths(self, ids: list[int], sp: SamplingParams, return_logprob: bool,
-                       logprob_start_len: int, top_logprobs_num: int) -> None:
+                       logprob_start_len: int, top_logprobs_num: int,
+                       images: list[ImageItem] | None = None) -> None:
         ctx = self.server_args.context_length
         if not ids:
             raise ValueError("the prompt is empty")
@@ -416,6 +451,13 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {ctx}, "
                              "which must also leave room for at least one new token")
         vocab = self.model_config.vocab_size
+        if images:  # image positions hold pad ids past the vocabulary, put there by us
+            pads = {item.pad_value for item in images}
+            ids = [0 if t in pads else t for t in ids]
+            first = min(s for item in images for s, _ in item.runs)
+            if return_logprob and 0 <= logprob_start_len <= first:
+                raise ValueError(f"prompt logprobs cannot cover image positions: give "
+                                 f"logprob_start_len > {first} (the first image token)")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"input_ids must be integers in [0, {vocab})")
         if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
@@ -425,6 +467,45 @@ class Engine:
                              f"({len(ids)} tokens)")
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 100:
             raise ValueError(f"top_logprobs_num must be in [0, 100], got {top_logprobs_num!r}")
+
+    def _image_prompts(self, prompt: Any, input_ids: Any, image_data: Any
+                       ) -> tuple[list[int] | list[list[int]], list[list[ImageItem] | None]]:
+        """(prompt ids with image pad values, each prompt's images) of text prompts whose
+        placeholders name `image_data`'s images, one list per prompt of a batch."""
+        name = self.server_args.served_model_name or self.model_config.model_path or "model"
+        if self.image_prompter is None:
+            raise ValueError(f"the model {name!r} reads text only; it takes no image input "
+                             "(image_data)")
+        if input_ids is not None or prompt is None:
+            raise ValueError("image_data needs a text prompt (with the image placeholder "
+                             f"{self.image_prompter.placeholder!r}), not input_ids")
+        is_batch = isinstance(prompt, list)
+        prompts = prompt if is_batch else [prompt]
+        if is_batch:
+            if not isinstance(image_data, list) or len(image_data) != len(prompts):
+                raise ValueError("for a batch of prompts, image_data must be a list with one "
+                                 "entry (an image, a list of images, or null) per prompt")
+            per_prompt = list(image_data)
+        else:
+            per_prompt = [image_data]
+        from sglang_like.multimodal.images import ImageLimits, load_image
+
+        limits = ImageLimits(allowed_local_path=self.server_args.allowed_local_media_path)
+        cap = self.server_args.limit_mm_per_prompt
+        id_lists, images = [], []
+        for text, data in zip(prompts, per_prompt, strict=True):
+            if not isinstance(text, str):
+                raise ValueError("the prompt must be a string or a list of strings")
+            data = [] if data is None else data if isinstance(data, list) else [data]
+            if len(data) > cap:
+                raise ValueError(f"a prompt takes at most {cap} images; it has {len(data)}")
+            pictures = [load_image(d, limits) for d in data]
+            ids, spans = self.image_prompter.build(
+                text, pictures, functools.partial(encode_prompt, self.tokenizer))
+            id_lists.append(ids)
+            images.append([ImageItem(sp.hash, sp.pad_value, sp.runs, sp.pixel_values.tobytes(),
+                                     tuple(sp.pixel_values.shape)) for sp in spans] or None)
+        return (id_lists if is_batch else id_lists[0]), images
 
     @property
     def grammar_backend(self) -> Any:

@@ -38,6 +38,10 @@ class ForwardBatch:
     on_layer: Callable[[int], None] | None = None
     # rows of requests on LoRA adapters, by adapter (layers.lora); None: all on the base
     lora: Any = None  # a layers.lora.LoraBatch
+    # images: token rows whose embeddings are image embedding rows instead of their ids'
+    # (a vision-language model's prefill); None: every row embeds its id
+    image_rows: torch.Tensor | None = None  # [K] int64
+    image_embeds: torch.Tensor | None = None  # [K, hidden]
     seq_lens: torch.Tensor = field(init=False)  # [B] prefix + extend, built once per forward
 
     def __post_init__(self) -> None:

@@ -189,6 +189,14 @@ def add_lora_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
                    help="modules adapters may adapt: q_proj k_proj v_proj o_proj gate_proj "
                         "up_proj down_proj (qkv_proj, gate_up_proj for fused checkpoints), or "
                         "all (the default); an adapter touching another is refused at load")
+    p.add_argument("--allowed-local-media-path", default=d.allowed_local_media_path,
+                   help="a vision-language model takes local image paths (file://, /path) "
+                        "under this folder only; default: none")
+    p.add_argument("--limit-mm-per-prompt", type=int, default=d.limit_mm_per_prompt,
+                   help="images one prompt may carry")
+    p.add_argument("--mm-encoder-cache-mb", type=int, default=d.mm_encoder_cache_mb,
+                   help="encoder outputs kept by image content hash (MB, least recently used "
+                        "out)")
 
 
 def add_scale_out_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:

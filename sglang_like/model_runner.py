@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from sglang_like.config import ModelConfig
@@ -12,7 +13,8 @@ from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers.lora import LoraBatch
 from sglang_like.layers.quantization import QuantConfig
 from sglang_like.mem_pool import KVPool, ReqToTokenPool
-from sglang_like.models.registry import model_class
+from sglang_like.models.registry import model_class, vision_class
+from sglang_like.multimodal.encoder_cache import EncoderCache
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.tp.comm import TPRankLost
 from sglang_like.tp.parallel import TPShard, shard_weights
@@ -44,12 +46,17 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         tp: TPShard | None = None,
         tp_group: TPGroup | None = None,
+        encoder_cache_bytes: int = 256 << 20,
     ) -> None:
         """`dtype` is the dense dtype (residual stream, unquantized weights); `quant` picks each
         linear's method (default: dense in `dtype`); `kv_dtype` the KV pool's (default `dtype`).
         `tp`: this rank's shard; `tp_group` (rank 0): the started group, which this runner
-        then owns (closed if the build fails)."""
+        then owns (closed if the build fails). A vision-language model's image side (its
+        "vision." weights) is built beside the text model; `encoder_cache_bytes` bounds the
+        encoder outputs kept by image hash."""
         try:
+            self.vision = self._build_vision(model_config, weights, dtype, device, tp)
+            self.encoder_cache = EncoderCache(encoder_cache_bytes)
             self._build(model_config, weights, dtype, device, num_kv_slots, context_len,
                         max_running_requests, quant, kv_dtype, tp)
             if tp_group is not None:
@@ -84,8 +91,69 @@ class ModelRunner:
         self.aux_layers: tuple[int, ...] = ()  # set by an EAGLE-3 drafter
         self.last_features: torch.Tensor | None = None
 
+    @staticmethod
+    def _build_vision(config: ModelConfig, weights: dict[str, torch.Tensor],
+                      dtype: torch.dtype, device: torch.device, tp: TPShard | None
+                      ) -> torch.nn.Module | None:
+        """The image side (encoder + projector, dense in `dtype`), its weights taken out of
+        `weights`; None for a text model."""
+        names = [n for n in weights if n.startswith("vision.")]
+        state = {n[len("vision."):]: weights.pop(n) for n in names}
+        if config.vision is None:
+            return None
+        if tp is not None:
+            raise ValueError("tensor parallelism does not take a vision-language model yet")
+        module = vision_class(config.vision.family)(config.vision, config.hidden_size)
+        missing = sorted(set(module.state_dict()) - set(state))
+        if missing:
+            raise ValueError(f"checkpoint {config.model_path!r} lacks vision weights "
+                             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        module.load_state_dict(state, strict=False)  # unread parts (SigLIP's head) left out
+        return module.to(device=device, dtype=dtype).eval()
+
+    def _encoded(self, item: Any) -> torch.Tensor:
+        """An image's embedding rows [tokens, hidden]: from the cache by content hash, else
+        encoded now (in the step that prefills it) and kept."""
+        rows = self.encoder_cache.get(item.hash)
+        if rows is None:
+            pixels = torch.from_numpy(
+                np.frombuffer(item.pixels, dtype=np.float32).reshape(item.shape).copy())
+            rows = self.vision.encode(pixels.to(self.device, self.dtype))
+            self.encoder_cache.put(item.hash, rows)
+        return rows
+
+    def _image_inputs(self, batch: ScheduleBatch
+                      ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """(input ids the embedding can read, image rows, their embeddings): each image
+        position of a request's new tokens gets its image's embedding row, and its pad id an
+        id inside the vocabulary. Drafted or decoded tokens never are image positions."""
+        if self.vision is None or not any(r.images for r in batch.reqs):
+            return batch.input_ids, None, None
+        vocab, image_token = self.model_config.vocab_size, self.model_config.vision.image_token_id
+        ids = [t if t < vocab else image_token for t in batch.input_ids]
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        start = 0
+        for req, pre, n, tree in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
+                                     batch.trees, strict=True):
+            if req.images and tree is None and pre < req.prompt_len:
+                for item in req.images:
+                    done = 0  # embedding rows of this image before the run
+                    for s, length in item.runs:
+                        lo, hi = max(s, pre), min(s + length, pre + n)
+                        if lo < hi:
+                            parts.append(self._encoded(item)[done + lo - s: done + hi - s])
+                            rows += range(start + lo - pre, start + hi - pre)
+                        done += length
+            start += n
+        if not rows:
+            return ids, None, None
+        return (ids, torch.tensor(rows, dtype=torch.long, device=self.device),
+                torch.cat(parts))
+
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         dev = self.device
+        input_ids, image_rows, image_embeds = self._image_inputs(batch)
         custom_masks = tree_mask = None
         if batch.has_trees:
             positions = []
@@ -106,7 +174,7 @@ class ModelRunner:
             positions = [p for pre, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)
                          for p in range(pre, pre + n)]
         return ForwardBatch(
-            input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             out_slots=torch.tensor(batch.out_slots, dtype=torch.long, device=dev),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.long,
@@ -122,6 +190,8 @@ class ModelRunner:
             lora=LoraBatch.build([r.lora.adapter.weights if r.lora is not None else None
                                   for r in batch.reqs], batch.extend_lens, dev)
             if any(r.lora is not None for r in batch.reqs) else None,
+            image_rows=image_rows,
+            image_embeds=image_embeds,
         )
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:

@@ -119,6 +119,9 @@ class Req:
         # the end even if the adapter is unloaded meanwhile); None: the base model
         self.lora: Any = None
         self.lora_name: str | None = None  # the adapter it asked for (resolved at admission)
+        # its prompt's images (engine_core.messages.ImageItem; their positions hold pad ids
+        # past the vocabulary, which the model runner swaps for their embeddings); None: text
+        self.images: list[Any] | None = None
         self.finished_reason: FinishReason | None = None
         self.logprobs = Logprobs()
         # next prompt position whose logprob is still to be collected

@@ -186,7 +186,7 @@ def test_import_without_torch(module: str) -> None:
 SGLANG_LIKE_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in (
     "config sampling_params req schedule_batch tokenizer detokenizer forward_batch mem_pool "
     "utils function_call",
-    "layers",
+    "layers multimodal",
     "models tp model_loader lora",
     "model_runner",
     "speculative",

@@ -84,7 +84,7 @@ def prepare_inputs(
             prompts, is_batch = prompt, True
         else:
             raise ValueError("the prompt must be a string or a non-empty list of strings")
-        id_lists = [_encode_prompt(tokenizer, p) if p else [] for p in prompts]
+        id_lists = [encode_prompt(tokenizer, p) if p else [] for p in prompts]
     else:
         if isinstance(input_ids, list) and input_ids and all(
             isinstance(x, list) for x in input_ids
@@ -115,7 +115,7 @@ def prepare_inputs(
     return list(zip(id_lists, sps, rids, strict=True)), is_batch
 
 
-def _encode_prompt(tokenizer: Any, text: str) -> list[int]:
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """Tokenize a raw prompt as HF and SGLang do: with the BOS the tokenizer adds, if any, but
     not twice when the text (a rendered chat template) already starts with it."""
     ids = tokenizer.encode(text, add_special_tokens=True)

@@ -12,6 +12,18 @@ from typing import Any
 import msgspec
 
 
+class ImageItem(msgspec.Struct, frozen=True):
+    """One image of a prompt, preprocessed in the caller's process: its content hash, the pad
+    value its prompt positions carry, the runs (start, length) of those positions in embedding
+    order, and its pixels (float32, C order, `shape` [crops, 3, H, W])."""
+
+    hash: int
+    pad_value: int
+    runs: list[tuple[int, int]]
+    pixels: bytes
+    shape: tuple[int, ...]
+
+
 class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):
     """One request, tokenized and validated by the Engine (n > 1 arrives as n of these)."""
 
@@ -33,6 +45,8 @@ class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):
     cache_salt: str | None = None
     # the LoRA adapter to run on (a loaded adapter's name); None: the base model
     lora_name: str | None = None
+    # the prompt's images (a vision-language model); None: text only
+    images: list[ImageItem] | None = None
 
 
 class AbortReq(msgspec.Struct, tag="abort", frozen=True):

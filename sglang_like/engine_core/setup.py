@@ -158,6 +158,7 @@ def _build_runner(sa: ServerArgs, config: ModelConfig, weights: dict[str, Any],
         config, weights, dtype=dtype, device=device, num_kv_slots=sa.max_total_tokens,
         context_len=sa.context_length, max_running_requests=sa.max_running_requests,
         quant=quant, kv_dtype=kv_dtype, tp=tp, tp_group=tp_group,
+        encoder_cache_bytes=sa.mm_encoder_cache_mb << 20,
     )
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from sglang_like.config import ModelConfig
+from sglang_like.config import ModelConfig, VisionConfig
 from sglang_like.model_loader.hf_tokenizer import load_hf_tokenizer, read_json
 from sglang_like.model_loader.loaded import LoadedModel, check_weights
-from sglang_like.models.registry import hf_model_type, model_class
+from sglang_like.models.registry import VISION_MODEL_TYPES, hf_model_type, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -192,15 +192,23 @@ def _safetensors_files(path: str) -> list[str]:
 
 # a multimodal checkpoint's language model, under the names its text-only sibling uses
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                  ("model.language_model.", "model."))
+                  ("model.language_model.", "model."), ("model.text_model.", "model."))
+# its image side (VISION_MODEL_TYPES), kept as "vision." + the name inside the family's module
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.")
 
 
-def load_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_safetensors(path: str, dtype: torch.dtype, vision: bool = False
+                     ) -> dict[str, torch.Tensor]:
     """All model.* / lm_head.* tensors of the folder's (possibly sharded) safetensors, as dtype
-    (a multimodal checkpoint's language model renamed so; its vision tower left out)."""
+    (a multimodal checkpoint's language model renamed so). Its image side is left out, or with
+    `vision` kept under "vision." (`_vision_name`)."""
     weights: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
         for name, tensor in load_file(file).items():
+            inner = _vision_name(name) if vision else None
+            if inner is not None:
+                weights["vision." + inner] = tensor.to(dtype)
+                continue
             for old, new in _TEXT_PREFIXES:
                 if name.startswith(old):
                     name = new + name[len(old):]
@@ -210,30 +218,82 @@ def load_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _vision_name(name: str) -> str | None:
+    """A vision weight's name inside its family module, whichever layout saved it (LLaVA's
+    tower with or without "vision_model.", under "model." or not); None for a text weight."""
+    if name.startswith("model.") and name[6:].startswith(_VISION_PARTS):
+        name = name[6:]
+    if not name.startswith(_VISION_PARTS):
+        return None
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        name = "vision_tower.vision_model." + name[len("vision_tower."):]
+    return name
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config of the model that reads and writes text: the file's own, or a multimodal
-    checkpoint's `text_config` (Gemma 3 4B and up ship as Gemma3ForConditionalGeneration)."""
+    checkpoint's `text_config` (Gemma 3 4B and up ship as Gemma3ForConditionalGeneration;
+    LLaVA and Idefics3 / SmolVLM wrap a text model of the registry)."""
     if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
         logger.warning("%s: serving its language model; image input is not supported yet",
                        (cfg.get("architectures") or ["gemma3"])[0])
         text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", True),
                 **cfg["text_config"]}
         return text | {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    if cfg.get("model_type") in VISION_MODEL_TYPES:
+        text = dict(cfg.get("text_config") or {})
+        text.setdefault("model_type", "llama")
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        return text
     return cfg
+
+
+def vision_config(cfg: dict[str, Any]) -> VisionConfig | None:
+    """The image side of a LLaVA or Idefics3 / SmolVLM config.json; None for a text model."""
+    family = VISION_MODEL_TYPES.get(cfg.get("model_type", ""))
+    if family is None:
+        return None
+    v = cfg.get("vision_config") or {}
+    encoder = "clip" if v.get("model_type", "clip_vision_model") == "clip_vision_model" else (
+        "siglip")
+    if family == "idefics3":
+        encoder = "siglip"
+    image_token = cfg.get("image_token_id", cfg.get("image_token_index"))
+    if image_token is None:
+        raise ValueError("the vision-language config names no image_token_id")
+    layer = cfg.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer {layer!r}: only one feature layer is supported")
+    hidden = int(v.get("hidden_size", 768))
+    return VisionConfig(
+        family=family, encoder=encoder, hidden_size=hidden,
+        intermediate_size=int(v.get("intermediate_size", 4 * hidden)),
+        num_hidden_layers=int(v.get("num_hidden_layers", 12)),
+        num_attention_heads=int(v.get("num_attention_heads", 12)),
+        image_size=int(v.get("image_size", 224)), patch_size=int(v.get("patch_size", 32)),
+        layer_norm_eps=float(v.get("layer_norm_eps", 1e-5 if encoder == "clip" else 1e-6)),
+        hidden_act=v.get("hidden_act", "quick_gelu" if encoder == "clip"
+                         else "gelu_pytorch_tanh"),
+        image_token_id=int(image_token), feature_layer=int(layer),
+        feature_select=cfg.get("vision_feature_select_strategy", "default"),
+        projector_act=cfg.get("projector_hidden_act", "gelu"),
+        projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+        scale_factor=int(cfg.get("scale_factor", 1)))
 
 
 def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Config, weights and tokenizer of a local HF checkpoint folder."""
-    cfg = read_json(os.path.join(path, "config.json"))
-    if not cfg:
+    full_cfg = read_json(os.path.join(path, "config.json"))
+    if not full_cfg:
         raise ValueError(f"no config.json in {path!r}")
-    cfg = text_config(cfg)
+    cfg = text_config(full_cfg)
+    vision = vision_config(full_cfg)
     tokenizer = load_hf_tokenizer(path)
-    weights = load_safetensors(path, dtype)
+    weights = load_safetensors(path, dtype, vision=vision is not None)
     config = hf_model_config(
         cfg, has_lm_head="lm_head.weight" in weights,
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)), model_path=path,
-    )
+    ).replace(vision=vision)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # tied: the runner reuses embed_tokens
     model_class(config.architecture).adapt_hf_weights(config, weights)

@@ -383,6 +383,8 @@ class LlamaForCausalLM(nn.Module):
         x = embed.method.embed(embed, fb.input_ids).to(self.dtype)
         if self.config.embedding_scale != 1.0:
             x = x * self.config.embedding_scale
+        if fb.image_rows is not None:  # image embeddings are not scaled (as transformers)
+            x[fb.image_rows] = fb.image_embeds.to(x.dtype)
         attn = self._native_rows(fb, pool)
         if attn is not None:
             return self._decode_layers_native(x, fb, pool, attn, aux_layers)

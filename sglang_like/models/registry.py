@@ -75,6 +75,19 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
 )
 
+# vision-language checkpoints (config.json model_type -> the image side's family): their
+# text_config is a text family above; the image side is the family's module in models/
+VISION_MODEL_TYPES = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3"}
+VISION_CLASSES = {"llava": "sglang_like.models.llava:LlavaVision",
+                  "idefics3": "sglang_like.models.idefics3:Idefics3Vision"}
+
+
+def vision_class(family: str) -> type:
+    """The module class of a vision family's image side (encoder + projector)."""
+    module, _, name = VISION_CLASSES[family].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 SUPPORTED_GGUF_ARCHS = tuple(a for f in FAMILIES for a in f.gguf_architectures)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_like.engine_core.io import _encode_prompt, _stop_holdback, prepare_inputs
+from sglang_like.engine_core.io import encode_prompt, _stop_holdback, prepare_inputs
 
 
 class _BosTokenizer:
@@ -23,7 +23,7 @@ class _BosTokenizer:
     [("hi", [1, 104, 105]), ("<s>hi", [1, 104, 105])],  # BOS added once, never twice
 )
 def test_raw_prompts_get_one_bos(text, want):
-    assert _encode_prompt(_BosTokenizer(), text) == want
+    assert encode_prompt(_BosTokenizer(), text) == want
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,160 @@
+"""Image input on tiny seeded vision-language models (benchmarks/tiny_vlms.py) against
+transformers: the preprocessing equals the family's Hugging Face processor, greedy output for
+2 images x 2 questions equals transformers' (fp32), two images never share KV, the same image
+is served from the cache, and bad input is refused with a message."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.tiny_vlms import build_idefics3, build_llava, pictures
+from sglang_like import Engine
+
+FAMILIES = ("llava-clip", "llava-siglip", "idefics3")
+QUESTIONS = ("What is in the picture?", "Describe the colours.")
+NEW_TOKENS = 8
+
+
+def _png(image: Any) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any, Any]]:
+    """Each family's folder, its transformers model and processor."""
+    import transformers
+
+    out = {}
+    for name in FAMILIES:
+        folder = tmp_path_factory.mktemp(name)
+        model = (build_idefics3(folder) if name == "idefics3"
+                 else build_llava(folder, name.split("-")[1]))
+        out[name] = (folder, model, transformers.AutoProcessor.from_pretrained(folder))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(built: dict[str, tuple[Path, Any, Any]]) -> dict[str, Engine]:
+    made = {name: Engine(model_path=str(folder), dtype="float32", quantization="none",
+                         max_total_tokens=4096, engine_in_process=True, random_seed=0)
+            for name, (folder, _, _) in built.items()}
+    yield made
+    for engine in made.values():
+        engine.shutdown()
+
+
+def _prompt(question: str, n_images: int = 1) -> str:
+    return f"<|im_start|>user\n{'<image>' * n_images}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preprocessing_and_prompt_ids_equal_the_hf_processor(
+        family: str, built: dict[str, tuple[Path, Any, Any]], engines: dict[str, Engine]
+) -> None:
+    _, _, processor = built[family]
+    engine = engines[family]
+    prompter = engine.image_prompter
+    pics = pictures()
+    for pic in pics:
+        ours = prompter.process(pic).pixel_values
+        theirs = processor.image_processor(images=[pic], return_tensors="np")["pixel_values"]
+        theirs = theirs.reshape(-1, *theirs.shape[-3:])[: ours.shape[0]]
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+    text = _prompt("Two pictures?", 2)
+    ids, spans = prompter.build(text, pics[:2], engine.tokenizer.encode)
+    want = processor(text=[text], images=[pics[:2]] if family == "idefics3" else pics[:2],
+                     return_tensors="np")["input_ids"][0].tolist()
+    image_id = engine.model_config.vision.image_token_id
+    assert [image_id if t >= engine.model_config.vocab_size else t for t in ids] == want
+    assert len(spans) == 2 and spans[0].pad_value != spans[1].pad_value
+    assert sum(s.num_tokens for s in spans) == want.count(image_id)
+
+
+def _hf_greedy(model: Any, processor: Any, family: str, text: str, pic: Any) -> list[int]:
+    inputs = processor(text=[text], images=[[pic]] if family == "idefics3" else [pic],
+                       return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_equals_transformers_for_two_images_and_two_questions(
+        family: str, built: dict[str, tuple[Path, Any, Any]], engines: dict[str, Engine]
+) -> None:
+    _, model, processor = built[family]
+    engine = engines[family]
+    pics = pictures()[:2]
+    outputs = {}
+    for k, pic in enumerate(pics):
+        for question in QUESTIONS:
+            text = _prompt(question)
+            want = _hf_greedy(model, processor, family, text, pic)
+            got = engine.generate(text, {"max_new_tokens": NEW_TOKENS, "temperature": 0,
+                                         "ignore_eos": True}, image_data=_png(pic))
+            assert got["output_ids"] == want, (family, k, question)
+            outputs[k, question] = got["output_ids"]
+    # the two pictures make the model say different things for at least one question
+    assert any(outputs[0, q] != outputs[1, q] for q in QUESTIONS)
+
+
+def test_two_images_share_no_kv_and_the_same_image_is_cached(
+        engines: dict[str, Engine]) -> None:
+    engine = engines["llava-clip"]
+    engine.flush_cache()
+    a, b = pictures(seed=7)[:2]
+    text = _prompt("Which one?")
+    first_image = engine.tokenizer.encode(text.split("<image>")[0]).__len__()
+    sp = {"max_new_tokens": 2, "temperature": 0}
+    engine.generate(text, sp, image_data=_png(a))
+    other = engine.generate(text, sp, image_data=_png(b))
+    # the text before the image is shared; nothing from the image on
+    assert other["meta_info"]["cached_tokens"] <= first_image
+    stats = engine.runner.encoder_cache.stats()
+    again = engine.generate(text, sp, image_data=_png(a))
+    assert again["meta_info"]["cached_tokens"] > first_image + 16  # past the 16 image rows
+    # the image's KV came from the radix cache: its encoder output was not even looked up
+    assert engine.runner.encoder_cache.stats()["misses"] == stats["misses"]
+
+
+def test_the_encoder_runs_once_for_an_image_across_requests(engines: dict[str, Engine]
+                                                            ) -> None:
+    engine = engines["idefics3"]
+    engine.flush_cache()
+    pic = pictures(seed=11)[0]
+    before = engine.runner.encoder_cache.stats()
+    for question in QUESTIONS:  # the radix cache shares only the text before the image
+        engine.generate(_prompt(question), {"max_new_tokens": 1}, image_data=_png(pic))
+    after = engine.runner.encoder_cache.stats()
+    assert after["misses"] - before["misses"] == 1
+
+
+def test_bad_image_input_is_refused_with_a_message(engines: dict[str, Engine],
+                                                   make_engine: Any) -> None:
+    engine = engines["llava-clip"]
+    sp = {"max_new_tokens": 1}
+    text = _prompt("?")
+    with pytest.raises(ValueError, match="not a readable image"):
+        engine.generate(text, sp, image_data="data:image/png;base64," +
+                        base64.b64encode(b"not a png").decode())
+    with pytest.raises(ValueError, match="placeholder"):
+        engine.generate(_prompt("?", 2), sp, image_data=_png(pictures()[0]))
+    with pytest.raises(ValueError, match="local image paths are not allowed"):
+        engine.generate(text, sp, image_data="/etc/passwd")
+    with pytest.raises(ValueError, match="prompt logprobs cannot cover image positions"):
+        engine.generate(text, sp, image_data=_png(pictures()[0]), return_logprob=True,
+                        logprob_start_len=0)
+    text_only = make_engine(engine_in_process=True)
+    with pytest.raises(ValueError, match="reads text only"):
+        text_only.generate(text, sp, image_data=_png(pictures()[0]))
+    # the engine goes on
+    assert engine.generate(text, sp, image_data=_png(pictures()[1]))["output_ids"]
