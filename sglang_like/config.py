@@ -259,6 +259,13 @@ class ServerArgs:
     # and pings it before the secret is checked); empty: loopback hosts only
     disaggregation_allowed_peers: tuple[str, ...] = ()
     log_level: str = "info"
+    # one INFO line per generate request (server/request_log.py): "metadata" (ids, counts,
+    # latency, status) or "full" (also the prompt and output text); keys are never logged
+    log_requests: bool = False
+    log_requests_level: str = "metadata"  # "metadata" | "full"
+    # an OTLP/HTTP collector (its base URL, or .../v1/traces): a trace per request with
+    # queue, prefill and decode spans (server/tracing.py); None: no tracing
+    otlp_traces_endpoint: str | None = None
     served_model_name: str | None = None
     # How /v1/chat/completions reads tool calls out of the model's text (see
     # sglang_like.function_call): "auto" picks by the chat template, Hermes tags when it has none

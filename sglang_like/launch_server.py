@@ -132,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "off (a pipe write would otherwise run the HTTP side on the loop's "
                         "core); off: the OS decides")
     p.add_argument("--log-level", default=d.log_level, choices=_LOG_LEVELS)
+    p.add_argument("--log-requests", action="store_true", default=d.log_requests,
+                   help="log one INFO line per generate request (whatever --log-level): rid, "
+                        "route, model, token counts, finish reason, latency, client, status")
+    p.add_argument("--log-requests-level", default=d.log_requests_level,
+                   choices=["metadata", "full"],
+                   help="with --log-requests: full adds the prompt and the output text")
+    p.add_argument("--otlp-traces-endpoint", default=d.otlp_traces_endpoint, metavar="URL",
+                   help="send an OpenTelemetry trace of each request (queue, prefill, decode "
+                        "spans) to this OTLP/HTTP collector, e.g. http://localhost:4318")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before being aborted")
     return p
@@ -299,6 +308,13 @@ def _check(args: ServerArgs) -> None:
         raise SystemExit("--ssl-keyfile and --ssl-certfile go together")
     if args.reasoning_budget is not None and args.reasoning_parser is None:
         raise SystemExit("--reasoning-budget needs --reasoning-parser")
+    if args.otlp_traces_endpoint is not None:
+        from sglang_like.server.tracing import traces_url
+
+        try:
+            traces_url(args.otlp_traces_endpoint)
+        except ValueError as e:
+            raise SystemExit(f"--otlp-traces-endpoint: {e}") from None
     _check_lora(args)
 
 

@@ -184,6 +184,10 @@ def build_output(req: Req, tokenizer: Any, text_in_logprobs: bool, incremental: 
         "finish_reason": req.finished_reason.to_dict() if finished else None,
         "e2e_latency": time.perf_counter() - req.arrival_time,
         "queue_time": ((req.first_scheduled_time or time.perf_counter()) - req.arrival_time),
+        # arrival -> first output token (None before it); with queue_time and e2e_latency it
+        # places a request's queue, prefill and decode phases (server/tracing.py)
+        "first_token_latency": (None if req.first_token_time is None
+                                else req.first_token_time - req.arrival_time),
     }
     if req.return_logprob:
         lp = req.logprobs

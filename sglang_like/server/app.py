@@ -26,6 +26,7 @@ from sglang_like.server import (
     ollama_api,
     openapi,
     tokenize_api,
+    tracing,
 )
 from sglang_like.server.auth import SecurityMiddleware
 from sglang_like.server.errors import ApiError, error_response
@@ -85,6 +86,7 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     app.add_exception_handler(Exception, _on_unexpected)
     # always: Host/Origin, media type and body size are checked with or without keys
     app.add_middleware(SecurityMiddleware, server_args=state.server_args)
+    tracing.install(app, state.server_args)  # --log-requests, --otlp-traces-endpoint
     return app
 
 

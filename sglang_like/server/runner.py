@@ -17,6 +17,7 @@ from sglang_like.engine_core.loop import is_derived_rid
 from sglang_like.server.auth import Principal, principal_of
 from sglang_like.server.errors import ApiError
 from sglang_like.server.metrics import ServerMetrics
+from sglang_like.server.request_log import observe_call, observe_output
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class EngineStream:
         return chunk
 
     def _observe(self, chunk: dict) -> None:
+        observe_output(chunk)  # the request log and trace (server/request_log.py)
         now = time.perf_counter()
         meta = chunk.get("meta_info") or {}
         num_tokens = int(meta.get("completion_tokens") or 0)
@@ -213,6 +215,7 @@ class EngineRunner:
             self.tenant_salt(call, owner)
             given = given or bool(call.get("rid"))
             call["rid"] = call.get("rid") or _rids_for(call)
+            observe_call(call["rid"], call)
             rids += call["rid"] if isinstance(call["rid"], list) else [call["rid"]]
         self.claim(rids, owner, given)
         self.num_inflight += num_requests
@@ -244,6 +247,7 @@ class EngineRunner:
         for result in results:
             for item in result if isinstance(result, list) else [result]:
                 self.metrics.observe_finished(item.get("meta_info") or {})
+                observe_output(item)
         return results
 
     def _cancel(self, tasks: list[asyncio.Future], calls: list[dict[str, Any]]) -> None:
@@ -260,6 +264,7 @@ class EngineRunner:
         rid = given or new_rid()
         self.tenant_salt(kwargs, owner)
         self.claim([rid], owner, bool(given))
+        observe_call(rid, kwargs)
         t0 = time.perf_counter()
         self.num_inflight += 1
         try:
