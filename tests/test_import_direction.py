@@ -195,7 +195,7 @@ SGLANG_LIKE_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) 
     "engine_core",
     "engine",
     "server",
-    "launch_server launch_router bench_serving __main__ lang __init__",
+    "launch_server launch_router bench_serving __main__ cli lang __init__",
 ))
 MAX_ROOT_MODULES = 16
 # imports that point up on purpose: (importing package, imported package), lazy only
