@@ -31,6 +31,7 @@ from sglang_like.server import (
 from sglang_like.server.auth import SecurityMiddleware
 from sglang_like.server.errors import ApiError, error_response
 from sglang_like.server.metrics import CONTENT_TYPE
+from sglang_like.server.openai import responses as openai_responses
 from sglang_like.server.openai import router as openai_router
 from sglang_like.server.runner import ClientGone
 from sglang_like.server.state import ServerState, get_state
@@ -76,6 +77,7 @@ def create_app(engine: Any, server_args: ServerArgs | None = None) -> FastAPI:
     app.include_router(lora_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(ollama_api.router)
+    app.include_router(openai_responses.router)
     metrics_doc = openapi.operation(ok={CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}})
     app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics",
                       openapi_extra=metrics_doc)
