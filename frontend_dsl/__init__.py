@@ -6,6 +6,7 @@ Public names:
     function            decorator turning `def prog(s, ...)` into a runnable program (SglFunction)
     gen, gen_int, gen_string, select
                         generation expressions appended with `s += ...`
+    image               an image in the prompt (vision-language models)
     system, user, assistant, *_begin, *_end
                         chat-role expressions; role text comes from the model's chat template
     RuntimeEndpoint     backend over the SGLang-native HTTP API
@@ -31,6 +32,7 @@ from frontend_dsl.api import (
     gen_string,
     get_default_backend,
     get_server_info,
+    image,
     select,
     set_default_backend,
     system,
@@ -84,6 +86,7 @@ __all__ = [
     "get_server_info",
     "global_config",
     "greedy_token_selection",
+    "image",
     "select",
     "set_default_backend",
     "system",

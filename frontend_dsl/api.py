@@ -16,6 +16,7 @@ from frontend_dsl.ir import (
     Expr,
     Gen,
     GenParams,
+    Image,
     RoleBegin,
     RoleEnd,
     Select,
@@ -137,6 +138,13 @@ def select(
     if choices_method not in CHOICES_METHODS:
         raise ValueError(f"select: choices_method must be one of {CHOICES_METHODS}")
     return Select(name, list(choices), temperature, choices_method)
+
+
+def image(source: Any) -> Expr:
+    """An image in the prompt, for a vision-language model (SGLang's `sgl.image`): a local
+    path (read by the client and sent inline), an http(s) or data: URL, base64, bytes or a
+    PIL image. Put it inside a role: `s += user(image("cat.png") + "What is this?")`."""
+    return Image(source)
 
 
 def system(expr: Any = None) -> Expr:

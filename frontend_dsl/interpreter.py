@@ -18,6 +18,7 @@ from frontend_dsl.ir import (
     Expr,
     Gen,
     GenParams,
+    Image,
     RoleBegin,
     RoleEnd,
     Select,
@@ -48,6 +49,7 @@ class StreamExecutor:
         self.stream = stream
         self.text_ = ""
         self.messages_: list[dict[str, str]] = []
+        self.images_: list[Any] = []  # sgl.image sources so far, sent with every later call
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.tools_by_var: dict[str, list[Any]] = {}  # tools of the tools= gen that set a var
@@ -119,10 +121,23 @@ class StreamExecutor:
         self.nodes.append(("text", expr.value))
         self._fill(expr.value)
 
+    def _exec_image(self, expr: Image) -> None:
+        if not getattr(self.backend, "takes_images", False):
+            raise ValueError(f"the {type(self.backend).__name__} backend takes no images "
+                             "(sgl.image): use Runtime or RuntimeEndpoint")
+        self.nodes.append(("image",))
+        self.images_.append(expr.source)
+        self._append(getattr(self.backend, "image_placeholder", "<image>"))
+
+    def _images(self) -> dict[str, Any]:
+        """The backend call's images keyword: present only once the prompt has an image."""
+        return {"images": list(self.images_)} if self.images_ else {}
+
     def _exec_gen(self, expr: Gen) -> None:
         params = expr.params.merged_with(self.default_params)
         self.nodes.append(("gen", expr.name, params))
-        if self.spec is not None and not self.stream and is_speculable(params):
+        if (self.spec is not None and not self.stream and is_speculable(params)
+                and not self.images_):
             value, meta = self.spec.gen(self.backend, self.text_, params)
             self._append(value)
         elif self.stream:
@@ -132,7 +147,8 @@ class StreamExecutor:
             if expr.name is not None:
                 self.streaming_vars[expr.name] = ""
                 self.stream_chunks[expr.name] = []
-            for delta, chunk_meta in self.backend.generate_stream(self.text_, params):
+            for delta, chunk_meta in self.backend.generate_stream(self.text_, params,
+                                                                  **self._images()):
                 value, meta = value + delta, chunk_meta
                 if expr.name is not None:
                     self.streaming_vars[expr.name] = value
@@ -141,7 +157,7 @@ class StreamExecutor:
         else:
             if self.spec is not None:
                 self.spec.drop()
-            value, meta = self.backend.generate(self.text_, params)
+            value, meta = self.backend.generate(self.text_, params, **self._images())
             self._append(value)
         if expr.name is not None:
             if expr.tools is not None:
@@ -156,7 +172,7 @@ class StreamExecutor:
         if self.spec is not None:
             self.spec.drop()
         choice, meta = self.backend.select(
-            self.text_, expr.choices, expr.temperature, expr.choices_method)
+            self.text_, expr.choices, expr.temperature, expr.choices_method, **self._images())
         self._append(choice)
         if expr.name is not None:
             self._set_var(expr.name, choice, meta)
@@ -243,12 +259,13 @@ class StreamExecutor:
         self.sync()
         self.raise_error()
         if size > 1 and self.text_:
-            self.backend.cache_prefix(self.text_)  # the branches then share its KV
+            self.backend.cache_prefix(self.text_, **self._images())  # branches share its KV
         branches = []
         for _ in range(size):
             b = StreamExecutor(self.backend, self.default_params, self.chat_template, self.stream,
                                self.num_api_spec_tokens)
             b.text_, b.messages_ = self.text_, list(self.messages_)
+            b.images_ = list(self.images_)
             b.variables, b.meta_info = dict(self.variables), dict(self.meta_info)
             b.tools_by_var = dict(self.tools_by_var)
             b.cur_role, b.cur_role_start = self.cur_role, self.cur_role_start
@@ -343,6 +360,7 @@ _HANDLERS: dict[type, Callable[[StreamExecutor, Any], None]] = {
     Concat: StreamExecutor._exec_concat,
     Text: StreamExecutor._exec_text,
     Gen: StreamExecutor._exec_gen,
+    Image: StreamExecutor._exec_image,
     Select: StreamExecutor._exec_select,
     RoleBegin: StreamExecutor._exec_role_begin,
     RoleEnd: StreamExecutor._exec_role_end,

@@ -133,6 +133,14 @@ class Text(Expr):
 
 
 @dataclass
+class Image(Expr):
+    """An image at this point of the prompt (a vision-language model): the backend's image
+    placeholder is appended to the text and the image goes with every later call."""
+
+    source: Any  # a path, an http(s) or data: URL, base64 text, bytes or a PIL image
+
+
+@dataclass
 class Gen(Expr):
     """Generate text into variable `name` (None: anonymous); `tools` when it is a tool call."""
 

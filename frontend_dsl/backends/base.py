@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import io
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -91,12 +94,17 @@ class NativeBackend(Backend):
     @abstractmethod
     def _request_stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]: ...
 
-    def _gen_body(self, prompt: str, params: GenParams) -> dict[str, Any]:
-        return {"text": prompt, "sampling_params": params.to_sampling_params(),
-                **params.logprob_options()}
+    takes_images = True  # sgl.image: image_data goes with the prompt
+    image_placeholder = "<image>"  # what a vision-language model's prompt names an image by
 
-    def generate(self, prompt: str, params: GenParams) -> tuple[str, dict[str, Any]]:
-        out = self._request(self._gen_body(prompt, params))
+    def _gen_body(self, prompt: str, params: GenParams, images: list[Any] | None = None
+                  ) -> dict[str, Any]:
+        return {"text": prompt, "sampling_params": params.to_sampling_params(),
+                **params.logprob_options(), **_image_data(images)}
+
+    def generate(self, prompt: str, params: GenParams, images: list[Any] | None = None
+                 ) -> tuple[str, dict[str, Any]]:
+        out = self._request(self._gen_body(prompt, params, images))
         if isinstance(out, list):  # n > 1
             for o in out:
                 self.token_usage.add(o["meta_info"])
@@ -104,22 +112,28 @@ class NativeBackend(Backend):
         self.token_usage.add(out["meta_info"])
         return out["text"], out["meta_info"]
 
-    def generate_stream(self, prompt: str, params: GenParams) -> Iterator[tuple[str, dict]]:
+    def generate_stream(self, prompt: str, params: GenParams, images: list[Any] | None = None
+                        ) -> Iterator[tuple[str, dict]]:
         meta: dict[str, Any] = {}
-        for chunk in self._request_stream({**self._gen_body(prompt, params), "stream": True}):
+        body = {**self._gen_body(prompt, params, images), "stream": True}
+        for chunk in self._request_stream(body):
             meta = chunk["meta_info"]
             yield chunk["text"], meta
         self.token_usage.add(meta)  # the last chunk's counts are the totals
 
-    def cache_prefix(self, prefix: str) -> None:
-        self._request({"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+    def cache_prefix(self, prefix: str, images: list[Any] | None = None) -> None:
+        self._request({"text": prefix, "sampling_params": {"max_new_tokens": 0},
+                       **_image_data(images)})
 
     def select(self, prompt: str, choices: list[str], temperature: float,
-               method: str) -> tuple[str, dict[str, Any]]:
-        """Prefill the prompt once (cached), then score every choice in one batched request."""
+               method: str, images: list[Any] | None = None) -> tuple[str, dict[str, Any]]:
+        """Prefill the prompt once (cached), then score every choice in one batched request
+        (the prompt's images, if any, with each)."""
         start = prefix_len = 0
+        image_data = _image_data(images)
         if prompt:
-            warm = self._request({"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+            warm = self._request({"text": prompt, "sampling_params": {"max_new_tokens": 0},
+                                  **image_data})
             # two tokens back: the prompt's last token may merge with the choice's first
             prefix_len = warm["meta_info"]["prompt_tokens"]
             start = max(prefix_len - 2, 0)
@@ -129,6 +143,7 @@ class NativeBackend(Backend):
             "return_logprob": True,
             "return_text_in_logprobs": True,
             "logprob_start_len": start,
+            **({"image_data": [image_data["image_data"]] * len(choices)} if image_data else {}),
         })
         per_choice = [
             choice_token_logprobs(o["meta_info"]["input_token_logprobs"], c,
@@ -142,3 +157,31 @@ class NativeBackend(Backend):
                                  "return_logprob": True, "logprob_start_len": 0})
             uncond = [r["meta_info"]["input_token_logprobs"] for r in res]
         return decide(method, choices, per_choice, uncond)
+
+
+def _image_data(images: list[Any] | None) -> dict[str, Any]:
+    """`image_data` for a /generate body: local files read here and sent as base64 (a server
+    reads its own disk only under --allowed-local-media-path), bytes and PIL images encoded,
+    URLs and base64 passed through."""
+    if not images:
+        return {}
+    return {"image_data": [_image_payload(i) for i in images]}
+
+
+def _image_payload(source: Any) -> str:
+    if hasattr(source, "save"):  # a PIL image
+        buf = io.BytesIO()
+        source.save(buf, format="PNG")
+        source = buf.getvalue()
+    if isinstance(source, (bytes, bytearray)):
+        return base64.b64encode(bytes(source)).decode()
+    if not isinstance(source, str):
+        raise ValueError(f"sgl.image takes a path, URL, base64 text, bytes or a PIL image, "
+                         f"not {type(source).__name__}")
+    if source.startswith(("data:", "http://", "https://")):
+        return source
+    path = os.path.expanduser(source[7:] if source.startswith("file://") else source)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return base64.b64encode(f.read()).decode()
+    return source  # base64 already, or a path the runtime may read

@@ -36,6 +36,7 @@ class Runtime(NativeBackend):
             top_logprobs_num=body.get("top_logprobs_num", 0),
             return_text_in_logprobs=body.get("return_text_in_logprobs", False),
             stream=stream,
+            **({"image_data": body["image_data"]} if "image_data" in body else {}),
         )
 
     def _request(self, body: dict[str, Any]) -> Any:

@@ -50,8 +50,18 @@ _TEXT_PART = {
 NonEmptyStr = Annotated[str, WithJsonSchema(_NON_EMPTY_STR)]
 TokenId = Annotated[StrictInt, WithJsonSchema(_TOKEN_ID)]
 TokenIds = Annotated[list[StrictInt], WithJsonSchema(_TOKEN_IDS)]
+_IMAGE_URL_PART = {
+    "type": "object",
+    "required": ["type", "image_url"],
+    "properties": {"type": {"const": "image_url"}, "image_url": {
+        "type": "object", "required": ["url"],
+        "properties": {"url": _NON_EMPTY_STR, "detail": {"const": "auto"}}}},
+}
+# an image as /generate's image_data takes it: a data: or http(s) URL, base64, a local path
+ImageData = Annotated[str, WithJsonSchema(_NON_EMPTY_STR)]
 TextParts = Annotated[
-    list[dict[str, Any]], WithJsonSchema({"type": "array", "items": _TEXT_PART})
+    list[dict[str, Any]],
+    WithJsonSchema({"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_URL_PART]}})
 ]
 # OpenAI's `stop`: "" and [] mean none; a listed stop string must not be empty.
 OpenAIStop = Annotated[str | list[str], WithJsonSchema(

@@ -94,6 +94,8 @@ def _split_for_streaming(kwargs: dict[str, Any], is_batch: bool) -> list[dict[st
             for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "lora_path"):
                 if isinstance(call.get(name), list):  # a batch's: this prompt's entry
                     call[name] = call[name][i]
+            if is_batch and call.get("image_data") is not None:  # this prompt's image(s)
+                call["image_data"] = call["image_data"][i]
             call["sampling_params"] = choice_params(params, choice)
             call["rid"] = None if rid is None else (rid if n == 1 else f"{rid}-{choice}")
             calls.append(call)

@@ -93,6 +93,12 @@ class GenerateRequest(BaseModel):
     lora_path: LoraPath | list[LoraPath | None] | None = Field(
         None, description="the loaded LoRA adapter to run on (SGLang's field: its name), or "
                           "one per prompt of a batch; null: the base model")
+    image_data: ImageData | list[ImageData | list[ImageData] | None] | None = Field(
+        None, description="images for a vision-language model (SGLang's field): a data: or "
+                          "http(s) URL, base64, or a local path under "
+                          "--allowed-local-media-path; one or a list for a text prompt naming "
+                          "each with the model's placeholder (<image>), or one entry per "
+                          "prompt of a batch. A text-only model answers 400")
 
     @property
     def is_batch(self) -> bool:
@@ -136,6 +142,10 @@ class GenerateRequest(BaseModel):
                                 f"got {logprob_start_len}")
         if not 0 <= top_logprobs_num <= 100:
             raise ApiError(400, f"top_logprobs_num must be in [0, 100], got {top_logprobs_num}")
+        if self.is_batch and self.image_data is not None and (
+                not isinstance(self.image_data, list) or len(self.image_data) != self.batch_size):
+            raise ApiError(400, "for a batch of prompts, image_data needs one entry per prompt",
+                           "image_data")
         return {
             "prompt": self.text,
             "input_ids": self.input_ids,
@@ -147,6 +157,7 @@ class GenerateRequest(BaseModel):
             "rid": self.rid,
             **bootstrap_kwargs(self),
             **self.lora_kwargs(),
+            **({} if self.image_data is None else {"image_data": self.image_data}),
         }
 
     def lora_kwargs(self) -> dict[str, Any]:
@@ -449,6 +460,19 @@ class ResponseFormat(BaseModel):
         return {}
 
 
+def _image_url(part: dict[str, Any]) -> str:
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, "an image_url part needs image_url.url (a data: or http(s) URL)",
+                       "messages")
+    if isinstance(image, dict) and image.get("detail", "auto") != "auto":
+        # OpenAI's low/high pick its own tiling; here the model's processor decides
+        raise ApiError(400, "image_url.detail: only auto is served (the model's own "
+                            "preprocessing sizes the image)", "messages")
+    return url
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -459,20 +483,34 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool result: the call it answers
 
     def template_dict(self) -> dict[str, Any]:
-        """The message for the chat template: content parts joined into one string."""
+        """The message for the chat template: text parts joined into one string, or where it
+        has images, its parts as the templates of vision-language models read them
+        ({"type": "text", "text": ...} and {"type": "image"})."""
         out = self.model_dump(exclude_none=True)
         content = self.content
         if isinstance(content, list):
-            texts = []
+            parts: list[dict[str, Any]] = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, "only text content parts are supported", "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
+                if part.get("type") == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                elif part.get("type") == "image_url":
+                    _image_url(part)  # checked here: a 400 before the template runs
+                    parts.append({"type": "image"})
+                else:
+                    raise ApiError(400, "content parts must be text or image_url",
+                                   "messages")
+            content = parts if any(p["type"] == "image" for p in parts) else "".join(
+                p["text"] for p in parts)
         out["content"] = content or ""
         if out["role"] == "developer":
             out["role"] = "system"
         return out
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image_url parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [_image_url(p) for p in self.content if p.get("type") == "image_url"]
 
 
 class ChatCompletionRequest(_OpenAISampling):

@@ -297,7 +297,11 @@ class EagleDrafter:
             if pending is not None:  # catch up
                 cur = torch.cat([*pending.chunks, cur.to(torch.bfloat16)]).float()
                 first, count = pending.first, pending.num_rows + count
-            ids += req.fill_slice(first + 1, first + count + 1)
+            new = req.fill_slice(first + 1, first + count + 1)
+            if req.images:  # image positions' pad ids: the head embeds them as token 0
+                vocab = self.runner.model_config.vocab_size
+                new = [t if t < vocab else 0 for t in new]
+            ids += new
             pos += range(first, first + count)
             slots += table[req.req_pool_idx, first : first + count].tolist()
             feats.append(cur)

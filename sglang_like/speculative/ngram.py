@@ -287,6 +287,10 @@ class NgramDrafter:
             if other and other not in conts:
                 conts = [other, *conts][: self.breadth]
                 evidence = -other_matched
+        if req.images:  # an image's pad ids are no token to draft: cut a continuation there
+            pads = {item.pad_value for item in req.images}
+            conts = [c[:next((k for k, t in enumerate(c) if t in pads), len(c))] for c in conts]
+            conts = [c for c in conts if c]
         if not conts:
             return None
         # merge the continuations into a trie of at most num_draft_tokens nodes

@@ -92,16 +92,22 @@ class FakeEngine:
     def check_health(self) -> str | None:
         return self.health_reason
 
+    image_prompter = None  # a text-only model (Engine.image_prompter)
+
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
                              input_ids: Any = None, return_logprob: bool = False,
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False,
                              rid: Any = None, bootstrap_host: Any = None,
                              bootstrap_port: Any = None, bootstrap_room: Any = None,
-                             cache_salt: str | None = None, lora_path: Any = None) -> Any:
+                             cache_salt: str | None = None, lora_path: Any = None,
+                             image_data: Any = None) -> Any:
         if lora_path is not None and any(n is not None for n in (
                 lora_path if isinstance(lora_path, list) else [lora_path])):
             raise ValueError("LoRA is not enabled (the fake engine serves no adapters)")
+        if image_data is not None:  # as a text-only model's Engine answers
+            raise ValueError("the model 'fake' reads text only; it takes no image input "
+                             "(image_data)")
         self.calls.append({"prompt": prompt, "input_ids": input_ids, "stream": stream,
                            "sampling_params": sampling_params, "rid": rid,
                            "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,

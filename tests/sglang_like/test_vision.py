@@ -158,3 +158,55 @@ def test_bad_image_input_is_refused_with_a_message(engines: dict[str, Engine],
         text_only.generate(text, sp, image_data=_png(pictures()[0]))
     # the engine goes on
     assert engine.generate(text, sp, image_data=_png(pictures()[1]))["output_ids"]
+
+
+def test_chunked_prefill_through_images_and_ngram_speculation_keep_greedy_output(
+        built: dict[str, tuple[Path, Any, Any]], engines: dict[str, Engine]) -> None:
+    """Prefill chunks of 8 tokens cut through an image's 20 rows (5 crops of 4), and NGRAM
+    drafts over a prompt holding pad ids; both give the plain engine's greedy tokens."""
+    folder = built["idefics3"][0]
+    pics = pictures()[:2]
+    text = _prompt("Say it again and again and again and again.", 2)
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    want = engines["idefics3"].generate(text, sp, image_data=[_png(p) for p in pics])
+    for knobs in ({"chunked_prefill_size": 8},
+                  {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}):
+        engine = Engine(model_path=str(folder), dtype="float32", quantization="none",
+                        max_total_tokens=4096, engine_in_process=True, **knobs)
+        try:
+            got = engine.generate(text, sp, image_data=[_png(p) for p in pics])
+        finally:
+            engine.shutdown()
+        assert got["output_ids"] == want["output_ids"], knobs
+
+
+def test_dsl_image_in_a_program_gens_and_selects(engines: dict[str, Engine],
+                                                 tmp_path: Path) -> None:
+    """sgl.image in a user turn: gen sees the image (the same tokens as the Engine call on
+    the rendered prompt), select scores its choices with it; a local path is read by the
+    client, a PIL image encoded."""
+    import sglang_like as sgl
+
+    engine = engines["llava-clip"]
+    pic = pictures()[0]
+    path = tmp_path / "pic.png"
+    pic.save(path)
+    backend = sgl.Runtime(engine=engine)
+
+    @sgl.function
+    def describe(s: Any, image: Any) -> None:
+        s += sgl.user(sgl.image(image) + QUESTIONS[0])
+        s += sgl.assistant(sgl.gen("answer", max_tokens=NEW_TOKENS, temperature=0,
+                                   ignore_eos=True))
+        s += sgl.user("Red or blue?")
+        s += sgl.assistant(sgl.select("colour", ["red", "blue"]))
+
+    want = engine.generate(_prompt(QUESTIONS[0]), {"max_new_tokens": NEW_TOKENS,
+                                                   "temperature": 0, "ignore_eos": True},
+                           image_data=_png(pic))["text"]
+    for source in (str(path), pic):
+        state = describe.run(image=source, backend=backend)
+        assert state["answer"] == want
+        assert state["colour"] in ("red", "blue")
+    with pytest.raises(ValueError, match="takes no images"):
+        describe.run(image=pic, backend=sgl.OpenAI("x", base_url="http://127.0.0.1:9"))

@@ -48,6 +48,9 @@ async def chat_completions(request: Request) -> Response:
     lora, model = resolve_model(state, req.model, req.lora_path)
     plan = tool_plan(state, req)
     state.check_text_length([_content_text(m.content) for m in req.messages], "messages")
+    if any(m.image_urls() for m in req.messages) and state.engine.image_prompter is None:
+        raise ApiError(400, f"the model {model!r} reads text only; image_url content parts "
+                            "need a vision-language model", "messages")
     # the template and the tokenizer run on a worker thread, off the loop that streams
     prompt, input_ids = await run_in_threadpool(_chat_prompt, state, req, plan)
     check_prompt_len(state, len(input_ids))
@@ -65,7 +68,13 @@ async def chat_completions(request: Request) -> Response:
     if thinking is not None:
         sampling = thinking.sampling_params(sampling)
     budget = thinking if thinking is not None and thinking.has_budget else None
-    base = {"input_ids": input_ids, **logprob_kwargs(req.logprobs, req.top_logprobs or 0),
+    images = [url for m in req.messages for url in m.image_urls()]
+    # with images the engine expands each placeholder into the image's tokens from the text
+    prompt_kwargs: dict[str, Any] = {"prompt": prompt, "image_data": images} if images else {
+        "input_ids": input_ids}
+    if images and budget is not None:
+        raise ApiError(400, "a thinking budget does not take images yet", "messages")
+    base = {**prompt_kwargs, **logprob_kwargs(req.logprobs, req.top_logprobs or 0),
             **bootstrap_kwargs(req), **lora}
     if req.stream:
         first = sampling if budget is None else {
@@ -233,7 +242,10 @@ def _chat_prompt(
     if prompt is None:
         raise ApiError(400, f"chat template failed on these messages: {error}") from None
     if req.continue_final_message:
-        prompt = _strip_end_of_turn(prompt, messages[-1]["content"])
+        last = messages[-1]["content"]
+        if isinstance(last, list):  # with images: its text parts
+            last = "".join(p.get("text", "") for p in last)
+        prompt = _strip_end_of_turn(prompt, last)
     return prompt, list(tokenizer.encode(prompt))
 
 
