@@ -13,6 +13,11 @@ _MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+# DRY's sequence breakers are matched against every vocabulary entry once per distinct list
+# (then cached): bounded like the stop strings. 40 characters is llama.cpp's cut.
+MAX_DRY_BREAKERS = 16
+MAX_DRY_BREAKER_CHARS = 40
+DEFAULT_DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 
 @dataclass
@@ -49,6 +54,21 @@ class SamplingParams:
     # OpenAI's logit_bias: token id (a string in JSON) -> a number in [-100, 100] added to that
     # token's logit before sampling (greedy included); -100 bans it. Logprobs stay the model's.
     logit_bias: dict[str, float] | None = None
+    # DRY ("don't repeat yourself", llama.cpp's names and defaults): a token that would extend
+    # a repeat of dry_allowed_length or more context tokens loses
+    # dry_multiplier * dry_base ** (repeat_len - dry_allowed_length) from its logit.
+    # dry_multiplier 0 is off; dry_penalty_last_n -1 is the whole context, 0 off;
+    # dry_sequence_breakers None are DEFAULT_DRY_BREAKERS (a repeat never spans one).
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] | None = None
+    # XTC ("exclude top choices"): with probability xtc_probability a step drops every token
+    # whose probability is at least xtc_threshold except the least likely of them (when two or
+    # more are). 0 is off.
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -93,7 +113,19 @@ class SamplingParams:
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
+            or (self.dry_multiplier != 0.0 and self.dry_penalty_last_n != 0)  # has_dry
         )
+
+    @property
+    def has_dry(self) -> bool:
+        return self.dry_multiplier != 0.0 and self.dry_penalty_last_n != 0
+
+    @property
+    def dry_breakers(self) -> tuple[str, ...]:
+        """The sequence breakers in effect (llama.cpp's four when unset)."""
+        if self.dry_sequence_breakers is None:
+            return DEFAULT_DRY_BREAKERS
+        return tuple(self.dry_sequence_breakers)
 
     @property
     def constraint(self) -> tuple[str, str] | None:
@@ -180,6 +212,32 @@ class SamplingParams:
             raise ValueError("structural_tag must be an object or a string holding one")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
+        self._validate_dry_xtc()
+
+    def _validate_dry_xtc(self) -> None:
+        _check_float("dry_multiplier", self.dry_multiplier, 0.0, 100.0)
+        _check_float("dry_base", self.dry_base, 1.0, 100.0)
+        _check_int("dry_allowed_length", self.dry_allowed_length, 1, _MAX_NEW_TOKENS_LIMIT)
+        _check_int("dry_penalty_last_n", self.dry_penalty_last_n, -1, 1 << 30)
+        breakers = self.dry_sequence_breakers
+        if breakers is not None:
+            if not isinstance(breakers, list) or not all(isinstance(b, str) for b in breakers):
+                raise ValueError("dry_sequence_breakers must be a list of strings")
+            if len(breakers) > MAX_DRY_BREAKERS:
+                raise ValueError(f"at most {MAX_DRY_BREAKERS} dry_sequence_breakers, "
+                                 f"got {len(breakers)}")
+            if any(b == "" or len(b) > MAX_DRY_BREAKER_CHARS for b in breakers):
+                raise ValueError("each of dry_sequence_breakers must have 1 to "
+                                 f"{MAX_DRY_BREAKER_CHARS} characters")
+            if not all(b.isascii() or _is_utf8(b) for b in breakers):
+                raise ValueError("dry_sequence_breakers must be valid Unicode text (a lone "
+                                 "surrogate is not)")
+        _check_float("xtc_probability", self.xtc_probability, 0.0, 1.0)
+        _check_float("xtc_threshold", self.xtc_threshold, 0.0, 1.0)
+        if self.xtc_probability > 0.0 and self.is_greedy:
+            # greedy decoding takes the top token, which is what XTC would exclude
+            raise ValueError("xtc_probability needs sampling: it is not available with "
+                             "temperature 0 or top_k 1 (greedy decoding)")
 
     @property
     def token_bias(self) -> dict[int, float]:
@@ -212,6 +270,14 @@ def _checked_logit_bias(bias: Any, vocab_size: int | None) -> dict[str, float]:
         _check_float(f"logit_bias[{key}]", value, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
         out[str(token)] = float(value)
     return out
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:

@@ -1,17 +1,31 @@
-"""Sampler: logits -> next tokens, applying penalties, masks, temperature, top-k/top-p/min-p."""
+"""Sampler: logits -> next tokens, applying penalties (DRY among them), masks, temperature,
+top-k/top-p/min-p and XTC."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import collections
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 import sglang_like_kernels
 import sglang_like_kernels.cpu
 import sglang_like_kernels.cpu.ops
+from sglang_like.layers.dry import (
+    Breaker,
+    BreakerTable,
+    VocabIndex,
+    dry_penalties,
+    resolve_breaker,
+)
 from sglang_like.req import Req
 
 _NEG_INF = float("-inf")
+# DRY breakers resolved against the vocabulary: per breaker (each a pass over it), and per
+# list (a merge); the latest few hundred / few dozen kept
+_MAX_BREAKERS_KEPT = 256
+_MAX_BREAKER_TABLES = 32
 
 
 class SampleOutput(NamedTuple):
@@ -53,11 +67,21 @@ def top_k_entries(logprobs_row: torch.Tensor, k: int) -> list[tuple[float, int]]
 
 
 class Sampler:
-    """Stateless apart from the EOS ids; per-request randomness lives in each Req's generator."""
+    """Stateless apart from the EOS ids and caches of DRY's breakers; per-request randomness
+    lives in each Req's generator.
 
-    def __init__(self, eos_token_ids: frozenset[int] | set[int], vocab_size: int) -> None:
+    `tokenizer` (its `token_bytes` and `encode`) resolves DRY's sequence breakers, which are
+    text, into token ids; the engine always passes it, a unit test without DRY need not."""
+
+    def __init__(self, eos_token_ids: frozenset[int] | set[int], vocab_size: int,
+                 tokenizer: Any = None) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self._vocab_index: VocabIndex | None = None
+        self._breakers: collections.OrderedDict[str, Breaker] = collections.OrderedDict()
+        self._breaker_tables: collections.OrderedDict[tuple[str, ...], BreakerTable] = (
+            collections.OrderedDict())
 
     @torch.inference_mode()
     def sample(
@@ -102,6 +126,45 @@ class Sampler:
                 ids = torch.tensor(r.output_ids, dtype=torch.long)
                 counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
                 row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
+            if sp.has_dry:
+                self._apply_dry(row, r)
+
+    def _apply_dry(self, row: torch.Tensor, req: Req) -> None:
+        """DRY over the request's context (prompt and output, as llama.cpp's), its last
+        dry_penalty_last_n tokens when that is positive."""
+        sp = req.sampling_params
+        last_n = sp.dry_penalty_last_n
+        end = req.seq_len
+        ids = req.fill_slice(max(end - last_n, 0), end) if last_n > 0 else req.fill_ids
+        window = np.asarray(ids, dtype=np.int64)
+        found = dry_penalties(window, sp.dry_multiplier, sp.dry_base, sp.dry_allowed_length,
+                              self._breaker_table(sp.dry_breakers))
+        if found is not None:
+            tokens, penalty = found
+            keep = tokens < row.shape[0]
+            row.index_add_(0, torch.from_numpy(tokens[keep]).to(row.device),
+                           torch.from_numpy(-penalty[keep]).to(row.dtype).to(row.device))
+
+    def _breaker_table(self, breakers: tuple[str, ...]) -> BreakerTable:
+        """The breakers' table, resolved on first use: at 49k tokens the vocabulary's index
+        takes ~0.1 s once, then a breaker new to this sampler well under 1 ms for one
+        character, up to ~4 ms for 40, on the loop's thread."""
+        table = _lru_get(self._breaker_tables, breakers)
+        if table is None:
+            table = BreakerTable([self._breaker(b) for b in breakers], self.vocab_size)
+            _lru_put(self._breaker_tables, breakers, table, _MAX_BREAKER_TABLES)
+        return table
+
+    def _breaker(self, text: str) -> Breaker:
+        breaker = _lru_get(self._breakers, text)
+        if breaker is None:
+            if self._vocab_index is None:
+                if self.tokenizer is None:
+                    raise RuntimeError("DRY's sequence breakers need the sampler's tokenizer")
+                self._vocab_index = VocabIndex(self.tokenizer)
+            breaker = resolve_breaker(text, self._vocab_index)
+            _lru_put(self._breakers, text, breaker, _MAX_BREAKERS_KEPT)
+        return breaker
 
     def _apply_logit_bias(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """OpenAI's logit_bias: added to the logits after penalties, before masks and the
@@ -138,12 +201,26 @@ class Sampler:
             return next_ids
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = logits[rows]
-        temps = torch.tensor([reqs[i].sampling_params.temperature for i in rows])
+        sampled = [reqs[i] for i in rows]
+        temps = torch.tensor([r.sampling_params.temperature for r in sampled])
         probs = torch.softmax(sub / temps.unsqueeze(1), dim=-1)
-        picked = _sample(probs, [reqs[i] for i in rows])
+        picked = _sample(probs, sampled, _xtc_thresholds(sampled))
         for j, i in enumerate(rows):
             next_ids[i] = picked[j]
         return next_ids
+
+
+def _lru_get(cache: collections.OrderedDict, key: Any) -> Any:
+    value = cache.get(key)
+    if value is not None:
+        cache.move_to_end(key)
+    return value
+
+
+def _lru_put(cache: collections.OrderedDict, key: Any, value: Any, max_len: int) -> None:
+    cache[key] = value
+    if len(cache) > max_len:
+        cache.popitem(last=False)
 
 
 # Top-k / top-p rows are cut from their top 64 candidates (torch.topk), or 1024 where those
@@ -153,10 +230,41 @@ class Sampler:
 _CANDIDATES = (64, 1024)
 
 
-def _sample(probs: torch.Tensor, reqs: list[Req]) -> list[int]:
-    """One token per row of `probs` [R, V], drawn from it after min-p, top-k and top-p (rows
-    renormalized implicitly), by inverse CDF with one uniform from each request's generator:
-    the same seed draws the same tokens whatever else is in the batch."""
+def _xtc_thresholds(reqs: list[Req]) -> torch.Tensor | None:
+    """XTC's per-row threshold for this step (+inf where it does not act), or None when no row
+    asks. A row asking draws from its own generator whether XTC acts this step (chance <=
+    xtc_probability, as llama.cpp's), so a seed reproduces the choice."""
+    rows = [j for j, r in enumerate(reqs) if r.sampling_params.xtc_probability > 0.0]
+    if not rows:
+        return None
+    out = torch.full((len(reqs),), float("inf"))
+    for j in rows:
+        sp = reqs[j].sampling_params
+        if float(torch.rand(1, generator=reqs[j].generator)) <= sp.xtc_probability:
+            out[j] = sp.xtc_threshold
+    return out
+
+
+def _exclude_top_choices(weights: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """XTC on rows of non-negative `weights` [R, W] (the candidates truncation kept): where
+    two or more hold at least `thresholds` [R] of their row's mass, all of them but the least
+    likely (the first such in row order among equals) get weight 0."""
+    share = weights / weights.sum(dim=-1, keepdim=True)
+    above = (weights > 0) & (share >= thresholds.unsqueeze(1))
+    acts = above.sum(dim=-1) >= 2
+    if not bool(acts.any()):
+        return weights
+    spared = torch.where(above, share, torch.full_like(share, float("inf"))).argmin(dim=-1)
+    drop = above & acts.unsqueeze(1)
+    drop[torch.arange(len(weights)), spared] = False
+    return weights.masked_fill(drop, 0.0)
+
+
+def _sample(probs: torch.Tensor, reqs: list[Req], xtc: torch.Tensor | None = None) -> list[int]:
+    """One token per row of `probs` [R, V], drawn from it after min-p, top-k, top-p and then
+    XTC (`xtc`: per-row thresholds from `_xtc_thresholds`; rows renormalized implicitly), by
+    inverse CDF with one uniform from each request's generator: the same seed draws the same
+    tokens whatever else is in the batch."""
     vocab = probs.shape[-1]
     top_ks = [r.sampling_params.top_k for r in reqs]
     top_ps = [r.sampling_params.top_p for r in reqs]
@@ -170,7 +278,10 @@ def _sample(probs: torch.Tensor, reqs: list[Req]) -> list[int]:
     cut = [i for i, c in enumerate(is_cut) if c]
     full = [i for i, c in enumerate(is_cut) if not c]
     if full:  # the whole distribution: its CDF over the vocabulary in id order
-        ids = _inverse_cdf(probs[full], uniform[full])
+        weights = probs[full]
+        if xtc is not None:
+            weights = _exclude_top_choices(weights, xtc[full])
+        ids = _inverse_cdf(weights, uniform[full])
         for j, i in enumerate(full):
             out[i] = int(ids[j])
     pending = cut
@@ -188,6 +299,8 @@ def _sample(probs: torch.Tensor, reqs: list[Req]) -> list[int]:
             sorted_p, order = rows.sort(dim=-1, descending=True)
             held = torch.ones(len(pending), dtype=torch.bool)
         kept = _keep_top(sorted_p, ks, tps)
+        if xtc is not None:  # exact on held rows: their kept set lies within the candidates
+            kept = _exclude_top_choices(kept, xtc[pending])
         pos = _inverse_cdf(kept, uniform[pending])
         chosen = order.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()
         for j, ok in enumerate(held.tolist()):

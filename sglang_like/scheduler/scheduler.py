@@ -55,7 +55,7 @@ class Scheduler:
         allocator = KVSlotAllocator(config.pool_size)
         tree = RadixCache(allocator, config.eviction_policy, disable=config.disable_radix_cache)
         self.cache = KVCacheManager(allocator, tree, runner.req_to_token_pool)
-        self.sampler = Sampler(eos_token_ids, config.vocab_size)
+        self.sampler = Sampler(eos_token_ids, config.vocab_size, tokenizer)
         self.faults = FaultInjector.from_env()
         self.outputs = OutputProcessor(tokenizer, eos_token_ids, self.cache, config,
                                        self.faults)
