@@ -13,6 +13,8 @@ from typing import Annotated, Any
 from pydantic import Field, StrictInt, TypeAdapter, WithJsonSchema
 
 from sglang_like.sampling_params import (
+    MAX_DRY_BREAKER_CHARS,
+    MAX_DRY_BREAKERS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -34,6 +36,14 @@ SAMPLING_RANGES: dict[str, dict[str, Any]] = {
     "presence_penalty": {"minimum": -2, "maximum": 2},
     "n": {"minimum": 1, "maximum": 128},
     "seed": {"minimum": -(1 << 63), "maximum": (1 << 63) - 1},
+    "dry_multiplier": {"minimum": 0, "maximum": 100},
+    "dry_base": {"minimum": 1, "maximum": 100},
+    "dry_allowed_length": {"minimum": 1, "maximum": _MAX_TOKENS},
+    "dry_penalty_last_n": {"minimum": -1, "maximum": 1 << 30},
+    "dry_sequence_breakers": {"maxItems": MAX_DRY_BREAKERS, "items": {
+        "type": "string", "minLength": 1, "maxLength": MAX_DRY_BREAKER_CHARS}},
+    "xtc_probability": {"minimum": 0, "maximum": 1},
+    "xtc_threshold": {"minimum": 0, "maximum": 1},
 }
 _NON_EMPTY_STR = {"type": "string", "minLength": 1}
 _TOKEN_ID = {"type": "integer", "minimum": 0}

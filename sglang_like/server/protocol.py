@@ -20,6 +20,7 @@ from sglang_like.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from sglang_like.server.errors import ApiError, pydantic_message
 from sglang_like.server.json_schemas import (
     SAMPLING_RANGES,
+    ImageData,
     NonEmptyStr,
     OpenAIStop,
     TextParts,
@@ -308,6 +309,17 @@ class _OpenAISampling(BaseModel):
         None, **SAMPLING_RANGES["repetition_penalty"]
     )
     min_tokens: StrictInt | None = documented(None, **SAMPLING_RANGES["min_new_tokens"])
+    # llama.cpp's DRY and XTC samplers (llama-server's and vLLM's extra body fields)
+    dry_multiplier: StrictFloat | None = documented(None, **SAMPLING_RANGES["dry_multiplier"])
+    dry_base: StrictFloat | None = documented(None, **SAMPLING_RANGES["dry_base"])
+    dry_allowed_length: StrictInt | None = documented(
+        None, **SAMPLING_RANGES["dry_allowed_length"])
+    dry_penalty_last_n: StrictInt | None = documented(
+        None, **SAMPLING_RANGES["dry_penalty_last_n"])
+    dry_sequence_breakers: list[str] | None = documented(
+        None, **SAMPLING_RANGES["dry_sequence_breakers"])
+    xtc_probability: StrictFloat | None = documented(None, **SAMPLING_RANGES["xtc_probability"])
+    xtc_threshold: StrictFloat | None = documented(None, **SAMPLING_RANGES["xtc_threshold"])
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     no_stop_trim: StrictBool | None = None
@@ -351,6 +363,13 @@ class _OpenAISampling(BaseModel):
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "min_new_tokens": self.min_tokens,
+            "dry_multiplier": self.dry_multiplier,
+            "dry_base": self.dry_base,
+            "dry_allowed_length": self.dry_allowed_length,
+            "dry_penalty_last_n": self.dry_penalty_last_n,
+            "dry_sequence_breakers": self.dry_sequence_breakers,
+            "xtc_probability": self.xtc_probability,
+            "xtc_threshold": self.xtc_threshold,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.no_stop_trim,
