@@ -162,3 +162,15 @@ def test_a_text_only_model_refuses_images_naming_it(real_server: Any) -> None:
     assert r.status_code == 400 and "reads text only" in r.text and "SmolLM2" in r.text
     with pytest.raises(openai.BadRequestError, match="reads text only"):
         _chat(real_server, _data_url(pictures()[0]))
+
+
+def test_the_dashboard_shows_an_image_as_one_mark(server: Any) -> None:
+    pic = pictures()[0]
+    assert _generate(server, text=PROMPT, image_data=_data_url(pic)).status_code == 200
+    tree = httpx.get(server.url + "/cache_tree", params={"edge_tokens": 64}, timeout=30).json()
+    texts = [n.get("text", "") for n in tree["nodes"]]
+    marks = [t for t in texts if "[image " in t]
+    assert marks, texts
+    # the whole image (16 embedding rows: 4x4 patches, the class token dropped) is one mark
+    # beside the prompt's text around it
+    assert any("16 tokens]" in t and QUESTION[:10] in t for t in marks), marks

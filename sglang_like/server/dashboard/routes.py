@@ -64,8 +64,40 @@ def _untag(node: dict[str, Any], adapters: dict[str, str], *names: str) -> None:
                 node["lora_adapter"] = adapter
 
 
-def _text(decode: Any, token_ids: list[int]) -> str:
-    return decode(token_ids) if token_ids else ""
+def _vocab_size(request: Request) -> int | None:
+    config = getattr(get_state(request).engine, "model_config", None)
+    return getattr(config, "vocab_size", None)
+
+
+def _text(decode: Any, token_ids: list[int], vocab_size: int | None = None) -> str:
+    """An edge's text; a run of one image's pad ids (past the vocabulary: an image's tokens,
+    multimodal.processor) reads as one "[image ...]" mark naming its pad id and length."""
+    if not token_ids:
+        return ""
+    if vocab_size is None or max(token_ids) < vocab_size:
+        return decode(token_ids)
+    parts, k = [], 0
+    for i in range(1, len(token_ids) + 1):
+        # a stretch ends where text meets image or one image meets another
+        if i == len(token_ids) or (token_ids[i] != token_ids[i - 1] and max(
+                token_ids[i], token_ids[i - 1]) >= vocab_size):
+            run = token_ids[k:i]
+            parts.append(f"[image {run[0] - vocab_size:x}, {len(run)} tokens]"
+                         if run[0] >= vocab_size else run)
+            k = i
+    # text stretches between images are decoded whole (tokens merge across ids)
+    out, text = [], []
+    for part in parts:
+        if isinstance(part, list):
+            text += part
+        else:
+            if text:
+                out.append(decode(text))
+                text = []
+            out.append(part)
+    if text:
+        out.append(decode(text))
+    return "".join(out)
 
 
 def _engine_method(request: Request, name: str) -> Any:
@@ -176,6 +208,7 @@ async def cache_tree(request: Request) -> Response:
     text = request.query_params.get("text", "true").lower() not in ("0", "false", "no")
     method = _engine_method(request, "cache_tree")
     decode = get_state(request).tokenizer.decode
+    vocab = _vocab_size(request)
     # the last answer per query, as bytes: an unchanged snapshot is not expanded, detokenized
     # and serialized again (a script polling the whole tree costs the engine one tiny RPC)
     built: dict[tuple, tuple[int, bytes]] = request.app.state.dashboard_trees
@@ -202,7 +235,7 @@ async def cache_tree(request: Request) -> Response:
             _untag(node, adapters, "token_ids")
         if text:
             for node in tree["nodes"]:
-                node["text"] = _text(decode, node["token_ids"])
+                node["text"] = _text(decode, node["token_ids"], vocab)
                 node["text_truncated"] = node["tokens"] > len(node["token_ids"])
         body = dumps(tree).encode()
         if len(built) > 16:
@@ -223,14 +256,15 @@ async def cache_node(request: Request, node_id: str) -> Response:
         raise ApiError(404, f"no node {node_id!r} in the cache (ids are integers)") from None
     method = _engine_method(request, "cache_node")
     decode = get_state(request).tokenizer.decode
+    vocab = _vocab_size(request)
 
     def build() -> dict[str, Any] | None:
         node = method(node_id)
         if node is not None:
             _untag(node, node.pop("lora_namespaces", None) or {}, "token_ids",
                    "prefix_token_ids")
-            node["text"] = _text(decode, node["token_ids"])
-            node["prefix_text"] = _text(decode, node["prefix_token_ids"])
+            node["text"] = _text(decode, node["token_ids"], vocab)
+            node["prefix_text"] = _text(decode, node["prefix_token_ids"], vocab)
         return node
 
     node = await run_in_threadpool(build)

@@ -227,6 +227,12 @@ def _chat_prompt(
     template_kwargs = check_template_kwargs(getattr(req, "chat_template_kwargs", None),
                                             tokenizer.chat_template)
     messages = [m.template_dict() for m in req.messages]
+    if getattr(state.engine, "image_prompter", None) is not None:
+        # vision-language templates (SmolVLM's, llava-hf's) read every message's content as a
+        # list of parts, as their Hugging Face processors pass it
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                m["content"] = [{"type": "text", "text": m["content"]}]
     prompt = None
     # a template with no tool syntax may still refuse a `tool` turn: then results go in user turns
     for tool_role in (True, False) if plan is not None else (False,):
