@@ -57,6 +57,16 @@ def test_dry_breaks_a_greedy_loop(real_server: Any) -> None:
     assert not on.choices[0].message.content.startswith("1 2 3 1 2 3"), on
 
 
+def test_a_grammar_outranks_dry(real_server: Any) -> None:
+    """A regex that demands the repeat gets it: the mask comes after DRY's penalty (which
+    stays finite), so the grammar's tokens are still chosen."""
+    out = _generate(real_server.url, "Count:", {
+        "max_new_tokens": 24, "temperature": 0, "regex": "( 1 2 3){3}",
+        "dry_multiplier": 5.0, "dry_allowed_length": 1, "dry_sequence_breakers": []})
+    assert out["text"] == " 1 2 3 1 2 3 1 2 3"
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def test_xtc_excludes_top_choices_and_a_seed_reproduces(real_server: Any) -> None:
     """With xtc_probability 1 every step whose model distribution (temperature 1, nothing
     cut) has two or more tokens at 0.1 or above takes none of them but the least likely."""

@@ -186,6 +186,28 @@ def test_greedy_rows_move_off_the_repeat_and_other_rows_are_untouched() -> None:
     assert logits[0].tolist() == [0.0, 0.0, 0.0, 1.0] + [0.0] * (V - 4)
 
 
+def _bitmask(allowed: list[int]) -> torch.Tensor:
+    return torch.tensor([[sum(1 << t for t in allowed)]], dtype=torch.int32)
+
+
+def test_grammar_masked_rows() -> None:
+    """The grammar's mask comes after the penalties: a token DRY penalizes beyond any logit
+    is still taken when it is the only one allowed; XTC chooses among the allowed only."""
+    sampler = sampler_mod.Sampler(frozenset({11}), V, ToyTokenizer())
+    req = Req("g", [1, 2, 3] * 80 + [1, 2], SamplingParams(temperature=0.0, dry_multiplier=5.0,
+                                                           dry_sequence_breakers=[]))
+    req.grammar = object()  # only read as "has a grammar"
+    logits = torch.zeros(1, V)
+    assert sampler.sample(logits, [req], _bitmask([3])).next_token_ids == [3]
+    assert float(logits[0, 3]) == pytest.approx(-1e30)  # 5 * 1.75 ** 158 is no float32
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05] + [0.0] * (V - 4)])
+    xtc = _xtc_req(0, xtc_probability=1.0, xtc_threshold=0.1)
+    # every allowed token holds 0.1 or more of the allowed mass: only the least likely stays
+    for allowed, want in (([0, 1, 2], 2), ([0, 1], 1), ([1, 2], 2), ([0, 2], 2)):
+        logits = torch.log(probs).clone()
+        assert sampler.sample(logits, [xtc], _bitmask(allowed)).next_token_ids == [want]
+
+
 # ---- XTC --------------------------------------------------------------------------------
 def reference_xtc(probs: list[float], threshold: float) -> list[float]:
     """Drop every token holding at least `threshold` of the mass but the least likely of
