@@ -2,25 +2,28 @@
 the chat path of /v1/chat/completions (its chat template, its tool plan, its sampling checks).
 
 An Anthropic body is checked here, turned into the chat route's own ChatCompletionRequest
-(system and text blocks -> messages, tool_use / tool_result blocks -> tool calls and tool
-turns, tools and tool_choice -> OpenAI's), and the engine's answer is turned back into
-Anthropic's content blocks, stop_reason and usage, or its SSE events when streamed:
+(system and text blocks -> messages, image blocks -> image_url parts, tool_use / tool_result
+blocks -> tool calls and tool turns, tools and tool_choice -> OpenAI's), and the engine's
+answer is turned back into Anthropic's content blocks, stop_reason and usage, or its SSE
+events when streamed:
 
     message_start, ping, then per block: content_block_start, content_block_delta (text_delta
     or input_json_delta)..., content_block_stop; then message_delta (stop_reason, usage) and
     message_stop. A failure after the first event is one `error` event.
 
-Fields this server would not act on (`thinking`, `metadata`, image or document blocks, server
-tools, ...) are 400s naming them; `cache_control` is taken: the radix cache keeps every prefix.
-Errors have Anthropic's shape: {"type": "error", "error": {"type": ..., "message": ...}}.
+Fields this server would not act on (`thinking`, `metadata`, document blocks, server tools,
+images for a text-only model, ...) are 400s naming them; `cache_control` is taken: the radix
+cache keeps every prefix. Errors have Anthropic's shape:
+{"type": "error", "error": {"type": ..., "message": ...}}.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, ValidationError
@@ -38,7 +41,7 @@ from sglang_like.server.errors import (
 )
 from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.openai import format as fmt
-from sglang_like.server.openai.chat import chat_input_ids, tool_plan
+from sglang_like.server.openai.chat import _chat_prompt, tool_plan
 from sglang_like.server.openai.common import check_prompt_len
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, check_max_tokens, parse_model
@@ -56,8 +59,7 @@ _ERROR_TYPES = {
 }
 # Block types Anthropic has that this server does not serve, and why (a 400 says so).
 _UNSERVED_BLOCKS = {
-    "image": "the served model reads text only",
-    "document": "the served model reads text only",
+    "document": "documents are not served (images are, to a vision-language model)",
     "search_result": "search results are not served",
     "thinking": "the served model does not think",
     "redacted_thinking": "the served model does not think",
@@ -112,8 +114,37 @@ class AnthropicToolResultBlock(_Strict):
         return f"Error: {text}" if self.is_error else text
 
 
-_Block = Annotated[AnthropicTextBlock | AnthropicToolUseBlock | AnthropicToolResultBlock,
-                   Field(discriminator="type")]
+class AnthropicBase64Source(_Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1, description="the image file, base64")
+
+
+class AnthropicUrlSource(_Strict):
+    type: Literal["url"]
+    url: str = Field(min_length=1, description="an http(s) URL the server fetches (or a "
+                                               "local path under --allowed-local-media-path)")
+
+
+class AnthropicImageBlock(_Strict):
+    """An image for a vision-language model (a user turn's block)."""
+
+    type: Literal["image"]
+    source: Annotated[AnthropicBase64Source | AnthropicUrlSource, Field(discriminator="type")]
+    cache_control: dict[str, Any] | None = _CACHE_CONTROL
+
+    @property
+    def url(self) -> str:
+        """The image as the chat path's image_url takes it (base64 as a data: URL: bare
+        base64 of a JPEG starts with "/", which would read as a path)."""
+        source = self.source
+        if isinstance(source, AnthropicUrlSource):
+            return source.url
+        return f"data:{source.media_type};base64,{source.data}"
+
+
+_Block = Annotated[AnthropicTextBlock | AnthropicImageBlock | AnthropicToolUseBlock
+                   | AnthropicToolResultBlock, Field(discriminator="type")]
 
 
 class AnthropicMessage(_Strict):
@@ -212,6 +243,14 @@ def _check_unserved(body: Any) -> None:
         if isinstance(kind, str) and kind in _UNSERVED_BLOCKS:
             raise ApiError(400, f"{where}: {kind} blocks are not supported: "
                                 f"{_UNSERVED_BLOCKS[kind]}", where)
+        if kind == "image" and where.startswith("system"):
+            raise ApiError(400, f"{where}: the system prompt takes text blocks only; images go "
+                                "in user turns", where)
+        inner = block.get("content") if kind == "tool_result" else None
+        for k, part in enumerate(inner if isinstance(inner, list) else []):
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise ApiError(400, f"{where}.content[{k}]: a tool_result's content takes text "
+                                    f"blocks only, not {part.get('type')!r}", where)
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         kind = tool.get("type") if isinstance(tool, dict) else None
@@ -239,10 +278,12 @@ def _chat_messages(body: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
         texts = [b.text for b in message.content if isinstance(b, AnthropicTextBlock)]
         uses = [b for b in message.content if isinstance(b, AnthropicToolUseBlock)]
         results = [b for b in message.content if isinstance(b, AnthropicToolResultBlock)]
+        has_images = any(isinstance(b, AnthropicImageBlock) for b in message.content)
         if message.role == "user" and uses:
             raise ApiError(400, "tool_use blocks belong in assistant turns", "messages")
-        if message.role == "assistant" and results:
-            raise ApiError(400, "tool_result blocks belong in user turns", "messages")
+        if message.role == "assistant" and (results or has_images):
+            kind = "tool_result" if results else "image"
+            raise ApiError(400, f"{kind} blocks belong in user turns", "messages")
         out += [{"role": "tool", "tool_call_id": r.tool_use_id, "content": r.text}
                 for r in results]
         if message.role == "assistant":
@@ -251,6 +292,12 @@ def _chat_messages(body: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
                 for u in uses]
             out.append({"role": "assistant", "content": "".join(texts) or None,
                         **({"tool_calls": calls} if calls else {})})
+        elif has_images:  # text and images in their order, as the chat path's parts
+            out.append({"role": "user", "content": [
+                {"type": "text", "text": b.text} if isinstance(b, AnthropicTextBlock) else
+                {"type": "image_url", "image_url": {"url": b.url}}
+                for b in message.content
+                if isinstance(b, (AnthropicTextBlock, AnthropicImageBlock))]})
         elif texts or not results:
             out.append({"role": "user", "content": "".join(texts)})
     return out
@@ -293,16 +340,80 @@ def _chat_request(body: AnthropicCountTokensRequest) -> ChatCompletionRequest:
 
 async def _prompt(
     state: ServerState, body: AnthropicCountTokensRequest
-) -> tuple[ChatCompletionRequest, ToolPlan | None, list[int]]:
-    """The chat request, its tool plan and the prompt's token ids (the template and the
-    tokenizer on a worker thread)."""
+) -> tuple[ChatCompletionRequest, ToolPlan | None, ChatPrompt]:
+    """The chat request, its tool plan and its prompt."""
     req = _chat_request(body)
     plan = tool_plan(state, req)
-    state.check_text_length([m.content or "" for m in req.messages
-                             if isinstance(m.content, str)], "messages")
-    input_ids = await run_in_threadpool(chat_input_ids, state, req, plan)
+    state.check_text_length([_content_text(m.content) for m in req.messages], "messages")
+    return req, plan, await chat_prompt(state, req, plan, "image blocks")
+
+
+# ---- images (also the Ollama and Responses routes') --------------------------------------------
+class ChatPrompt(NamedTuple):
+    """A chat request's prompt as the engine takes it."""
+
+    text: str  # the rendered chat template
+    input_ids: list[int]  # its tokens: an image is still its one placeholder here
+    images: list[str]  # the image_url parts' URLs, in the order of their placeholders
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Token ids, or with images the text and the images: the engine expands each
+        placeholder into its image's tokens, which only it (its prompter) knows."""
+        if self.images:
+            return {"prompt": self.text, "image_data": self.images}
+        return {"input_ids": self.input_ids}
+
+
+def refuse_images(state: ServerState, has_images: bool, what: str, where: str) -> None:
+    """400 for images sent to a text-only model (before any of them is fetched)."""
+    if has_images and getattr(state.engine, "image_prompter", None) is None:
+        raise ApiError(400, f"the model {state.served_model_name!r} reads text only; {what} "
+                            "need a vision-language model", where)
+
+
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None,
+                      what: str) -> ChatPrompt:
+    """The chat template applied to `req` and tokenized on a worker thread (off the loop that
+    streams), its length checked; images (`what` in the text-only model's 400) kept apart."""
+    images = [url for m in req.messages for url in m.image_urls()]
+    refuse_images(state, bool(images), what, "messages")
+    text, input_ids = await run_in_threadpool(_chat_prompt, state, req, plan)
     check_prompt_len(state, len(input_ids))
-    return req, plan, input_ids
+    return ChatPrompt(text, input_ids, images)
+
+
+async def num_prompt_tokens(state: ServerState, prompt: ChatPrompt) -> int:
+    """The prompt's length as the engine will count it: each image placeholder expanded into
+    the image's tokens (the images loaded and preprocessed on a worker thread to learn it)."""
+    if not prompt.images:
+        return len(prompt.input_ids)
+    return await run_in_threadpool(_expanded_len, state, prompt)
+
+
+def _expanded_len(state: ServerState, prompt: ChatPrompt) -> int:
+    from sglang_like.engine_core.io import encode_prompt
+    from sglang_like.multimodal.images import ImageLimits, load_image
+
+    args = state.server_args
+    cap = args.limit_mm_per_prompt
+    if len(prompt.images) > cap:  # as the engine would refuse it
+        raise ApiError(400, f"a prompt takes at most {cap} images; it has {len(prompt.images)}",
+                       "messages")
+    limits = ImageLimits(allowed_local_path=args.allowed_local_media_path)
+    try:
+        pictures = [load_image(url, limits) for url in prompt.images]
+        ids, _ = state.engine.image_prompter.build(
+            prompt.text, pictures, functools.partial(encode_prompt, state.tokenizer))
+    except ValueError as e:  # an unreadable or refused image, a stray placeholder
+        raise ApiError(400, str(e), "messages") from None
+    return len(ids)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p.get("text"), str))
+    return content or ""
 
 
 # ---- routes ------------------------------------------------------------------------------------
@@ -391,10 +502,11 @@ async def count_tokens(request: Request) -> Response:
         _check_unserved(raw)
         body = parse_body(AnthropicCountTokensRequest, raw)
         resolve_model(state, body.model, None)
-        _, _, input_ids = await _prompt(state, body)
+        _, _, prompt = await _prompt(state, body)
+        num_tokens = await num_prompt_tokens(state, prompt)
     except ApiError as e:
         return error_response(e.status_code, e.message)
-    return json_response({"input_tokens": len(input_ids)})
+    return json_response({"input_tokens": num_tokens})
 
 
 async def _create_message(request: Request) -> Response:
@@ -404,20 +516,20 @@ async def _create_message(request: Request) -> Response:
     body = parse_body(AnthropicMessagesRequest, raw)
     check_max_tokens(body.max_tokens, "max_tokens", state.context_length)
     lora, model = resolve_model(state, body.model, None)
-    req, plan, input_ids = await _prompt(state, body)
+    req, plan, prompt = await _prompt(state, body)
     sampling = req.sampling_dict(body.max_tokens)
     if plan is not None:
         try:
             sampling = plan.sampling_params(sampling)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
-    call = {"input_ids": input_ids, "sampling_params": sampling, **lora}
+    call = {**prompt.engine_kwargs, "sampling_params": sampling, **lora}
     head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
             "model": model}
     stops = body.stop_sequences or []
     if body.stream:
         streams = await open_streams(state.runner, [call], request)
-        events = _message_events(head, len(input_ids), plan, stops, streams[0])
+        events = _message_events(head, plan, stops, streams[0])
         return sse_response(events, streams, error_event=_error_event)
     (result,) = await state.runner.generate(request, [call])
     meta = result.get("meta_info") or {}
@@ -532,9 +644,11 @@ class _BlockWriter:
 
 
 async def _message_events(
-    head: dict[str, Any], num_input_tokens: int, plan: ToolPlan | None, stops: list[str],
-    stream: EngineStream,
+    head: dict[str, Any], plan: ToolPlan | None, stops: list[str], stream: EngineStream,
 ) -> AsyncIterator[str]:
+    # the stream opened on its first chunk, whose count of prompt tokens has every image's
+    first = await anext(stream)
+    num_input_tokens = int((first.get("meta_info") or {}).get("prompt_tokens", 0))
     yield _event("message_start", {"type": "message_start", "message": {
         **head, "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": num_input_tokens, "output_tokens": 0}}})
@@ -542,7 +656,7 @@ async def _message_events(
     reader = plan.stream() if plan is not None else None
     blocks = _BlockWriter()
     meta: dict[str, Any] = {}
-    async for chunk in stream:
+    async for chunk in _prepend(first, stream):
         meta = chunk.get("meta_info") or meta
         text = chunk.get("text", "")
         finished = fmt.finish_reason(meta) is not None
@@ -564,3 +678,9 @@ async def _message_events(
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
         "usage": {"output_tokens": int(meta.get("completion_tokens", 0))}})
     yield _event("message_stop", {"type": "message_stop"})
+
+
+async def _prepend(first: dict[str, Any], stream: EngineStream) -> AsyncIterator[dict[str, Any]]:
+    yield first
+    async for chunk in stream:
+        yield chunk

@@ -6,14 +6,18 @@ chat path of /v1/chat/completions (its chat template, tool plan and sampling che
 min_p, repeat_penalty, presence_penalty, frequency_penalty); unset ones take Ollama's
 documented defaults (temperature 0.8, top_p 0.9, top_k 40; num_predict -1: until the context
 is full). `format` ("json" or a JSON Schema) is the JSON-constrained decoding of
-`response_format`; `tools` are the chat path's tools with tool_choice "auto". What this server
-would not act on is a 400 naming it: images (the model reads text), thinking, logprobs, a
-`template` or `suffix`, options such as num_ctx, and a keep_alive other than "forever" (the
-model never unloads). Errors are Ollama's {"error": "<message>"}.
+`response_format`; `tools` are the chat path's tools with tool_choice "auto". `images` (base64
+files) go to a vision-language model before their message's text (generate's before the
+prompt), as Ollama places them. What this server would not act on is a 400 naming it: images
+for a text-only model, thinking, logprobs, a `template` or `suffix`, options such as num_ctx,
+and a keep_alive other than "forever" (the model never unloads). Errors are Ollama's
+{"error": "<message>"}.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime
 import json
 import os
@@ -29,12 +33,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.function_call import ToolPlan
-from sglang_like.server.anthropic_api import answer_refusals, parse_body, raise_if_aborted
+from sglang_like.server.anthropic_api import (
+    ChatPrompt,
+    answer_refusals,
+    chat_prompt,
+    parse_body,
+    raise_if_aborted,
+    refuse_images,
+)
 from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.json_schemas import SAMPLING_RANGES, documented
 from sglang_like.server.lora_api import list_adapters, resolve_model
 from sglang_like.server.openai import format as fmt
-from sglang_like.server.openai.chat import chat_input_ids, tool_plan
+from sglang_like.server.openai.chat import tool_plan
 from sglang_like.server.openai.common import check_prompt_len
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, check_max_tokens, parse_model
@@ -50,6 +61,10 @@ _TAG = ":latest"  # Ollama names carry a tag; the one model here has only this o
 _FOREVER = re.compile(r"^-\d+(\.\d+)?(ns|us|µs|ms|s|m|h)?$")
 _NDJSON = "application/x-ndjson"
 _GGUF_TYPE = re.compile(r"\.(Q\d\w*|F16|F32|BF16|IQ\w+)\.gguf$", re.IGNORECASE)
+# Ollama's images are bare base64; as data: URLs they cannot be read as paths (a JPEG's base64
+# starts with "/"). The image's own bytes say its format.
+_DATA_URL = "data:image/*;base64,"
+_IMAGES = Field(None, description="images for a vision-language model: base64 of image files")
 
 
 # ---- request bodies --------------------------------------------------------------------------
@@ -92,7 +107,6 @@ class _OllamaCommon(_Strict):
                                                              "not think")
     logprobs: StrictBool | None = Field(None, description="only false: not served here")
     top_logprobs: StrictInt | None = Field(None, description="only 0: not served here")
-    images: list[str] | None = Field(None, description="only empty: the model reads text")
 
 
 class OllamaToolCallFunction(_Strict):
@@ -110,7 +124,7 @@ class OllamaToolCall(_Strict):
 class OllamaMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
-    images: list[str] | None = Field(None, description="only empty: the model reads text")
+    images: list[str] | None = _IMAGES
     thinking: str | None = Field(None, description="only empty: the model does not think")
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None
@@ -129,6 +143,8 @@ class OllamaGenerateRequest(_OllamaCommon):
     """POST /api/generate: a prompt through the chat template (or as-is with raw)."""
 
     prompt: str = ""
+    images: list[str] | None = Field(None, description="images for a vision-language model "
+                                     "(base64 of image files), placed before the prompt")
     system: str | None = None
     raw: StrictBool = False
     context: list[Annotated[int, Field(ge=0, strict=True)]] | None = Field(
@@ -145,7 +161,6 @@ class OllamaShowRequest(_Strict):
 def _check_unserved(body: _OllamaCommon) -> None:
     """400 for values of Ollama's fields that ask for what this server cannot do."""
     unserved = {
-        "images": body.images,
         "think": body.think not in (None, False),
         "logprobs": body.logprobs,
         "top_logprobs": body.top_logprobs,
@@ -155,7 +170,6 @@ def _check_unserved(body: _OllamaCommon) -> None:
                         system=body.system if body.raw else None)
     if isinstance(body, OllamaChatRequest):
         for i, message in enumerate(body.messages):
-            unserved[f"messages[{i}].images"] = message.images
             unserved[f"messages[{i}].thinking"] = message.thinking
     for name, value in unserved.items():
         if value:
@@ -169,7 +183,6 @@ def _check_unserved(body: _OllamaCommon) -> None:
 
 
 _WHY = {
-    "images": "the served model reads text only",
     "thinking": "the served model does not think",
     "think": "the served model does not think",
     "logprobs": "not served on Ollama's routes; /v1/chat/completions has them",
@@ -181,10 +194,32 @@ _WHY = {
 
 
 # ---- to the chat route's request ---------------------------------------------------------------
+def _image_parts(images: list[str] | None, where: str) -> list[dict[str, Any]]:
+    """Ollama's base64 images as the chat path's image_url parts (data: URLs)."""
+    parts = []
+    for j, data in enumerate(images or []):
+        try:
+            base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, f"{where}[{j}] is not base64 (Ollama's images are base64 of "
+                                "image files)", f"{where}[{j}]") from None
+        parts.append({"type": "image_url", "image_url": {"url": _DATA_URL + data}})
+    return parts
+
+
+def _with_images(text: str, images: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or with image parts the images first, then the text."""
+    if not images:
+        return text
+    return images + ([{"type": "text", "text": text}] if text else [])
+
+
 def _chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
     out = []
-    for message in messages:
-        item: dict[str, Any] = {"role": message.role, "content": message.content}
+    for i, message in enumerate(messages):
+        images = _image_parts(message.images, f"messages[{i}].images")
+        item: dict[str, Any] = {"role": message.role,
+                                "content": _with_images(message.content, images)}
         if message.tool_calls:
             item["tool_calls"] = [{
                 "id": c.id or f"call_{i}", "type": "function", "function": {
@@ -274,11 +309,14 @@ async def chat(request: Request) -> Response:
     if not body.messages:
         return json_response({**_head(model), "message": {"role": "assistant", "content": ""},
                               "done_reason": "load", "done": True})
+    for i, message in enumerate(body.messages):
+        refuse_images(state, bool(message.images), f"messages[{i}].images",
+                      f"messages[{i}].images")
     req = _chat_request(body, _chat_messages(body.messages), body.tools)
     plan = tool_plan(state, req)
     state.check_text_length([m.content for m in body.messages], "messages")
-    input_ids = await run_in_threadpool(chat_input_ids, state, req, plan)
-    return await _answer(request, state, _Job(model, req, plan, input_ids, lora, body, "chat"))
+    prompt = await chat_prompt(state, req, plan, "images")
+    return await _answer(request, state, _Job(model, req, plan, prompt, lora, body, "chat"))
 
 
 async def generate(request: Request) -> Response:
@@ -287,19 +325,31 @@ async def generate(request: Request) -> Response:
     body = parse_body(OllamaGenerateRequest, await read_json_body(request))
     _check_unserved(body)
     lora, model = _model_name(state, body.model)
-    if not body.prompt and not body.context:
+    if not body.prompt and not body.context and not body.images:
         return json_response({**_head(model), "response": "", "done_reason": "load",
                               "done": True})
+    refuse_images(state, bool(body.images), "images", "images")
+    if body.images and body.context:
+        # context is token ids; an image reaches the model only through a text placeholder
+        raise ApiError(400, "images cannot be combined with context (an answer about images "
+                            "returns none): send the conversation to /api/chat instead",
+                       "context")
     state.check_text_length([body.prompt, body.system or ""], "prompt")
+    parts = _image_parts(body.images, "images")
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-        {"role": "user", "content": body.prompt}]
+        {"role": "user", "content": _with_images(body.prompt, parts)}]
     req = _chat_request(body, messages, None)
-    if body.raw:
-        input_ids = list(await run_in_threadpool(state.tokenizer.encode, body.prompt))
+    if body.raw:  # the images' placeholders before the prompt, as the template puts them
+        images = [p["image_url"]["url"] for p in parts]
+        placeholder = state.engine.image_prompter.placeholder if images else ""
+        text = placeholder * len(images) + body.prompt
+        input_ids = list(await run_in_threadpool(state.tokenizer.encode, text))
+        prompt = ChatPrompt(text, input_ids, images)
     else:
-        input_ids = await run_in_threadpool(chat_input_ids, state, req, None)
-    input_ids = list(body.context or []) + input_ids
-    return await _answer(request, state, _Job(model, req, None, input_ids, lora, body,
+        prompt = await chat_prompt(state, req, None, "images")
+    if body.context:
+        prompt = prompt._replace(input_ids=list(body.context) + prompt.input_ids)
+    return await _answer(request, state, _Job(model, req, None, prompt, lora, body,
                                               "generate"))
 
 
@@ -337,7 +387,8 @@ async def show(request: Request) -> Response:
         "details": details,
         "model_info": {"general.architecture": arch, "general.basename": name,
                        f"{arch}.context_length": state.context_length},
-        "capabilities": ["completion", "tools"],
+        "capabilities": ["completion", "tools"] + (
+            ["vision"] if getattr(state.engine, "image_prompter", None) is not None else []),
         "modified_at": _modified_at(state),
     })
 
@@ -357,11 +408,15 @@ class _Job:
     """One chat or generate request, ready for the engine."""
 
     def __init__(self, model: str, req: ChatCompletionRequest, plan: ToolPlan | None,
-                 input_ids: list[int], lora: dict[str, Any], body: _OllamaCommon,
+                 prompt: ChatPrompt, lora: dict[str, Any], body: _OllamaCommon,
                  kind: Literal["chat", "generate"]) -> None:
-        self.model, self.req, self.plan, self.input_ids = model, req, plan, input_ids
+        self.model, self.req, self.plan, self.prompt = model, req, plan, prompt
         self.lora, self.body, self.kind = lora, body, kind
         self.t0 = time.perf_counter_ns()
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt.input_ids
 
 
 async def _answer(request: Request, state: ServerState, job: _Job) -> Response:
@@ -369,7 +424,7 @@ async def _answer(request: Request, state: ServerState, job: _Job) -> Response:
     sampling = job.req.sampling_dict(_max_tokens(state, job.body.options, len(job.input_ids)))
     if job.plan is not None:
         sampling = job.plan.sampling_params(sampling)
-    call = {"input_ids": job.input_ids, "sampling_params": sampling, **job.lora}
+    call = {**job.prompt.engine_kwargs, "sampling_params": sampling, **job.lora}
     if job.body.stream:
         streams = await open_streams(state.runner, [call], request)
         return sse_response(_lines(job, streams[0]), streams, error_event=_error_line,
@@ -439,7 +494,8 @@ def _final(job: _Job, meta: dict[str, Any], output_ids: list[int]) -> dict[str, 
         "prompt_eval_count": int(meta.get("prompt_tokens", 0)),
         "eval_count": int(meta.get("completion_tokens", 0)),
     }
-    if job.kind == "generate":
+    if job.kind == "generate" and not job.prompt.images:
+        # with images the ids hold placeholders their pictures would not come back to
         out["context"] = job.input_ids + output_ids
     return out
 

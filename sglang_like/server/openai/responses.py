@@ -3,7 +3,8 @@ over the chat path of /v1/chat/completions (its chat template, tool plan, reason
 sampling checks).
 
 A body is checked here and turned into the chat route's own ChatCompletionRequest
-(`instructions` -> a system turn first; message items -> turns; function_call items -> the
+(`instructions` -> a system turn first; message items -> turns, their input_image parts ->
+image_url parts for a vision-language model; function_call items -> the
 assistant turn's tool_calls; function_call_output items -> tool turns; a reasoning item -> the
 next assistant turn's reasoning_content; function tools, tool_choice and text.format -> chat's
 tools, tool_choice and response_format). The answer becomes output items (reasoning, message,
@@ -20,7 +21,8 @@ Responses are kept (store: true, the default) in a bounded LRU in memory, per ap
 tenant: GET and DELETE reach them, and `previous_response_id` continues one (its input and
 output items come before the new input; its instructions are not carried, as OpenAI does).
 What the server would not act on (background, include, built-in tools, truncation "auto",
-reasoning settings, ...) is a 400 naming it. Errors have the other /v1 routes' OpenAI shape.
+reasoning settings, images for a text-only model, ...) is a 400 naming it. Errors have the
+other /v1 routes' OpenAI shape.
 """
 
 from __future__ import annotations
@@ -43,18 +45,22 @@ from pydantic import (
     Tag,
     TypeAdapter,
 )
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.function_call import ToolPlan
-from sglang_like.server.anthropic_api import parse_body, raise_if_aborted
+from sglang_like.server.anthropic_api import (
+    ChatPrompt,
+    chat_prompt,
+    parse_body,
+    raise_if_aborted,
+    refuse_images,
+)
 from sglang_like.server.auth import principal_of
 from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.openai import format as fmt
-from sglang_like.server.openai.chat import chat_input_ids, tool_plan
-from sglang_like.server.openai.common import check_prompt_len
+from sglang_like.server.openai.chat import tool_plan
 from sglang_like.server.openai.reasoning import (
     BudgetStream,
     ReasoningPlan,
@@ -72,8 +78,7 @@ MAX_STORED_RESPONSES = 1024
 MAX_STORED_CHARS = 64 << 20  # the kept conversations' JSON text, summed per response
 _SERVED_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 _UNSERVED_PARTS = {
-    "input_image": "the served model reads text only",
-    "input_file": "the served model reads text only",
+    "input_file": "files are not served (images are, to a vision-language model)",
     "input_audio": "the served model reads text only",
     "refusal": "refusal parts are not served",
 }
@@ -102,7 +107,19 @@ class ResponsesOutputText(_Strict):
     logprobs: list[Any] | None = Field(None, max_length=0, description="only empty")
 
 
-_TextPart = Annotated[ResponsesInputText | ResponsesOutputText, Field(discriminator="type")]
+class ResponsesInputImage(_Strict):
+    """An image for a vision-language model."""
+
+    type: Literal["input_image"]
+    image_url: str | None = Field(None, description="a data: or http(s) URL (or a local path "
+                                                    "under --allowed-local-media-path)")
+    detail: Literal["auto", "low", "high"] = Field("auto", description="only auto: the "
+                                                   "model's own preprocessing sizes the image")
+    file_id: str | None = Field(None, description="only null: the Files API is not served")
+
+
+_ContentPart = Annotated[ResponsesInputText | ResponsesOutputText | ResponsesInputImage,
+                         Field(discriminator="type")]
 
 
 class ResponsesMessageItem(_Strict):
@@ -110,7 +127,7 @@ class ResponsesMessageItem(_Strict):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[_TextPart]
+    content: str | list[_ContentPart]
     id: str | None = None
     status: _ItemStatus = None
 
@@ -260,10 +277,12 @@ def _check_unserved(body: Any) -> None:
             parts = item.get(key)
             for j, part in enumerate(parts if isinstance(parts, list) else []):
                 kind = part.get("type") if isinstance(part, dict) else None
+                where = f"input[{i}].{key}[{j}]"
                 if isinstance(kind, str) and kind in _UNSERVED_PARTS:
-                    where = f"input[{i}].{key}[{j}]"
                     raise ApiError(400, f"{where}: {kind} parts are not supported: "
                                         f"{_UNSERVED_PARTS[kind]}", where)
+                if kind == "input_image":
+                    _check_image(part, where, key == "output" or item.get("role") == "assistant")
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         kind = tool.get("type") if isinstance(tool, dict) else None
@@ -276,6 +295,22 @@ def _check_unserved(body: Any) -> None:
         raise ApiError(400, f"tool_choice of type {kind!r} is not supported: only \"none\", "
                             "\"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}",
                        "tool_choice")
+
+
+def _check_image(part: dict[str, Any], where: str, is_misplaced: bool) -> None:
+    if is_misplaced:
+        raise ApiError(400, f"{where}: input_image parts go in user, system or developer "
+                            "messages", where)
+    if part.get("file_id") is not None:
+        raise ApiError(400, f"{where}.file_id: the Files API is not served; send the image as "
+                            "image_url (a data: or http(s) URL)", f"{where}.file_id")
+    if not isinstance(part.get("image_url"), str) or not part["image_url"]:
+        raise ApiError(400, f"{where}: an input_image needs image_url (a data: or http(s) URL)",
+                       f"{where}.image_url")
+    if part.get("detail", "auto") != "auto":
+        # OpenAI's low/high pick its own tiling; here the model's processor decides
+        raise ApiError(400, f"{where}.detail: only auto is served (the model's own "
+                            "preprocessing sizes the image)", f"{where}.detail")
 
 
 def _check_values(body: ResponsesRequest) -> None:
@@ -294,6 +329,22 @@ def _check_values(body: ResponsesRequest) -> None:
 # ---- to the chat route's request ---------------------------------------------------------------
 def _text(content: str | Sequence[Any]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _has_images(items: Sequence[Any]) -> bool:
+    return any(isinstance(p, ResponsesInputImage) for item in items
+               if isinstance(item, ResponsesMessageItem) and not isinstance(item.content, str)
+               for p in item.content)
+
+
+def _content(content: str | Sequence[Any]) -> str | list[dict[str, Any]]:
+    """A message's content for the chat path: its text, or with images the chat path's text
+    and image_url parts in their order."""
+    if not any(isinstance(p, ResponsesInputImage) for p in content if not isinstance(p, str)):
+        return _text(content)
+    return [{"type": "image_url", "image_url": {"url": p.image_url}}
+            if isinstance(p, ResponsesInputImage) else {"type": "text", "text": p.text}
+            for p in content]
 
 
 def _input_items(body: ResponsesRequest) -> list[Any]:
@@ -331,7 +382,7 @@ def _chat_messages(items: Sequence[Any], num_kept: int) -> list[dict[str, Any]]:
                 continue
             turn: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
         else:
-            turn = {"role": item.role, "content": _text(item.content)}
+            turn = {"role": item.role, "content": _content(item.content)}
         if turn["role"] == "assistant" and reasoning is not None:
             turn["reasoning_content"] = reasoning
         reasoning = None
@@ -370,8 +421,10 @@ def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]
 
 
 def _prompt_texts(messages: list[dict[str, Any]]) -> list[str]:
-    texts = [m.get("content") or "" for m in messages] + [
-        m.get("reasoning_content") or "" for m in messages]
+    texts = [p.get("text", "") for m in messages if isinstance(m.get("content"), list)
+             for p in m["content"]]
+    texts += [m.get("content") or "" for m in messages if not isinstance(m.get("content"), list)]
+    texts += [m.get("reasoning_content") or "" for m in messages]
     return texts + [c["function"]["arguments"] for m in messages for c in m.get("tool_calls", [])]
 
 
@@ -504,7 +557,9 @@ async def create_response(request: Request) -> Response:
     out = _Output(_head(body, model))
     sampling = job.sampling_params(state)
     budget = job.thinking if job.thinking is not None and job.thinking.has_budget else None
-    base = {"input_ids": job.input_ids, **lora}
+    if budget is not None and job.prompt.images:
+        raise ApiError(400, "a thinking budget does not take images yet", "input")
+    base = {**job.prompt.engine_kwargs, **lora}
     if body.stream:
         call = {**base, "sampling_params": sampling}
         if budget is not None:
@@ -585,10 +640,10 @@ class _Job:
     """One request, ready for the engine: its chat request, plans, prompt and conversation."""
 
     def __init__(self, body: ResponsesRequest, req: ChatCompletionRequest,
-                 plan: ToolPlan | None, thinking: ReasoningPlan | None, input_ids: list[int],
+                 plan: ToolPlan | None, thinking: ReasoningPlan | None, prompt: ChatPrompt,
                  conversation: tuple[Any, ...], tokenizer: Any) -> None:
         self.body, self.req, self.plan, self.thinking = body, req, plan, thinking
-        self.input_ids, self.conversation, self.tokenizer = input_ids, conversation, tokenizer
+        self.prompt, self.conversation, self.tokenizer = prompt, conversation, tokenizer
         self.store: ResponseStore | None = None
         self.owner: str | None = None
 
@@ -596,6 +651,8 @@ class _Job:
     async def build(cls, state: ServerState, body: ResponsesRequest,
                     kept: tuple[Any, ...]) -> _Job:
         conversation = (*kept, *_input_items(body))
+        # before any image is fetched or the template sees an image part
+        refuse_images(state, _has_images(conversation), "input_image parts", "input")
         messages = _chat_messages(conversation, len(kept))
         if body.instructions is not None:
             messages.insert(0, {"role": "system", "content": body.instructions})
@@ -604,17 +661,18 @@ class _Job:
         state.check_text_length(_prompt_texts(messages), "input")
         req = _chat_request(body, messages)
         plan = tool_plan(state, req)
-        # the template and the tokenizer run on a worker thread, off the loop that streams
-        input_ids = await run_in_threadpool(chat_input_ids, state, req, plan)
-        check_prompt_len(state, len(input_ids))
+        prompt = await chat_prompt(state, req, plan, "input_image parts")
         thinking = None
         args = state.server_args
         if args.reasoning_parser is not None:
             # the plan reads whether the rendered prompt left a think block open
-            prompt = await run_in_threadpool(state.tokenizer.decode, input_ids)
             thinking = ReasoningPlan.build(args.reasoning_parser, args.reasoning_budget, req,
-                                           prompt)
-        return cls(body, req, plan, thinking, input_ids, conversation, state.tokenizer)
+                                           prompt.text)
+        return cls(body, req, plan, thinking, prompt, conversation, state.tokenizer)
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt.input_ids
 
     def sampling_params(self, state: ServerState) -> dict[str, Any]:
         max_tokens = self.body.max_output_tokens or max(
