@@ -18,7 +18,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks.tiny_families import SHARED, default_tokenizer_json, peak, randomize
+from benchmarks.tiny_families import (
+    FAMILIES,
+    SHARED,
+    default_tokenizer_json,
+    peak,
+    randomize,
+)
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               image_size=32, patch_size=8)
@@ -32,6 +38,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# the same with Gemma 3's image placeholder, its begin-of-image token
+GEMMA3_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
+
 IDEFICS3_TOKENS = (["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
                    + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
 
@@ -43,15 +52,16 @@ def pictures(seed: int = 0) -> list[Image.Image]:
     return [Image.fromarray((rng.rand(h, w, 3) * 255).astype(np.uint8)) for w, h in sizes]
 
 
-def _tokenizer(folder: Path, extra: list[str]) -> Any:
+def _tokenizer(folder: Path, extra: list[str], **named: str) -> Any:
     import transformers
 
     text, _ = default_tokenizer_json()
     (folder / "tokenizer.json").write_text(text, encoding="utf-8")
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|endoftext|>",
-        eos_token="<|im_end|>")
-    tok.add_special_tokens({"additional_special_tokens": extra})
+        eos_token="<|im_end|>", extra_special_tokens=named or None)
+    if extra:
+        tok.add_special_tokens({"additional_special_tokens": extra})
     return tok
 
 
@@ -110,7 +120,33 @@ def build_idefics3(folder: Path) -> Any:
     return _finish(model, processor, folder, tok)
 
 
-def _finish(model: Any, processor: Any, folder: Path, tok: Any) -> Any:
+def build_gemma3(folder: Path) -> Any:
+    """Gemma 3 (Gemma3ForConditionalGeneration): SigLIP over 32x32 pictures, its 16 patches
+    average-pooled to 4 tokens, the text model tiny_families' Gemma 3 (sliding and global
+    layers, a window of 8: shorter than an image's tokens plus its markers)."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(folder, [], boi_token="<start_of_image>", eoi_token="<end_of_image>",
+                     image_token="<image_soft_token>")
+    gemma3 = next(f for f in FAMILIES if f.name == "gemma3")
+    torch.manual_seed(4323)
+    config = transformers.Gemma3Config(
+        text_config=SHARED | gemma3.config | {"vocab_size": len(tok)}, vision_config=VISION,
+        mm_tokens_per_image=4, boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tok.image_token_id)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts the projection at zero: images would be blank
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    image_proc = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = transformers.Gemma3Processor(image_processor=image_proc, tokenizer=tok,
+                                             image_seq_length=4, chat_template=GEMMA3_TEMPLATE)
+    return _finish(model, processor, folder, tok, GEMMA3_TEMPLATE)
+
+
+def _finish(model: Any, processor: Any, folder: Path, tok: Any,
+            template: str = CHAT_TEMPLATE) -> Any:
     randomize(model)
     # a few steps of text training give the language model the peaked logits a trained one
     # has (see tiny_families.peak); the image side stays random
@@ -118,7 +154,7 @@ def _finish(model: Any, processor: Any, folder: Path, tok: Any) -> Any:
     model.save_pretrained(folder, safe_serialization=True)
     processor.save_pretrained(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     model.generation_config.eos_token_id = None  # like our ignore_eos
     return model

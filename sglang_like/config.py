@@ -13,7 +13,7 @@ class VisionConfig:
     family's projector into the text model's embedding space (sglang_like.models.registry's
     VISION_FAMILIES name the classes). Built by the loader from config.json."""
 
-    family: str  # "llava" | "idefics3"
+    family: str  # "llava" | "idefics3" | "gemma3"
     encoder: str  # "clip" (class token, pre-norm) | "siglip"
     hidden_size: int
     intermediate_size: int
@@ -31,6 +31,10 @@ class VisionConfig:
     projector_act: str = "gelu"
     projector_bias: bool = True
     scale_factor: int = 1  # Idefics3's pixel shuffle: scale_factor**2 patches per token
+    # Gemma 3: an image is avg-pooled to tokens_per_image embedding rows, and its rows attend
+    # to each other both ways in the text model (causal elsewhere)
+    tokens_per_image: int = 0
+    bidirectional: bool = False
 
     @property
     def patches_per_side(self) -> int:

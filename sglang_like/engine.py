@@ -503,8 +503,10 @@ class Engine:
             ids, spans = self.image_prompter.build(
                 text, pictures, functools.partial(encode_prompt, self.tokenizer))
             id_lists.append(ids)
+            whole = self.image_prompter.vision.bidirectional
             images.append([ImageItem(sp.hash, sp.pad_value, sp.runs, sp.pixel_values.tobytes(),
-                                     tuple(sp.pixel_values.shape)) for sp in spans] or None)
+                                     tuple(sp.pixel_values.shape), whole) for sp in spans]
+                          or None)
         return (id_lists if is_batch else id_lists[0]), images
 
     @property

@@ -32,6 +32,9 @@ class ForwardBatch:
     # prefix_len + j iff mask[i, j] (trees of any size beside causal extends; see
     # sglang_like_kernels.masked_attention). Positions are then given, not derived.
     custom_masks: list[torch.Tensor] | None = None
+    # per request of custom_masks: True for an extend whose mask lets rows see later keys (an
+    # image's rows both ways, Gemma 3), windowed by position; None: no such request
+    positional_masks: torch.Tensor | None = None  # bool [B]
     is_decode: bool = False  # every extend_len == 1 and no tree mask
     # called with i once layer i has stored this batch's K/V (prefill/decode disaggregation
     # streams each layer's KV out while the next layers compute); None: no hook

@@ -56,6 +56,8 @@ class ModelRunner:
         encoder outputs kept by image hash."""
         try:
             self.vision = self._build_vision(model_config, weights, dtype, device, tp)
+            if self.vision is not None:  # the text model's weights only (the dict is shared)
+                weights = {n: w for n, w in weights.items() if not n.startswith("vision.")}
             self.encoder_cache = EncoderCache(encoder_cache_bytes)
             self._build(model_config, weights, dtype, device, num_kv_slots, context_len,
                         max_running_requests, quant, kv_dtype, tp)
@@ -95,10 +97,9 @@ class ModelRunner:
     def _build_vision(config: ModelConfig, weights: dict[str, torch.Tensor],
                       dtype: torch.dtype, device: torch.device, tp: TPShard | None
                       ) -> torch.nn.Module | None:
-        """The image side (encoder + projector, dense in `dtype`), its weights taken out of
-        `weights`; None for a text model."""
-        names = [n for n in weights if n.startswith("vision.")]
-        state = {n[len("vision."):]: weights.pop(n) for n in names}
+        """The image side (encoder + projector, dense in `dtype`) from the "vision." weights;
+        None for a text model."""
+        state = {n[len("vision."):]: w for n, w in weights.items() if n.startswith("vision.")}
         if config.vision is None:
             return None
         if tp is not None:
@@ -151,18 +152,41 @@ class ModelRunner:
         return (ids, torch.tensor(rows, dtype=torch.long, device=self.device),
                 torch.cat(parts))
 
+    def _two_way_blocks(self, batch: ScheduleBatch) -> list[list[tuple[int, int]]] | None:
+        """Per request, the (start, end) rows of its new tokens holding an image whose rows
+        attend to each other both ways (Gemma 3; the scheduler keeps such an image in one
+        chunk); None when no request of the batch has one."""
+        if not self.model_config.vision.bidirectional:
+            return None
+        out: list[list[tuple[int, int]]] = []
+        for req, pre, n, tree in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
+                                     batch.trees, strict=True):
+            spans = []
+            if req.images and tree is None:
+                for item in req.images:
+                    for s, length in item.runs:
+                        lo, hi = max(s, pre), min(s + length, pre + n)
+                        if lo < hi:
+                            spans.append((lo - pre, hi - pre))
+            out.append(spans)
+        return out if any(out) else None
+
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         dev = self.device
         input_ids, image_rows, image_embeds = self._image_inputs(batch)
         custom_masks = tree_mask = None
-        if batch.has_trees:
+        blocks = self._two_way_blocks(batch) if image_rows is not None else None
+        if batch.has_trees or blocks is not None:
             positions = []
             custom_masks = []
-            for pre, n, tree in zip(batch.prefix_lens, batch.extend_lens, batch.trees,
-                                    strict=True):
+            for i, (pre, n, tree) in enumerate(zip(batch.prefix_lens, batch.extend_lens,
+                                                   batch.trees, strict=True)):
                 if tree is None:
                     positions += range(pre, pre + n)
-                    custom_masks.append(torch.ones(n, n, dtype=torch.bool).tril_())
+                    mask = torch.ones(n, n, dtype=torch.bool).tril_()
+                    for lo, hi in blocks[i] if blocks is not None else ():
+                        mask[lo:hi, lo:hi] = True  # an image's rows see each other
+                    custom_masks.append(mask)
                 else:
                     positions += [pre + d for d in tree.depth]
                     custom_masks.append(tree.mask())
@@ -187,6 +211,8 @@ class ModelRunner:
             custom_masks=custom_masks,
             is_decode=batch.is_decode,
             on_layer=batch.on_layer,
+            positional_masks=None if blocks is None else torch.tensor(
+                [t is None for t in batch.trees], dtype=torch.bool),
             lora=LoraBatch.build([r.lora.adapter.weights if r.lora is not None else None
                                   for r in batch.reqs], batch.extend_lens, dev)
             if any(r.lora is not None for r in batch.reqs) else None,

@@ -181,14 +181,17 @@ def masked_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    positional: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention under a per-request mask (ragged trees mixed with extends): request b's
     masks[b].shape[0] packed queries see its first prefix_lens[b] keys and key
-    prefix_lens[b] + j iff masks[b][i, j]. The torch reference on every device (a uniform
-    verify batch on CUDA goes through `tree_verify_attention` instead)."""
+    prefix_lens[b] + j iff masks[b][i, j]; `positional` (reference.masked_attention): extends
+    whose masks see later keys, windowed by position. The torch reference on every device (a
+    uniform verify batch on CUDA goes through `tree_verify_attention` instead)."""
     return reference.masked_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, masks, sm_scale,
         window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+        positional=positional,
     )
 
 

@@ -618,6 +618,7 @@ def masked_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    positional: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries under a per-request mask over the keys after a fully visible prefix.
 
@@ -627,13 +628,17 @@ def masked_attention(
     an extend, a tree mask a speculative verify (or a draft step over the nodes so far).
     `window`: each query keeps the last `window` of its visible keys in order (as
     `tree_verify_attention`); `softcap`: scores -> cap * tanh(scores / cap).
+    `positional[b]` (bool [B]): request b's mask is an extend's (row i at position prefix + i,
+    column j at prefix + j) that may let a query see later keys (an image's rows both ways,
+    Gemma 3); its window then keeps the keys less than `window` positions before the query,
+    later ones included, as transformers' sliding layers do.
     Returns [sum of rows, Hq, D] in q's dtype.
     """
     k_pool, v_pool = _readable(k_pool, k_scale), _readable(v_pool, v_scale)
     check_window_softcap(window, softcap)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for start, end, slots, allowed in _masked_plan(req_to_token, req_pool_indices, prefix_lens,
-                                                   masks, k_pool.device, window):
+                                                   masks, k_pool.device, window, positional):
         out[start:end] = _attend_one(q[start:end], k_pool, v_pool, slots, allowed, sm_scale,
                                      softcap)
     return out.to(q.dtype)
@@ -646,23 +651,33 @@ def _masked_plan(
     masks: list[torch.Tensor],
     device: torch.device,
     window: int | None = None,
+    positional: torch.Tensor | None = None,
 ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(row start, row end, key slots, allowed keys) per request, once per forward."""
-    key = (req_to_token, req_pool_indices, prefix_lens, *masks)
+    key = (req_to_token, req_pool_indices, prefix_lens, *masks,
+           *(() if positional is None else (positional,)))
+    flags = [False] * len(masks) if positional is None else positional.tolist()
     memo_store = _masked_memo if window is None else _memo_for(_masked_window_memos, window)
     memo = memo_store.get(key)
     if memo is not None:
         return memo
     plan = []
     start = 0
-    for row, prefix_len, mask in zip(req_pool_indices.tolist(), prefix_lens.tolist(), masks,
-                                     strict=True):
+    for row, prefix_len, mask, by_position in zip(req_pool_indices.tolist(),
+                                                  prefix_lens.tolist(), masks, flags,
+                                                  strict=True):
         rows, width = mask.shape
         if rows:
             slots = req_to_token[row, : prefix_len + width].to(device=device, dtype=torch.long)
             allowed = torch.cat([torch.ones(rows, prefix_len, dtype=torch.bool, device=device),
                                  mask.to(device=device, dtype=torch.bool)], dim=1)
-            plan.append((start, start + rows, slots, _last_visible(allowed, window)))
+            if by_position and window is not None:
+                q_pos = torch.arange(prefix_len, prefix_len + rows, device=device)[:, None]
+                k_pos = torch.arange(prefix_len + width, device=device)[None, :]
+                allowed = allowed & (k_pos > q_pos - window)
+            else:
+                allowed = _last_visible(allowed, window)
+            plan.append((start, start + rows, slots, allowed))
         start += rows
     return memo_store.put(key, plan)
 

@@ -22,6 +22,8 @@ class ImageItem(msgspec.Struct, frozen=True):
     runs: list[tuple[int, int]]
     pixels: bytes
     shape: tuple[int, ...]
+    # its rows attend to each other both ways (Gemma 3): prefilled in one chunk
+    whole: bool = False
 
 
 class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import logging
 import os
 from typing import Any
 
@@ -14,9 +13,6 @@ from sglang_like.config import ModelConfig, VisionConfig
 from sglang_like.model_loader.hf_tokenizer import load_hf_tokenizer, read_json
 from sglang_like.model_loader.loaded import LoadedModel, check_weights
 from sglang_like.models.registry import VISION_MODEL_TYPES, hf_model_type, model_class
-
-logger = logging.getLogger(__name__)
-
 
 
 def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -235,8 +231,6 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     checkpoint's `text_config` (Gemma 3 4B and up ship as Gemma3ForConditionalGeneration;
     LLaVA and Idefics3 / SmolVLM wrap a text model of the registry)."""
     if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
-        logger.warning("%s: serving its language model; image input is not supported yet",
-                       (cfg.get("architectures") or ["gemma3"])[0])
         text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", True),
                 **cfg["text_config"]}
         return text | {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
@@ -256,8 +250,10 @@ def vision_config(cfg: dict[str, Any]) -> VisionConfig | None:
     v = cfg.get("vision_config") or {}
     encoder = "clip" if v.get("model_type", "clip_vision_model") == "clip_vision_model" else (
         "siglip")
-    if family == "idefics3":
+    if family in ("idefics3", "gemma3"):
         encoder = "siglip"
+    if family == "gemma3" and not v:
+        return None  # Gemma3ForConditionalGeneration without a vision tower: text only
     image_token = cfg.get("image_token_id", cfg.get("image_token_index"))
     if image_token is None:
         raise ValueError("the vision-language config names no image_token_id")
@@ -278,7 +274,9 @@ def vision_config(cfg: dict[str, Any]) -> VisionConfig | None:
         feature_select=cfg.get("vision_feature_select_strategy", "default"),
         projector_act=cfg.get("projector_hidden_act", "gelu"),
         projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
-        scale_factor=int(cfg.get("scale_factor", 1)))
+        scale_factor=int(cfg.get("scale_factor", 1)),
+        tokens_per_image=int(cfg.get("mm_tokens_per_image", 256)) if family == "gemma3" else 0,
+        bidirectional=family == "gemma3")
 
 
 def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -296,6 +294,8 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
     ).replace(vision=vision)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # tied: the runner reuses embed_tokens
+    # the text family's renames and folds (Gemma's 1 + w norms) are not the vision side's
+    image_side = {n: weights.pop(n) for n in [n for n in weights if n.startswith("vision.")]}
     model_class(config.architecture).adapt_hf_weights(config, weights)
     check_weights(config, weights)
-    return LoadedModel(config, weights, tokenizer)
+    return LoadedModel(config, weights | image_side, tokenizer)

@@ -425,6 +425,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         every = self.quant.deterministic
         if fb.custom_masks is not None:
+            if fb.positional_masks is not None:  # two-way image rows: the torch path
+                return None
             return native.masked_rows(fb) if every or fb.num_tokens <= native.MAX_MASKED_ROWS \
                 else None
         if fb.is_decode:

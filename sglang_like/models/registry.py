@@ -77,9 +77,11 @@ FAMILIES: tuple[ModelFamily, ...] = (
 
 # vision-language checkpoints (config.json model_type -> the image side's family): their
 # text_config is a text family above; the image side is the family's module in models/
-VISION_MODEL_TYPES = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3"}
+VISION_MODEL_TYPES = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3",
+                      "gemma3": "gemma3"}
 VISION_CLASSES = {"llava": "sglang_like.models.llava:LlavaVision",
-                  "idefics3": "sglang_like.models.idefics3:Idefics3Vision"}
+                  "idefics3": "sglang_like.models.idefics3:Idefics3Vision",
+                  "gemma3": "sglang_like.models.gemma3_vision:Gemma3Vision"}
 
 
 def vision_class(family: str) -> type:

@@ -55,6 +55,9 @@ def load_image(source: Any, limits: ImageLimits | None = None) -> Image.Image:
     scheme = urllib.parse.urlsplit(source).scheme.lower()
     if scheme in ("http", "https"):
         return _decode(_fetch(source, limits), limits)
+    inline = _base64_image(source)  # before paths: a JPEG's base64 starts with "/9j/"
+    if inline is not None:
+        return _decode(inline, limits)
     if scheme == "file" or os.path.isabs(source) or source.startswith(("./", "../", "~")):
         return _decode(_read_local(source, limits), limits)
     try:
@@ -71,6 +74,26 @@ def content_hash(image: Image.Image) -> int:
     h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
     h.update(image.tobytes())
     return int.from_bytes(h.digest(), "little") >> 1
+
+
+_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
+
+
+def _base64_image(text: str) -> bytes | None:
+    """The bytes of `text` when it is strict base64 of something starting like an image file
+    (PNG, JPEG, GIF, WebP, BMP, TIFF); None otherwise."""
+    if len(text) < 16 or len(text) % 4:
+        return None
+    try:
+        head = base64.b64decode(text[:16], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if not head.startswith(_MAGIC):
+        return None
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
 
 
 def _data_url(url: str) -> bytes:

@@ -1,10 +1,12 @@
 """Image preprocessing as each family's Hugging Face processor does it, and the prompt's image
 tokens.
 
-A prompt names each image with the family's placeholder (`<image>`); `ImagePrompter.build`
+A prompt names each image with the family's placeholder (`<image>`; Gemma 3's
+`<start_of_image>`); `ImagePrompter.build`
 replaces the k-th placeholder by the k-th image's token text (LLaVA: one `<image>` per
 embedding row; Idefics3 / SmolVLM: a grid of crops, each `<fake_token_around_image>
-<row_r_col_c>` and its rows, then the global image), tokenizes the whole, and gives each image
+<row_r_col_c>` and its rows, then the global image; Gemma 3: its 256 soft tokens between
+`<start_of_image>` and `<end_of_image>`), tokenizes the whole, and gives each image
 token the image's pad value: an id past the vocabulary derived from the image's content hash.
 The radix cache keys on these ids, so two images never share KV and the same image matches
 itself (SGLang's pad values). Resizing runs through PIL on uint8 pixels with the file's
@@ -202,13 +204,19 @@ class ImagePrompter:
     """A served vision-language model's image side in the HTTP process: the placeholder users
     (and chat templates) write, the preprocessing, and the prompt expansion."""
 
-    placeholder = "<image>"
-
     def __init__(self, vision: VisionConfig, preprocessor_cfg: dict[str, Any],
                  processor_cfg: dict[str, Any], vocab_size: int) -> None:
         self.vision = vision
         self.vocab_size = vocab_size
-        if vision.family == "llava":
+        self.placeholder = "<image>"
+        if vision.family == "gemma3":
+            if preprocessor_cfg.get("do_pan_and_scan"):
+                raise ValueError("Gemma 3's pan-and-scan crops are not supported; set "
+                                 "do_pan_and_scan false in the processor config")
+            self.pre: Any = ClipPreprocessor(preprocessor_cfg, vision)
+            self.tokens_per_crop = vision.tokens_per_image
+            self.placeholder = "<start_of_image>"  # Gemma 3's boi token, as its users write
+        elif vision.family == "llava":
             self.pre: Any = ClipPreprocessor(preprocessor_cfg, vision)
             crop = self.pre.crop or self.pre.fixed or (vision.image_size, vision.image_size)
             patches = (crop[0] // vision.patch_size) * (crop[1] // vision.patch_size)
@@ -225,7 +233,11 @@ class ImagePrompter:
     def process(self, image: Image.Image) -> ProcessedImage:
         if self.vision.family == "llava":
             pixels = self.pre(image)
-            text = self.placeholder * self.tokens_per_crop
+            text = "<image>" * self.tokens_per_crop
+        elif self.vision.family == "gemma3":
+            pixels = self.pre(image)
+            text = ("\n\n<start_of_image>" + "<image_soft_token>" * self.tokens_per_crop
+                    + "<end_of_image>\n\n")
         else:
             crops, rows, cols = self.pre.grid(image)
             pixels = np.stack([self.pre._to_array(c) for c in crops])

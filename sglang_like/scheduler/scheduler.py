@@ -319,7 +319,7 @@ class Scheduler:
             return None
         if not self.config.is_chunking:
             return n if n == req.num_uncomputed else None
-        return min(n, self.cache.num_available_slots)
+        return whole_images(req, req.kv_len, min(n, self.cache.num_available_slots))
 
     def _propose_trees(self, decoders: list[Req]) -> dict[int, DraftTree]:
         """This step's draft trees (by id of the Req), {} where the pool cannot take them."""
@@ -373,7 +373,7 @@ class Scheduler:
             if extend + reserve > self.cache.num_available_slots - match_unlocked:
                 break
             self.cache.match_and_lock(req, cap)
-            n = min(req.seq_len - req.kv_len, n)
+            n = whole_images(req, req.kv_len, min(req.seq_len - req.kv_len, n))
             slots = self.cache.alloc_slots(n)
             if slots is None:  # the locked match changed what was evictable
                 self.cache.release(req)
@@ -591,3 +591,18 @@ class Scheduler:
     @property
     def cache_hit_rate(self) -> float:
         return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
+
+
+def whole_images(req: Req, start: int, n: int) -> int:
+    """A prefill chunk of `n` tokens from `start`, cut so that it does not end inside an
+    image whose rows attend to each other both ways (Gemma 3): it stops before such an image,
+    or where it begins inside one (a cached prefix ending in it), takes the rest whole."""
+    if not req.images or n <= 1:
+        return n
+    end = start + n
+    for item in req.images:
+        if item.whole:
+            for s, length in item.runs:
+                if s < end < s + length:
+                    end = s if s > start else s + length
+    return end - start

@@ -41,7 +41,7 @@ from sglang_like.server.errors import (
 )
 from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.openai import format as fmt
-from sglang_like.server.openai.chat import _chat_prompt, tool_plan
+from sglang_like.server.openai.chat import render_chat_prompt, tool_plan
 from sglang_like.server.openai.common import check_prompt_len
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, check_max_tokens, parse_model
@@ -378,7 +378,7 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest, plan: Tool
     streams), its length checked; images (`what` in the text-only model's 400) kept apart."""
     images = [url for m in req.messages for url in m.image_urls()]
     refuse_images(state, bool(images), what, "messages")
-    text, input_ids = await run_in_threadpool(_chat_prompt, state, req, plan)
+    text, input_ids = await run_in_threadpool(render_chat_prompt, state, req, plan)
     check_prompt_len(state, len(input_ids))
     return ChatPrompt(text, input_ids, images)
 

@@ -327,7 +327,7 @@ def test_refuses_empty_window_and_non_positive_cap():
 
 
 def _fb(**fields) -> SimpleNamespace:
-    base = dict(custom_masks=None, tree_mask=None, is_decode=False)
+    base = dict(custom_masks=None, positional_masks=None, tree_mask=None, is_decode=False)
     return SimpleNamespace(**{**base, **fields})
 
 
@@ -364,3 +364,35 @@ def test_attention_layer_passes_its_window_and_cap(kind):
     # and `attend` on its own, with nothing stored this time: the same call
     again = attend(q, pool.k, pool.v, fb, 0.6, window, softcap)
     assert torch.equal(again, out)
+
+
+def test_positional_masks_window_by_position_and_see_later_keys():
+    """An extend whose mask lets rows see later keys (an image's rows both ways) keeps, in a
+    sliding layer, every key less than `window` positions before the query, later ones too
+    (transformers' AND(window, OR(causal, block))); the same causal mask without the flag is
+    the plain windowed extend."""
+    import sglang_like_kernels as k
+
+    head_dim, window = 16, 3
+    pool = _Pool([10], 2, head_dim, seed=9)
+    prefix, n = 2, 8
+    q = torch.randn(n, 2, head_dim, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(n, n, dtype=torch.bool).tril_()
+    mask[1:5, 1:5] = True  # rows 1..4 (positions 3..6) see each other
+    got = k.masked_attention(q, pool.k, pool.v, pool.table, pool.rows, torch.tensor([prefix]),
+                             [mask], 0.5, window=window, positional=torch.tensor([True]))
+    keys = torch.arange(prefix + n)
+    for i in range(n):
+        qpos = prefix + i
+        seen = torch.cat([torch.ones(prefix, dtype=torch.bool), mask[i]]) & (keys > qpos - window)
+        slots = pool.table[pool.rows[0], keys[seen]].long()
+        kk, vv = pool.k[slots].float(), pool.v[slots].float()  # [L, H, D]
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), kk) * 0.5
+        want = torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), vv)
+        torch.testing.assert_close(got[i].float(), want, atol=1e-5, rtol=1e-5)
+    causal = torch.ones(n, n, dtype=torch.bool).tril_()
+    torch.testing.assert_close(
+        k.masked_attention(q, pool.k, pool.v, pool.table, pool.rows, torch.tensor([prefix]),
+                           [causal], 0.5, window=window, positional=torch.tensor([True])),
+        k.extend_attention(q, pool.k, pool.v, pool.table, pool.rows, torch.tensor([prefix]),
+                           torch.tensor([n]), 0.5, window=window), atol=1e-5, rtol=1e-5)

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.tiny_vlms import build_idefics3, build_llava, pictures
+from benchmarks.tiny_vlms import build_gemma3, build_idefics3, build_llava, pictures
 from sglang_like import Engine
 
-FAMILIES = ("llava-clip", "llava-siglip", "idefics3")
+FAMILIES = ("llava-clip", "llava-siglip", "idefics3", "gemma3")
+BUILD = {"llava-clip": lambda f: build_llava(f, "clip"),
+         "llava-siglip": lambda f: build_llava(f, "siglip"),
+         "idefics3": build_idefics3, "gemma3": build_gemma3}
 QUESTIONS = ("What is in the picture?", "Describe the colours.")
 NEW_TOKENS = 8
 
@@ -36,8 +39,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any
     out = {}
     for name in FAMILIES:
         folder = tmp_path_factory.mktemp(name)
-        model = (build_idefics3(folder) if name == "idefics3"
-                 else build_llava(folder, name.split("-")[1]))
+        model = BUILD[name](folder)
         out[name] = (folder, model, transformers.AutoProcessor.from_pretrained(folder))
     return out
 
@@ -52,8 +54,9 @@ def engines(built: dict[str, tuple[Path, Any, Any]]) -> dict[str, Engine]:
         engine.shutdown()
 
 
-def _prompt(question: str, n_images: int = 1) -> str:
-    return f"<|im_start|>user\n{'<image>' * n_images}{question}<|im_end|>\n<|im_start|>assistant\n"
+def _prompt(question: str, n_images: int = 1, placeholder: str = "<image>") -> str:
+    return (f"<|im_start|>user\n{placeholder * n_images}{question}<|im_end|>\n"
+            "<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -69,9 +72,9 @@ def test_preprocessing_and_prompt_ids_equal_the_hf_processor(
         theirs = processor.image_processor(images=[pic], return_tensors="np")["pixel_values"]
         theirs = theirs.reshape(-1, *theirs.shape[-3:])[: ours.shape[0]]
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
-    text = _prompt("Two pictures?", 2)
+    text = _prompt("Two pictures?", 2, prompter.placeholder)
     ids, spans = prompter.build(text, pics[:2], engine.tokenizer.encode)
-    want = processor(text=[text], images=[pics[:2]] if family == "idefics3" else pics[:2],
+    want = processor(text=[text], images=pics[:2] if family.startswith("llava") else [pics[:2]],
                      return_tensors="np")["input_ids"][0].tolist()
     image_id = engine.model_config.vision.image_token_id
     assert [image_id if t >= engine.model_config.vocab_size else t for t in ids] == want
@@ -80,7 +83,7 @@ def test_preprocessing_and_prompt_ids_equal_the_hf_processor(
 
 
 def _hf_greedy(model: Any, processor: Any, family: str, text: str, pic: Any) -> list[int]:
-    inputs = processor(text=[text], images=[[pic]] if family == "idefics3" else [pic],
+    inputs = processor(text=[text], images=[pic] if family.startswith("llava") else [[pic]],
                        return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -97,7 +100,7 @@ def test_greedy_output_equals_transformers_for_two_images_and_two_questions(
     outputs = {}
     for k, pic in enumerate(pics):
         for question in QUESTIONS:
-            text = _prompt(question)
+            text = _prompt(question, 1, engine.image_prompter.placeholder)
             want = _hf_greedy(model, processor, family, text, pic)
             got = engine.generate(text, {"max_new_tokens": NEW_TOKENS, "temperature": 0,
                                          "ignore_eos": True}, image_data=_png(pic))
@@ -160,24 +163,34 @@ def test_bad_image_input_is_refused_with_a_message(engines: dict[str, Engine],
     assert engine.generate(text, sp, image_data=_png(pictures()[1]))["output_ids"]
 
 
+@pytest.mark.parametrize(("family", "chunk"), [("idefics3", 8), ("gemma3", 6)])
 def test_chunked_prefill_through_images_and_ngram_speculation_keep_greedy_output(
-        built: dict[str, tuple[Path, Any, Any]], engines: dict[str, Engine]) -> None:
-    """Prefill chunks of 8 tokens cut through an image's 20 rows (5 crops of 4), and NGRAM
-    drafts over a prompt holding pad ids; both give the plain engine's greedy tokens."""
-    folder = built["idefics3"][0]
+        family: str, chunk: int, built: dict[str, tuple[Path, Any, Any]],
+        engines: dict[str, Engine]) -> None:
+    """Prefill chunks cut through images (Idefics3: 20 rows, 5 crops of 4, split across
+    chunks; Gemma 3: chunks of 6 would end inside its first image's 4 two-way rows, which the
+    scheduler keeps whole), and NGRAM drafts over a prompt holding pad ids: both give the
+    plain engine's greedy tokens."""
+    folder = built[family][0]
     pics = pictures()[:2]
-    text = _prompt("Say it again and again and again and again.", 2)
+    text = _prompt("Say it again and again and again and again.", 2,
+                   engines[family].image_prompter.placeholder)
     sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    want = engines["idefics3"].generate(text, sp, image_data=[_png(p) for p in pics])
-    for knobs in ({"chunked_prefill_size": 8},
+    lp = {"return_logprob": True, "logprob_start_len": -1}
+    want = engines[family].generate(text, sp, image_data=[_png(p) for p in pics], **lp)
+    for knobs in ({"chunked_prefill_size": chunk},
                   {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}):
         engine = Engine(model_path=str(folder), dtype="float32", quantization="none",
                         max_total_tokens=4096, engine_in_process=True, **knobs)
         try:
-            got = engine.generate(text, sp, image_data=[_png(p) for p in pics])
+            got = engine.generate(text, sp, image_data=[_png(p) for p in pics], **lp)
         finally:
             engine.shutdown()
         assert got["output_ids"] == want["output_ids"], knobs
+        # and the same numbers: an image's two-way rows split across chunks would move them
+        np.testing.assert_allclose(
+            [t[0] for t in got["meta_info"]["output_token_logprobs"]],
+            [t[0] for t in want["meta_info"]["output_token_logprobs"]], atol=2e-4)
 
 
 def test_dsl_image_in_a_program_gens_and_selects(engines: dict[str, Engine],
@@ -210,3 +223,34 @@ def test_dsl_image_in_a_program_gens_and_selects(engines: dict[str, Engine],
         assert state["colour"] in ("red", "blue")
     with pytest.raises(ValueError, match="takes no images"):
         describe.run(image=pic, backend=sgl.OpenAI("x", base_url="http://127.0.0.1:9"))
+
+
+def test_image_sources_and_limits(tmp_path: Path) -> None:
+    """Every accepted form gives the same pixels (and content hash); a JPEG's bare base64
+    ("/9j/...") is an image, not a path; paths only under the allowed folder; caps hold."""
+    from sglang_like.multimodal.images import ImageError, ImageLimits, content_hash, load_image
+
+    pic = pictures()[2]
+    png = io.BytesIO()
+    pic.save(png, format="PNG")
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "p.png").write_bytes(png.getvalue())
+    (tmp_path / "secret.png").write_bytes(png.getvalue())
+    allowed = ImageLimits(allowed_local_path=str(tmp_path / "ok"))
+    forms = [pic, png.getvalue(), base64.b64encode(png.getvalue()).decode(), _png(pic),
+             str(tmp_path / "ok" / "p.png"), f"file://{tmp_path}/ok/p.png"]
+    assert {content_hash(load_image(f, allowed)) for f in forms} == {content_hash(pic)}
+    jpeg = io.BytesIO()
+    pic.save(jpeg, format="JPEG")
+    bare = base64.b64encode(jpeg.getvalue()).decode()
+    assert bare.startswith("/9j/") and load_image(bare).size == pic.size
+    for source, limits, message in (
+            (str(tmp_path / "ok" / ".." / "secret.png"), allowed, "outside the allowed"),
+            (str(tmp_path / "ok" / "p.png"), ImageLimits(), "not allowed"),
+            (png.getvalue(), ImageLimits(max_bytes=100), "limit is 100"),
+            (pic, ImageLimits(max_pixels=100), "pixels; the limit is 100"),
+            (png.getvalue()[:60], ImageLimits(), "corrupt|not a readable"),
+            ("data:text/plain;base64,aGVsbG8=", ImageLimits(), "not an image"),
+            ("http://127.0.0.1:9/x.png", ImageLimits(fetch_timeout_s=2), "could not fetch")):
+        with pytest.raises(ImageError, match=message):
+            load_image(source, limits)

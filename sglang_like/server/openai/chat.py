@@ -52,7 +52,7 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(400, f"the model {model!r} reads text only; image_url content parts "
                             "need a vision-language model", "messages")
     # the template and the tokenizer run on a worker thread, off the loop that streams
-    prompt, input_ids = await run_in_threadpool(_chat_prompt, state, req, plan)
+    prompt, input_ids = await run_in_threadpool(render_chat_prompt, state, req, plan)
     check_prompt_len(state, len(input_ids))
     args = state.server_args
     thinking = ReasoningPlan.build(args.reasoning_parser, args.reasoning_budget, req, prompt)
@@ -214,10 +214,10 @@ async def _chat_events(
 def chat_input_ids(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None
 ) -> list[int]:
-    return _chat_prompt(state, req, plan)[1]
+    return render_chat_prompt(state, req, plan)[1]
 
 
-def _chat_prompt(
+def render_chat_prompt(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None
 ) -> tuple[str, list[int]]:
     """The rendered prompt and its token ids."""
