@@ -112,16 +112,24 @@ class ModelRunner:
         module.load_state_dict(state, strict=False)  # unread parts (SigLIP's head) left out
         return module.to(device=device, dtype=dtype).eval()
 
-    def _encoded(self, item: Any) -> torch.Tensor:
-        """An image's embedding rows [tokens, hidden]: from the cache by content hash, else
-        encoded now (in the step that prefills it) and kept."""
-        rows = self.encoder_cache.get(item.hash)
-        if rows is None:
-            pixels = torch.from_numpy(
-                np.frombuffer(item.pixels, dtype=np.float32).reshape(item.shape).copy())
-            rows = self.vision.encode(pixels.to(self.device, self.dtype))
-            self.encoder_cache.put(item.hash, rows)
-        return rows
+    def _embedding_rows(self, item: Any, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of an image's embedding ([b - a, hidden]), encoding only the crops
+        they come from (Idefics3 splits a picture into crops of equal token counts; the other
+        families have one): a prefill chunk through a large image encodes its share of it, so
+        a step's encoder work is bounded by its chunk. Crops are kept by (hash, crop)."""
+        crops = item.shape[0]
+        per = sum(n for _, n in item.runs) // crops
+        wanted = range(a // per, (b + per - 1) // per)
+        got = {c: self.encoder_cache.get((item.hash, c)) for c in wanted}
+        missing = [c for c, rows in got.items() if rows is None]
+        if missing:
+            pixels = np.frombuffer(item.pixels, dtype=np.float32).reshape(item.shape)
+            batch = torch.from_numpy(pixels[missing].copy()).to(self.device, self.dtype)
+            for c, rows in zip(missing, self.vision.encode(batch).split(per), strict=True):
+                got[c] = rows
+                self.encoder_cache.put((item.hash, c), rows)
+        rows = torch.cat([got[c] for c in wanted])
+        return rows[a - wanted.start * per: b - wanted.start * per]
 
     def _image_inputs(self, batch: ScheduleBatch
                       ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
@@ -143,7 +151,8 @@ class ModelRunner:
                     for s, length in item.runs:
                         lo, hi = max(s, pre), min(s + length, pre + n)
                         if lo < hi:
-                            parts.append(self._encoded(item)[done + lo - s: done + hi - s])
+                            parts.append(self._embedding_rows(item, done + lo - s,
+                                                              done + hi - s))
                             rows += range(start + lo - pre, start + hi - pre)
                         done += length
             start += n

@@ -1,9 +1,11 @@
-"""Encoder outputs by image content hash: the same picture (in this request's next prefill
-chunk, or another request) is encoded once. Bounded in bytes, least recently used first out."""
+"""Encoder outputs by image content hash (and crop): the same picture (in this request's next
+prefill chunk, or another request) is encoded once. Bounded in bytes, least recently used first
+out."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
 import torch
 
@@ -11,11 +13,11 @@ import torch
 class EncoderCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._items: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._items: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
         self.bytes = 0
         self.hits = self.misses = 0
 
-    def get(self, key: int) -> torch.Tensor | None:
+    def get(self, key: Hashable) -> torch.Tensor | None:
         value = self._items.get(key)
         if value is None:
             self.misses += 1
@@ -24,7 +26,7 @@ class EncoderCache:
         self.hits += 1
         return value
 
-    def put(self, key: int, value: torch.Tensor) -> None:
+    def put(self, key: Hashable, value: torch.Tensor) -> None:
         size = value.numel() * value.element_size()
         if key in self._items or size > self.max_bytes:
             return
@@ -38,5 +40,5 @@ class EncoderCache:
         return len(self._items)
 
     def stats(self) -> dict[str, int]:
-        return {"images": len(self._items), "bytes": self.bytes, "max_bytes": self.max_bytes,
+        return {"crops": len(self._items), "bytes": self.bytes, "max_bytes": self.max_bytes,
                 "hits": self.hits, "misses": self.misses}

@@ -6,6 +6,7 @@ is served from the cache, and bad input is refused with a message."""
 from __future__ import annotations
 
 import base64
+import functools
 import io
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ def test_two_images_share_no_kv_and_the_same_image_is_cached(
     assert engine.runner.encoder_cache.stats()["misses"] == stats["misses"]
 
 
-def test_the_encoder_runs_once_for_an_image_across_requests(engines: dict[str, Engine]
+def test_the_encoder_runs_once_for_each_crop_of_an_image_across_requests(engines: dict[str, Engine]
                                                             ) -> None:
     engine = engines["idefics3"]
     engine.flush_cache()
@@ -138,7 +139,8 @@ def test_the_encoder_runs_once_for_an_image_across_requests(engines: dict[str, E
     for question in QUESTIONS:  # the radix cache shares only the text before the image
         engine.generate(_prompt(question), {"max_new_tokens": 1}, image_data=_png(pic))
     after = engine.runner.encoder_cache.stats()
-    assert after["misses"] - before["misses"] == 1
+    crops = engine.image_prompter.process(pic).pixel_values.shape[0]
+    assert crops > 1 and after["misses"] - before["misses"] == crops  # each crop once
 
 
 def test_bad_image_input_is_refused_with_a_message(engines: dict[str, Engine],
@@ -163,6 +165,11 @@ def test_bad_image_input_is_refused_with_a_message(engines: dict[str, Engine],
     assert engine.generate(text, sp, image_data=_png(pictures()[1]))["output_ids"]
 
 
+def _counting(sizes: list[int], encode: Any, pixels: torch.Tensor) -> torch.Tensor:
+    sizes.append(pixels.shape[0])
+    return encode(pixels)
+
+
 @pytest.mark.parametrize(("family", "chunk"), [("idefics3", 8), ("gemma3", 6)])
 def test_chunked_prefill_through_images_and_ngram_speculation_keep_greedy_output(
         family: str, chunk: int, built: dict[str, tuple[Path, Any, Any]],
@@ -182,11 +189,20 @@ def test_chunked_prefill_through_images_and_ngram_speculation_keep_greedy_output
                   {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}):
         engine = Engine(model_path=str(folder), dtype="float32", quantization="none",
                         max_total_tokens=4096, engine_in_process=True, **knobs)
+        sizes: list[int] = []
+        encode = engine.runner.vision.encode
+        engine.runner.vision.encode = functools.partial(_counting, sizes, encode)
         try:
             got = engine.generate(text, sp, image_data=[_png(p) for p in pics], **lp)
         finally:
             engine.shutdown()
         assert got["output_ids"] == want["output_ids"], knobs
+        crops = [engines[family].image_prompter.process(p).pixel_values.shape[0] for p in pics]
+        assert sum(sizes) == sum(crops)  # every crop encoded once
+        if family == "idefics3" and "chunked_prefill_size" in knobs:
+            # a chunk encodes the crops its rows come from, not the whole picture
+            per = engines[family].image_prompter.tokens_per_crop
+            assert max(sizes) <= chunk // per + 1 < max(crops), (sizes, crops)
         # and the same numbers: an image's two-way rows split across chunks would move them
         np.testing.assert_allclose(
             [t[0] for t in got["meta_info"]["output_token_logprobs"]],
