@@ -42,6 +42,8 @@ def _chat_template(path: str, tok_config: dict[str, Any]) -> str | None:
     if template is None and os.path.isfile(jinja_file):
         with open(jinja_file, encoding="utf-8") as f:
             template = f.read()
+    if template is None:  # a processor's own file (vision-language folders: SmolVLM, LLaVA)
+        template = read_json(os.path.join(path, "chat_template.json")).get("chat_template")
     return template
 
 
