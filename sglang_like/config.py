@@ -229,9 +229,12 @@ class ServerArgs:
     # the modules adapters may target (lora.LORA_TARGETS); None / "all": every one
     lora_target_modules: tuple[str, ...] | None = None
     # Images (a vision-language model; sglang_like.multimodal): local image paths are taken
-    # only under this folder (vLLM's --allowed-local-media-path; None: refused), at most
+    # only under this folder (vLLM's --allowed-local-media-path; None: refused), URLs only from
+    # allowed_media_domains when given (an SSRF guard for a server others reach), at most
     # limit_mm_per_prompt images a prompt, and the encoder outputs kept by image hash
     allowed_local_media_path: str | None = None
+    # hosts http(s) image URLs may name (vLLM's --allowed-media-domains); None: any host
+    allowed_media_domains: tuple[str, ...] | None = None
     limit_mm_per_prompt: int = 16
     mm_encoder_cache_mb: int = 256
     # Server

@@ -490,7 +490,10 @@ class Engine:
             per_prompt = [image_data]
         from sglang_like.multimodal.images import ImageLimits, load_image
 
-        limits = ImageLimits(allowed_local_path=self.server_args.allowed_local_media_path)
+        domains = self.server_args.allowed_media_domains
+        limits = ImageLimits(allowed_local_path=self.server_args.allowed_local_media_path,
+                             allowed_domains=None if domains is None else tuple(
+                                 d.lower() for d in domains))
         cap = self.server_args.limit_mm_per_prompt
         id_lists, images = [], []
         for text, data in zip(prompts, per_prompt, strict=True):

@@ -201,6 +201,10 @@ def add_lora_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
     p.add_argument("--allowed-local-media-path", default=d.allowed_local_media_path,
                    help="a vision-language model takes local image paths (file://, /path) "
                         "under this folder only; default: none")
+    p.add_argument("--allowed-media-domains", nargs="+", default=d.allowed_media_domains,
+                   metavar="HOST",
+                   help="hosts whose http(s) image URLs the server fetches (redirects "
+                        "included); default: any")
     p.add_argument("--limit-mm-per-prompt", type=int, default=d.limit_mm_per_prompt,
                    help="images one prompt may carry")
     p.add_argument("--mm-encoder-cache-mb", type=int, default=d.mm_encoder_cache_mb,
@@ -286,7 +290,7 @@ def server_args_from(ns: argparse.Namespace,
         values["disaggregation_secret"] = env.get(ENV_DISAGGREGATION_SECRET) or None
     if values.get("allowed_hosts") is None:
         values["allowed_hosts"] = ()
-    for name in ("lora_paths", "lora_target_modules"):  # argparse's lists; the fields are tuples
+    for name in ("lora_paths", "lora_target_modules", "allowed_media_domains"):  # lists -> tuples
         if isinstance(values.get(name), list):
             values[name] = tuple(values[name])
     if values["admin_api_key"] and values["admin_api_key"] in keys:

@@ -38,6 +38,8 @@ class ImageLimits:
     max_pixels: int = 40_000_000  # width * height, read from the header before decoding
     fetch_timeout_s: float = 10.0
     allowed_local_path: str | None = None  # None: local files are refused
+    # hosts an http(s) image may come from (redirects included); None: any
+    allowed_domains: tuple[str, ...] | None = None
 
 
 def load_image(source: Any, limits: ImageLimits | None = None) -> Image.Image:
@@ -108,10 +110,34 @@ def _data_url(url: str) -> bytes:
         raise ImageError("the data: URL's base64 is malformed") from None
 
 
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to a host the limits allow."""
+
+    def __init__(self, limits: ImageLimits) -> None:
+        self.limits = limits
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> Any:
+        _check_host(newurl, self.limits)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _check_host(url: str, limits: ImageLimits) -> None:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ImageError(f"an image URL must be http(s), not {parts.scheme or 'none'!r}")
+    host = (parts.hostname or "").lower()
+    if limits.allowed_domains is not None and host not in limits.allowed_domains:
+        raise ImageError(f"image URLs from {host!r} are not allowed (the server takes them "
+                         "from --allowed-media-domains only)")
+
+
 def _fetch(url: str, limits: ImageLimits) -> bytes:
+    _check_host(url, limits)
     request = urllib.request.Request(url, headers={"User-Agent": "sglang-like"})
+    opener = urllib.request.build_opener(_CheckedRedirects(limits))
     try:
-        with urllib.request.urlopen(request, timeout=limits.fetch_timeout_s) as resp:
+        with opener.open(request, timeout=limits.fetch_timeout_s) as resp:
             declared = resp.headers.get("Content-Length")
             if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
                 raise ImageError(f"the image at {url} is {int(declared)} bytes; the limit is "

@@ -270,3 +270,44 @@ def test_image_sources_and_limits(tmp_path: Path) -> None:
             ("http://127.0.0.1:9/x.png", ImageLimits(fetch_timeout_s=2), "could not fetch")):
         with pytest.raises(ImageError, match=message):
             load_image(source, limits)
+
+
+def test_image_urls_only_from_allowed_hosts_redirects_included() -> None:
+    """--allowed-media-domains: a URL of another host is refused before any connection, and a
+    redirect from an allowed host to another one is refused too (an SSRF guard)."""
+    import http.server
+    import threading
+
+    from sglang_like.multimodal.images import ImageError, ImageLimits, load_image
+
+    png = io.BytesIO()
+    pictures()[0].save(png, format="PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{port}/pic.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(png.getvalue())))
+            self.end_headers()
+            self.wfile.write(png.getvalue())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = httpd.server_address[1]
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        only_ip = ImageLimits(allowed_domains=("127.0.0.1",))
+        assert load_image(f"http://127.0.0.1:{port}/pic.png", only_ip).size == (70, 50)
+        assert load_image(f"http://127.0.0.1:{port}/away").size == (70, 50)  # any host: follows
+        with pytest.raises(ImageError, match="'localhost' are not allowed"):
+            load_image(f"http://127.0.0.1:{port}/away", only_ip)
+        with pytest.raises(ImageError, match="'example.org' are not allowed"):
+            load_image("http://example.org/x.png", only_ip)
+    finally:
+        httpd.shutdown()
