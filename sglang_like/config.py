@@ -162,6 +162,14 @@ class ServerArgs:
     max_prefill_tokens: int = 8192  # token budget of one prefill batch
     chunked_prefill_size: int | None = 2048  # None or <= 0: no chunking
     schedule_policy: str = "lpm"  # "lpm" (longest prefix match) | "fcfs"
+    # Priority scheduling (SGLang's switches): a request's `priority` orders the waiting queue
+    # first (a higher value runs first; with schedule_low_priority_values_first a lower one,
+    # vLLM's direction), a waiting request that outranks a running one by more than the
+    # threshold preempts it when no row or KV slot is free, and a full queue
+    # (max_queued_requests) drops its least urgent request. Off: a priority other than 0 is 400
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     disable_radix_cache: bool = False
     eviction_policy: str = "lru"  # "lru" | "lfu"
     grammar_backend: str = "xgrammar"  # "xgrammar" | "outlines"
@@ -243,6 +251,9 @@ class ServerArgs:
     api_key: str | None = None
     # more plain keys (each one a tenant: its requests share no cached prefix with another's)
     extra_api_keys: tuple[str, ...] = ()
+    # generating requests one plain key may have in flight; one more gets 429 with Retry-After
+    # (None: no limit; the admin key is never limited)
+    max_concurrent_requests_per_key: int | None = None
     # the operator's key: cache flush, aborting others' or all requests, the PD role switch,
     # the dashboard and cache routes, /metrics; with any key set, those routes need it
     admin_api_key: str | None = None

@@ -110,6 +110,7 @@ class Engine:
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
+        priority: int | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict), a list (a list of dicts), or stream increments.
         `cache_salt`: requests of different salts share no cached prefix (tenants).
@@ -118,11 +119,14 @@ class Engine:
         `image_data` (a vision-language model): an image or a list of them for a text prompt
         that names each with the model's placeholder (`<image>`), or one such per prompt of a
         batch; an image is a data: or http(s) URL, base64, bytes, a PIL image, or a local path
-        under `allowed_local_media_path`."""
+        under `allowed_local_media_path`.
+        `priority` (with `enable_priority_scheduling`; SGLang's and vLLM's field): the place
+        in the queue of the request (of every prompt of a batch): a higher value first, or a
+        lower one with `schedule_low_priority_values_first`. Without it: None or 0 only."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
                                          logprob_start_len, top_logprobs_num, stream, rid,
                                          (bootstrap_host, bootstrap_port, bootstrap_room),
-                                         cache_salt, lora_path, image_data)
+                                         cache_salt, lora_path, image_data, priority)
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
             return self._stream_sync(handles[0], is_batch)
@@ -146,6 +150,7 @@ class Engine:
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
+        priority: int | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """The asyncio form of `generate`; with stream=True, an async iterator of increments.
         A text prompt is tokenized on a thread of the engine's, not on the event loop, which
@@ -153,7 +158,8 @@ class Engine:
         make = functools.partial(
             self._make_reqs, prompt, sampling_params, input_ids, return_logprob,
             logprob_start_len, top_logprobs_num, stream, rid,
-            (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt, lora_path, image_data)
+            (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt, lora_path, image_data,
+            priority)
         loop = asyncio.get_running_loop()
         if prompt is None:
             reqs, is_batch = make()
@@ -388,9 +394,11 @@ class Engine:
                    logprob_start_len: int, top_logprobs_num: int, stream: bool,
                    rid: Any, bootstrap: tuple[Any, Any, Any] = (None, None, None),
                    cache_salt: str | None = None, lora_path: Any = None,
-                   image_data: Any = None) -> tuple[list[GenerateReqInput], bool]:
+                   image_data: Any = None, priority: int | None = None,
+                   ) -> tuple[list[GenerateReqInput], bool]:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
+        priority = self._check_priority(priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         images: list[list[ImageItem] | None] | None = None
@@ -425,7 +433,7 @@ class Engine:
                     top_logprobs_num=top_logprobs_num, stream=bool(stream),
                     arrival_time=time.perf_counter(), bootstrap_host=host,
                     bootstrap_port=port, bootstrap_room=room, cache_salt=cache_salt or None,
-                    lora_name=loras[k], images=item_images))
+                    lora_name=loras[k], images=item_images, priority=priority))
         for msg in reqs:  # all or none: a field the wire cannot carry fails before any submit
             try:
                 encode(msg)
@@ -440,6 +448,21 @@ class Engine:
         if len(reqs) > 1 and not is_batch:
             is_batch = True  # n > 1 on one prompt returns a list
         return reqs, is_batch
+
+    def _check_priority(self, priority: Any) -> int:
+        """A request's priority (None: 0). One that would order anything needs priority
+        scheduling on: refused where it is off, never silently dropped."""
+        if priority is None:
+            return 0
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {type(priority).__name__}")
+        if not -(1 << 63) <= priority < 1 << 63:
+            raise ValueError("priority must fit in 64 bits")
+        if priority != 0 and not self.server_args.enable_priority_scheduling:
+            raise ValueError("priority needs priority scheduling, which is off: start the "
+                             "server with --enable-priority-scheduling (Engine("
+                             "enable_priority_scheduling=True))")
+        return priority
 
     def _check_lengths(self, ids: list[int], sp: SamplingParams, return_logprob: bool,
                        logprob_start_len: int, top_logprobs_num: int,

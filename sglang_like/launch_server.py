@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help="beyond this many waiting requests, new ones get 429")
     p.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
+    add_priority_arguments(p, d)
     p.add_argument("--disable-radix-cache", action="store_true", default=d.disable_radix_cache)
     p.add_argument("--grammar-backend", default=d.grammar_backend,
                    choices=["xgrammar", "outlines"])
@@ -144,6 +145,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before being aborted")
     return p
+
+
+def add_priority_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
+    """SGLang's priority-scheduling switches, and the per-key limit on requests in flight."""
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   default=d.enable_priority_scheduling,
+                   help="order the waiting queue by each request's `priority` (a higher value "
+                        "first), preempt a running request outranked by more than "
+                        "--priority-scheduling-preemption-threshold, and let a full queue "
+                        "drop its lowest priority; without it a priority other than 0 is 400")
+    p.add_argument("--schedule-low-priority-values-first", action="store_true",
+                   default=d.schedule_low_priority_values_first,
+                   help="a lower priority value runs first (vLLM's direction)")
+    p.add_argument("--priority-scheduling-preemption-threshold", type=int,
+                   default=d.priority_scheduling_preemption_threshold,
+                   help="a waiting request preempts a running one only when its priority is "
+                        "more than this much more urgent")
+    p.add_argument("--max-concurrent-requests-per-key", type=int,
+                   default=d.max_concurrent_requests_per_key,
+                   help="generating requests one API key may have in flight; one more gets "
+                        "429 with Retry-After (the admin key is not limited)")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
@@ -312,6 +334,12 @@ def _check(args: ServerArgs) -> None:
         raise SystemExit("--ssl-keyfile and --ssl-certfile go together")
     if args.reasoning_budget is not None and args.reasoning_parser is None:
         raise SystemExit("--reasoning-budget needs --reasoning-parser")
+    if args.max_concurrent_requests_per_key is not None:
+        if args.max_concurrent_requests_per_key < 1:
+            raise SystemExit("--max-concurrent-requests-per-key must be at least 1")
+        if not args.api_key:
+            raise SystemExit("--max-concurrent-requests-per-key limits each API key: give "
+                             "keys (--api-key, --api-key-file)")
     if args.otlp_traces_endpoint is not None:
         from sglang_like.server.tracing import traces_url
 

@@ -103,6 +103,8 @@ class Req:
         self.last_node: Any = None
         self.num_cached_tokens = 0  # prompt tokens served from the cache at first prefill
         self.num_retractions = 0
+        # its scheduling priority (priority scheduling only; scheduler.policy says which way)
+        self.priority = 0
         # Decoding state
         self.grammar: Any = None  # constrained.Grammar, or None
         self.invalid_message: str | None = None  # a grammar that failed to compile

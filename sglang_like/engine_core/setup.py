@@ -18,6 +18,7 @@ from sglang_like.mem_pool import KVPool, resolve_kv_cache_dtype
 from sglang_like.model_loader import load_model
 from sglang_like.model_runner import ModelRunner
 from sglang_like.scheduler import Scheduler, SchedulerConfig
+from sglang_like.scheduler.config import priority_config
 from sglang_like.speculative import SpecConfig, resolve_spec_config
 from sglang_like.tokenizer import Tokenizer
 
@@ -88,6 +89,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
             enable_jump_forward=sa.enable_jump_forward, random_seed=sa.random_seed,
             speculative_auto_disable=sa.speculative_auto_disable,
             max_loras_per_batch=sa.max_loras_per_batch,
+            **priority_config(sa),
         ),
         runner, tokenizer, eos, drafter,
     )

@@ -1,4 +1,5 @@
-"""Which waiting requests to prefill next: ordering (longest prefix match or FCFS)."""
+"""Which waiting requests to prefill next: ordering (priority, then longest prefix match or
+FCFS)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,30 @@ _LPM_MAX_QUEUE = 128
 IN_BATCH_SHARE_THRESHOLD = 32
 
 
+def priority_rank(req: Req, low_values_first: bool) -> int:
+    """Where a request's priority puts it under priority scheduling: a smaller rank runs
+    first. SGLang's default is that a higher priority value runs first; with
+    `low_values_first` (SGLang's --schedule-low-priority-values-first) a lower one does, as
+    in vLLM."""
+    return req.priority if low_values_first else -req.priority
+
+
 def order_waiting(
-    waiting: list[Req], policy: str, prefix_len_of: Callable[[Req], int]
+    waiting: list[Req], policy: str, prefix_len_of: Callable[[Req], int],
+    rank_of: Callable[[Req], int] | None = None,
 ) -> list[Req]:
-    """Return `waiting` in the order to try them. Retracted requests always go first."""
+    """Return `waiting` in the order to try them: by `rank_of` first (priority scheduling;
+    None: all equal), then retracted requests, then the policy's order (the longest cached
+    prefix for lpm), then arrival."""
+    def rank(r: Req) -> int:
+        return 0 if rank_of is None else rank_of(r)
+
     if policy == "lpm" and len(waiting) <= _LPM_MAX_QUEUE:
-        keyed = [(-r.num_retractions, -prefix_len_of(r), r.arrival_time, i) for i, r in
-                 enumerate(waiting)]
+        keyed = [(rank(r), -r.num_retractions, -prefix_len_of(r), r.arrival_time, i)
+                 for i, r in enumerate(waiting)]
     else:
-        keyed = [(-r.num_retractions, 0, r.arrival_time, i) for i, r in enumerate(waiting)]
+        keyed = [(rank(r), -r.num_retractions, 0, r.arrival_time, i)
+                 for i, r in enumerate(waiting)]
     keyed.sort()
     return [waiting[k[-1]] for k in keyed]
 

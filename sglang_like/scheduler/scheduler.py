@@ -20,7 +20,12 @@ from sglang_like.scheduler.cache_manager import KVCacheManager
 from sglang_like.scheduler.config import SchedulerConfig
 from sglang_like.scheduler.output_processor import OutputProcessor
 from sglang_like.scheduler.plugins import DisaggContext, DisaggHooks, DraftContext, Drafter
-from sglang_like.scheduler.policy import IN_BATCH_SHARE_THRESHOLD, common_prefix_len, order_waiting
+from sglang_like.scheduler.policy import (
+    IN_BATCH_SHARE_THRESHOLD,
+    common_prefix_len,
+    order_waiting,
+    priority_rank,
+)
 from sglang_like.scheduler.spec_propose import propose_trees
 from sglang_like.scheduler.spec_verify import TreeWalk, VerifyContext, accept_trees, takes_argmax
 from sglang_like.speculative.controller import SpecController
@@ -104,6 +109,8 @@ class Scheduler:
             self.disagg.add(req)  # a PD request: it meets its other half first
             if req.is_finished:
                 self._finished_outside_step.append(req)
+            return
+        if self._queue_is_full() and not self._make_room_in_queue(req):
             return
         self.waiting.append(req)
 
@@ -196,6 +203,7 @@ class Scheduler:
             if self.disagg is not None:
                 self.disagg.poll(self._disagg_context(), touched)
             start = time.perf_counter()  # the step's cost includes drafting (in scheduling)
+            self._preempt_for_priority()
             self._schedule_running(batch, touched)
             self._schedule_waiting(batch, touched)
             if batch.batch_size:
@@ -349,7 +357,8 @@ class Scheduler:
             return peeks[id(r)]
 
         lpm = self.config.schedule_policy == "lpm" and len(self.waiting) > 1
-        ordered = order_waiting(self.waiting, "lpm" if lpm else "fcfs", lambda r: peek(r)[0])
+        ordered = order_waiting(self.waiting, "lpm" if lpm else "fcfs", lambda r: peek(r)[0],
+                                self._rank if self.config.enable_priority_scheduling else None)
         adapters = {r.lora.uid for r in self.running if r.lora is not None}
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
@@ -403,9 +412,10 @@ class Scheduler:
 
     def _retract_one(self, batch: ScheduleBatch, touched: list[Req]) -> bool:
         """Make room: send the most recently arrived running request that is not in this
-        batch back to the queue (its output so far is kept and recomputed later). When it
-        is the only one running, nothing else holds what it lacks: the pool cannot hold it,
-        it ends. False when neither is possible (all running requests are in the batch)."""
+        batch (under priority scheduling: the least urgent, then the latest) back to the
+        queue (its output so far is kept and recomputed later). When it is the only one
+        running, nothing else holds what it lacks: the pool cannot hold it, it ends. False
+        when neither is possible (all running requests are in the batch)."""
         idle = [r for r in self.running if r not in batch.reqs]
         if not idle:
             return False
@@ -415,7 +425,10 @@ class Scheduler:
                 f"the KV pool ({self.config.pool_size} slots) is too small for this "
                 f"request's {req.seq_len} tokens")), touched)
             return True
-        self._retract(max(idle, key=lambda r: r.arrival_time))
+        if self.config.enable_priority_scheduling:
+            self._retract(max(idle, key=lambda r: (self._rank(r), r.arrival_time)))
+        else:
+            self._retract(max(idle, key=lambda r: r.arrival_time))
         return True
 
     def _retract(self, victim: Req) -> None:
@@ -424,6 +437,81 @@ class Scheduler:
         victim.num_retractions += 1
         self.waiting.insert(0, victim)
         logger.info("retracted %s to free KV slots", victim.rid)
+
+    # ---- priorities ------------------------------------------------------------------------
+    def _rank(self, req: Req) -> int:
+        return priority_rank(req, self.config.low_priority_values_first)
+
+    def _queue_is_full(self) -> bool:
+        cap = self.config.max_queued_requests
+        return cap is not None and len(self.waiting) >= cap
+
+    def _make_room_in_queue(self, req: Req) -> bool:
+        """A full queue under priority scheduling drops its least urgent request that has
+        not started (the latest of equals: `req` itself when it ties), ended with a 429 as
+        the server's own overflow is. True: `req` may queue (another was dropped)."""
+        fresh = [r for r in self.waiting if r.first_scheduled_time is None]
+        victim = max([*fresh, req], key=lambda r: (self._rank(r), r.arrival_time))
+        cap = self.config.max_queued_requests
+        if victim is req:
+            self.finish_outside_step(req, FinishReason("abort", status_code=429, message=(
+                f"the waiting queue is full ({cap} requests, max_queued_requests) and this "
+                f"request's priority is the lowest there; retry later")))
+            return False
+        self.waiting.remove(victim)
+        self.finish_outside_step(victim, FinishReason("abort", status_code=429, message=(
+            f"the waiting queue is full ({cap} requests, max_queued_requests): this request "
+            f"was dropped from it for one of higher priority; retry later")))
+        return True
+
+    def _preempt_for_priority(self) -> None:
+        """Priority scheduling: when the most urgent waiting request cannot be admitted (no
+        running row free, or too few KV slots), retract the running requests it outranks by
+        more than the threshold, least urgent (then latest) first, until it can. Done before
+        the step's batch forms, so a victim holds nothing in it; it resumes later from the
+        radix tree, which keeps what it computed. Nothing is retracted when all of them
+        together could not make the room (PD workers never preempt: their KV moves)."""
+        cfg = self.config
+        if not (cfg.enable_priority_scheduling and self.waiting and self.running) or (
+                self.disagg is not None):
+            return
+        head = min(self.waiting, key=lambda r: (self._rank(r), -r.num_retractions,
+                                                r.arrival_time))
+        limit = self._rank(head) + cfg.priority_preemption_threshold
+        victims = sorted((r for r in self.running if self._rank(r) > limit),
+                         key=lambda r: (self._rank(r), r.arrival_time), reverse=True)
+        if not victims or self._room_lacking(head, len(self.running)) is None:
+            return
+        adapters = {r.lora.uid for r in self.running if r.lora is not None}
+        if (head.lora is not None and head.lora.uid not in adapters
+                and len(adapters) >= cfg.max_loras_per_batch):
+            return  # it waits for an adapter to finish, which preempting does not hasten
+        # retracting them all gives back at most their computed slots
+        lacking = self._room_lacking(head, len(self.running) - len(victims))
+        if lacking is not None and lacking > sum(r.kv_len for r in victims):
+            return
+        for victim in victims:
+            self._retract(victim)
+            logger.info("preempted %s (priority %d) for %s (priority %d)", victim.rid,
+                        victim.priority, head.rid, head.priority)
+            if self._room_lacking(head, len(self.running)) is None:
+                return
+
+    def _room_lacking(self, req: Req, num_running: int) -> int | None:
+        """None when `req` could be admitted beside `num_running` of the running requests;
+        else how many KV slots it lacks (0: what it lacks is a running row). The test of
+        _schedule_waiting, plus this step's decode slot of each running request."""
+        match_len, match_unlocked = self.cache.peek(req.fill_ids[: self._max_prefix_len(req)],
+                                                    req.cache_namespace)
+        need = (req.seq_len - match_len + match_unlocked
+                + (_DECODE_RESERVE_PER_REQ + 1) * num_running)
+        lacking = need - self.cache.num_available_slots
+        if lacking > 0:
+            return lacking
+        no_row = num_running >= self.config.max_running_requests or (
+            num_running == len(self.running)
+            and self.cache.req_to_token_pool.num_free_rows == 0)
+        return 0 if no_row else None
 
     # ---- after the forward ---------------------------------------------------------------
     def _argmax_only(self, batch: ScheduleBatch) -> bool:

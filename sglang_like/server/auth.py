@@ -14,12 +14,16 @@ share no cached prefix with another key's, and it aborts only its own requests).
 others' or all requests. With no key configured at all the server is open (a loopback dev
 server) and every caller is the operator; with a plain key but no admin key, the operator's
 routes are refused to everyone.
+
+`--max-concurrent-requests-per-key N` bounds each plain key's generating requests in flight
+(`KeyLimits`): one more is a 429 with Retry-After, and other keys are not affected.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import hashlib
 import hmac
 import ipaddress
@@ -29,7 +33,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sglang_like.config import ServerArgs
-from sglang_like.server.errors import error_response
+from sglang_like.server.errors import ApiError, error_response
 
 # Routes a load balancer or supervisor probes without credentials.
 OPEN_PATHS = frozenset({"/health"})
@@ -57,6 +61,57 @@ OPEN_SERVER = Principal(is_admin=True, tenant=None)
 def principal_of(scope: Scope) -> Principal:
     """The caller the middleware found (an app without the middleware: an open server)."""
     return (scope.get("state") or {}).get("principal", OPEN_SERVER)
+
+
+# seconds a client refused for its key's limit is told to wait (when one of its requests
+# ends is not known; a generation on this runtime takes about that long)
+_RETRY_AFTER_S = 1
+
+
+class KeyLimits:
+    """Generating requests in flight per plain API key (--max-concurrent-requests-per-key).
+
+    An HTTP request holds one slot from the moment it first submits to the engine (the
+    runner calls `take_key_slot`, however many engine requests it fans out to) until its
+    response has been sent, a stream's included (the middleware gives the slot back). The
+    admin key and an open server's callers are not limited. Only the event loop's thread
+    touches it."""
+
+    def __init__(self, max_per_key: int | None) -> None:
+        self.max_per_key = max_per_key
+        self.num_inflight: collections.Counter[str] = collections.Counter()
+
+    def take(self, scope: Scope) -> None:
+        """Count the scope's request against its key; ApiError(429) when the key is at its
+        limit (the middleware then adds Retry-After). Taking twice is taking once."""
+        state = scope.setdefault("state", {})
+        principal = principal_of(scope)
+        if (self.max_per_key is None or principal.is_admin or principal.tenant is None
+                or "key_slot" in state):
+            return
+        tenant = principal.tenant
+        if self.num_inflight[tenant] >= self.max_per_key:
+            state["key_refused"] = True
+            raise ApiError(429, f"this API key has {self.num_inflight[tenant]} requests in "
+                                f"flight, its limit (--max-concurrent-requests-per-key "
+                                f"{self.max_per_key}); retry when one has finished")
+        self.num_inflight[tenant] += 1
+        state["key_slot"] = tenant
+
+    def give_back(self, scope: Scope) -> None:
+        tenant = (scope.get("state") or {}).pop("key_slot", None)
+        if tenant is not None:
+            self.num_inflight[tenant] -= 1
+            if not self.num_inflight[tenant]:
+                del self.num_inflight[tenant]
+
+
+def take_key_slot(scope: Scope) -> None:
+    """Count a request that starts generating against its API key's limit (ApiError(429)
+    past it); nothing where the app runs without the middleware or the limit."""
+    limits = (scope.get("state") or {}).get("key_limits")
+    if limits is not None:
+        limits.take(scope)
 
 
 def is_admin_path(path: str) -> bool:
@@ -100,6 +155,8 @@ class SecurityMiddleware:
         keys = [server_args.api_key, *server_args.extra_api_keys]
         self.keys = [(k.encode(), key_tenant(k)) for k in keys if k]
         self.is_open = self.admin_key is None and not self.keys
+        limit = getattr(server_args, "max_concurrent_requests_per_key", None)
+        self.key_limits = KeyLimits(limit) if limit is not None and not self.is_open else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -125,7 +182,14 @@ class SecurityMiddleware:
                                           "(--max-request-body-bytes)")(scope, receive, send)
                 return
             receive = _replay(body, receive)
-        await self.app(scope, receive, send)
+        if self.key_limits is None:
+            await self.app(scope, receive, send)
+            return
+        scope["state"]["key_limits"] = self.key_limits
+        try:
+            await self.app(scope, receive, _retry_after_on_refusal(scope, send))
+        finally:
+            self.key_limits.give_back(scope)
 
     # ---- the checks: each returns the refusal, or None -------------------------------------
     def _check_origin(self, headers: dict[bytes, bytes]) -> object | None:
@@ -245,6 +309,18 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _retry_after_on_refusal(scope: Scope, send: Send) -> Send:
+    """A send that adds Retry-After to the response of a request its key's limit refused."""
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start" and scope["state"].get("key_refused"):
+            headers = [*message.get("headers", []),
+                       (b"retry-after", str(_RETRY_AFTER_S).encode())]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

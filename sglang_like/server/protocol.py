@@ -50,6 +50,12 @@ _MAX_LOGPROB_START_LEN = (1 << 63) - 1
 CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 _CACHE_SALT_FIELD = Field(None, description="requests with different salts never share a "
                                             "cached prefix (vLLM's field)")
+# SGLang's and vLLM's request field: the request's place in the queue under priority
+# scheduling (the engine refuses one other than 0 without it); 64-bit, as it crosses processes
+Priority = Annotated[StrictInt, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+_PRIORITY_FIELD = Field(None, description="the request's scheduling priority (SGLang's and "
+                                          "vLLM's field); needs --enable-priority-scheduling "
+                                          "unless null or 0")
 # a LoRA adapter's name in a request: bounded like a rid (it also is an OpenAI model id)
 _MAX_LORA_NAME_CHARS = 256
 LoraPath = Annotated[str, Field(max_length=_MAX_LORA_NAME_CHARS)]
@@ -91,6 +97,7 @@ class GenerateRequest(BaseModel):
     bootstrap_port: StrictInt | list[StrictInt] | None = None
     bootstrap_room: StrictInt | list[StrictInt] | None = None
     cache_salt: CacheSalt | None = _CACHE_SALT_FIELD
+    priority: Priority | None = _PRIORITY_FIELD
     lora_path: LoraPath | list[LoraPath | None] | None = Field(
         None, description="the loaded LoRA adapter to run on (SGLang's field: its name), or "
                           "one per prompt of a batch; null: the base model")
@@ -213,11 +220,11 @@ class SwitchModeRequest(BaseModel):
 
 
 def bootstrap_kwargs(body: Any) -> dict[str, Any]:
-    """The PD bootstrap fields and the cache salt a body carries, as Engine.generate keyword
-    arguments (the runner adds the caller's tenant to the salt)."""
+    """The PD bootstrap fields, the cache salt and the priority a body carries, as
+    Engine.generate keyword arguments (the runner adds the caller's tenant to the salt)."""
     return {k: getattr(body, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room",
-                                          "cache_salt")
-            if getattr(body, k) is not None}
+                                          "cache_salt", "priority")
+            if getattr(body, k, None) is not None}
 
 
 def clean_sampling_params(params: dict[str, Any] | None) -> dict[str, Any]:
@@ -337,6 +344,7 @@ class _OpenAISampling(BaseModel):
     bootstrap_port: StrictInt | None = None
     bootstrap_room: StrictInt | None = None
     cache_salt: CacheSalt | None = _CACHE_SALT_FIELD
+    priority: Priority | None = _PRIORITY_FIELD
     lora_path: LoraPath | None = Field(
         None, description="SGLang's field: the loaded LoRA adapter to run on; a `model` "
                           "naming an adapter (`adapter` or `base:adapter`) comes first")

@@ -1,4 +1,5 @@
-"""Calls into the Engine on behalf of HTTP requests: admission (429), rids, disconnects, metrics."""
+"""Calls into the Engine on behalf of HTTP requests: admission (429: a full queue, or a key
+past its limit of requests in flight), rids, disconnects, metrics."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import anyio
 from starlette.requests import Request
 
 from sglang_like.engine_core.loop import is_derived_rid
-from sglang_like.server.auth import Principal, principal_of
+from sglang_like.server.auth import Principal, principal_of, take_key_slot
 from sglang_like.server.errors import ApiError
 from sglang_like.server.metrics import ServerMetrics
 from sglang_like.server.request_log import observe_call, observe_output
@@ -59,8 +60,13 @@ class EngineStream:
         self._is_closed = False
 
     async def prime(self) -> None:
-        """Wait for the first chunk, so that a bad request raises before any byte is sent."""
+        """Wait for the first chunk, so that a bad request raises before any byte is sent
+        (and one the engine's full queue dropped is the 429 it is)."""
         self._pending = await self._next_chunk()
+        refusal = queue_refusal(self._pending)
+        if refusal is not None:
+            self._runner.metrics.observe_rejected(429)
+            raise refusal
 
     def __aiter__(self) -> EngineStream:
         return self
@@ -121,6 +127,11 @@ class EngineRunner:
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.max_running_requests = max_running_requests
+        # under priority scheduling the engine bounds its queue itself: it alone knows whose
+        # priority is the lowest there, whom a full queue drops
+        server_args = getattr(engine, "server_args", None)
+        self.engine_bounds_queue = bool(getattr(server_args, "enable_priority_scheduling",
+                                                False))
         self.num_inflight = 0  # engine requests this server has submitted and not yet seen end
         # live rids this server submitted -> the tenant that sent them (who may abort them)
         self.owners: dict[str, str | None] = {}
@@ -135,9 +146,19 @@ class EngineRunner:
         num_queued = int(getattr(self.engine, "num_queued_requests", 0) or 0)
         return max(num_queued, self.num_inflight - self.max_running_requests)
 
-    def check_capacity(self, num_new: int = 1) -> None:
+    def check_capacity(self, num_new: int = 1, request: Request | None = None) -> None:
         """429 at once when the waiting queue cannot take `num_new` more requests (a request's
-        whole fan-out: n samples of each prompt), instead of letting the client hang."""
+        whole fan-out: n samples of each prompt), instead of letting the client hang; or
+        when the caller's API key has its limit of requests in flight (`request`: the HTTP
+        request, which then holds a slot of its key's until its response has been sent)."""
+        if request is not None:
+            try:
+                take_key_slot(request.scope)
+            except ApiError:
+                self.metrics.observe_rejected(429)
+                raise
+        if self.engine_bounds_queue:
+            return
         num_queued = self.num_waiting
         free = max(0, self.max_running_requests - self.num_inflight)
         if num_queued + max(0, num_new - free) > self.max_queued_requests:
@@ -207,7 +228,7 @@ class EngineRunner:
         result per call. A ValueError from the engine propagates (the edge makes it a 400).
         """
         num_requests = sum(_num_requests(call) for call in calls)
-        self.check_capacity(num_requests)
+        self.check_capacity(num_requests, request)
         owner = principal_of(request.scope).tenant if request is not None else None
         rids: list[str] = []
         given = False
@@ -244,10 +265,15 @@ class EngineRunner:
             self.num_inflight -= num_requests
             self.release(rids)
         results = [t.result() for t in tasks]
-        for result in results:
-            for item in result if isinstance(result, list) else [result]:
-                self.metrics.observe_finished(item.get("meta_info") or {})
-                observe_output(item)
+        items = [item for result in results
+                 for item in (result if isinstance(result, list) else [result])]
+        refusal = next((r for item in items if (r := queue_refusal(item)) is not None), None)
+        if refusal is not None:  # a full queue dropped a part (priority scheduling): all 429
+            self.metrics.observe_rejected(429)
+            raise refusal
+        for item in items:
+            self.metrics.observe_finished(item.get("meta_info") or {})
+            observe_output(item)
         return results
 
     def _cancel(self, tasks: list[asyncio.Future], calls: list[dict[str, Any]]) -> None:
@@ -317,6 +343,15 @@ async def merge_streams(streams: list[EngineStream]) -> AsyncIterator[tuple[int,
             task.cancel()
         for stream in streams:
             await stream.aclose()
+
+
+def queue_refusal(output: dict) -> ApiError | None:
+    """The 429 of an engine output whose request a full queue dropped before it started
+    (priority scheduling bounds the queue in the engine); None for any other output."""
+    reason = (output.get("meta_info") or {}).get("finish_reason") or {}
+    if reason.get("type") == "abort" and reason.get("status_code") == 429:
+        return ApiError(429, reason.get("message") or "the waiting queue is full")
+    return None
 
 
 def _num_requests(call: dict[str, Any]) -> int:

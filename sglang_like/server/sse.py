@@ -34,7 +34,7 @@ async def open_streams(
     client that leaves meanwhile gets its requests aborted at once (ClientGone), not after
     they have been prefilled for nobody.
     """
-    runner.check_capacity(len(calls))  # the whole fan-out, before any stream opens
+    runner.check_capacity(len(calls), request)  # the whole fan-out, before any opens
     owner = principal_of(request.scope).tenant if request is not None else None
     tasks = [asyncio.ensure_future(runner.open_stream(owner, **call)) for call in calls]
     opening = asyncio.gather(*tasks, return_exceptions=True)
