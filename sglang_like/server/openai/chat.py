@@ -65,8 +65,8 @@ async def chat_completions(request: Request) -> Response:
             sampling = plan.sampling_params(sampling)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
-    if thinking is not None:
-        sampling = thinking.sampling_params(sampling)
+    if thinking is not None:  # a schema or tool format goes after the think block
+        thinking, sampling = thinking.constrain(sampling, args.grammar_backend)
     budget = thinking if thinking is not None and thinking.has_budget else None
     images = [url for m in req.messages for url in m.image_urls()]
     # with images the engine expands each placeholder into the image's tokens from the text

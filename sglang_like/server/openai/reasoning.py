@@ -6,21 +6,32 @@ tokens; if the answer is still inside its think block then, a second request con
 the prompt, those tokens and the end marker's tokens (the radix cache holds the first part, so
 only the marker is prefilled anew) with what is left of max_tokens. The forced marker is part
 of the answer's text, tokens and usage (its logprobs are 0: the server chose it).
+
+An answer held to a JSON schema, a JSON object or a tool format is held after the think block
+only (`ReasoningPlan.constrain`, reasoning_grammar): one grammar, the block free text; under it
+the budget is the grammar's too, so no second request is needed.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jinja2.meta
 
 from sglang_like.server.errors import ApiError
 from sglang_like.server.native_api import choice_params
+from sglang_like.server.openai.reasoning_grammar import (
+    ANSWER_KEYS,
+    WHOLE_OUTPUT_KEYS,
+    answer_format,
+    think_then_answer,
+)
 from sglang_like.server.openai.reasoning_parser import (
     ReasoningFormat,
     ReasoningReader,
+    closes_in_prompt,
     get_reasoning_format,
     opens_in_prompt,
 )
@@ -29,7 +40,7 @@ from sglang_like.tokenizer import compile_chat_template
 
 __all__ = ["BudgetStream", "ReasoningPlan", "check_template_kwargs", "generate_with_budget"]
 
-_CONSTRAINT_KEYS = ("regex", "json_schema", "json_object", "ebnf", "structural_tag")
+_CONSTRAINT_KEYS = WHOLE_OUTPUT_KEYS + ANSWER_KEYS
 # what the chat route passes to the template itself; a kwarg may not replace them
 _TEMPLATE_ARGS = ("messages", "tools", "documents", "add_generation_prompt")
 
@@ -67,6 +78,7 @@ class ReasoningPlan:
     separate: bool  # split the answer (SGLang's separate_reasoning); else raw text
     stream_reasoning: bool  # stream reasoning as it comes; else in one piece at the block's end
     budget: int | None  # at most this many answer tokens before the block is closed
+    thinks: bool = True  # False: the prompt closed the block (thinking off), the answer follows
 
     @classmethod
     def build(cls, parser: str | None, default_budget: int | None, req: Any,
@@ -83,8 +95,10 @@ class ReasoningPlan:
                                     "--reasoning-parser", "stream_reasoning")
             return None
         fmt = get_reasoning_format(parser)
-        return cls(fmt, opens_in_prompt(fmt, prompt), req.separate_reasoning,
-                   req.stream_reasoning, budget)
+        # a prompt that closed the block turned thinking off, whatever the format's habit
+        thinks = not closes_in_prompt(fmt, prompt)
+        return cls(fmt, thinks and opens_in_prompt(fmt, prompt), req.separate_reasoning,
+                   req.stream_reasoning, budget, thinks=thinks)
 
     def reader(self) -> ReasoningReader:
         return ReasoningReader(self.fmt, self.starts_inside, self.stream_reasoning)
@@ -93,19 +107,58 @@ class ReasoningPlan:
         """(reasoning_content, content) of a whole answer."""
         return self.reader().split(text)
 
-    def sampling_params(self, sampling: dict[str, Any]) -> dict[str, Any]:
-        """`sampling` as this plan needs it (ApiError(400) for a budget under a constraint: the
-        second request would start the grammar over)."""
+    def sampling_params(self, sampling: dict[str, Any],
+                        grammar_backend: str = "xgrammar") -> dict[str, Any]:
+        """`sampling` as this plan needs it, for a caller that runs the budget as a second
+        request: ApiError(400) for a budget under a constraint (the second request would start
+        the grammar over; `constrain` holds the budget in the grammar instead)."""
+        own = [k for k in _CONSTRAINT_KEYS if sampling.get(k) not in (None, False)]
+        if self.budget is not None and own:
+            raise ApiError(400, f"thinking_budget cannot be combined with {own[0]} "
+                                "(response_format, tools or a constraint field)",
+                           "thinking_budget")
+        return self.constrain(sampling, grammar_backend)[1]
+
+    def constrain(self, sampling: dict[str, Any], grammar_backend: str
+                  ) -> tuple[ReasoningPlan, dict[str, Any]]:
+        """(plan, sampling) of a request: a JSON schema, JSON object or tool format in
+        `sampling` is moved after a free think block (one structural tag, which also closes the
+        block at the budget: the plan returned then has no budget of its own to run). A regex
+        or EBNF holds the whole output, as without a parser (no budget with them: 400)."""
         out = dict(sampling)
         if self.fmt.needs_special_tokens:
             out["skip_special_tokens"] = False
-        if self.budget is not None:
-            own = [k for k in _CONSTRAINT_KEYS if out.get(k) not in (None, False)]
-            if own:
-                raise ApiError(400, f"thinking_budget cannot be combined with {own[0]} "
-                                    "(response_format, tools or a constraint field)",
-                               "thinking_budget")
-        return out
+        whole = [k for k in WHOLE_OUTPUT_KEYS if out.get(k) is not None]
+        if whole and self.budget is not None:
+            raise ApiError(400, f"thinking_budget cannot be combined with {whole[0]} (it holds "
+                                "the whole output, think block included)", "thinking_budget")
+        try:
+            answer = answer_format(out)
+        except ValueError as e:
+            raise ApiError(400, str(e), "response_format") from None
+        if answer is None:
+            return self, out
+        if not self.thinks:  # the prompt closed the block: the answer is held from the start
+            return replace(self, budget=None), out
+        self._check_grammar(grammar_backend)
+        for key in ANSWER_KEYS:
+            out.pop(key, None)
+        out["structural_tag"] = think_then_answer(self.fmt, self.starts_inside, answer,
+                                                  self.budget)
+        return replace(self, budget=None), out
+
+    def _check_grammar(self, grammar_backend: str) -> None:
+        """400s for what one grammar cannot hold here (rather than a constraint that would
+        forbid thinking, or none)."""
+        if grammar_backend != "xgrammar":
+            raise ApiError(400, "response_format or tools with --reasoning-parser need "
+                                "--grammar-backend xgrammar (the think block and the answer "
+                                f"are one structural tag; {grammar_backend} has none)",
+                           "response_format")
+        if self.fmt.needs_special_tokens:
+            raise ApiError(400, f"response_format or tools with the {self.fmt.name} reasoning "
+                                f"format: its {self.fmt.start} markers are special tokens, "
+                                "which no grammar here may write", "response_format")
 
     @property
     def has_budget(self) -> bool:

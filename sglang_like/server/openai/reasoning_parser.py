@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from sglang_like.config import REASONING_PARSERS
 
-__all__ = ["ReasoningFormat", "ReasoningReader", "get_reasoning_format",
+__all__ = ["ReasoningFormat", "ReasoningReader", "closes_in_prompt", "get_reasoning_format",
            "opens_in_prompt"]
 
 
@@ -59,6 +59,12 @@ def opens_in_prompt(fmt: ReasoningFormat, prompt: str) -> bool:
         return True
     opened = prompt.rfind(fmt.start)
     return opened >= 0 and prompt.rfind(fmt.end) < opened
+
+
+def closes_in_prompt(fmt: ReasoningFormat, prompt: str) -> bool:
+    """Whether the rendered prompt ends with the block closed: thinking is off (Qwen3's and
+    SmolLM3's templates write an empty block then), and the output is the answer."""
+    return prompt.rstrip().endswith(fmt.end)
 
 
 def _partial_suffix_len(text: str, marker: str) -> int:
