@@ -131,6 +131,11 @@ REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1", "smollm3", "mistr
 """Values of `--reasoning-parser` (see sglang_like.server.openai.reasoning_parser): SGLang's
 names for the served families that think."""
 
+EMBEDDING_POOLINGS = ("last", "mean")
+"""Values of `--embedding-pooling`: how an embedding pools the final hidden states (the last
+prompt token's, as decoder embedding models such as Qwen3-Embedding and e5-mistral do; or their
+mean)."""
+
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 """Values of `--disaggregation-mode` (see sglang_like.disaggregation)."""
 
@@ -285,6 +290,11 @@ class ServerArgs:
     # queue, prefill and decode spans (server/tracing.py); None: no tracing
     otlp_traces_endpoint: str | None = None
     served_model_name: str | None = None
+    # an embedding server (SGLang's --is-embedding): /v1/embeddings and /encode answer, the
+    # generating routes are a 400; without it embeddings are served on demand beside them.
+    # embedding_pooling: EMBEDDING_POOLINGS
+    is_embedding: bool = False
+    embedding_pooling: str = "last"
     # How /v1/chat/completions reads tool calls out of the model's text (see
     # sglang_like.function_call): "auto" picks by the chat template, Hermes tags when it has none
     tool_call_parser: str = "auto"  # "auto" | "hermes" | "llama3" | "mistral" | "granite"

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from sglang_like.config import ServerArgs
+from sglang_like.config import EMBEDDING_POOLINGS, ServerArgs
 from sglang_like.engine_core.io import RequestHandle, encode_prompt, prepare_inputs
 from sglang_like.engine_core.messages import GenerateReqInput, ImageItem, encode
 from sglang_like.sampling_params import SamplingParams
@@ -110,6 +110,7 @@ class Engine:
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
+        pooling: str | None = None,
         priority: int | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict), a list (a list of dicts), or stream increments.
@@ -120,13 +121,15 @@ class Engine:
         that names each with the model's placeholder (`<image>`), or one such per prompt of a
         batch; an image is a data: or http(s) URL, base64, bytes, a PIL image, or a local path
         under `allowed_local_media_path`.
+        `pooling` ("last" | "mean"): an embedding request (see `encode`).
         `priority` (with `enable_priority_scheduling`; SGLang's and vLLM's field): the place
         in the queue of the request (of every prompt of a batch): a higher value first, or a
         lower one with `schedule_low_priority_values_first`. Without it: None or 0 only."""
         reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
                                          logprob_start_len, top_logprobs_num, stream, rid,
                                          (bootstrap_host, bootstrap_port, bootstrap_room),
-                                         cache_salt, lora_path, image_data, priority)
+                                         cache_salt, lora_path, image_data, pooling,
+                                         priority)
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
             return self._stream_sync(handles[0], is_batch)
@@ -150,6 +153,7 @@ class Engine:
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
+        pooling: str | None = None,
         priority: int | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """The asyncio form of `generate`; with stream=True, an async iterator of increments.
@@ -159,7 +163,7 @@ class Engine:
             self._make_reqs, prompt, sampling_params, input_ids, return_logprob,
             logprob_start_len, top_logprobs_num, stream, rid,
             (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt, lora_path, image_data,
-            priority)
+            pooling, priority)
         loop = asyncio.get_running_loop()
         if prompt is None:
             reqs, is_batch = make()
@@ -175,6 +179,21 @@ class Engine:
                 self.abort(h.rid)
             raise
         return results if is_batch else results[0]
+
+    def encode(self, prompt: str | list[str] | None = None,
+               input_ids: list[int] | list[list[int]] | None = None,
+               pooling: str | None = None, **kwargs: Any) -> dict | list[dict]:
+        """Embeddings (SGLang's `Engine.encode`): each prompt prefilled, nothing generated, its
+        final hidden states (after the model's norm) pooled ("last": the last token's, the
+        default of decoder embedding models; "mean") and L2-normalized. One dict
+        {"embedding": [...], "meta_info": {...}} per prompt (a list for a batch); the pooling
+        default is the server's `embedding_pooling`. `image_data`, `lora_path`, `rid` and
+        `cache_salt` as in `generate`."""
+        out = self.generate(prompt, {"max_new_tokens": 0}, input_ids,
+                            pooling=pooling or self.server_args.embedding_pooling, **kwargs)
+        items = out if isinstance(out, list) else [out]
+        done = [{"embedding": o["embedding"], "meta_info": o["meta_info"]} for o in items]
+        return done if isinstance(out, list) else done[0]
 
     def chat(self, messages: list[dict], sampling_params: dict | None = None,
              **kwargs: Any) -> dict | Iterator[dict]:
@@ -394,11 +413,17 @@ class Engine:
                    logprob_start_len: int, top_logprobs_num: int, stream: bool,
                    rid: Any, bootstrap: tuple[Any, Any, Any] = (None, None, None),
                    cache_salt: str | None = None, lora_path: Any = None,
-                   image_data: Any = None, priority: int | None = None,
-                   ) -> tuple[list[GenerateReqInput], bool]:
+                   image_data: Any = None, pooling: str | None = None,
+                   priority: int | None = None) -> tuple[list[GenerateReqInput], bool]:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         priority = self._check_priority(priority)
+        if pooling is not None and pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(EMBEDDING_POOLINGS)}, got "
+                             f"{pooling!r}")
+        if pooling is None and self.server_args.is_embedding:
+            raise ValueError("this server serves embeddings (--is-embedding): use "
+                             "/v1/embeddings or /encode")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         images: list[list[ImageItem] | None] | None = None
@@ -412,6 +437,9 @@ class Engine:
         for k, (ids, sp_dict, item_rid) in enumerate(items):
             sp = SamplingParams.from_dict(sp_dict)
             sp.validate(self.model_config.vocab_size)
+            if pooling is not None and (sp.max_new_tokens != 0 or sp.n != 1):
+                raise ValueError("an embedding request generates nothing: max_new_tokens 0, "
+                                 "n 1")
             item_images = images[k] if images else None
             self._check_lengths(ids, sp, return_logprob, logprob_start_len, top_logprobs_num,
                                 item_images)
@@ -433,7 +461,8 @@ class Engine:
                     top_logprobs_num=top_logprobs_num, stream=bool(stream),
                     arrival_time=time.perf_counter(), bootstrap_host=host,
                     bootstrap_port=port, bootstrap_room=room, cache_salt=cache_salt or None,
-                    lora_name=loras[k], images=item_images, priority=priority))
+                    lora_name=loras[k], images=item_images, pooling=pooling,
+                    priority=priority))
         for msg in reqs:  # all or none: a field the wire cannot carry fails before any submit
             try:
                 encode(msg)

@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang_like.config import (
     DISAGGREGATION_MODES,
+    EMBEDDING_POOLINGS,
     KV_CACHE_DTYPES,
     QUANTIZATION_CHOICES,
     REASONING_PARSERS,
@@ -223,6 +224,13 @@ def add_lora_arguments(p: argparse.ArgumentParser, d: ServerArgs) -> None:
     p.add_argument("--allowed-local-media-path", default=d.allowed_local_media_path,
                    help="a vision-language model takes local image paths (file://, /path) "
                         "under this folder only; default: none")
+    p.add_argument("--is-embedding", action="store_true", default=d.is_embedding,
+                   help="serve embeddings only (/v1/embeddings, /encode); generating routes "
+                        "answer 400")
+    p.add_argument("--embedding-pooling", default=d.embedding_pooling,
+                   choices=list(EMBEDDING_POOLINGS),
+                   help="pool the final hidden states of the last prompt token (default) or "
+                        "their mean")
     p.add_argument("--allowed-media-domains", nargs="+", default=d.allowed_media_domains,
                    metavar="HOST",
                    help="hosts whose http(s) image URLs the server fetches (redirects "

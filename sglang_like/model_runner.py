@@ -234,11 +234,12 @@ class ModelRunner:
         EAGLE-3 drafter is on), the target's features of every token row are kept in
         `last_features` [num_tokens, 3 * hidden] for the drafter."""
         fb = self.build_forward_batch(batch)
+        pooled = any(r.pooling for r in batch.reqs)
         if self.tp_group is None:
-            return self._forward(fb)
+            return self._forward(fb, batch if pooled else None)
         self.tp_group.broadcast(fb)
         try:
-            return self._forward(fb)
+            return self._forward(fb, batch if pooled else None)
         except Exception as exc:
             # the other ranks are inside this forward's collectives: they cannot be brought
             # back in step with the next batch, so the group (and the engine) ends
@@ -260,12 +261,22 @@ class ModelRunner:
             self.last_features = features
         return ids.tolist()
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def _forward(self, fb: ForwardBatch, pooled: ScheduleBatch | None = None
+                 ) -> torch.Tensor:
+        """Logits; `pooled` (a batch with embedding requests): their final hidden states
+        (after the model's norm) are also read out and pooled into each request."""
+        final = self.model_config.num_hidden_layers
+        aux = self.aux_layers + ((final,) if pooled is not None else ())
+        if not aux:
+            return self.model(fb, self.kv_pool).float().cpu()
+        logits, features = self.model.forward_features(fb, self.kv_pool, aux)
+        if pooled is not None:
+            hidden = self.model_config.hidden_size
+            _pool_hidden(pooled, features[:, -hidden:])
+            features = features[:, :-hidden] if self.aux_layers else None
         if self.aux_layers:
-            logits, self.last_features = self.model.forward_features(fb, self.kv_pool,
-                                                                     self.aux_layers)
-            return logits.float().cpu()
-        return self.model(fb, self.kv_pool).float().cpu()
+            self.last_features = features
+        return logits.float().cpu()
 
     def run_shard(self, fb: ForwardBatch) -> None:
         """A tensor-parallel rank > 0's part of a forward: its layers, K/V stored, no logits."""
@@ -275,3 +286,24 @@ class ModelRunner:
         """Stop the other tensor-parallel ranks (nothing to do without them)."""
         if self.tp_group is not None:
             self.tp_group.close()
+
+
+def _pool_hidden(batch: ScheduleBatch, hidden: torch.Tensor) -> None:
+    """Each embedding request's pooled final hidden state, once its prompt is computed:
+    "last" its last prompt row's, "mean" the mean over its prompt rows (summed chunk by
+    chunk: such a request takes no cached prefix, see Scheduler._max_prefix_len), L2
+    normalized in `req.embedding` (float32, CPU), as the peers' embedding servers do."""
+    start = 0
+    for req, pre, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
+        if req.pooling and pre < req.prompt_len:
+            end = min(pre + n, req.prompt_len)
+            rows = hidden[start:start + end - pre].float()
+            if req.pooling == "mean":
+                total = rows.sum(0)
+                req.embedding_sum = total if req.embedding_sum is None else (
+                    req.embedding_sum + total)
+            if end == req.prompt_len:
+                vec = (rows[-1] if req.pooling == "last"
+                       else req.embedding_sum / req.prompt_len)
+                req.embedding = torch.nn.functional.normalize(vec, dim=0).cpu()
+        start += n

@@ -121,6 +121,11 @@ class Req:
         # the end even if the adapter is unloaded meanwhile); None: the base model
         self.lora: Any = None
         self.lora_name: str | None = None  # the adapter it asked for (resolved at admission)
+        # an embedding request ("last" / "mean" pooling of the final hidden states; its prompt
+        # is prefilled, nothing generated): the running sum and the normalized result
+        self.pooling: str | None = None
+        self.embedding_sum: Any = None
+        self.embedding: Any = None
         # its prompt's images (engine_core.messages.ImageItem; their positions hold pad ids
         # past the vocabulary, which the model runner swaps for their embeddings); None: text
         self.images: list[Any] | None = None

@@ -58,6 +58,7 @@ def make_req(msg: GenerateReqInput) -> Req:
     req.cache_namespace = cache_namespace(msg.cache_salt)
     req.lora_name = msg.lora_name  # resolved on the loop thread (Scheduler.add_request)
     req.images = msg.images
+    req.pooling = msg.pooling
     req.priority = msg.priority
     if msg.bootstrap_room is not None:
         req.bootstrap = (msg.bootstrap_host or "127.0.0.1",

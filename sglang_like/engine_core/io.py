@@ -201,6 +201,8 @@ def build_output(req: Req, tokenizer: Any, text_in_logprobs: bool, incremental: 
                                                        text_in_logprobs)
             meta["input_top_logprobs"] = _top_entries(lp.input_top, tokenizer, text_in_logprobs)
     out = {"text": text, "output_ids": req.output_ids[start_ids:ids_upto], "meta_info": meta}
+    if req.embedding is not None:
+        out["embedding"] = req.embedding.tolist()
     if incremental:
         req.num_sent_chars = max(req.num_sent_chars, emit_upto)
         req.num_sent_ids = ids_upto

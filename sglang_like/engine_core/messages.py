@@ -49,6 +49,8 @@ class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):
     lora_name: str | None = None
     # the prompt's images (a vision-language model); None: text only
     images: list[ImageItem] | None = None
+    # an embedding request: "last" | "mean" pooling of the final hidden states (Engine.encode)
+    pooling: str | None = None
     # its place in the waiting queue under priority scheduling (0 otherwise)
     priority: int = 0
 

@@ -408,6 +408,8 @@ class Scheduler:
         cap = req.seq_len - 1  # at least one token must run to produce logits
         if req.wants_input_logprobs and req.input_logprob_next_pos < req.prompt_len:
             cap = min(cap, max(req.input_logprob_next_pos - 1, 0))
+        if req.pooling == "mean":  # every prompt row's hidden state is read: none cached
+            cap = 0
         return cap
 
     def _retract_one(self, batch: ScheduleBatch, touched: list[Req]) -> bool:
@@ -432,6 +434,7 @@ class Scheduler:
         return True
 
     def _retract(self, victim: Req) -> None:
+        victim.embedding_sum = None  # a mean pooling starts over with the prompt
         self.running.remove(victim)
         self.cache.release(victim)
         victim.num_retractions += 1

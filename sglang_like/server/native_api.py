@@ -123,7 +123,7 @@ async def get_model_info(request: Request) -> Response:
             "model_path": state.model_path,
             "tokenizer_path": state.server_args.tokenizer_path or state.model_path,
             "served_model_name": state.served_model_name,
-            "is_generation": True,
+            "is_generation": not state.server_args.is_embedding,
             "chat_template": getattr(state.tokenizer, "chat_template", None),
             "context_length": state.context_length,
         }

@@ -39,6 +39,7 @@ class FakeEngine:
                  total_slots: int = 4096, **server_args: Any) -> None:
         self.server_args = ServerArgs(context_length=context_length, **server_args)
         self.model_config = SimpleNamespace(model_path="/models/fake-model.Q4_1.gguf",
+                                            hidden_size=64,
                                             max_position_embeddings=context_length)
         self.tokenizer = FakeTokenizer()
         self.step_s = step_s
@@ -101,10 +102,15 @@ class FakeEngine:
                              rid: Any = None, bootstrap_host: Any = None,
                              bootstrap_port: Any = None, bootstrap_room: Any = None,
                              cache_salt: str | None = None, lora_path: Any = None,
-                             image_data: Any = None) -> Any:
+                             image_data: Any = None, pooling: str | None = None,
+                             priority: int | None = None) -> Any:
         if lora_path is not None and any(n is not None for n in (
                 lora_path if isinstance(lora_path, list) else [lora_path])):
             raise ValueError("LoRA is not enabled (the fake engine serves no adapters)")
+        if priority:  # as an Engine without --enable-priority-scheduling answers
+            raise ValueError("priority scheduling is off (--enable-priority-scheduling)")
+        if pooling is not None:
+            raise ValueError("the fake engine computes no embeddings")
         if image_data is not None:  # as a text-only model's Engine answers
             raise ValueError("the model 'fake' reads text only; it takes no image input "
                              "(image_data)")
