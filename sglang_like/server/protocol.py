@@ -71,7 +71,9 @@ _SamplingDict = Annotated[dict[str, Any], WithJsonSchema(
 class GenerateRequest(BaseModel):
     """POST /generate, the shape SGLang's `GenerateReqInput` accepts (fields we serve)."""
 
-    model_config = ConfigDict(extra="ignore", json_schema_extra=exactly_one_of("text", "input_ids"))
+    # a field this server does not know is a 400 naming it (an SGLang feature not served here
+    # must not be silently dropped); what sglang-router adds is declared below
+    model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of("text", "input_ids"))
 
     text: NonEmptyStr | list[NonEmptyStr] | None = documented(None, minItems=1)
     input_ids: TokenIds | list[TokenIds] | None = documented(None, minItems=1)
@@ -83,15 +85,16 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: StrictInt | list[StrictInt] | None = documented(None, minimum=0, maximum=100)
     return_text_in_logprobs: StrictBool = False
     rid: str | list[str] | None = None
-    # What sglang-router adds when it re-serializes a body: accepted and ignored (this server
-    # has no hidden-state, byte or entropy outputs, and logs nothing per request).
+    # What sglang-router adds when it re-serializes a body, at its values: accepted (this
+    # server has no hidden-state, byte or entropy outputs and no background requests; asking
+    # for one is a 400 naming it, see `engine_kwargs`)
     model: str | None = Field(None, description="ignored (sglang-router sends null)")
     log_metrics: StrictBool = Field(True, description="ignored")
     no_logs: StrictBool = Field(False, description="ignored")
-    background: StrictBool = Field(False, description="ignored")
-    return_hidden_states: StrictBool = Field(False, description="ignored: not supported")
-    return_bytes: StrictBool = Field(False, description="ignored: not supported")
-    return_entropy: StrictBool = Field(False, description="ignored: not supported")
+    background: StrictBool = Field(False, description="only false")
+    return_hidden_states: StrictBool = Field(False, description="only false: not supported")
+    return_bytes: StrictBool = Field(False, description="only false: not supported")
+    return_entropy: StrictBool = Field(False, description="only false: not supported")
     # sglang-router's PD mode (--pd-disaggregation): where the prefill and decode workers meet
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: StrictInt | list[StrictInt] | None = None
@@ -124,6 +127,9 @@ class GenerateRequest(BaseModel):
         """Checked keyword arguments for `Engine.generate` (ApiError(400) on a bad combination)."""
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "exactly one of `text` and `input_ids` must be given")
+        for name in ("background", "return_hidden_states", "return_bytes", "return_entropy"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported by this server", name)
         if self.is_batch and self.batch_size == 0:
             raise ApiError(400, "the batch of prompts is empty")
         if self.text is not None:
@@ -290,10 +296,12 @@ class _OpenAISampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions, plus SGLang-style extras.
 
     Numbers and flags are strict (an int is a number, but `true` or "0.5" is no temperature),
-    as the native path's SamplingParams checks are and the OpenAPI document says.
+    as the native path's SamplingParams checks are and the OpenAPI document says. A field not
+    declared here (OpenAI's `audio`, `modalities`, `prediction`, `service_tier`, ...) is a 400
+    naming it: output the server would not shape as asked is never silently plain text.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: StrictInt = documented(1, minimum=1, maximum=_OPENAI_MAX_N)
@@ -338,7 +346,7 @@ class _OpenAISampling(BaseModel):
     logit_bias: dict[str, StrictFloat | StrictInt] | None = Field(
         None, description="token id -> bias in [-100, 100] added to its logit (-100 bans it)")
     # sglang-router sends it (false) on every OpenAI body
-    return_hidden_states: StrictBool = Field(False, description="ignored: not supported")
+    return_hidden_states: StrictBool = Field(False, description="only false: not supported")
     # sglang-router's PD mode (--pd-disaggregation): where the prefill and decode workers meet
     bootstrap_host: str | None = None
     bootstrap_port: StrictInt | None = None
@@ -350,6 +358,9 @@ class _OpenAISampling(BaseModel):
                           "naming an adapter (`adapter` or `base:adapter`) comes first")
 
     def check_common(self) -> None:
+        if self.return_hidden_states:
+            raise ApiError(400, "return_hidden_states is not supported by this server",
+                           "return_hidden_states")
         if not 1 <= self.n <= _OPENAI_MAX_N:
             raise ApiError(400, f"n must be in [1, {_OPENAI_MAX_N}], got {self.n}", "n")
         if isinstance(self.stop, list) and len(self.stop) > 16:

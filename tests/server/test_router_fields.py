@@ -165,3 +165,22 @@ def test_openapi_documents_router_routes(fake_server: Any) -> None:
     assert {"/get_load", "/model_info", "/server_info"} <= set(doc["paths"])
     generate = doc["components"]["schemas"]["GenerateRequest"]["properties"]
     assert {"log_metrics", "return_hidden_states", "model"} <= set(generate)
+
+
+@pytest.mark.parametrize(("path", "extra", "name"), [
+    ("/generate", {"modalities": ["audio"]}, "modalities"),
+    ("/generate", {"return_hidden_states": True}, "return_hidden_states"),
+    ("/generate", {"background": True}, "background"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
+    ("/v1/chat/completions", {"return_hidden_states": True}, "return_hidden_states"),
+    ("/v1/completions", {"prediction": {"type": "content"}}, "prediction"),
+])
+def test_a_field_the_server_does_not_act_on_is_a_400_naming_it(
+        fake_server: Any, path: str, extra: dict, name: str) -> None:
+    """Beside what sglang-router adds (at its values, above), a field naming a feature this
+    server lacks is refused, never silently dropped."""
+    body = ({"text": "hi", "sampling_params": {"max_new_tokens": 1}} if path == "/generate"
+            else {"model": "m", "max_tokens": 1, **(
+                {"messages": MESSAGES} if "chat" in path else {"prompt": "hi"})})
+    r = _post(fake_server.url + path, {**body, **extra})
+    assert r.status_code == 400 and name in r.text, r.text
