@@ -684,8 +684,9 @@ class _Job:
             except ValueError as e:
                 raise ApiError(400, str(e), "tool_choice") from None
             _check_strict(self.body, self.plan, sampling)
-        if self.thinking is not None:
-            sampling = self.thinking.sampling_params(sampling)
+        if self.thinking is not None:  # a schema or tool format goes after the think block
+            self.thinking, sampling = self.thinking.constrain(
+                sampling, state.server_args.grammar_backend)
         return sampling
 
     def write_whole(self, out: _Output, text: str) -> None:
