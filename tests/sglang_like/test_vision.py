@@ -18,6 +18,8 @@ import torch
 from benchmarks.tiny_vlms import build_gemma3, build_idefics3, build_llava, pictures
 from sglang_like import Engine
 
+from .spec_fakes import random_head
+
 FAMILIES = ("llava-clip", "llava-siglip", "idefics3", "gemma3")
 BUILD = {"llava-clip": lambda f: build_llava(f, "clip"),
          "llava-siglip": lambda f: build_llava(f, "siglip"),
@@ -170,14 +172,20 @@ def _counting(sizes: list[int], encode: Any, pixels: torch.Tensor) -> torch.Tens
     return encode(pixels)
 
 
+def _counting_trees(drafted: list[int], propose: Any, *args: Any, **kwargs: Any) -> Any:
+    trees = propose(*args, **kwargs)
+    drafted.append(sum(t is not None for t in trees))
+    return trees
+
+
 @pytest.mark.parametrize(("family", "chunk"), [("idefics3", 8), ("gemma3", 6)])
 def test_chunked_prefill_through_images_and_ngram_speculation_keep_greedy_output(
         family: str, chunk: int, built: dict[str, tuple[Path, Any, Any]],
-        engines: dict[str, Engine]) -> None:
+        engines: dict[str, Engine], tmp_path: Path) -> None:
     """Prefill chunks cut through images (Idefics3: 20 rows, 5 crops of 4, split across
     chunks; Gemma 3: chunks of 6 would end inside its first image's 4 two-way rows, which the
-    scheduler keeps whole), and NGRAM drafts over a prompt holding pad ids: both give the
-    plain engine's greedy tokens."""
+    scheduler keeps whole), and NGRAM and EAGLE-3 drafts over a prompt holding pad ids: each
+    gives the plain engine's greedy tokens."""
     folder = built[family][0]
     pics = pictures()[:2]
     text = _prompt("Say it again and again and again and again.", 2,
@@ -185,18 +193,30 @@ def test_chunked_prefill_through_images_and_ngram_speculation_keep_greedy_output
     sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     lp = {"return_logprob": True, "logprob_start_len": -1}
     want = engines[family].generate(text, sp, image_data=[_png(p) for p in pics], **lp)
+    config = engines[family].model_config
+    head = random_head(str(tmp_path / "head"), config.vocab_size, config.hidden_size,
+                       config.num_hidden_layers)
     for knobs in ({"chunked_prefill_size": chunk},
-                  {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}):
+                  {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4},
+                  # a random head: every draft is verified (the controller may not switch it
+                  # off) and rejected, over a prompt whose image positions the head reads
+                  {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": head,
+                   "speculative_auto_disable": False}):
         engine = Engine(model_path=str(folder), dtype="float32", quantization="none",
                         max_total_tokens=4096, engine_in_process=True, **knobs)
         sizes: list[int] = []
         encode = engine.runner.vision.encode
         engine.runner.vision.encode = functools.partial(_counting, sizes, encode)
+        drafted: list[int] = []
+        if engine.scheduler.drafter is not None:
+            drafter = engine.scheduler.drafter
+            drafter.propose = functools.partial(_counting_trees, drafted, drafter.propose)
         try:
             got = engine.generate(text, sp, image_data=[_png(p) for p in pics], **lp)
         finally:
             engine.shutdown()
         assert got["output_ids"] == want["output_ids"], knobs
+        assert ("speculative_algorithm" in knobs) == (sum(drafted) > 0), drafted
         crops = [engines[family].image_prompter.process(p).pixel_values.shape[0] for p in pics]
         assert sum(sizes) == sum(crops)  # every crop encoded once
         if family == "idefics3" and "chunked_prefill_size" in knobs:
