@@ -19,38 +19,36 @@ cache keeps every prefix. Errors have Anthropic's shape:
 
 from __future__ import annotations
 
-import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal, NamedTuple, TypeVar
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, ValidationError
-from starlette.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.function_call import ToolPlan
-from sglang_like.server.errors import (
-    ApiError,
-    dumps,
-    json_response,
-    pydantic_message,
-    read_json_body,
+from sglang_like.server.chat_layer import (
+    ChatPrompt,
+    answer_refusals,
+    chat_prompt,
+    num_prompt_tokens,
+    parse_body,
+    raise_if_aborted,
 )
+from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.openai import format as fmt
-from sglang_like.server.openai.chat import render_chat_prompt, tool_plan
-from sglang_like.server.openai.common import check_prompt_len
+from sglang_like.server.openai.chat import tool_plan
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, check_max_tokens, parse_model
-from sglang_like.server.runner import ClientGone, EngineStream
+from sglang_like.server.runner import EngineStream
 from sglang_like.server.sse import open_streams, sse_response
 from sglang_like.server.state import ServerState, get_state
 
 router = APIRouter(prefix="/v1")
-_M = TypeVar("_M", bound=BaseModel)
 
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -206,25 +204,6 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     top_k: int | None = Field(None, ge=1, le=1 << 30, strict=True)
 
 
-def parse_body(model: type[_M], data: Any) -> _M:
-    """Validate a decoded JSON body into `model` (extra="forbid"); ApiError(400) naming each
-    bad field, and each field the server would not act on as such."""
-    if not isinstance(data, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        unserved = [".".join(str(x) for x in err["loc"]) for err in errors
-                    if err["type"] == "extra_forbidden"]
-        if not unserved:
-            raise ApiError(400, pydantic_message(e)) from None
-        others = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in errors
-                  if err["type"] != "extra_forbidden"]
-        message = "; ".join([f"not supported by this server: {', '.join(unserved)}", *others])
-        raise ApiError(400, message, unserved[0]) from None
-
-
 def _check_unserved(body: Any) -> None:
     """400 for content blocks and tools of kinds this server does not serve, named by where
     they are (before the models' own, vaguer, union errors)."""
@@ -348,68 +327,6 @@ async def _prompt(
     return req, plan, await chat_prompt(state, req, plan, "image blocks")
 
 
-# ---- images (also the Ollama and Responses routes') --------------------------------------------
-class ChatPrompt(NamedTuple):
-    """A chat request's prompt as the engine takes it."""
-
-    text: str  # the rendered chat template
-    input_ids: list[int]  # its tokens: an image is still its one placeholder here
-    images: list[str]  # the image_url parts' URLs, in the order of their placeholders
-
-    @property
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Token ids, or with images the text and the images: the engine expands each
-        placeholder into its image's tokens, which only it (its prompter) knows."""
-        if self.images:
-            return {"prompt": self.text, "image_data": self.images}
-        return {"input_ids": self.input_ids}
-
-
-def refuse_images(state: ServerState, has_images: bool, what: str, where: str) -> None:
-    """400 for images sent to a text-only model (before any of them is fetched)."""
-    if has_images and getattr(state.engine, "image_prompter", None) is None:
-        raise ApiError(400, f"the model {state.served_model_name!r} reads text only; {what} "
-                            "need a vision-language model", where)
-
-
-async def chat_prompt(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None,
-                      what: str) -> ChatPrompt:
-    """The chat template applied to `req` and tokenized on a worker thread (off the loop that
-    streams), its length checked; images (`what` in the text-only model's 400) kept apart."""
-    images = [url for m in req.messages for url in m.image_urls()]
-    refuse_images(state, bool(images), what, "messages")
-    text, input_ids = await run_in_threadpool(render_chat_prompt, state, req, plan)
-    check_prompt_len(state, len(input_ids))
-    return ChatPrompt(text, input_ids, images)
-
-
-async def num_prompt_tokens(state: ServerState, prompt: ChatPrompt) -> int:
-    """The prompt's length as the engine will count it: each image placeholder expanded into
-    the image's tokens (the images loaded and preprocessed on a worker thread to learn it)."""
-    if not prompt.images:
-        return len(prompt.input_ids)
-    return await run_in_threadpool(_expanded_len, state, prompt)
-
-
-def _expanded_len(state: ServerState, prompt: ChatPrompt) -> int:
-    from sglang_like.engine_core.io import encode_prompt
-    from sglang_like.multimodal.images import ImageLimits, load_image
-
-    args = state.server_args
-    cap = args.limit_mm_per_prompt
-    if len(prompt.images) > cap:  # as the engine would refuse it
-        raise ApiError(400, f"a prompt takes at most {cap} images; it has {len(prompt.images)}",
-                       "messages")
-    limits = ImageLimits(allowed_local_path=args.allowed_local_media_path)
-    try:
-        pictures = [load_image(url, limits) for url in prompt.images]
-        ids, _ = state.engine.image_prompter.build(
-            prompt.text, pictures, functools.partial(encode_prompt, state.tokenizer))
-    except ValueError as e:  # an unreadable or refused image, a stray placeholder
-        raise ApiError(400, str(e), "messages") from None
-    return len(ids)
-
-
 def _content_text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p.get("text"), str))
@@ -472,22 +389,6 @@ _EVENTS = {"text/event-stream": {"schema": {
 async def create_message(request: Request) -> Response:
     """Anthropic's Messages API: one assistant turn, whole or as SSE events."""
     return await answer_refusals(_create_message, request, error_response)
-
-
-async def answer_refusals(route: Any, request: Request,
-                          respond: Callable[[int, str], Response]) -> Response:
-    """`route(request)`, its refusals answered by `respond(status, message)` in its API's
-    shape (also the Ollama routes'): an ApiError as it says, the engine's ValueError as a 400;
-    a client that left gets 499."""
-    try:
-        return await route(request)
-    except ClientGone:
-        return Response(status_code=499)
-    except ApiError as e:
-        return respond(e.status_code, e.message)
-    except ValueError as e:  # the engine's refusal of the request
-        get_state(request).metrics.observe_rejected(400)
-        return respond(400, str(e) or type(e).__name__)
 
 
 @router.post("/messages/count_tokens", openapi_extra=_documented(
@@ -570,16 +471,6 @@ def _tool_use_id(call_id: str) -> str:
 def _usage(meta: dict[str, Any]) -> dict[str, int]:
     return {"input_tokens": int(meta.get("prompt_tokens", 0)),
             "output_tokens": int(meta.get("completion_tokens", 0))}
-
-
-def raise_if_aborted(meta: dict[str, Any]) -> None:
-    """An answer the engine aborted is an error (neither Anthropic's nor Ollama's stop reasons
-    can say it): its own status where it has one (400: a grammar that does not compile, an
-    adapter not loaded), else 500 (an internal error, a shutdown, an operator's abort)."""
-    reason = meta.get("finish_reason") or {}
-    if reason.get("type") not in (None, "stop", "length"):
-        raise ApiError(int(reason.get("status_code") or 500),
-                       reason.get("message") or "the request was aborted")
 
 
 def _stop_reason(meta: dict[str, Any], has_tool_use: bool, stops: list[str]

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.function_call import ToolPlan
-from sglang_like.server.anthropic_api import (
+from sglang_like.server.chat_layer import (
     ChatPrompt,
     answer_refusals,
     chat_prompt,

@@ -17,7 +17,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from sglang_like.model_loader import load_tokenizer
-from sglang_like.server.openai.responses import KeptResponse, ResponseStore, _Output
+from sglang_like.server.openai.response_events import _Output
+from sglang_like.server.openai.response_store import KeptResponse, ResponseStore
 
 ASK = "What is the capital of France?"
 TERSE = "You are terse."

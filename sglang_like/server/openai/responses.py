@@ -23,14 +23,15 @@ output items come before the new input; its instructions are not carried, as Ope
 What the server would not act on (background, include, built-in tools, truncation "auto",
 reasoning settings, images for a text-only model, ...) is a 400 naming it. Errors have the
 other /v1 routes' OpenAI shape.
+
+This module holds the request bodies, their translation to the chat request, the job and the
+routes; the output items and their events are written by response_events.py, and the kept
+responses live in response_store.py.
 """
 
 from __future__ import annotations
 
-import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
@@ -49,14 +50,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sglang_like.function_call import ToolPlan
-from sglang_like.server.anthropic_api import (
+from sglang_like.server.auth import principal_of
+from sglang_like.server.chat_layer import (
     ChatPrompt,
     chat_prompt,
     parse_body,
     raise_if_aborted,
     refuse_images,
 )
-from sglang_like.server.auth import principal_of
 from sglang_like.server.errors import ApiError, dumps, json_response, read_json_body
 from sglang_like.server.lora_api import resolve_model
 from sglang_like.server.openai import format as fmt
@@ -66,6 +67,13 @@ from sglang_like.server.openai.reasoning import (
     ReasoningPlan,
     generate_with_budget,
 )
+from sglang_like.server.openai.response_events import _Output, new_id
+from sglang_like.server.openai.response_store import (
+    KeptResponse,
+    ResponseStore,
+    find_kept,
+    response_store,
+)
 from sglang_like.server.openapi import json_content, operation
 from sglang_like.server.protocol import ChatCompletionRequest, check_max_tokens, parse_model
 from sglang_like.server.runner import EngineStream
@@ -74,8 +82,6 @@ from sglang_like.server.state import ServerState, get_state
 
 router = APIRouter(prefix="/v1")
 
-MAX_STORED_RESPONSES = 1024
-MAX_STORED_CHARS = 64 << 20  # the kept conversations' JSON text, summed per response
 _SERVED_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 _UNSERVED_PARTS = {
     "input_file": "files are not served (images are, to a vision-language model)",
@@ -442,71 +448,6 @@ def _check_strict(body: ResponsesRequest, plan: ToolPlan, sampling: dict[str, An
                            f"tools[{i}].strict")
 
 
-# ---- the kept responses ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class KeptResponse:
-    owner: str | None  # the tenant that made it: no other may read it
-    response: dict[str, Any]
-    conversation: tuple[Any, ...]  # the items a next turn continues from (input + output)
-    num_chars: int
-
-
-class ResponseStore:
-    """Responses kept for GET and previous_response_id. The least recently used are dropped
-    once there are more than `max_responses`, or once the kept conversations pass `max_chars`
-    (counted per response, so a conversation's earlier turns count again in each response
-    that continues it: the memory stays under the cap)."""
-
-    def __init__(self, max_responses: int = MAX_STORED_RESPONSES,
-                 max_chars: int = MAX_STORED_CHARS) -> None:
-        self.max_responses = max_responses
-        self.max_chars = max_chars
-        self._kept: OrderedDict[str, KeptResponse] = OrderedDict()
-        self.num_chars = 0
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    def put(self, response_id: str, kept: KeptResponse) -> None:
-        self.delete(kept.owner, response_id)
-        self._kept[response_id] = kept
-        self.num_chars += kept.num_chars
-        while len(self._kept) > self.max_responses or (
-                self.num_chars > self.max_chars and len(self._kept) > 1):
-            _, dropped = self._kept.popitem(last=False)
-            self.num_chars -= dropped.num_chars
-
-    def get(self, owner: str | None, response_id: str) -> KeptResponse | None:
-        kept = self._kept.get(response_id)
-        if kept is None or kept.owner != owner:
-            return None
-        self._kept.move_to_end(response_id)
-        return kept
-
-    def delete(self, owner: str | None, response_id: str) -> bool:
-        if self.get(owner, response_id) is None:
-            return False
-        self.num_chars -= self._kept.pop(response_id).num_chars
-        return True
-
-
-def response_store(request: Request) -> ResponseStore:
-    """The app's store, made on first use (an app serves one engine, one store)."""
-    state = request.app.state
-    store = getattr(state, "responses_store", None)
-    if store is None:
-        store = state.responses_store = ResponseStore()
-    return store
-
-
-def _find(request: Request, response_id: str, param: str | None = None) -> KeptResponse:
-    kept = response_store(request).get(principal_of(request.scope).tenant, response_id)
-    if kept is None:
-        raise ApiError(404, f"response {response_id!r} not found (made with store: false, "
-                            "deleted, or dropped from the server's memory)", param)
-    return kept
-
-
 # ---- routes ------------------------------------------------------------------------------------
 _STR, _INT = {"type": "string"}, {"type": "integer"}
 _ITEM_SCHEMA = {"type": "object", "required": ["type"], "properties": {"type": {
@@ -550,7 +491,7 @@ async def create_response(request: Request) -> Response:
     lora, model = resolve_model(state, body.model, None)
     kept: tuple[Any, ...] = ()
     if body.previous_response_id is not None:
-        kept = _find(request, body.previous_response_id, "previous_response_id").conversation
+        kept = find_kept(request, body.previous_response_id, "previous_response_id").conversation
     job = await _Job.build(state, body, kept)
     job.owner = principal_of(request.scope).tenant
     job.store = response_store(request) if body.store else None
@@ -588,7 +529,7 @@ async def create_response(request: Request) -> Response:
 async def retrieve_response(request: Request, response_id: str) -> Response:
     """A kept response, as it was answered."""
     _check_no_query(request)
-    return json_response(_find(request, response_id).response)
+    return json_response(find_kept(request, response_id).response)
 
 
 @router.delete("/responses/{response_id}", openapi_extra=operation(ok=json_content({
@@ -598,7 +539,7 @@ async def retrieve_response(request: Request, response_id: str) -> Response:
 async def delete_response(request: Request, response_id: str) -> Response:
     """Forget a kept response (later previous_response_id naming it is a 404)."""
     _check_no_query(request)
-    _find(request, response_id)
+    find_kept(request, response_id)
     response_store(request).delete(principal_of(request.scope).tenant, response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -611,16 +552,12 @@ def _check_no_query(request: Request) -> None:
 
 
 # ---- answers -----------------------------------------------------------------------------------
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 def _head(body: ResponsesRequest, model: str) -> dict[str, Any]:
     """The response object before any output (echoing the request as OpenAI does)."""
     form = body.text.format if body.text is not None else None
     choice = body.tool_choice
     return {
-        "id": _new_id("resp"), "object": "response", "created_at": fmt.now(),
+        "id": new_id("resp"), "object": "response", "created_at": fmt.now(),
         "status": "in_progress", "background": False, "error": None,
         "incomplete_details": None, "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens, "model": model, "output": [],
@@ -719,140 +656,6 @@ class _Job:
         num_chars = len(dumps(response)) + sum(len(i.model_dump_json()) for i in conversation)
         self.store.put(response["id"], KeptResponse(self.owner, response, conversation,
                                                     num_chars))
-
-
-class _Output:
-    """A response's output items as they are written, and the SSE events that write them
-    (a whole answer is written the same way, its events unsent)."""
-
-    def __init__(self, response: dict[str, Any]) -> None:
-        self.response = response
-        self.items: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the last item, until it is done
-        self._num_events = 0
-
-    def event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": self._num_events, **fields}
-        self._num_events += 1
-        return f"event: {kind}\ndata: {dumps(data)}\n\n"
-
-    def start(self) -> list[str]:
-        return [self.event("response.created", response=self.response),
-                self.event("response.in_progress", response=self.response)]
-
-    def reasoning(self, delta: str) -> list[str]:
-        out = self._part_item("reasoning")
-        return out + self._text_delta("response.reasoning_text.delta", delta)
-
-    def text(self, delta: str) -> list[str]:
-        out = self._part_item("message")
-        return out + self._text_delta("response.output_text.delta", delta, logprobs=[])
-
-    def call(self, call_id: str, name: str) -> list[str]:
-        return self._begin({"id": _new_id("fc"), "type": "function_call",
-                            "status": "in_progress", "call_id": call_id, "name": name,
-                            "arguments": ""})
-
-    def arguments(self, delta: str) -> list[str]:
-        item = self._open
-        assert item is not None and item["type"] == "function_call"
-        item["arguments"] += delta
-        return [self.event("response.function_call_arguments.delta", item_id=item["id"],
-                           output_index=len(self.items) - 1, delta=delta)]
-
-    def chat_delta(self, delta: dict[str, Any]) -> list[str]:
-        """The items' events for one of the chat path's deltas ({"content": text} or
-        {"tool_calls": [...]}, a call's first delta carrying its id and name)."""
-        out = self.text(delta["content"]) if delta.get("content") else []
-        for call in delta.get("tool_calls") or []:
-            function = call.get("function") or {}
-            if call.get("id"):
-                out += self.call(call["id"], function.get("name", ""))
-            if function.get("arguments"):
-                out += self.arguments(function["arguments"])
-        return out
-
-    def finish(self, meta: dict[str, Any], num_reasoning_tokens: int) -> list[str]:
-        """Close the items (an empty message when there were none) and complete the
-        response: incomplete when max_output_tokens ended it."""
-        is_cut = (meta.get("finish_reason") or {}).get("type") == "length"
-        status = "incomplete" if is_cut else "completed"
-        out = [] if self.items else self._part_item("message")
-        out += self._close(status)
-        num_in, num_out = int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0))
-        self.response.update(
-            status=status, output=self.items,
-            incomplete_details={"reason": "max_output_tokens"} if is_cut else None,
-            usage={"input_tokens": num_in,
-                   "input_tokens_details": {"cached_tokens": int(meta.get("cached_tokens", 0))},
-                   "output_tokens": num_out,
-                   "output_tokens_details": {"reasoning_tokens": min(num_reasoning_tokens,
-                                                                     num_out)},
-                   "total_tokens": num_in + num_out})
-        kind = "response.incomplete" if is_cut else "response.completed"
-        return out + [self.event(kind, response=self.response)]
-
-    def failed(self, status_code: int, message: str) -> str:
-        """The events of a failure after the stream began (sse_response's error_event)."""
-        code = "server_error" if status_code >= 500 else "invalid_prompt"
-        self.response.update(status="failed", output=self.items,
-                             error={"code": code, "message": message})
-        return (self.event("error", code=code, message=message, param=None)
-                + self.event("response.failed", response=self.response))
-
-    def _begin(self, item: dict[str, Any]) -> list[str]:
-        out = self._close("completed")
-        self.items.append(item)
-        self._open = item
-        return out + [self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                 item=item)]
-
-    def _part_item(self, kind: Literal["message", "reasoning"]) -> list[str]:
-        """Open a message (or reasoning) item with its one text part, unless it is open."""
-        if self._open is not None and self._open["type"] == kind:
-            return []
-        if kind == "message":
-            item = {"id": _new_id("msg"), "type": "message", "status": "in_progress",
-                    "role": "assistant", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        else:
-            item = {"id": _new_id("rs"), "type": "reasoning", "status": "in_progress",
-                    "summary": [], "content": []}
-            part = {"type": "reasoning_text", "text": ""}
-        out = self._begin(item)
-        out.append(self.event("response.content_part.added", item_id=item["id"],
-                              output_index=len(self.items) - 1, content_index=0, part=part))
-        item["content"].append(part)
-        return out
-
-    def _text_delta(self, kind: str, delta: str, **extra: Any) -> list[str]:
-        item = self._open
-        assert item is not None
-        item["content"][0]["text"] += delta
-        return [self.event(kind, item_id=item["id"], output_index=len(self.items) - 1,
-                           content_index=0, delta=delta, **extra)]
-
-    def _close(self, status: str) -> list[str]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        if item["type"] == "function_call":
-            out = [self.event("response.function_call_arguments.done", **where,
-                              name=item["name"], arguments=item["arguments"])]
-        else:
-            part = item["content"][0]
-            if item["type"] == "message":
-                out = [self.event("response.output_text.done", **where, content_index=0,
-                                  text=part["text"], logprobs=[])]
-            else:
-                out = [self.event("response.reasoning_text.done", **where, content_index=0,
-                                  text=part["text"])]
-            out.append(self.event("response.content_part.done", **where, content_index=0,
-                                  part=part))
-        item["status"] = status
-        return out + [self.event("response.output_item.done", output_index=where[
-            "output_index"], item=item)]
 
 
 async def _events(job: _Job, out: _Output, stream: EngineStream) -> AsyncIterator[str]:
