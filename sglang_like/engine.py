@@ -211,6 +211,8 @@ class Engine:
     def image_prompter(self) -> Any:
         """The served model's image preprocessing and prompt expansion
         (multimodal.processor.ImagePrompter); None when it reads text only."""
+        if self._prompter is False and self.model_config.vision is None:
+            self._prompter = None  # a text model: nothing to load (nor PIL to import)
         if self._prompter is False:
             from sglang_like.multimodal.processor import load_prompter
 
