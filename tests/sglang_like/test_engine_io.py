@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_like.engine_core.io import encode_prompt, _stop_holdback, prepare_inputs
+from sglang_like.engine_core.io import _stop_holdback, encode_prompt, prepare_inputs
 
 
 class _BosTokenizer:
