@@ -58,11 +58,15 @@ class EncodeRequest(BaseModel):
     cache_salt: CacheSalt | None = None
 
 
-def _prompt_kwargs(value: Any) -> dict[str, Any]:
-    """`input` as Engine.encode takes it: text(s) as `prompt`, token ids as `input_ids`."""
+def _check_not_empty(value: Any, param: str) -> None:
     if isinstance(value, list) and (not value or any(isinstance(v, list) and not v
                                                      for v in value)):
-        raise ApiError(400, "input must not be empty (nor any of its token lists)", "input")
+        raise ApiError(400, f"{param} must not be empty (nor any of its token lists)", param)
+
+
+def _prompt_kwargs(value: Any) -> dict[str, Any]:
+    """`input` as Engine.encode takes it: text(s) as `prompt`, token ids as `input_ids`."""
+    _check_not_empty(value, "input")
     if isinstance(value, str) or isinstance(value[0], str):
         return {"prompt": value}
     return {"input_ids": value}
@@ -111,6 +115,7 @@ async def encode(request: Request) -> Response:
     req = parse_model(EncodeRequest, await read_json_body(request))
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "exactly one of `text` and `input_ids` must be given")
+    _check_not_empty(req.input_ids, "input_ids")
     if req.text is not None:
         state.check_text_length(req.text, "text")
     kwargs = {"prompt": req.text, "input_ids": req.input_ids, "rid": req.rid,
