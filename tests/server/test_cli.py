@@ -134,13 +134,15 @@ def _check_chat(term: Terminal) -> int:
 
 @pytest.mark.slow
 def test_chat_in_process_streams_remembers_stops_and_quits() -> None:
-    term = Terminal("chat", "--max-tokens", "300", "--temperature", "0")
+    # a reply long enough (2000 tokens: seconds even on a fast machine) that the Ctrl-C below
+    # lands inside it however late a loaded machine schedules this test's process
+    term = Terminal("chat", "--max-tokens", "2000", "--temperature", "0")
     try:
         term.expect(PROMPT, timeout=_LOAD_TIMEOUT_S)
         first_prompt = _check_chat(term)
         term.send("/clear\r")
         assert "Cleared" in "".join(term.expect(PROMPT))
-        # Ctrl-C in a reply (300 tokens of poem) stops it and returns to the prompt
+        # Ctrl-C in a reply (up to 2000 tokens of poem) stops it and returns to the prompt
         term.send("Write a long poem about the sea.\r")
         term.expect("sea.\n")
         reads = [term.read(time.monotonic() + _TURN_TIMEOUT_S)]
