@@ -93,7 +93,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         ),
         runner, tokenizer, eos, drafter,
     )
-    loras = _load_loras(sa, loaded.config, device) if sa.enable_lora else None
+    loras = _load_loras(sa, loaded.config, device, runner.tp_group) if sa.enable_lora else None
     scheduler.loras = loras
     return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos,
                        loras)
@@ -116,8 +116,6 @@ def _lora_args(sa: ServerArgs) -> dict[str, Any]:
                 raise ValueError(f"lora_target_modules: unknown {unknown}; choose from "
                                  f"{', '.join(LORA_TARGETS)} or all")
     if enable:
-        if sa.tp_size > 1:
-            raise ValueError("LoRA adapters with --tp-size > 1 are not supported yet")
         if sa.max_loras_per_batch < 1:
             raise ValueError(f"max_loras_per_batch must be >= 1; got {sa.max_loras_per_batch}")
         if sa.max_loaded_loras is not None and sa.max_loaded_loras < 1:
@@ -127,15 +125,17 @@ def _lora_args(sa: ServerArgs) -> dict[str, Any]:
     return {"enable_lora": enable, "lora_target_modules": targets}
 
 
-def _load_loras(sa: ServerArgs, config: ModelConfig, device: torch.device) -> Any:
-    """The registry, with `--lora-paths` loaded (read here: nothing is served yet)."""
+def _load_loras(sa: ServerArgs, config: ModelConfig, device: torch.device,
+                tp_group: Any = None) -> Any:
+    """The registry, with `--lora-paths` loaded (read here: nothing is served yet); with a
+    tensor-parallel group, adapters reach every rank through it."""
     from sglang_like.lora import LoraRegistry, parse_lora_paths, read_adapter
 
     entries = parse_lora_paths(sa.lora_paths)
     if sa.max_loaded_loras is not None and len(entries) > sa.max_loaded_loras:
         raise ValueError(f"{len(entries)} --lora-paths but --max-loaded-loras "
                          f"{sa.max_loaded_loras}")
-    registry = LoraRegistry(sa.max_loaded_loras)
+    registry = LoraRegistry(sa.max_loaded_loras, tp_group)
     for name, path, pinned in entries:
         adapter = read_adapter(name, path, config, max_rank=sa.max_lora_rank,
                                target_modules=sa.lora_target_modules)

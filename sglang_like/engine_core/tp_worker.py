@@ -4,7 +4,9 @@ TPGroup, never by hand).
 It loads the checkpoint itself, keeps its shard, says "ready" in the group's store, then runs
 every batch rank 0 sends through its layers (no logits, nothing sent back: the all-reduces
 inside the layers are the only exchange). It exits on the stop message, when rank 0's
-process is gone, or when a collective fails (rank 0 then sees it gone).
+process is gone, or when a collective fails (rank 0 then sees it gone). LoRA adapters arrive
+whole on the same socket, ahead of the batches that use them; it keeps its own part of each
+until told to drop it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,19 @@ import traceback
 import torch
 import zmq
 
-from sglang_like.tp.broadcast import KIND_STOP, decode_batch, decode_kind
+from sglang_like.layers.lora import LoraLinearWeights
+from sglang_like.tp.broadcast import (
+    KIND_LORA_DROP,
+    KIND_LORA_LOAD,
+    KIND_STOP,
+    decode_batch,
+    decode_kind,
+    decode_lora_load,
+    decode_uid,
+)
 from sglang_like.tp.comm import GroupAllReduce, ShmAllReduce, TPRankLost, make_process_group
 from sglang_like.tp.group import AllReduceSlot
-from sglang_like.tp.parallel import TPShard, make_shard_plan
+from sglang_like.tp.parallel import TPShard, make_shard_plan, shard_lora
 
 logger = logging.getLogger("sglang_like.engine_core.tp_worker")
 
@@ -87,6 +98,8 @@ def main(args_path: str) -> int:
         group = make_process_group(store, rank, tp_size, device, spec["timeout_s"])
         slot.comm = GroupAllReduce(group, parent_error)
     logger.debug("rank %d of %d ready (pid %d)", rank, tp_size, os.getpid())
+    plan = make_shard_plan(runner.model_config, tp_size, rank)
+    loras: dict[int, dict[str, LoraLinearWeights]] = {}  # this rank's parts, by uid
     try:
         while True:
             if not sock.poll(_PARENT_POLL_MS):
@@ -95,9 +108,18 @@ def main(args_path: str) -> int:
                     return 0
                 continue
             frames = sock.recv_multipart()
-            if decode_kind(frames) == KIND_STOP:
+            kind = decode_kind(frames)
+            if kind == KIND_STOP:
                 return 0
-            runner.run_shard(decode_batch(frames, device))
+            if kind == KIND_LORA_LOAD:
+                uid, weights = decode_lora_load(frames)
+                part = shard_lora(weights, runner.model_config, plan)
+                loras[uid] = {k: LoraLinearWeights(w.a.to(device), w.b.to(device))
+                              for k, w in part.items()}
+            elif kind == KIND_LORA_DROP:
+                del loras[decode_uid(frames)]
+            else:
+                runner.run_shard(decode_batch(frames, device, loras))
     except TPRankLost as exc:
         logger.error("stopping: %s", exc)
         return 1

@@ -64,6 +64,27 @@ class LoraBatch:
         self._stacks[key] = (slots, a, b)
         return self._stacks[key]
 
+    def row_groups(self) -> torch.Tensor:
+        """int64 [num_rows]: each row's index in `groups` (-1: the base), on the CPU."""
+        slots = torch.full((self.num_rows,), -1, dtype=torch.long)
+        for g, (_, rows) in enumerate(self.groups):
+            slots[rows.cpu() if isinstance(rows, torch.Tensor) else rows] = g
+        return slots
+
+    @staticmethod
+    def from_row_groups(adapters: list[dict[str, LoraLinearWeights]], slots: torch.Tensor,
+                        device: torch.device | str = "cpu") -> LoraBatch:
+        """The batch whose `row_groups()` is `slots` [T] and whose groups' weights are
+        `adapters` (a tensor-parallel rank rebuilds rank 0's batch with its own parts)."""
+        groups: list[tuple[dict[str, LoraLinearWeights], torch.Tensor | slice]] = []
+        for g, weights in enumerate(adapters):
+            idx = (slots == g).nonzero().flatten()
+            first, last = int(idx[0]), int(idx[-1])
+            rows = (slice(first, last + 1) if last - first + 1 == len(idx)
+                    else idx.to(device))
+            groups.append((weights, rows))
+        return LoraBatch(groups, int(slots.numel()))
+
     @staticmethod
     def build(adapters: list[dict[str, LoraLinearWeights] | None], extend_lens: list[int],
               device: torch.device | str = "cpu") -> LoraBatch | None:

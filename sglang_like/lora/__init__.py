@@ -11,11 +11,11 @@ from sglang_like.lora.adapter import (
     parse_lora_paths,
     read_adapter,
 )
-from sglang_like.lora.registry import LoadedAdapter, LoraRegistry
+from sglang_like.lora.registry import LoadedAdapter, LoraRegistry, LoraSharding
 
 SHIPPED_ADAPTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adapters",
                                "smollm2-135m-json-answer")
 """The adapter trained here for the default model (answers as one-line JSON; its README)."""
 
 __all__ = ["LORA_TARGETS", "SHIPPED_ADAPTER", "LoadedAdapter", "LoraAdapter", "LoraAdapterError",
-           "LoraRegistry", "parse_lora_paths", "read_adapter"]
+           "LoraRegistry", "LoraSharding", "parse_lora_paths", "read_adapter"]

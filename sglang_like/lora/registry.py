@@ -5,6 +5,10 @@ read and fitted off the loop (by the Engine, `lora.adapter.read_adapter`); insta
 here is a dict insert. A request holds its adapter's weights from admission to its end, so
 unloading (or evicting) an adapter never fails a request in flight: it finishes on the
 weights it started with, and later requests naming the adapter are refused.
+
+Under tensor parallelism the registry is rank 0's: each adapter installed goes through the
+group (`LoraSharding`), which sends it to the other ranks and hands back rank 0's own part,
+the weights rank 0's requests then hold.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sglang_like.lora.adapter import LoraAdapter
 
-__all__ = ["LoadedAdapter", "LoraRegistry"]
+__all__ = ["LoadedAdapter", "LoraRegistry", "LoraSharding"]
 
 logger = logging.getLogger(__name__)
 _uids = itertools.count(1)
@@ -33,6 +37,7 @@ class LoadedAdapter:
     uid: int = field(default_factory=lambda: next(_uids))
     last_used: float = field(default_factory=time.monotonic)
     in_flight: int = 0  # requests that hold it now
+    is_loaded: bool = True  # False once unloaded or evicted (requests in flight may hold it)
 
     @property
     def name(self) -> str:
@@ -42,13 +47,25 @@ class LoadedAdapter:
         return {**self.adapter.info(), "pinned": self.pinned, "in_flight": self.in_flight}
 
 
+class LoraSharding(Protocol):
+    """The other tensor-parallel ranks, as the registry reaches them (`tp.group.TPGroup`)."""
+
+    def install_lora(self, entry: LoadedAdapter) -> LoraAdapter:
+        """Send `entry.adapter` (whole) to the other ranks, each of which keeps its part
+        until no request holds the entry any more (`is_loaded` False, `in_flight` 0); rank
+        0's part. ValueError, nothing sent, when the adapter cannot be cut."""
+        ...
+
+
 class LoraRegistry:
     """Loaded adapters by name. With `max_loaded` set, loading past it evicts (unloads) the
     least recently used adapter that is unpinned and used by no request, and is refused when
-    there is none."""
+    there is none. With `sharding` (tensor parallelism), adapters are installed through it."""
 
-    def __init__(self, max_loaded: int | None = None) -> None:
+    def __init__(self, max_loaded: int | None = None,
+                 sharding: LoraSharding | None = None) -> None:
         self.max_loaded = max_loaded
+        self.sharding = sharding
         self._loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()
 
     def __contains__(self, name: str) -> bool:
@@ -69,7 +86,7 @@ class LoraRegistry:
         if adapter.name in self._loaded:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded; "
                              f"unload it first")
-        evicted: list[str] = []
+        victim = None
         if self.max_loaded is not None and len(self._loaded) >= self.max_loaded:
             idle = [e for e in self._loaded.values() if not e.pinned and e.in_flight == 0]
             if not idle:
@@ -77,11 +94,17 @@ class LoraRegistry:
                                  f"(--max-loaded-loras {self.max_loaded}) and none can be "
                                  f"evicted (pinned or in use)")
             victim = min(idle, key=lambda e: e.last_used)
+        entry = LoadedAdapter(adapter, pinned)
+        if self.sharding is not None:  # before the eviction: a refusal here changes nothing
+            entry.adapter = self.sharding.install_lora(entry)
+        evicted: list[str] = []
+        if victim is not None:
             del self._loaded[victim.name]
+            victim.is_loaded = False
             evicted.append(victim.name)
             logger.info("LoRA adapter %r evicted (least recently used) to load %r",
                         victim.name, adapter.name)
-        self._loaded[adapter.name] = LoadedAdapter(adapter, pinned)
+        self._loaded[adapter.name] = entry
         logger.info("LoRA adapter %r loaded from %s (rank %d, %.1f MB%s)", adapter.name,
                     adapter.path, adapter.rank, adapter.nbytes / 1e6, ", pinned" if pinned else "")
         return evicted
@@ -90,6 +113,7 @@ class LoraRegistry:
         entry = self._loaded.pop(name, None)
         if entry is None:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        entry.is_loaded = False
         logger.info("LoRA adapter %r unloaded (%d requests still finish on it)", name,
                     entry.in_flight)
         return entry

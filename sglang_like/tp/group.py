@@ -9,10 +9,16 @@ workers, builds its own shard while they build theirs, then waits for each worke
 key in the store (or its error, or its death). The workers stop on the stop message, when
 rank 0's process is gone, or, on an engine thread (`engine_in_process`), once the thread that
 built the group ended.
+
+LoRA adapters reach the workers on the batch sockets, so in order with the batches: the whole
+adapter when the registry installs it (`install_lora`; each worker cuts its part), a drop
+once it is unloaded and no request holds it (checked at each broadcast). A batch's rows name
+their adapters by the registry's `uid` of the load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -24,15 +30,16 @@ import tempfile
 import threading
 import time
 import weakref
+from typing import Any
 
 import torch
 import zmq
 
 from sglang_like.config import ModelConfig, ServerArgs
 from sglang_like.forward_batch import ForwardBatch
-from sglang_like.tp.broadcast import encode_batch, encode_stop
+from sglang_like.tp.broadcast import encode_batch, encode_lora_drop, encode_lora_load, encode_stop
 from sglang_like.tp.comm import GroupAllReduce, ShmAllReduce, TPRankLost, make_process_group
-from sglang_like.tp.parallel import TPShard, make_shard_plan
+from sglang_like.tp.parallel import TPShard, make_shard_plan, shard_lora
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +85,12 @@ class TPGroup:
     def __init__(self, server_args: ServerArgs, config: ModelConfig, device: torch.device,
                  timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         self.tp_size = server_args.tp_size
+        self.config = config
         self.plan = make_shard_plan(config, self.tp_size, 0)  # ValueError before any spawn
+        # the adapters the workers hold (lora.LoadedAdapter entries) by uid, and the uid of
+        # rank 0's part by its id
+        self._loras: dict[int, Any] = {}
+        self._lora_uids: dict[int, int] = {}
         self.device = device
         self.timeout_s = timeout_s
         self.kind = allreduce_kind(device)
@@ -178,7 +190,46 @@ class TPGroup:
         why = self.peer_error()
         if why is not None:
             raise TPRankLost(why)
-        frames = encode_batch(fb)
+        uids = None
+        if fb.lora is not None:
+            try:
+                uids = [self._lora_uids[id(weights)] for weights, _ in fb.lora.groups]
+            except KeyError:
+                raise RuntimeError("a LoRA adapter not installed through the tensor-parallel "
+                                   "group cannot run at tp_size > 1") from None
+        self._drop_idle_loras(keep=set(uids or ()))
+        self._send_all(encode_batch(fb, uids))
+
+    @property
+    def lora_uids(self) -> set[int]:
+        """The adapters (registry uids) the workers hold now."""
+        return set(self._loras)
+
+    def install_lora(self, entry: Any) -> Any:
+        """`lora.LoraSharding.install_lora`: rank 0's part of `entry.adapter` (a
+        lora.LoraAdapter of a lora.LoadedAdapter; typed loosely, as the lora package sits
+        above this one); the workers get its weights whole and cut their own parts."""
+        if self._closed:
+            raise TPRankLost("the tensor-parallel group is closed")
+        weights = entry.adapter.weights
+        part = dataclasses.replace(entry.adapter,
+                                   weights=shard_lora(weights, self.config, self.plan))
+        self._drop_idle_loras()
+        self._send_all(encode_lora_load(entry.uid, weights))
+        self._loras[entry.uid] = entry
+        self._lora_uids[id(part.weights)] = entry.uid
+        return part
+
+    def _drop_idle_loras(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Free on the workers the adapters no request can run on again: unloaded (or
+        evicted) and held by no request (`keep`: the ones this batch uses, whatever)."""
+        for uid, entry in list(self._loras.items()):
+            if not entry.is_loaded and entry.in_flight == 0 and uid not in keep:
+                self._send_all(encode_lora_drop(uid))
+                del self._loras[uid]
+                del self._lora_uids[id(entry.adapter.weights)]
+
+    def _send_all(self, frames: list) -> None:
         for rank, sock in enumerate(self._socks, start=1):
             self._send(rank, sock, frames)
 

@@ -12,6 +12,10 @@ divide (SmolLM2-135M at TP=2: KV heads 2 + 1, query heads 6 + 3). Per rank:
 A mixture of experts splits every expert's intermediate dim (and the shared expert's) the
 same way; the routers are replicated, so every rank picks the same experts, and the layer
 all-reduces the sum of its experts' partial outputs once.
+
+A LoRA adapter's pairs are cut like their base linears (`shard_lora`): a column-parallel
+linear keeps its B rows (A whole), a row-parallel one its A columns (B whole), so its delta
+joins the partial sum before the all-reduce and is counted once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from sglang_like.config import ModelConfig
+from sglang_like.layers.lora import LoraLinearWeights
 from sglang_like.layers.quantization import GGUFBlockWeight, WeightSource
 
 # Intermediate columns move between ranks in chunks of 64: GGUF 32-blocks and the int4 group
@@ -168,6 +173,43 @@ def shard_weights(weights: dict[str, WeightSource], config: ModelConfig,
             out[name] = source  # norms (q/k norms are per head_dim: replicated)
     return out
 
+
+def shard_lora(weights: dict[str, LoraLinearWeights], config: ModelConfig,
+               plan: ShardPlan) -> dict[str, LoraLinearWeights]:
+    """An adapter's pairs (`lora.LoraAdapter.weights`, keyed by linear module path) as rank
+    `plan.rank` applies them. A fused B stacks its partitions' rows (q | k | v, gate | up),
+    so the rank's rows are taken from each partition, in the order its base linear has them.
+
+        qkv_proj, gate_up_proj   B: the rank's output rows        A: whole
+        o_proj, down_proj        A: the rank's input columns      B: whole
+
+    A row-parallel rank then adds B (A_r x_r), its share of B (A x): the all-reduce sums the
+    shares with the base partial sums, so the delta is counted once."""
+    hd = plan.head_dim
+    num_q, num_kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    q = (plan.q_head_start * hd, (plan.q_head_start + plan.num_heads) * hd)
+    kv = (plan.kv_head_start * hd, (plan.kv_head_start + plan.num_kv_heads) * hd)
+    inter = (plan.inter_start, plan.inter_start + plan.intermediate_size)
+    size = config.intermediate_size
+
+    def after(span: tuple[int, int], offset: int) -> tuple[int, int]:
+        return span[0] + offset, span[1] + offset
+
+    rows = {"self_attn.qkv_proj": (q, after(kv, num_q), after(kv, num_q + num_kv)),
+            "mlp.gate_up_proj": (inter, after(inter, size))}
+    cols = {"self_attn.o_proj": q, "mlp.down_proj": inter}
+    out: dict[str, LoraLinearWeights] = {}
+    for key, w in weights.items():
+        linear = key.split(".", 3)[3]  # model.layers.N.<linear>
+        if linear in rows:
+            b = torch.cat([w.b[start:stop] for start, stop in rows[linear]]).contiguous()
+            out[key] = LoraLinearWeights(w.a, b)
+        elif linear in cols:
+            start, stop = cols[linear]
+            out[key] = LoraLinearWeights(w.a[:, start:stop].contiguous(), w.b)
+        else:
+            raise ValueError(f"LoRA weights of {key!r}: no tensor-parallel split for it")
+    return out
 
 
 class TPShard(NamedTuple):

@@ -63,8 +63,6 @@ def test_lora_paths_forms() -> None:
 
 
 def test_settings_that_cannot_run_are_refused(make_engine) -> None:
-    with pytest.raises(ValueError, match="with --tp-size > 1 are not supported yet"):
-        make_engine(enable_lora=True, tp_size=2, max_total_tokens=1024)
     with pytest.raises(ValueError, match="max_loras_per_batch must be >= 1"):
         make_engine(enable_lora=True, max_loras_per_batch=0, max_total_tokens=1024)
     with pytest.raises(ValueError, match="lora_target_modules: unknown"):
