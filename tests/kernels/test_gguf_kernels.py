@@ -24,6 +24,7 @@ from sglang_like.layers.quantization import GGUFBlockWeight, GGUFNativeMethod, Q
 from sglang_like.layers.quantization.gguf_native import KQ_KIND, OFFSET, block_codes, pack
 from sglang_like.layers.quantization.q4_native import int8_blocks_rounded
 from sglang_like_kernels import cpu
+from sglang_like_kernels.cpu import amx
 
 from ..gguf_quantize import quantize
 
@@ -149,6 +150,34 @@ def test_fused_partitions_of_different_types() -> None:
     yl = lin(xl)
     torch.testing.assert_close(yl, int8_blocks_rounded(xl) @ want.T, rtol=1e-4, atol=1e-4)
     assert torch.equal(yl[257], lin(xl[257:258])[0])
+
+
+@pytest.mark.skipif(not amx.available(), reason="this CPU has no AMX tiles")
+@pytest.mark.parametrize("make", [random_blocks, quantized_blocks], ids=["random", "gaussian"])
+def test_amx_tiles_give_the_vector_kernels_bits(make) -> None:
+    """amx_kq.c multiplies every kind's records on AMX-INT8 tiles: the same integer dots and
+    float steps as kquants.c's VNNI kernel, so every row is the same bits at row counts
+    below, at and above a 16-row tile, a 128-row work item and the switch-over thresholds:
+    called alone, through GGUFNativeMethod (which switches by row count) and through the
+    native library's own dispatch (the fused decode step's and the MoE layers' path)."""
+    for qtype in QTYPES:
+        w = make(qtype, 48, 512, seed=11)
+        kind, packed = pack(w)
+        lin = QuantLinear(GGUFNativeMethod(), 512, [48], ["w"])
+        lin.load_weights({"x.w.weight": w}, "x.", torch.device("cpu"))
+        for m in (1, 5, 16, 33, 64, 150):
+            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+            want = cpu.kq_matmul(x, packed, kind, 48, variant="avx512_vnni")
+            assert torch.equal(amx.kq_matmul(x, packed, cpu.KQ_KINDS[kind], 48), want), (qtype, m)
+            assert torch.equal(lin(x), want), (qtype, m)
+            assert torch.equal(cpu.kq_native_step_matmul(x, packed, kind, 48), want), (qtype, m)
+    # the x16 Q4_1 layout is the Q4_K kind's record: tiles = q4_rows.c's kernel
+    blocks = torch.from_numpy(np.ascontiguousarray(quantized_blocks("Q4_1", 48, 512).blocks))
+    x16 = cpu.q4_x16_pack(blocks, 48, 512)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(3))
+    want = cpu.q4_x16_matmul(x, x16, 48)
+    assert torch.equal(amx.kq_matmul(x, x16, -1, 48), want)
+    assert torch.equal(cpu.kq_native_step_matmul(x, x16, None, 48), want)
 
 
 def test_bad_shapes_and_types_are_clear_errors() -> None:

@@ -40,7 +40,7 @@ __all__ = ["available", "isa", "kq_dequantize", "kq_matmul", "kq_record_bytes",
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("q4_1.c", "q4_rows.c", "q8_rows.c", "ops.c", "attention.c",
                       "decode_step.c", "eagle_head.c", "kquants.c", "moe.c")]
-_HEADERS = (Path(__file__).with_name("ops.h"), Path(__file__).with_name("simd.h"))
+_HEADERS = tuple(Path(__file__).with_name(h) for h in ("ops.h", "simd.h", "kquants.h"))
 _ENV_VAR = "SGLANG_LIKE_CPU_KERNELS"
 _FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -183,6 +183,10 @@ class _Library:
         lib.moe_forward.restype = ctypes.c_int
         lib.kq_record_bytes.argtypes = [i32]
         lib.kq_record_bytes.restype = ctypes.c_int
+        lib.kq_any_matmul.argtypes = lib.kq_matmul.argtypes
+        lib.kq_any_matmul.restype = ctypes.c_int
+        lib.kq_set_tiles.argtypes = [ptr, i64]
+        lib.kq_set_tiles.restype = None
         built = lib.q4_1_isa().decode()
         if built != variant:
             raise RuntimeError(f"{path} is the {built} build, not {variant}")
@@ -206,15 +210,28 @@ class _Library:
         self.kq_dequantize = lib.kq_dequantize
         self.kq_record_bytes = lib.kq_record_bytes
         self.moe_forward = lib.moe_forward
+        self.set_tiles = lib.kq_set_tiles
+        self.kq_any_matmul = lib.kq_any_matmul
+
+
+# From this many activation rows (Q6_K: twice) the fused decode step and the MoE layers run
+# their x16 and GGUF-kind linears on AMX tiles (amx_kq.c, the same bits as the VNNI kernel);
+# below it the tiles' fixed cost per block loses to VNNI (docs/cpu-kernels.md)
+KQ_TILE_MIN_ROWS = 32
 
 
 @functools.cache
 def _library(variant: str) -> _Library | None:
     try:
-        return _Library(variant, _build(variant, headers=_HEADERS))
+        lib = _Library(variant, _build(variant, headers=_HEADERS))
     except (RuntimeError, OSError) as exc:
         logger.warning("native CPU kernels (%s) unavailable, using torch's: %s", variant, exc)
         return None
+    if variant == "avx512_vnni":  # the tiles give the VNNI build's bits, not AVX2's
+        from sglang_like_kernels.cpu import amx
+        if amx.available():
+            lib.set_tiles(amx.kq_group_address(), KQ_TILE_MIN_ROWS)
+    return lib
 
 
 def isa(variant: str | None = None) -> str | None:
@@ -345,6 +362,23 @@ def kq_matmul(x: torch.Tensor, packed: torch.Tensor, kind: str, out_features: in
                                        x.data_ptr(), x.stride(0), m, y.data_ptr(),
                                        out_features),
                "kq_matmul", x)
+    return y
+
+
+def kq_native_step_matmul(x: torch.Tensor, packed: torch.Tensor, kind: str | None,
+                          out_features: int, variant: str | None = None) -> torch.Tensor:
+    """x @ W.T as the fused decode step and the MoE layers multiply (kind None: the x16 Q4_1
+    layout): on AMX tiles from KQ_TILE_MIN_ROWS rows where the VNNI build has them, else
+    the vector kernel; the same bits either way."""
+    x = _float_rows(x)
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        code = -1 if kind is None else KQ_KINDS[kind]
+        _check(_lib(variant).kq_any_matmul(code, packed.data_ptr(), out_features, k,
+                                           x.data_ptr(), x.stride(0), m, y.data_ptr(),
+                                           out_features),
+               "kq_native_step_matmul", x)
     return y
 
 

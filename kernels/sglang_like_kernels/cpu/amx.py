@@ -24,12 +24,13 @@ from sglang_like_kernels.cpu import _build, _cpu_flags, _requested
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "q4_matmul", "q4_x16_matmul", "q8_matmul", "q8_x16_matmul"]
+__all__ = ["available", "kq_group_address", "kq_matmul", "q4_matmul", "q4_x16_matmul",
+           "q8_matmul", "q8_x16_matmul"]
 
 # q4_1.c for its activation quantizer: amx_x16.c rounds activations exactly as the x16 kernel
 _SOURCES = ("amx.c", "amx_q4.c", "amx_q4_codes.c", "amx_q8.c", "amx_x16.c", "amx_q8x16.c",
-            "q4_1.c")
-_HEADERS = ("amx.h", "simd.h")
+            "amx_kq.c", "q4_1.c")
+_HEADERS = ("amx.h", "simd.h", "kquants.h")
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 _CPU_FLAGS = {"amx_tile", "amx_bf16", "amx_int8", "avx512_vnni", "avx512f", "avx512bw",
@@ -71,6 +72,8 @@ def _library() -> ctypes.CDLL | None:
     lib.q4_x16_amx_matmul.restype = ctypes.c_int
     lib.q8_x16_amx_matmul.argtypes = lib.q8_amx_matmul.argtypes
     lib.q8_x16_amx_matmul.restype = ctypes.c_int
+    lib.kq_amx_matmul.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, i64]
+    lib.kq_amx_matmul.restype = ctypes.c_int
     return lib
 
 
@@ -159,3 +162,24 @@ def q8_x16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -
                                       x.stride(0), m, y.data_ptr(), n) != 0:
         raise RuntimeError(f"q8_x16_amx_matmul: N={n} must divide by 16, K={k} by 32")
     return y
+
+
+def kq_matmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out_features: int) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32, W packed as kquants.c's `kind` (its code in
+    `cpu.KQ_KINDS`; -1: the x16 Q4_1 layout), on AMX-INT8 tiles (amx_kq.c): the same bits as
+    `cpu.kq_matmul` (and, for -1, `cpu.q4_x16_matmul`) on AVX-512 VNNI, row for row, at any M."""
+    x = _rows(x, torch.float32)
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m and _lib().kq_amx_matmul(kind, packed.data_ptr(), out_features, k, x.data_ptr(),
+                                  x.stride(0), m, y.data_ptr(), out_features) != 0:
+        raise RuntimeError(f"kq_amx_matmul: kind {kind}, N={out_features} must divide by 16, "
+                           f"K={k} by 32")
+    return y
+
+
+def kq_group_address() -> int:
+    """The address of amx_kq.c's `kq_amx_group` (one group of 16 output rows over
+    pre-quantized activation rows), which the VNNI build of the native kernels calls from
+    its decode step and MoE layers once given it (`cpu` does, when AMX is available)."""
+    return ctypes.cast(_lib().kq_amx_group, ctypes.c_void_p).value

@@ -102,17 +102,14 @@ void quantize_act_row(const act_rows *a, const float *x, int64_t K, int64_t t) {
 void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
                       const act_rows *a, int64_t T, float *y) {
     if (!runs) {
-        q4_x16_matmul_team(x16, N, K, a->q, a->e, a->S, T, y, N);
+        kq_any_team(-1, x16, N, K, a->q, a->e, a->S, a->qs, T, y, N);
         return;
     }
     int64_t col = 0;
     for (int r = 0; r < DS_RUNS && runs[3 * r + 2] > 0; r++) {
         const int64_t kind = runs[3 * r], rows = runs[3 * r + 2];
         const uint8_t *w = (const uint8_t *)runs[3 * r + 1];
-        if (kind < 0)
-            q4_x16_matmul_team(w, rows, K, a->q, a->e, a->S, T, y + col, N);
-        else
-            kq_matmul_team((int)kind, w, rows, K, a->q, a->e, a->S, a->qs, T, y + col, N);
+        kq_any_team((int)kind, w, rows, K, a->q, a->e, a->S, a->qs, T, y + col, N);
         col += rows;
     }
 }

@@ -32,30 +32,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kquants.h"
 #include "ops.h"
 
-#define XQK 32
-#define KQ_ROWS 16
 #define KQ_PREFETCH_RECORDS 4
 
-enum { KQ_Q4M, KQ_IQ4, KQ_Q5O, KQ_Q5M, KQ_Q6, KQ_Q8, KQ_KINDS };
-enum { MODE_MIN32, MODE_OFF32, MODE_OFF16 };
-
-static const int KQ_BITS[KQ_KINDS] = {4, 4, 5, 5, 6, 8};
-static const int KQ_MODE[KQ_KINDS] = {MODE_MIN32, MODE_OFF32, MODE_OFF32, MODE_MIN32,
-                                      MODE_OFF16, MODE_OFF32};
-static const int KQ_OFF[KQ_KINDS] = {0, 128, 16, 0, 32, 128};
-// IQ4_NL's 16 values (ggml's kvalues_iq4nl), and the same + 128 for the unsigned dot
-static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                      1,    13,   25,  38,  53,  69,  89,  113};
-
-static inline int code_bytes(int bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
-static inline int scale_bytes(int mode) { return mode == MODE_OFF32 ? 32 : 64; }
-
-int kq_record_bytes(int kind) {
-    if (kind < 0 || kind >= KQ_KINDS) return -1;
-    return code_bytes(KQ_BITS[kind]) + scale_bytes(KQ_MODE[kind]);
-}
+int kq_record_bytes(int kind) { return kq_record_size(kind); }
 
 // activation rows: q4_1_quantize_row_q8's q, e, S plus qs [M, K/16] int32 (sums of q)
 typedef struct {
@@ -65,13 +47,7 @@ typedef struct {
 } kq_act;
 
 // q [K] int8 -> qs [K/16]: the sums the offset kinds take off
-void kq_row_sums16(const int8_t *q, int64_t K, int32_t *qs) {
-    for (int64_t h = 0; h < K / 16; h++) {
-        int32_t s = 0;
-        for (int j = 0; j < 16; j++) s += q[16 * h + j];
-        qs[h] = s;
-    }
-}
+void kq_row_sums16(const int8_t *q, int64_t K, int32_t *qs) { kq_sums16(q, K, qs); }
 
 static void *kq_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, kq_act *a) {
     const int64_t nb = K / XQK;
@@ -93,39 +69,10 @@ static void *kq_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K,
 #ifdef Q4_VNNI
 #define KQ_MAX_ACT 8
 
-// the 8 vectors of one record's codes for 16 rows (unsigned bytes; IQ4 as value + 128)
-static inline __attribute__((always_inline)) void kq_expand(const uint8_t *rec, int kind,
-                                                            __m512i c[8]) {
-    const int bits = KQ_BITS[kind];
-    if (bits == 8) {
-        for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(rec + 64 * t));
-        return;
-    }
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int t = 0; t < 4; t++) {
-        const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * t));
-        c[t] = _mm512_and_si512(v, low);
-        c[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-    if (kind == KQ_IQ4) {
-        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(
-            _mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
-        for (int t = 0; t < 8; t++) c[t] = _mm512_shuffle_epi8(table, c[t]);
-    }
-    for (int p = 0; p < bits - 4; p++) {
-        const __m512i plane = _mm512_loadu_si512((const void *)(rec + 256 + 64 * p));
-        const __m512i add = _mm512_set1_epi8((char)(16 << p));
-        for (int t = 0; t < 8; t++) {
-            const __mmask64 k = _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(1 << t)));
-            c[t] = _mm512_mask_add_epi8(c[t], k, c[t], add);
-        }
-    }
-}
-
 static inline __attribute__((always_inline)) void kq_pass(int kind, int R, const uint8_t *grp,
                                                           int nb, const kq_act *a, int64_t r0,
                                                           int K, float *y, int64_t ldy) {
-    const int rs = kq_record_bytes(kind), mode = KQ_MODE[kind], off = KQ_OFF[kind];
+    const int rs = kq_record_size(kind), mode = KQ_MODE[kind], off = KQ_OFF[kind];
     const int cb = code_bytes(KQ_BITS[kind]);
     __m512 sum[KQ_MAX_ACT];
     for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();
@@ -134,7 +81,7 @@ static inline __attribute__((always_inline)) void kq_pass(int kind, int R, const
         for (int l = 0; l < rs; l += 64)
             _mm_prefetch((const char *)rec + KQ_PREFETCH_RECORDS * rs + l, _MM_HINT_T0);
         __m512i c[8];
-        kq_expand(rec, kind, c);
+        kq_expand16(rec, kind, c);
         const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));
         const __m512 d1 = mode == MODE_OFF32
                               ? d0
@@ -215,7 +162,7 @@ static inline __attribute__((always_inline)) void kq_expand(const uint8_t *rec, 
 static inline __attribute__((always_inline)) void kq_pass(int kind, int R, const uint8_t *grp,
                                                           int nb, const kq_act *a, int64_t r0,
                                                           int K, float *y, int64_t ldy) {
-    const int rs = kq_record_bytes(kind), mode = KQ_MODE[kind], cb = code_bytes(KQ_BITS[kind]);
+    const int rs = kq_record_size(kind), mode = KQ_MODE[kind], cb = code_bytes(KQ_BITS[kind]);
     const int is_signed = kind == KQ_Q8 || kind == KQ_IQ4;
     const int off = is_signed ? 0 : KQ_OFF[kind];
     __m256 sum[KQ_MAX_ACT][2];
@@ -340,7 +287,7 @@ int kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, 
 int kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out) {
     if (kind < 0 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS) return -1;
     const int bits = KQ_BITS[kind], mode = KQ_MODE[kind], off = KQ_OFF[kind];
-    const int rs = kq_record_bytes(kind), cb = code_bytes(bits);
+    const int rs = kq_record_size(kind), cb = code_bytes(bits);
     const int64_t nb = K / XQK;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < N / KQ_ROWS; g++) {
@@ -371,5 +318,74 @@ int kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out) 
             }
         }
     }
+    return 0;
+}
+
+// amx_kq.c's kq_amx_group, lent by the AMX library once it is loaded (it is built apart, with
+// flags this build must not assume), and the row count from which its tiles beat the vector
+// kernel here. Only the VNNI build takes it: its bits are the VNNI kernel's, not AVX2's.
+typedef int (*kq_tile_group_fn)(int, const uint8_t *, int64_t, int64_t, const int8_t *,
+                                const float *, const float *, const int32_t *, int64_t, float *,
+                                int64_t);
+static kq_tile_group_fn kq_tiles;
+static int64_t kq_tiles_min_rows;
+
+void kq_set_tiles(void *fn, int64_t min_rows) {
+#ifdef Q4_VNNI
+    kq_tiles = (kq_tile_group_fn)fn;
+    kq_tiles_min_rows = min_rows;
+#else
+    (void)fn;
+    (void)min_rows;
+#endif
+}
+
+static void vector_group(int kind, const uint8_t *w, int64_t g, int64_t K, const int8_t *q,
+                         const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
+                         int64_t ldy) {
+    if (kind < 0)
+        q4_x16_matmul_group(w, g, K, q, e, S, M, y, ldy);
+    else
+        kq_matmul_group(kind, w, g, K, q, e, S, qs, M, y, ldy);
+}
+
+// Q6_K's halves of 16 columns take two tile products a block: the tiles pay from twice the rows
+static inline int tiles_take(int kind, int64_t M) {
+    return kq_tiles && M >= (kind == KQ_Q6 ? 2 : 1) * kq_tiles_min_rows;
+}
+
+void kq_any_group(int kind, const uint8_t *w, int64_t g, int64_t K, const int8_t *q,
+                  const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
+                  int64_t ldy) {
+    if (tiles_take(kind, M) && kq_tiles(kind, w, g, K, q, e, S, qs, M, y, ldy) == 0) return;
+    vector_group(kind, w, g, K, q, e, S, qs, M, y, ldy);
+}
+
+void kq_any_team(int kind, const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
+                 const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
+                 int64_t ldy) {
+    if (!tiles_take(kind, M)) {  // the same answer on every thread of the team
+        if (kind < 0)
+            q4_x16_matmul_team(w, N, K, q, e, S, M, y, ldy);
+        else
+            kq_matmul_team(kind, w, N, K, q, e, S, qs, M, y, ldy);
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / KQ_ROWS; g++)
+        kq_any_group(kind, w, g, K, q, e, S, qs, M, y + g * KQ_ROWS, ldy);
+}
+
+// y [M, N] = x [M, K] @ W.T through kq_any_team (kind -1: x16 Q4_1): what the decode step and
+// the MoE layers run, tiles included where lent (tests/kernels/test_gguf_kernels.py)
+int kq_any_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                  int64_t ldx, int64_t M, float *y, int64_t ldy) {
+    if (kind < -1 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS || M <= 0 || N <= 0) return -1;
+    kq_act a;
+    void *scratch = kq_quantize_rows(x, ldx, M, K, &a);
+    if (!scratch) return -1;
+#pragma omp parallel
+    kq_any_team(kind, w, N, K, a.q, a.e, a.S, a.qs, M, y, ldy);
+    free(scratch);
     return 0;
 }

@@ -150,11 +150,8 @@ static void linear_group(const int64_t *runs, int64_t g, int64_t K, const act_ro
         if (g < rows / GROUP) {
             const int8_t *q = a->q + r0 * K;
             const float *e = a->e + r0 * (K / XQK), *S = a->S + r0 * (K / XQK);
-            if (kind < 0)
-                q4_x16_matmul_group(w, g, K, q, e, S, n, y + col + g * GROUP, ldy);
-            else
-                kq_matmul_group((int)kind, w, g, K, q, e, S, a->qs + r0 * (K / 16), n,
-                                y + col + g * GROUP, ldy);
+            kq_any_group((int)kind, w, g, K, q, e, S, a->qs ? a->qs + r0 * (K / 16) : NULL, n,
+                         y + col + g * GROUP, ldy);
             return;
         }
         g -= rows / GROUP;
