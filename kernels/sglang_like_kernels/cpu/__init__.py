@@ -227,11 +227,21 @@ def _library(variant: str) -> _Library | None:
     except (RuntimeError, OSError) as exc:
         logger.warning("native CPU kernels (%s) unavailable, using torch's: %s", variant, exc)
         return None
-    if variant == "avx512_vnni":  # the tiles give the VNNI build's bits, not AVX2's
-        from sglang_like_kernels.cpu import amx
-        if amx.available():
-            lib.set_tiles(amx.kq_group_address(), KQ_TILE_MIN_ROWS)
+    if variant == "avx512_vnni" and _tiles_lent:  # the tiles give the VNNI build's bits only
+        lib.set_tiles(_tiles_lent[0], KQ_TILE_MIN_ROWS)
     return lib
+
+
+_tiles_lent: list[int] = []
+
+
+def lend_tiles(group_address: int) -> None:
+    """amx.py, once its library loads, lends amx_kq.c's group kernel to the VNNI build (now
+    or when it loads): quantized layers load the AMX library while creating their weights,
+    before any decode step runs."""
+    _tiles_lent[:] = [group_address]
+    if _default_isa() == "avx512_vnni":  # else _library gives them if it is ever loaded
+        _library("avx512_vnni").set_tiles(group_address, KQ_TILE_MIN_ROWS)
 
 
 def isa(variant: str | None = None) -> str | None:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from sglang_like_kernels.cpu import _build, _cpu_flags, _requested
+from sglang_like_kernels.cpu import _build, _cpu_flags, _requested, lend_tiles
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "kq_group_address", "kq_matmul", "q4_matmul", "q4_x16_matmul",
+__all__ = ["available", "kq_matmul", "q4_matmul", "q4_x16_matmul",
            "q8_matmul", "q8_x16_matmul"]
 
 # q4_1.c for its activation quantizer: amx_x16.c rounds activations exactly as the x16 kernel
@@ -74,6 +74,7 @@ def _library() -> ctypes.CDLL | None:
     lib.q8_x16_amx_matmul.restype = ctypes.c_int
     lib.kq_amx_matmul.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, i64]
     lib.kq_amx_matmul.restype = ctypes.c_int
+    lend_tiles(ctypes.cast(lib.kq_amx_group, ctypes.c_void_p).value)
     return lib
 
 
@@ -177,9 +178,3 @@ def kq_matmul(x: torch.Tensor, packed: torch.Tensor, kind: int, out_features: in
                            f"K={k} by 32")
     return y
 
-
-def kq_group_address() -> int:
-    """The address of amx_kq.c's `kq_amx_group` (one group of 16 output rows over
-    pre-quantized activation rows), which the VNNI build of the native kernels calls from
-    its decode step and MoE layers once given it (`cpu` does, when AMX is available)."""
-    return ctypes.cast(_lib().kq_amx_group, ctypes.c_void_p).value
