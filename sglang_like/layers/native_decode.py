@@ -105,6 +105,19 @@ def extend_rows(fb: ForwardBatch) -> AttnRows:
     return AttnRows(fb.req_to_token, rows, fb.prefix_lens.repeat_interleave(lens) + within + 1)
 
 
+def lora_columns(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """B [N, R] -> (B.T [R, N] contiguous, int64 [R, 2]: each rank's nonzero columns [c0,
+    c1), [0, 0) for none). A fused q/k/v or gate/up adapter's B is block diagonal: the
+    decode step skips the zeros outside each rank's range, which add nothing."""
+    bt = b.t().contiguous().to(torch.float32)
+    nz = bt != 0
+    any_nz = nz.any(dim=1)
+    n = bt.shape[1]
+    first = torch.where(any_nz, nz.to(torch.int8).argmax(dim=1), 0)
+    last = torch.where(any_nz, n - nz.flip(1).to(torch.int8).argmax(dim=1), 0)
+    return bt, torch.stack([first, last], dim=1).to(torch.int64).contiguous()
+
+
 def masked_rows(fb: ForwardBatch) -> AttnRows:
     """A batch under `fb.custom_masks` as one key row per query.
 
@@ -421,7 +434,7 @@ class _FusedX16:
         self.lora_keys: list[tuple[str, ...]] = []
         # an adapter's [L, 4, 3] table of addresses, by id of its weights (held with it, so
         # the id stays its own while cached)
-        self._lora_tabs: dict[int, tuple[dict, torch.Tensor, int]] = {}
+        self._lora_tabs: dict[int, tuple[dict, torch.Tensor, int, list]] = {}
 
     @classmethod
     def build(cls, layers: list[DecoderLayerParts], tables: RopeTables) -> _FusedX16 | None:
@@ -492,21 +505,25 @@ class _FusedX16:
         return slots
 
     def _lora_tab(self, weights: dict) -> tuple[torch.Tensor, int]:
-        """(an adapter's table [L, 4, 3] of (A, B, R) per linear, its largest R)."""
+        """(an adapter's table [L, 4, 4] of (A, B.T, R, rank column ranges) per linear, its
+        largest R); the B.T and range tensors live in the cache entry beside it."""
         hit = self._lora_tabs.get(id(weights))
         if hit is not None and hit[0] is weights:
             return hit[1], hit[2]
-        tab = torch.zeros(len(self.lora_keys), 4, 3, dtype=torch.int64)
-        rmax = 1
+        tab = torch.zeros(len(self.lora_keys), 4, 4, dtype=torch.int64)
+        rmax, held = 1, []
         for i, keys in enumerate(self.lora_keys):
             for j, key in enumerate(keys):
                 w = weights.get(key)
                 if w is not None:
-                    tab[i, j] = torch.tensor([w.a.data_ptr(), w.b.data_ptr(), w.a.shape[0]])
+                    bt, cols = lora_columns(w.b)
+                    held += [bt, cols]
+                    tab[i, j] = torch.tensor([w.a.data_ptr(), bt.data_ptr(), w.a.shape[0],
+                                              cols.data_ptr()])
                     rmax = max(rmax, w.a.shape[0])
         if len(self._lora_tabs) >= 64:  # adapters come and go: keep the recent ones
             self._lora_tabs.pop(next(iter(self._lora_tabs)))
-        self._lora_tabs[id(weights)] = (weights, tab, rmax)
+        self._lora_tabs[id(weights)] = (weights, tab, rmax, held)
         return tab, rmax
 
     def _lora_args(self, lb: LoraBatch, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:

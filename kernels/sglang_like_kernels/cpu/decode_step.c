@@ -40,16 +40,22 @@ static void add_bias_team(float *y, const float *bias, int64_t T, int64_t N) {
         for (int64_t j = 0; j < N; j++) y[t * N + j] += bias[j];
 }
 // LoRA deltas (layers/lora.py's math): for each row t on an adapter s (lora_rows[t] >= 0) whose
-// entry for this layer's linear `which` is (A [R, K], B [N, R], R) (lora_tab [S][L][4][3];
-// A 0: the adapter leaves the linear alone), y_t += B @ (A @ x_t), float32, in two phases
-// (u = A x over rows and ranks, then y over output columns), each a sum in a fixed order
-// whatever the batch: a row's delta does not depend on the rows beside it.
+// entry for this layer's linear `which` is (A [R, K], Bt [R, N], R, cols [R][2]) (lora_tab
+// [S][L][4][4]; A 0: the adapter leaves the linear alone), y_t += B @ (A @ x_t), float32, in
+// two phases: u = A x over rows and ranks, then y over blocks of 16 output columns, each
+// column summing its ranks in order. Bt is B transposed, so a rank's 16 columns are one
+// vector; cols[r] = [c0, c1) holds rank r's nonzero columns (a fused q/k/v or gate/up B is
+// block diagonal: most of it is zeros, skipped, which adds nothing). Each sum runs in a fixed
+// order whatever the batch: a row's delta does not depend on the rows beside it.
 typedef struct {
     const int64_t *rows;  // [T]: adapter index or -1
-    const int64_t *tab;   // [S][L][4][3]
+    const int64_t *tab;   // [S][L][4][4]
     int64_t L, rmax;
     float *u;  // [T, rmax] scratch
 } lora_rows_t;
+
+#define LORA_FIELDS 4
+#define LORA_COLS 16
 
 static void lora_team(const lora_rows_t *lo, int64_t l, int which, const float *x, int64_t ldx,
                       int64_t K, float *y, int64_t N, int64_t T) {
@@ -58,7 +64,7 @@ static void lora_team(const lora_rows_t *lo, int64_t l, int which, const float *
     for (int64_t i = 0; i < T * rmax; i++) {
         const int64_t t = i / rmax, r = i % rmax, s = lo->rows[t];
         if (s < 0) continue;
-        const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * 3;
+        const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * LORA_FIELDS;
         if (!e[0] || r >= e[2]) continue;
         const float *a = (const float *)e[0] + r * K, *xt = x + t * ldx;
         float acc = 0.0f;
@@ -67,17 +73,26 @@ static void lora_team(const lora_rows_t *lo, int64_t l, int which, const float *
         lo->u[t * rmax + r] = acc;
     }
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t nb = 0; nb < (N + LORA_COLS - 1) / LORA_COLS; nb++) {
+        const int64_t n0 = nb * LORA_COLS;
+        const int w = (int)(N - n0 < LORA_COLS ? N - n0 : LORA_COLS);
         for (int64_t t = 0; t < T; t++) {
             const int64_t s = lo->rows[t];
             if (s < 0) continue;
-            const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * 3;
+            const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * LORA_FIELDS;
             if (!e[0]) continue;
-            const int64_t R = e[2];
-            const float *b = (const float *)e[1] + n * R, *ut = lo->u + t * rmax;
-            float acc = 0.0f;
-            for (int64_t r = 0; r < R; r++) acc += b[r] * ut[r];
-            y[t * N + n] += acc;
+            const int64_t R = e[2], *cols = (const int64_t *)e[3];
+            const float *bt = (const float *)e[1], *ut = lo->u + t * rmax;
+            float acc[LORA_COLS] = {0};
+            for (int64_t r = 0; r < R; r++) {
+                if (cols[2 * r] >= n0 + w || cols[2 * r + 1] <= n0) continue;
+                const float ur = ut[r], *b = bt + r * N + n0;
+#pragma omp simd
+                for (int j = 0; j < w; j++) acc[j] += b[j] * ur;
+            }
+            float *yt = y + t * N + n0;
+#pragma omp simd
+            for (int j = 0; j < w; j++) yt[j] += acc[j];
         }
     }
 }
@@ -124,7 +139,7 @@ void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_
 // positions[t]. aux_slot [L]: -1, or where the residual entering the layer goes in features
 // [T, n_aux * H] (EAGLE-3's capture). pool_kind: ops.h's KV_*; kv_scales [L, 2] (NULL for a
 // float pool): each layer's K and V scale addresses ([S, Hkv] float32). LoRA (lora_rows NULL:
-// none): lora_rows [T] each row's adapter (-1: the base), lora_tab [n_lora][L][4][3] (see
+// none): lora_rows [T] each row's adapter (-1: the base), lora_tab [n_lora][L][4][4] (see
 // lora_team), lora_rmax the largest R. moe_tab [L][MOE_FIELDS] (NULL: every layer dense): a
 // row with experts makes that layer's MLP a mixture of experts (moe.c's phases, in place of
 // gate_up / act / down; ptrs' MLP weights unused there). Returns 0; -1 when scratch memory could not be

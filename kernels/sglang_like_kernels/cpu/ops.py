@@ -250,7 +250,8 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     the cos/sin pair of the layers whose RoPE is "local". A quantized `pool_dtype` (int8,
     fp8) needs `kv_scales` int64 [L, 2]: each layer's K and V scale addresses ([S, Hkv]
     float32, as `decode_attention_rope`'s k_scale / v_scale). `lora`: (rows int64 [T], each
-    row's adapter index or -1; tab int64 [S, L, 4, 3], adapter s's (A address, B address, R)
+    row's adapter index or -1; tab int64 [S, L, 4, 4], adapter s's (A [R, K] address, B.T
+    [R, N] address, R, address of int64 [R, 2] holding each rank's nonzero columns [c0, c1))
     for layer l's qkv, o, gate_up, down, A 0 where it has none; the largest R): each row
     adds its adapter's float32 B @ (A @ x) to those linears' outputs. `moe` int64
     [L, MOE_FIELDS] (None: every layer dense): a row with experts (`moe_layer`'s fields) makes
@@ -284,8 +285,8 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     if lora is not None:
         lora_rows, lora_tab, rmax = lora
         if tuple(lora_rows.shape) != (t,) or lora_tab.dim() != 4 or tuple(
-                lora_tab.shape[1:]) != (num_layers, 4, 3):
-            raise ValueError(f"lora: rows [{t}] and a table [S, {num_layers}, 4, 3]")
+                lora_tab.shape[1:]) != (num_layers, 4, 4):
+            raise ValueError(f"lora: rows [{t}] and a table [S, {num_layers}, 4, 4]")
         n_lora = lora_tab.shape[0]
     rc = _lib(variant).decode_step_x16(
         num_layers, t, h, num_heads, num_kv_heads, head_dim, intermediate, x.data_ptr(),
