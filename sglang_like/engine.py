@@ -125,11 +125,14 @@ class Engine:
         `priority` (with `enable_priority_scheduling`; SGLang's and vLLM's field): the place
         in the queue of the request (of every prompt of a batch): a higher value first, or a
         lower one with `schedule_low_priority_values_first`. Without it: None or 0 only."""
-        reqs, is_batch = self._make_reqs(prompt, sampling_params, input_ids, return_logprob,
-                                         logprob_start_len, top_logprobs_num, stream, rid,
-                                         (bootstrap_host, bootstrap_port, bootstrap_room),
-                                         cache_salt, lora_path, image_data, pooling,
-                                         priority)
+        try:
+            reqs, is_batch = self._make_reqs(
+                prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                top_logprobs_num, stream, rid, (bootstrap_host, bootstrap_port, bootstrap_room),
+                cache_salt, lora_path, image_data, pooling, priority)
+        except ValueError as exc:
+            self._refuse_pd_rooms((bootstrap_host, bootstrap_port, bootstrap_room), exc)
+            raise
         handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
         if stream:
             return self._stream_sync(handles[0], is_batch)
@@ -165,10 +168,15 @@ class Engine:
             (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt, lora_path, image_data,
             pooling, priority)
         loop = asyncio.get_running_loop()
-        if prompt is None:
-            reqs, is_batch = make()
-        else:
-            reqs, is_batch = await loop.run_in_executor(self._tokenize_pool(), make)
+        try:
+            if prompt is None:
+                reqs, is_batch = make()
+            else:
+                reqs, is_batch = await loop.run_in_executor(self._tokenize_pool(), make)
+        except ValueError as exc:
+            await loop.run_in_executor(None, self._refuse_pd_rooms,
+                                       (bootstrap_host, bootstrap_port, bootstrap_room), exc)
+            raise
         handles = [self._submit(r, return_text_in_logprobs, loop) for r in reqs]
         if stream:
             return self._stream_async(handles[0], is_batch)
@@ -239,6 +247,21 @@ class Engine:
         """None while the engine serves; otherwise why not: its process or loop died or was
         stopped, or one scheduler step has run past `watchdog_timeout` (a stuck forward)."""
         return self._client.check_health()
+
+    def _refuse_pd_rooms(self, bootstrap: tuple[Any, Any, Any], exc: ValueError) -> None:
+        """A PD request refused here (a 400): the other worker of its pair is told now, not
+        after its transfer timeout, and the error, raised from `exc`, names this worker's
+        role. Returns (the caller re-raises `exc`) when no valid room was given."""
+        rooms = _refusable_rooms(bootstrap, self.server_args.disaggregation_allowed_peers)
+        if not rooms:
+            return
+        try:
+            mode = self._client.call("refuse_bootstrap_rooms", rooms=rooms, message=str(exc))
+        except Exception:  # noqa: BLE001 - the request's own error is the one to report
+            logger.exception("could not refuse bootstrap rooms %s", rooms)
+            return
+        if mode in ("prefill", "decode"):
+            raise ValueError(f"this {mode} worker refuses the request: {exc}") from exc
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; False while requests are queued or running."""
@@ -641,6 +664,28 @@ def _bootstrap_per_item(bootstrap: tuple[Any, Any, Any], num_items: int,
         if port is not None and not (isinstance(port, int) and 0 < port < 65536):
             raise ValueError(f"bootstrap_port must be a port number, got {port!r}")
     return list(zip(*columns, strict=True))
+
+
+def _refusable_rooms(bootstrap: tuple[Any, Any, Any], allowed: tuple[str, ...]
+                     ) -> list[tuple[str, int, int]]:
+    """The well-formed (host, port, room) entries of a refused request's bootstrap fields,
+    with the defaults the core applies; hosts this worker may not reach are left out."""
+    host, port, room = bootstrap
+    rooms = room if isinstance(room, list) else [room]
+    hosts = host if isinstance(host, list) and len(host) == len(rooms) else [host] * len(rooms)
+    ports = port if isinstance(port, list) and len(port) == len(rooms) else [port] * len(rooms)
+    out = []
+    for h, p, r in zip(hosts, ports, rooms, strict=True):
+        h, p = h or "127.0.0.1", p or 8998
+        if not (isinstance(r, int) and 0 <= r < 1 << 63 and isinstance(h, str)
+                and isinstance(p, int) and 0 < p < 65536):
+            continue
+        try:
+            check_bootstrap_peer(h, allowed)
+        except ValueError:
+            continue
+        out.append((h, p, r))
+    return out
 
 
 def _raise_bad_input(out: dict, is_batch: bool) -> dict:

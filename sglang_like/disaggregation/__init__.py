@@ -21,9 +21,12 @@ from sglang_like.config import DISAGGREGATION_MODES
 
 
 def build_manager(mode: str, kv: Any, req_to_token_pool: Any, host: str, bootstrap_port: int,
-                  timeout_s: float, wake: Any, secret: bytes, vocab_size: int) -> Any:
+                  timeout_s: float, wake: Any, secret: bytes, vocab_size: int,
+                  loras: Any = None) -> Any:
     """The scheduler's `disagg` for `mode` (None for "null"); `secret`: the cluster's
-    (channel.cluster_secret), `vocab_size`: the bound of a first token a decode worker takes."""
+    (channel.cluster_secret), `vocab_size`: the bound of a first token a decode worker takes,
+    `loras`: the scheduler's LoraRegistry (None: LoRA off), which a prefill worker checks a
+    registered room's adapter against."""
     if mode not in DISAGGREGATION_MODES:
         raise ValueError(f"disaggregation mode must be one of {', '.join(DISAGGREGATION_MODES)}"
                          f"; got {mode!r}")
@@ -31,7 +34,7 @@ def build_manager(mode: str, kv: Any, req_to_token_pool: Any, host: str, bootstr
         from sglang_like.disaggregation.prefill import PrefillManager
 
         return PrefillManager(kv, req_to_token_pool, host, bootstrap_port, timeout_s, wake,
-                              secret=secret)
+                              secret=secret, loras=loras)
     if mode == "decode":
         from sglang_like.disaggregation.decode import DecodeManager
 

@@ -68,6 +68,7 @@ class _Peer:
     nonces: list[int] = dataclasses.field(default_factory=list)  # of the last pings
     pending: list[bytes] = dataclasses.field(default_factory=list)  # Registers to send
     idle_since: float = 0.0
+    refusal: str | None = None  # why no room is registered with it (its pool's dtype)
 
 
 class DecodeManager:
@@ -104,24 +105,41 @@ class DecodeManager:
             if state is None:
                 return  # not a peer of ours (any more)
             if isinstance(msg, m.Pong):
-                if msg.seq not in state.nonces:
-                    return  # not an answer to us: a replay proves nothing
+                if not self._on_pong(peer, state, msg, now):
+                    return
+            else:
+                if not state.verified or msg.room not in state.rooms:
+                    return  # only a room registered with this very peer is its to report on
                 state.last_heard = now
-                if not state.verified:
-                    state.verified = True
-                    for data_out in state.pending:
-                        self.channel.send(peer, data_out)
-                    state.pending.clear()
-                return
-            if not state.verified or msg.room not in state.rooms:
-                return  # only a room registered with this very peer is its to report on
-            state.last_heard = now
-            state.rooms.discard(msg.room)
-            if not state.rooms:
-                state.idle_since = now
-            self._deadlines.pop(msg.room, None)
-            self._events.append((peer, msg))
+                state.rooms.discard(msg.room)
+                if not state.rooms:
+                    state.idle_since = now
+                self._deadlines.pop(msg.room, None)
+                self._events.append((peer, msg))
         self._wake()
+
+    def _on_pong(self, peer: bytes, state: _Peer, msg: m.Pong, now: float) -> bool:
+        """A Pong (under the lock): the first answer to our nonce verifies the peer, and
+        either sends its pending Registers or refuses it; True when the loop has news."""
+        if msg.seq not in state.nonces:
+            return False  # not an answer to us: a replay proves nothing
+        state.last_heard = now
+        if state.verified:
+            return False
+        state.verified = True
+        if msg.kv_dtype != self.kv.kv_dtype:
+            # its KV would be read as codes of another type: garbage, not an error
+            state.refusal = (
+                f"the prefill worker {peer.decode()} keeps its KV pool as "
+                f"{msg.kv_dtype or 'unknown'}, this decode worker as {self.kv.kv_dtype}: "
+                "both workers need the same --kv-cache-dtype")
+            state.pending.clear()
+            self._events.append(("refused", peer))
+            return True
+        for data_out in state.pending:
+            self.channel.send(peer, data_out)
+        state.pending.clear()
+        return False
 
     def _ping(self, peer: bytes, state: _Peer, now: float) -> None:
         nonce = secrets.randbits(63)
@@ -172,7 +190,9 @@ class DecodeManager:
         """A Register tells where our KV pool lies: it goes to a verified peer only."""
         with self._lock:
             state = self._peers[peer]
-            if state.verified:
+            if state.refusal is not None:
+                self._events.append(("refused", peer))  # ends the room in the next poll
+            elif state.verified:
                 self.channel.send(peer, data)
             else:
                 state.pending.append(data)
@@ -190,6 +210,20 @@ class DecodeManager:
     @property
     def has_news(self) -> bool:
         return bool(self._events) or bool(self._queue)
+
+    def refuse(self, rooms: list[tuple[str, int, int]], message: str) -> None:
+        """This worker turned away PD requests (a 400 at its door): tell their prefill
+        workers, whose halves would otherwise wait for a registration until the timeout."""
+        now = time.perf_counter()
+        with self._lock:
+            for host, port, room in rooms:
+                peer = f"{host}:{port}".encode()
+                if peer not in self._peers:
+                    if len(self._peers) >= MAX_PEERS:
+                        continue
+                    # no room: its socket closes after IDLE_CLOSE_S (the message is gone by then)
+                    self._peers[peer] = _Peer(idle_since=now)
+                self.channel.send(peer, m.encode(m.Refuse(room, message)))
 
     def add(self, req: Req) -> None:
         host, port, room = req.bootstrap
@@ -252,7 +286,8 @@ class DecodeManager:
             self._transferring[state.room] = req
             self._watch(state.peer, state.room, state.deadline)
             self._send_register(state.peer, m.encode(m.Register(
-                state.room, self.kv.layout, state.start, slots, req.prompt_len)))
+                state.room, self.kv.layout, state.start, slots, req.prompt_len,
+                lora_name=req.lora_name)))
 
     def _apply(self, event: Any, ctx: DisaggContext, touched: list[Req]) -> None:
         if event[0] == "dead":
@@ -265,6 +300,17 @@ class DecodeManager:
                     del self._transferring[room]
                     self._fail(req, f"the prefill worker {peer.decode()} stopped answering "
                                     f"(no reply for {PEER_DEAD_S:g} s)", ctx, touched)
+            return
+        if event[0] == "refused":  # nothing was registered with it: nothing can be written
+            peer = event[1]
+            with self._lock:
+                state = self._peers.get(peer)
+                refusal = state.refusal if state is not None else None
+            for room, req in list(self._transferring.items()):
+                if req.pd.peer == peer and refusal is not None:
+                    del self._transferring[room]
+                    self._room_ended(peer, room)
+                    self._fail(req, refusal, ctx, touched)
             return
         if event[0] == "late":
             held = self._quarantine.pop(event[1], None)
@@ -295,7 +341,9 @@ class DecodeManager:
         if isinstance(event, m.Done):
             self._commit(req, event, ctx, touched)
         elif isinstance(event, m.Failed):
-            self._fail(req, f"the prefill worker failed: {event.message}", ctx, touched)
+            how = "refused the request" if event.status_code == 400 else "failed"
+            self._fail(req, f"the prefill worker {how}: {event.message}", ctx, touched,
+                       status_code=event.status_code)
         else:  # Cancelled without our cancel: nothing more comes for it
             self._fail(req, "the prefill worker cancelled the transfer", ctx, touched)
 
@@ -316,10 +364,11 @@ class DecodeManager:
         req.pd = None
         ctx.join_running(req, done.token, done.logprob, done.top_logprobs, touched)
 
-    def _fail(self, req: Req, message: str, ctx: DisaggContext, touched: list[Req]) -> None:
+    def _fail(self, req: Req, message: str, ctx: DisaggContext, touched: list[Req],
+              status_code: int | None = None) -> None:
         """End a transferring request whose slots nobody will write any more."""
         ctx.cache.allocator.free(req.pd.slots)
-        self._end(req, message, ctx, touched)
+        self._end(req, message, ctx, touched, status_code)
 
     def _give_up(self, req: Req, message: str, ctx: DisaggContext, touched: list[Req]) -> None:
         """End a transferring request whose prefill worker may still write its slots: they
@@ -330,9 +379,10 @@ class DecodeManager:
         self.channel.send(state.peer, m.encode(m.Cancel(state.room)))
         self._end(req, message, ctx, touched)
 
-    def _end(self, req: Req, message: str, ctx: DisaggContext, touched: list[Req]) -> None:
+    def _end(self, req: Req, message: str, ctx: DisaggContext, touched: list[Req],
+             status_code: int | None = None) -> None:
         self.num_failed += 1
-        req.finish(FinishReason("abort", message=message))
+        req.finish(FinishReason("abort", message=message, status_code=status_code))
         req.pd = None
         ctx.cache.release(req)
         touched.append(req)

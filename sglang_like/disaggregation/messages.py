@@ -3,7 +3,7 @@
 The decode worker opens a DEALER socket to each prefill worker's bootstrap port (a ROUTER);
 everything travels on that one channel:
 
-    decode -> prefill   Register (where to write a room's KV), Ping, Cancel
+    decode -> prefill   Register (where to write a room's KV), Ping, Cancel, Refuse
     prefill -> decode   Done (the KV is written; here is the first token), Failed, Pong,
                         Cancelled
 
@@ -36,6 +36,12 @@ class KVLayout(msgspec.Struct, frozen=True):
     k_addrs: list[int]  # per layer: address of K slot 0
     v_addrs: list[int]
     slot_bytes: int  # one slot of one layer's K (or V): kv heads x head dim x element size
+    kv_dtype: str  # the pool's element type ("bfloat16", "int8", "float8_e4m3fn", ...)
+    # a quantized pool's float32 scales (one per slot and KV head), per layer; empty, 0 for a
+    # float pool
+    k_scale_addrs: list[int] = []
+    v_scale_addrs: list[int] = []
+    scale_slot_bytes: int = 0
 
 
 class Register(msgspec.Struct, tag="register", frozen=True):
@@ -47,6 +53,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     start: int
     slots: list[int]
     prompt_len: int
+    lora_name: str | None = None  # the adapter the decode worker serves the request with
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
@@ -55,12 +62,23 @@ class Ping(msgspec.Struct, tag="ping", frozen=True):
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):
     seq: int
+    # the prefill worker's pool dtype: the decode worker registers no room with a worker
+    # whose KV it could not read
+    kv_dtype: str = ""
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     """Decode -> prefill: the decode side gave the room up: stop writing to its slots."""
 
     room: int
+
+
+class Refuse(msgspec.Struct, tag="refuse", frozen=True):
+    """Decode -> prefill: the decode worker turned the room's request away at its door (a
+    400: an adapter it lacks, ...): end your half of it now, not after the timeout."""
+
+    room: int
+    message: str
 
 
 class Cancelled(msgspec.Struct, tag="cancelled", frozen=True):
@@ -83,9 +101,10 @@ class Done(msgspec.Struct, tag="done", frozen=True):
 class Failed(msgspec.Struct, tag="failed", frozen=True):
     room: int
     message: str
+    status_code: int | None = None  # 400: the request cannot be served by this pair as sent
 
 
-ToPrefill = Register | Ping | Cancel
+ToPrefill = Register | Ping | Cancel | Refuse
 ToDecode = Done | Failed | Pong | Cancelled
 
 _encoder = msgspec.msgpack.Encoder()

@@ -108,14 +108,18 @@ class PrefillManager:
 
     def __init__(self, kv: MooncakeKVTransfer, req_to_token_pool: Any, host: str,
                  bootstrap_port: int, timeout_s: float, wake: Any, *,
-                 secret: bytes) -> None:
+                 secret: bytes, loras: Any = None) -> None:
         self.kv = kv
+        self.loras = loras  # the scheduler's LoraRegistry (None: LoRA off), read on the loop
         self.req_to_token_pool = req_to_token_pool
         self.timeout_s = timeout_s
         self._wake = wake
         self._lock = threading.Lock()
         self._registrations: dict[int, tuple[bytes, m.Register, float]] = {}
         self._cancels: list[tuple[bytes, int]] = []
+        # rooms whose request one side turned away (400): room -> (why, when); the other
+        # half of it ends at once when it comes (or is here)
+        self._refused: dict[int, tuple[str, float]] = {}
         self._room_peers: dict[int, bytes] = {}  # room -> the peer that registered it
         self._news = False
         self._waiting: dict[int, tuple[Req, float]] = {}  # room -> (req, deadline)
@@ -134,7 +138,7 @@ class PrefillManager:
     def _on_message(self, peer: bytes, data: bytes) -> None:
         msg = m.decode_to_prefill(data)
         if isinstance(msg, m.Ping):
-            self.channel.send(peer, m.encode(m.Pong(msg.seq)))
+            self.channel.send(peer, m.encode(m.Pong(msg.seq, self.kv.kv_dtype)))
             return
         with self._lock:
             owner = self._room_peers.get(msg.room)
@@ -153,6 +157,24 @@ class PrefillManager:
                 if owner is None:
                     return  # nothing of that peer's to cancel
                 self._cancels.append((peer, msg.room))
+            elif isinstance(msg, m.Refuse):
+                self._note_refused(msg.room,
+                                   f"the decode worker refused the request: {msg.message}")
+            self._news = True
+        self._wake()
+
+    def _note_refused(self, room: int, why: str) -> None:
+        """(Under the lock.) Remember a refused room, a bounded number of them."""
+        if len(self._refused) >= MAX_REGISTRATIONS:
+            del self._refused[next(iter(self._refused))]
+        self._refused[room] = (why, time.perf_counter())
+
+    def refuse(self, rooms: list[tuple[str, int, int]], message: str) -> None:
+        """This worker turned away a PD request (a 400 at its door): the decode side's
+        registration of its room is answered with that, not left to time out."""
+        with self._lock:
+            for _, _, room in rooms:
+                self._note_refused(room, message)  # the decode side says who refused
             self._news = True
         self._wake()
 
@@ -174,6 +196,9 @@ class PrefillManager:
                 self.channel.send(peer, m.encode(m.Failed(
                     room, f"the prefill worker got no request for bootstrap room {room} "
                           f"within {self.timeout_s:g} s")))
+            for room, (_, t) in list(self._refused.items()):
+                if now - t > self.timeout_s:  # its other half would have come by now
+                    del self._refused[room]
             if late:
                 self._news = True
         if late:
@@ -187,6 +212,11 @@ class PrefillManager:
     def add(self, req: Req) -> None:
         """A request of a PD pair: it waits for its room's registration."""
         room = req.bootstrap[2]
+        with self._lock:
+            refused = self._refused.get(room)
+        if refused is not None:
+            req.finish(FinishReason("abort", status_code=400, message=refused[0]))
+            return
         if room in self._waiting or room in self._active:
             req.finish(FinishReason("abort", status_code=400, message=(
                 f"bootstrap room {room} is already in use on this prefill worker")))
@@ -204,12 +234,36 @@ class PrefillManager:
         with self._lock:
             self._news = False
             cancels, self._cancels = self._cancels, []
-            ready = [r for r in self._waiting if r in self._registrations]
+            ready = [r for r in self._waiting
+                     if r in self._registrations and r not in self._refused]
             regs = {r: self._registrations.pop(r) for r in ready}
+            # a registered room this worker cannot serve: its request was refused at this
+            # worker's door (or will be: an adapter not loaded here), so the decode side
+            # hears it now rather than after the timeout
+            unservable: dict[int, tuple[bytes, str]] = {}
+            for room, (peer, reg, _) in list(self._registrations.items()):
+                why = self._adapter_problem(reg.lora_name) or (
+                    self._refused[room][0] if room in self._refused else None)
+                if why is not None:
+                    unservable[room] = (peer, why)
+                    del self._registrations[room]
+                    self._room_peers.pop(room, None)
+            refused = {r: self._refused[r][0] for r in self._waiting if r in self._refused}
+        for room, why in refused.items():
+            req, _ = self._waiting.pop(room)
+            req.finish(FinishReason("abort", status_code=400, message=why))
+            touched.append(req)
+        for room, (peer, why) in unservable.items():
+            self.channel.send(peer, m.encode(m.Failed(room, why, status_code=400)))
         now = time.perf_counter()
         for room, (peer, reg, t_reg) in regs.items():
             req, _ = self._waiting.pop(room)
             problem = self.kv.check_peer(reg.layout)
+            status = None
+            if problem is None and reg.lora_name != req.lora_name:
+                problem = (f"the decode worker serves this request with LoRA adapter "
+                           f"{reg.lora_name!r}, this prefill worker with {req.lora_name!r}")
+                status = 400
             if problem is None and reg.prompt_len != req.prompt_len:
                 problem = (f"the decode worker tokenized the prompt to {reg.prompt_len} "
                            f"tokens, this worker to {req.prompt_len} (different tokenizers?)")
@@ -217,8 +271,9 @@ class PrefillManager:
                 problem = "the registration does not cover the prompt"
             if problem is not None:
                 self._forget_room(room)
-                self.channel.send(peer, m.encode(m.Failed(room, problem)))
-                req.finish(FinishReason("abort", message=f"disaggregation: {problem}"))
+                self.channel.send(peer, m.encode(m.Failed(room, problem, status_code=status)))
+                req.finish(FinishReason("abort", message=f"disaggregation: {problem}",
+                                        status_code=status))
                 touched.append(req)
                 continue
             state = PrefillRoom(room, peer, reg, sent_upto=reg.start, t_registered=t_reg)
@@ -246,6 +301,19 @@ class PrefillManager:
             self.channel.send(peer, m.encode(m.Cancelled(room)))
         self._first_deadline = min((d for _, d in self._waiting.values()), default=float("inf"))
         self.report_ended()
+
+    def _adapter_problem(self, name: str | None) -> str | None:
+        """Why a room served with LoRA adapter `name` cannot be prefilled here (None: it can)."""
+        if name is None:
+            return None
+        where = f"the prefill worker with bootstrap port {self.bootstrap_port}"
+        if self.loras is None:
+            return f"LoRA adapter {name!r} is not loaded on {where}: LoRA is not enabled there"
+        if name not in self.loras:
+            return (f"LoRA adapter {name!r} is not loaded on {where} (loaded: "
+                    f"{', '.join(self.loras.names()) or 'none'}); a PD request's adapter must be "
+                    "loaded on both workers")
+        return None
 
     def before_forward(self, batch: ScheduleBatch) -> Callable[[int], None] | None:
         """The layer hook for this batch (None when no request of it sends KV)."""

@@ -71,6 +71,7 @@ class EngineCore:
 
     RPC_METHODS = ("get_server_info", "get_load", "flush_cache", "get_stats", "cache_tree",
                    "cache_node", "cache_match", "switch_disaggregation_mode",
+                   "refuse_bootstrap_rooms",
                    "install_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 
     def __init__(self, server_args: ServerArgs, hooks: LoopHooks | None = None) -> None:
@@ -144,7 +145,7 @@ class EngineCore:
         manager = build_manager(mode, self._kv_transfer, self.runner.req_to_token_pool,
                                 sa.host, bootstrap_port, sa.disaggregation_transfer_timeout,
                                 lambda: self.loop.put_command("wake"), secret,
-                                self.model_config.vocab_size)
+                                self.model_config.vocab_size, loras=self.scheduler.loras)
         old, self.scheduler.disagg = self.scheduler.disagg, manager
         if old is not None:
             old.close()
@@ -236,6 +237,20 @@ class EngineCore:
         self._set_disaggregation_mode(mode, port)
         return {"switched": True, "mode": mode, "bootstrap_port": port}
 
+    def refuse_bootstrap_rooms(self, rooms: list[list[Any]], message: str) -> str:
+        """PD requests ((host, port, room) each) turned away at this worker's door: the other
+        half of each pair is told at once (the managers' `refuse`); this worker's role."""
+        if self.scheduler.disagg is not None:
+            self.scheduler.disagg.refuse([(h, p, r) for h, p, r in rooms], message)
+        return self.disaggregation_mode
+
+    def _pool_format(self) -> dict[str, Any]:
+        """The KV pool's element type (int8 / fp8 codes or a float; the server info's
+        kv_cache_dtype) and bytes a token takes over every layer, scales included."""
+        pool = self.runner.kv_pool
+        return {"dtype": str(pool.k_buffers[0].dtype).removeprefix("torch."),
+                "bytes_per_slot": pool.bytes_per_slot}
+
     # ---- what the dashboard reads (server/dashboard): small answers, no tree mutation ------
     @_dashboard_call
     def get_stats(self) -> dict[str, Any]:
@@ -245,7 +260,7 @@ class EngineCore:
         return {
             "t": time.monotonic(),
             "kv_pool": {**s.kv_pool_info(), "evictable_slots": tree.evictable_size,
-                        "locked_slots": tree.protected_size},
+                        "locked_slots": tree.protected_size, **self._pool_format()},
             **self._counters(),
             "num_tree_nodes": tree.num_nodes,
             "evicted_tokens": tree.evicted_tokens,

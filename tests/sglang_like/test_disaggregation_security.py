@@ -36,12 +36,14 @@ def _free_port() -> int:
 
 
 class FakePrefill:
-    """The review's script: a ROUTER on a port that pongs every ping and answers every
-    Register with Done(token=10**9), signed with `secret` (None: unsigned, as an outsider)."""
+    """The review's script: a ROUTER on a port that pongs every ping (claiming a pool of
+    `kv_dtype`, the decode worker's) and answers every Register with Done(token=10**9),
+    signed with `secret` (None: unsigned, as an outsider)."""
 
-    def __init__(self, secret: bytes | None) -> None:
+    def __init__(self, secret: bytes | None, kv_dtype: str) -> None:
         self.port = _free_port()
         self.secret = secret
+        self.kv_dtype = kv_dtype
         self.registers: list[m.Register] = []
         self._stop = threading.Event()
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -67,7 +69,7 @@ class FakePrefill:
             except msgspec.DecodeError:
                 continue
             if isinstance(msg, m.Ping):
-                self._send(peer, m.Pong(msg.seq))
+                self._send(peer, m.Pong(msg.seq, self.kv_dtype))
             elif isinstance(msg, m.Register):
                 self.registers.append(msg)
                 self._send(peer, m.Done(msg.room, 10**9))
@@ -98,7 +100,7 @@ def _pd_generate(engine: Engine, ids: list[int], port: int, room: int) -> dict:
                          ids=["unsigned", "wrong-secret", "the-secret"])
 def test_fake_prefill_neither_poisons_the_tree_nor_ends_others(
         decode: Engine, fake_secret: bytes | None) -> None:
-    fake = FakePrefill(fake_secret)
+    fake = FakePrefill(fake_secret, decode.get_server_info()["kv_cache_dtype"])
     text = f"A prompt the fake prefill worker answers for ({fake_secret!r})."
     ids = decode.tokenizer.encode(text)
     try:
@@ -163,7 +165,7 @@ def _prefill() -> PrefillManager:
 
 
 def _register(room: int) -> bytes:
-    layout = m.KVLayout("127.0.0.1:1", [1], [2], 8)
+    layout = m.KVLayout("127.0.0.1:1", [1], [2], 8, "bfloat16")
     return m.encode(m.Register(room, layout, 0, [1, 2], 2))
 
 
@@ -197,9 +199,9 @@ def test_registrations_are_bounded() -> None:
 
 
 def test_decode_side_hears_only_verified_peers_about_their_own_rooms() -> None:
-    layout = m.KVLayout("127.0.0.1:1", [1], [2], 8)
-    dm = DecodeManager(SimpleNamespace(layout=layout), 60.0, lambda: None, secret=b"k",
-                       vocab_size=100)
+    layout = m.KVLayout("127.0.0.1:1", [1], [2], 8, "bfloat16")
+    dm = DecodeManager(SimpleNamespace(layout=layout, kv_dtype="bfloat16"), 60.0,
+                       lambda: None, secret=b"k", vocab_size=100)
     sent: list[tuple[bytes, bytes]] = []
     dm.channel.send = lambda peer, data: sent.append((peer, data))  # type: ignore
     try:
@@ -210,9 +212,9 @@ def test_decode_side_hears_only_verified_peers_about_their_own_rooms() -> None:
         assert [p for p, _ in sent] == [b"p1:1", b"p2:2"]
         nonce = m.decode_to_prefill(sent[0][1]).seq
         dm._on_message(b"p1:1", m.encode(m.Done(11, 5)))  # unverified: not heard
-        dm._on_message(b"p1:1", m.encode(m.Pong(nonce + 1)))  # not our nonce
+        dm._on_message(b"p1:1", m.encode(m.Pong(nonce + 1, "bfloat16")))  # not our nonce
         assert dm._events == [] and not dm._peers[b"p1:1"].verified
-        dm._on_message(b"p1:1", m.encode(m.Pong(nonce)))
+        dm._on_message(b"p1:1", m.encode(m.Pong(nonce, "bfloat16")))
         assert dm._peers[b"p1:1"].verified and sent[-1] == (b"p1:1", b"register-11")
         dm._on_message(b"p1:1", m.encode(m.Failed(22, "not yours")))  # p2's room
         dm._on_message(b"unknown:3", m.encode(m.Failed(11, "who?")))
