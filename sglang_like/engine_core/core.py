@@ -244,13 +244,6 @@ class EngineCore:
             self.scheduler.disagg.refuse([(h, p, r) for h, p, r in rooms], message)
         return self.disaggregation_mode
 
-    def _pool_format(self) -> dict[str, Any]:
-        """The KV pool's element type (int8 / fp8 codes or a float; the server info's
-        kv_cache_dtype) and bytes a token takes over every layer, scales included."""
-        pool = self.runner.kv_pool
-        return {"dtype": str(pool.k_buffers[0].dtype).removeprefix("torch."),
-                "bytes_per_slot": pool.bytes_per_slot}
-
     # ---- what the dashboard reads (server/dashboard): small answers, no tree mutation ------
     @_dashboard_call
     def get_stats(self) -> dict[str, Any]:
@@ -267,6 +260,13 @@ class EngineCore:
             "spec_accept_lengths": {str(k): v for k, v in s.spec_accept_lengths.items()},
             "latency": self.loop.request_latency.summary(),
         }
+
+    def _pool_format(self) -> dict[str, Any]:
+        """The KV pool's element type (int8 / fp8 codes or a float; the server info's
+        kv_cache_dtype) and bytes a token takes over every layer, scales included."""
+        pool = self.runner.kv_pool
+        return {"dtype": str(pool.k_buffers[0].dtype).removeprefix("torch."),
+                "bytes_per_slot": pool.bytes_per_slot}
 
     def _counters(self) -> dict[str, Any]:
         """Requests now, and tokens and steps since start (get_server_info and get_stats)."""

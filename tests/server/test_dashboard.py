@@ -231,6 +231,10 @@ def test_stats_endpoint(server):
     pool = stats["kv_pool"]
     assert pool["total_slots"] == 8192
     assert pool["free_slots"] + pool["evictable_slots"] + pool["used_slots"] == 8192
+    # the pool's element type and bytes a token, as /get_server_info says them
+    info = httpx.get(server.url + "/get_server_info", headers=headers).json()
+    assert pool["dtype"] == info["kv_cache_dtype"] == "bfloat16"
+    assert pool["bytes_per_slot"] == info["kv_pool"]["bytes_per_slot"] == 30 * 3 * 64 * 2 * 2
     assert stats["counters"]["num_cached_prompt_tokens"] > 0
     assert stats["latency"]["ttft"]["count"] >= 1 and stats["latency"]["e2e"]["p50"] > 0
     history = stats["history"]

@@ -232,6 +232,7 @@ function showStats(stats) {
   $("v-free").textContent = `${fmtInt(pool.free_slots)} / ${fmtInt(pool.total_slots)}`;
   $("v-evictable").textContent = fmtInt(pool.evictable_slots);
   $("v-in-use").textContent = fmtInt(pool.used_slots);
+  $("v-kv-format").textContent = pool.dtype ? `${pool.dtype} · ${fmtInt(pool.bytes_per_slot)} B` : "–";
   $("v-hit").textContent = fmtPct(now.hit_rate_total);
   $("v-tps").textContent = fmtNum(now.tokens_per_s);
   $("v-nodes").textContent = fmtInt(stats.counters.num_tree_nodes);
