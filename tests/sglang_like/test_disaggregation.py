@@ -125,14 +125,14 @@ def int8_pair() -> Iterator[tuple[Engine, Engine, int]]:
 
 
 def _pd(prefill: Engine, decode: Engine, port: int, room: int, text: str,
-        **kw: object) -> dict[str, dict]:
+        sampling_params: dict = SP, **kw: object) -> dict[str, dict]:
     """The same request to both workers of a pair at once, as the router sends it; each
     side's answer, or the ValueError (a 400) it raised."""
     out: dict = {}
 
     def run(key: str, engine: Engine) -> None:
         try:
-            out[key] = engine.generate(text, SP, bootstrap_host="127.0.0.1",
+            out[key] = engine.generate(text, sampling_params, bootstrap_host="127.0.0.1",
                                        bootstrap_port=port, bootstrap_room=room, **kw)
         except ValueError as exc:
             out[key] = exc
