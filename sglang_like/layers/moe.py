@@ -128,11 +128,21 @@ class SparseMoE(nn.Module):
                 self._native = False
             else:
                 router = self.gate.weight.detach().float().contiguous()
-                layer = cpu_ops.moe_layer(router, *tables, self.top_k,
+                shared = None
+                if tables[2] is not None:  # the shared expert's gate [H] and runs
+                    shared = (self.shared_expert_gate.weight.detach().float().reshape(-1)
+                              .contiguous(), *(t[0] for t in tables[2]),
+                              self.shared_expert.intermediate_size)
+                layer = cpu_ops.moe_layer(router, *tables[:2], self.top_k,
                                           self.experts[0].intermediate_size, self.renormalize,
-                                          self.experts[0].activation)
-                self._native = (layer, router, tables)  # the addresses' owners held with it
+                                          self.experts[0].activation, shared=shared)
+                self._native = (layer, router, tables, shared)  # the addresses' owners
         return self._native[0] if self._native else None
+
+    def native_shared(self, layer: torch.Tensor | None) -> bool:
+        """Whether the native layer `layer` (None: not native) adds the shared expert (moe.c
+        runs it where its linears are kinds it takes; else layers/moe.py adds it in torch)."""
+        return layer is not None and bool(self._native[3] is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.native_layer() if x.device.type == "cpu" and self.native else None
@@ -142,7 +152,7 @@ class SparseMoE(nn.Module):
             weights, ids = route(self.gate(x), self.top_k, self.renormalize)
             out = self.experts_forward(x, weights, ids)
         self.last_routing = ids
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and not self.native_shared(layer):
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x).float()
         out = out.to(self.residual_dtype)
@@ -207,21 +217,32 @@ class SparseMoE(nn.Module):
         return triton_ops.fused_moe(x, stacks[0], stacks[1], weights, ids, first.activation)
 
 
-def _native_tables(moe: SparseMoE) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(gate_up runs, down runs) int64 [E, DECODE_STEP_RUNS, 3] of every expert, or None."""
+def _native_tables(moe: SparseMoE) -> tuple | None:
+    """(gate_up runs, down runs) int64 [E, DECODE_STEP_RUNS, 3] of every expert, then the
+    same pair [1, DECODE_STEP_RUNS, 3] for the shared expert (None without one or where
+    moe.c cannot run it), or None where an expert's linear is not a kind moe.c runs."""
     from sglang_like.layers.native_decode import fused_runs  # the fused step's own reading
 
     if not sglang_like_kernels.cpu.available():
         return None
-    tables = []
-    for which in ("gate_up_proj", "down_proj"):
-        table = torch.zeros(moe.num_experts, cpu_ops.DECODE_STEP_RUNS, 3, dtype=torch.int64)
-        for j, expert in enumerate(moe.experts):
-            lin = getattr(expert, which)
-            runs = None if lin.bias is not None else fused_runs(lin)
-            if runs is None or any(p.device.type != "cpu" for _, p, _ in runs):
-                return None
-            for r, (kind, packed, rows) in enumerate(runs):
-                table[j, r] = torch.tensor([kind, packed.data_ptr(), rows])
-        tables.append(table)
-    return tables[0], tables[1]
+
+    def runs_of(experts) -> list[torch.Tensor] | None:
+        pair = []
+        for which in ("gate_up_proj", "down_proj"):
+            table = torch.zeros(len(experts), cpu_ops.DECODE_STEP_RUNS, 3, dtype=torch.int64)
+            for j, expert in enumerate(experts):
+                lin = getattr(expert, which)
+                runs = None if lin.bias is not None else fused_runs(lin)
+                if runs is None or any(p.device.type != "cpu" for _, p, _ in runs):
+                    return None
+                for r, (kind, packed, rows) in enumerate(runs):
+                    table[j, r] = torch.tensor([kind, packed.data_ptr(), rows])
+            pair.append(table)
+        return pair
+
+    tables = runs_of(moe.experts)
+    if tables is None:
+        return None
+    # a shared expert whose width the kernels do not take (not a multiple of 32) stays in torch
+    shared = runs_of([moe.shared_expert]) if moe.shared_expert is not None else None
+    return tables[0], tables[1], shared

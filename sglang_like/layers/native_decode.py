@@ -440,7 +440,7 @@ class _FusedX16:
     def build(cls, layers: list[DecoderLayerParts], tables: RopeTables) -> _FusedX16 | None:
         """The fused step of these layers, or None where it does not apply: the env switch
         off, a linear not x16 or a GGUF kind (a sparse layer's experts included), an MLP
-        linear with a bias, a sparse layer with a shared expert, a norm not float32 (out) or of
+        linear with a bias, a shared expert moe.c cannot run, a norm not float32 (out) or of
         another eps than the others (the step takes one), layers that differ in shape, more
         window sizes than the step plans for."""
         if os.environ.get(FUSED_ENV, "1").strip() == "0" or not layers:
@@ -458,9 +458,10 @@ class _FusedX16:
                    else (p.moe.experts[0].gate_up_proj,))
             if (any(fused_runs(lin) is None for lin in (p.qkv_proj, p.o_proj, *mlp))
                     or any(lin.bias is not None for lin in mlp)
-                    # a sparse layer: its experts on moe.c, no shared expert (per-op path)
-                    or (p.moe is not None and (p.moe.shared_expert is not None
-                                               or p.moe.native_layer() is None))
+                    # a sparse layer: its experts and any shared expert on moe.c
+                    or (p.moe is not None and (p.moe.native_layer() is None or (
+                        p.moe.shared_expert is not None
+                        and not p.moe.native_shared(p.moe.native_layer()))))
                     or any(n.out_dtype != torch.float32 for n in ins)
                     or any(n.eps != eps or n.weight.dtype != torch.float32
                            for n in (*ins, *outs, *qk))

@@ -76,29 +76,35 @@ def test_router_picks_transformers_experts_on_prefill(family: Any, tmp_path: Any
 H, INTER, E, TOP_K = 256, 256, 8, 2
 
 
-def _moe(quant: str, qtype: str | None) -> SparseMoE:
-    """A random SparseMoE (H x INTER experts, E of them) whose experts are `qtype` GGUF blocks
-    (quant "gguf") or dense weights the method packs (quant "int4")."""
-    config = ModelConfig(architecture="qwen3_moe", vocab_size=16, hidden_size=H,
-                         intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=4, head_dim=64, num_experts=E,
-                         num_experts_per_tok=TOP_K, moe_intermediate_size=INTER,
-                         norm_topk_prob=True)
+def _moe(quant: str, qtype: str | None, shared: int = 0) -> SparseMoE:
+    """A random SparseMoE (H x INTER experts, E of them; with `shared`, Qwen2-MoE's shared
+    expert of that width and its gate) whose experts are `qtype` GGUF blocks (quant "gguf")
+    or dense weights the method packs (quant "int4")."""
+    config = ModelConfig(architecture="qwen2_moe" if shared else "qwen3_moe", vocab_size=16,
+                         hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                         num_experts=E, num_experts_per_tok=TOP_K, moe_intermediate_size=INTER,
+                         norm_topk_prob=True, shared_expert_intermediate_size=shared)
     moe = SparseMoE(config, DecoderLayerDescription(mlp="moe"),
                     QuantConfig(quant, torch.float32))
     gen = torch.Generator().manual_seed(7)
     weights: dict[str, Any] = {}
-    for j in range(E):
-        for name, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)),
-                            ("down_proj", (H, INTER))):
+    experts = [(f"experts.{j}.", INTER, e) for j, e in enumerate(moe.experts)]
+    if shared:
+        experts.append(("shared_expert.", shared, moe.shared_expert))
+    for prefix, inter, _ in experts:
+        for name, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)),
+                            ("down_proj", (H, inter))):
             w = torch.randn(*shape, generator=gen) * 0.05
-            weights[f"experts.{j}.{name}.weight"] = (
+            weights[f"{prefix}{name}.weight"] = (
                 w if qtype is None
                 else GGUFBlockWeight(qtype, shape, quantize(w.numpy().astype(np.float32), qtype)))
-    for j, expert in enumerate(moe.experts):
+    for prefix, _, expert in experts:
         for lin in (expert.gate_up_proj, expert.down_proj):
-            lin.load_weights(weights, f"experts.{j}.", torch.device("cpu"))
+            lin.load_weights(weights, prefix, torch.device("cpu"))
     moe.gate.weight.data = torch.randn(E, H, generator=gen)
+    if shared:
+        moe.shared_expert_gate.weight.data = torch.randn(1, H, generator=gen) * 0.1
     return moe
 
 
@@ -144,6 +150,32 @@ def test_native_experts_equal_a_pairwise_loop(quant: str, qtype: str | None) -> 
         for t in (0, T - 1):
             alone, _, _ = forward(x[t:t + 1], layer, (ids[t:t + 1], w[t:t + 1]))
             assert torch.equal(alone[0], out[t])
+
+
+@native
+@pytest.mark.parametrize(("quant", "qtype"), [("gguf", "Q4_K"), ("int4", None)],
+                         ids=["Q4_K", "int4"])
+def test_native_shared_expert_equals_the_torch_formula(quant: str, qtype: str | None) -> None:
+    """Qwen2-MoE's shared expert runs inside moe.c (the fused step takes such layers): the
+    routed experts' sum plus sigmoid(gate . x) times the shared expert, as layers/moe.py's
+    torch path adds them; a token alone gives the same bits as in a batch, on both sides of
+    the tile kernels' row threshold."""
+    moe = _moe(quant, qtype, shared=512)
+    layer = moe.native_layer()
+    assert layer is not None and int(layer[sglang_like_kernels.cpu.ops.MOE_FIELDS - 4]) == 512
+    gen = torch.Generator().manual_seed(5)
+    for T in (1, 6, 40):
+        x = torch.randn(T, H, generator=gen)
+        out = moe(x)  # the native path, shared expert included
+        w, ids = route(moe.gate(x), TOP_K, True)
+        want = _pairwise(moe, x, w, ids) + (torch.sigmoid(moe.shared_expert_gate(x))
+                                            * moe.shared_expert(x).float())
+        assert (out - want).abs().max().item() <= 1e-5 * want.abs().max().item(), T
+        moe.native = False  # the torch path: experts looped, the shared expert added after
+        assert (moe(x) - want).abs().max().item() <= 1e-5 * want.abs().max().item(), T
+        moe.native = True
+        for t in (0, T - 1):
+            assert torch.equal(moe(x[t:t + 1])[0], out[t])
 
 
 @native

@@ -164,7 +164,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
         for (int64_t t = 0; t < T; t++)
             if (lora_rows[t] >= n_lora) return -2;
     // sparse layers (moe_tab rows with experts): one scratch for the largest of them
-    int64_t moe_E = 0, moe_k = 0, moe_I = 0;
+    int64_t moe_E = 0, moe_k = 0, moe_I = 0, moe_Ish = 0;
     for (int64_t l = 0; moe_tab && l < L; l++) {
         const int64_t *m = moe_tab + l * MOE_FIELDS;
         if (!m[MOE_E]) continue;
@@ -172,10 +172,11 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
         if (m[MOE_E] > moe_E) moe_E = m[MOE_E];
         if (m[MOE_TOP_K] > moe_k) moe_k = m[MOE_TOP_K];
         if (m[MOE_I] > moe_I) moe_I = m[MOE_I];
+        if (m[MOE_SH_I] > moe_Ish) moe_Ish = m[MOE_SH_I];
     }
     moe_scratch ms;
     memset(&ms, 0, sizeof(ms));
-    if (moe_E && moe_scratch_alloc(&ms, T, H, moe_E, moe_k, moe_I)) return -1;
+    if (moe_E && moe_scratch_alloc(&ms, T, H, moe_E, moe_k, moe_I, moe_Ish)) return -1;
     // one attention plan per distinct window (which keys each row reads), shared by its layers
     int64_t windows[DS_PLANS];
     int n_plans = 0;

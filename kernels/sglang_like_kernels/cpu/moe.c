@@ -37,10 +37,16 @@ int moe_layer_check(const int64_t *m, int64_t H) {
         !m[MOE_ROUTER] || !m[MOE_GU_RUNS] || !m[MOE_DN_RUNS] || m[MOE_ACT] < ACT_SILU ||
         m[MOE_ACT] > ACT_GELU_TANH)
         return -2;
-    for (int w = 0; w < 2; w++) {  // every expert's runs cover its rows in groups of 16
-        const int64_t *runs = (const int64_t *)m[w ? MOE_DN_RUNS : MOE_GU_RUNS];
-        const int64_t want = w ? H : 2 * I;
-        for (int64_t e = 0; e < E; e++) {
+    const int64_t Ish = m[MOE_SH_I];
+    if (Ish < 0 || (Ish && (Ish % XQK || !m[MOE_SH_GATE] || !m[MOE_SH_GU_RUNS] ||
+                            !m[MOE_SH_DN_RUNS])))
+        return -2;
+    for (int w = 0; w < 4; w++) {  // every expert's runs cover its rows in groups of 16
+        if (w >= 2 && !Ish) break;
+        static const int field[4] = {MOE_GU_RUNS, MOE_DN_RUNS, MOE_SH_GU_RUNS, MOE_SH_DN_RUNS};
+        const int64_t *runs = (const int64_t *)m[field[w]];
+        const int64_t want = w & 1 ? H : 2 * (w < 2 ? I : Ish);
+        for (int64_t e = 0; e < (w < 2 ? E : 1); e++) {
             int64_t rows = 0;
             for (int r = 0; r < DS_RUNS && runs[(e * DS_RUNS + r) * 3 + 2] > 0; r++) {
                 const int64_t n = runs[(e * DS_RUNS + r) * 3 + 2];
@@ -55,13 +61,33 @@ int moe_layer_check(const int64_t *m, int64_t H) {
 
 void moe_scratch_free(moe_scratch *s) {
     free(s->ints); free(s->floats); free(s->q); free(s->a.qs);
+    free(s->sfloats); free(s->sq); free(s->sa.qs);
     memset(s, 0, sizeof(*s));
 }
 
-int moe_scratch_alloc(moe_scratch *s, int64_t T, int64_t H, int64_t E, int64_t k, int64_t I) {
+// the shared expert's scratch (Ish > 0): gate_up [T, 2 Ish], down [T, H], gates [T], and its
+// rows quantized at up to max(H, Ish) columns
+static int shared_alloc(moe_scratch *s, int64_t T, int64_t H, int64_t Ish) {
+    const int64_t kmax = H > Ish ? H : Ish;
+    s->sfloats = (float *)malloc(sizeof(float) *
+                                 (size_t)(T * 2 * Ish + T * H + T + 2 * T * (kmax / XQK)));
+    s->sq = (int8_t *)malloc((size_t)(T * kmax));
+    s->sa.qs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * (kmax / 16)));
+    if (!s->sfloats || !s->sq || !s->sa.qs) return -1;
+    s->sgu = s->sfloats; s->sy = s->sgu + T * 2 * Ish; s->sgate = s->sy + T * H;
+    s->sa.q = s->sq; s->sa.e = s->sgate + T; s->sa.S = s->sa.e + T * (kmax / XQK);
+    return 0;
+}
+
+int moe_scratch_alloc(moe_scratch *s, int64_t T, int64_t H, int64_t E, int64_t k, int64_t I,
+                      int64_t Ish) {
     memset(s, 0, sizeof(*s));
     const int64_t P = T * k, kmax = H > I ? H : I;
-    s->cap_T = T; s->cap_E = E; s->cap_k = k; s->cap_I = I; s->H = H;
+    s->cap_T = T; s->cap_E = E; s->cap_k = k; s->cap_I = I; s->cap_Ish = Ish; s->H = H;
+    if (Ish > 0 && shared_alloc(s, T, H, Ish)) {
+        moe_scratch_free(s);
+        return -1;
+    }
     // ints: ids [P] | start [E + 1] | pair [P] | pos [P] | hit [E + 1] | cursor [E]
     s->ints = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * P + 3 * E + 2));
     // floats: wts [P] | logits [T, E] | gu [P, 2I] | y [P, H] | e, S [P, kmax / 32]
@@ -159,16 +185,32 @@ static void linear_group(const int64_t *runs, int64_t g, int64_t K, const act_ro
     }
 }
 
+// the shared expert's gate of row x: sigmoid(gate . x), the dot in column order
+static float shared_gate(const float *gate, const float *x, int64_t H) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < H; j++) acc += gate[j] * x[j];
+    return 1.0f / (1.0f + expf(-acc));
+}
+
 void moe_team(const int64_t *m, const moe_scratch *s, const float *h, int64_t T, int64_t H,
               int route, float *out) {
     const int64_t E = m[MOE_E], k = m[MOE_TOP_K], I = m[MOE_I], P = T * k;
     const int64_t *gu_runs = (const int64_t *)m[MOE_GU_RUNS];
     const int64_t *dn_runs = (const int64_t *)m[MOE_DN_RUNS];
-    const act_rows *a = &s->a;
+    // the shared expert (Ish > 0) rides in the same phases: its T rows are extra work items
+    // of each, so it adds no barrier
+    const int64_t Ish = m[MOE_SH_I];
+    const int64_t *sgu_runs = (const int64_t *)m[MOE_SH_GU_RUNS];
+    const int64_t *sdn_runs = (const int64_t *)m[MOE_SH_DN_RUNS];
+    const act_rows *a = &s->a, *sa = &s->sa;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         if (route) route_row(s, m, h, H, t);
         sort_pairs(s->ids + t * k, s->wts + t * k, k);
+        if (Ish) {
+            s->sgate[t] = shared_gate((const float *)m[MOE_SH_GATE], h + t * H, H);
+            quantize_act_row(sa, h + t * H, H, t);
+        }
     }
 #pragma omp single
     {  // the pairs sorted by expert (a counting sort, stable) and the experts chosen
@@ -189,21 +231,36 @@ void moe_team(const int64_t *m, const moe_scratch *s, const float *h, int64_t T,
     const int64_t nh = s->hit[E];
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < P; r++) quantize_act_row(a, h + (s->pair[r] / k) * H, H, r);
-    const int64_t gg = 2 * I / GROUP, gd = H / GROUP;
+    const int64_t gg = 2 * I / GROUP, gd = H / GROUP, gs = 2 * Ish / GROUP;
+    const int64_t sd = Ish ? gd : 0;  // the shared expert's work items in the down phase
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < nh * gg; i++) {
+    for (int64_t i = 0; i < nh * gg + gs; i++) {
+        if (i >= nh * gg) {
+            linear_group(sgu_runs, i - nh * gg, H, sa, 0, T, s->sgu, 2 * Ish);
+            continue;
+        }
         const int64_t e = s->hit[i / gg], r0 = s->start[e];
         linear_group(gu_runs + e * DS_RUNS * 3, i % gg, H, a, r0, s->start[e + 1] - r0,
                      s->gu + r0 * 2 * I, 2 * I);
     }
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < P; r++) {
+    for (int64_t r = 0; r < P + (Ish ? T : 0); r++) {
+        if (r >= P) {
+            float *row = s->sgu + (r - P) * 2 * Ish;
+            act_mul_row((int)m[MOE_ACT], row, Ish);
+            quantize_act_row(sa, row, Ish, r - P);
+            continue;
+        }
         float *row = s->gu + r * 2 * I;
         act_mul_row((int)m[MOE_ACT], row, I);
         quantize_act_row(a, row, I, r);
     }
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < nh * gd; i++) {
+    for (int64_t i = 0; i < nh * gd + sd; i++) {
+        if (i >= nh * gd) {
+            linear_group(sdn_runs, i - nh * gd, Ish, sa, 0, T, s->sy, H);
+            continue;
+        }
         const int64_t e = s->hit[i / gd], r0 = s->start[e];
         linear_group(dn_runs + e * DS_RUNS * 3, i % gd, I, a, r0, s->start[e + 1] - r0,
                      s->y + r0 * H, H);
@@ -220,10 +277,18 @@ void moe_team(const int64_t *m, const moe_scratch *s, const float *h, int64_t T,
                 o[c] += v;
             }
         }
+        if (Ish) {  // then the shared expert, as layers/moe.py adds it
+            const float g = s->sgate[t];
+            const float *yr = s->sy + t * H;
+            for (int64_t c = 0; c < H; c++) {
+                const float v = g * yr[c];
+                o[c] += v;
+            }
+        }
     }
 }
 
-// x [T, H] float32 -> out [T, H] float32, the experts' sum (the shared expert is not here).
+// x [T, H] float32 -> out [T, H] float32, the experts' sum (the shared expert's included).
 // m: the layer (ops.h's MOE_* fields). route 1: ids [T, k] / wts [T, k] are written (each
 // token's experts in ascending id); route 0: they are read (given routings, for tests).
 // Returns 0; -1 when scratch memory could not be allocated; -2 for shapes, ids or runs the
@@ -236,7 +301,7 @@ int moe_forward(int64_t T, int64_t H, const float *x, const int64_t *m, int rout
         for (int64_t p = 0; p < T * k; p++)
             if (ids[p] < 0 || ids[p] >= E) return -2;
     moe_scratch s;
-    if (moe_scratch_alloc(&s, T, H, E, k, m[MOE_I])) return -1;
+    if (moe_scratch_alloc(&s, T, H, E, k, m[MOE_I], m[MOE_SH_I])) return -1;
     if (!route) {
         memcpy(s.ids, ids, sizeof(int64_t) * (size_t)(T * k));
         memcpy(s.wts, wts, sizeof(float) * (size_t)(T * k));

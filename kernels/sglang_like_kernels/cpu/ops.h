@@ -69,18 +69,23 @@ void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_
 
 // moe.c: a sparse layer as int64 fields (a row of the fused step's moe table, or one layer
 // for moe_forward): experts, top k, expert width, renormalize (0/1), ACT_*, and addresses of
-// the float32 router [E, H] and the experts' runs [E][DS_RUNS][3] of gate_up and down
+// the float32 router [E, H] and the experts' runs [E][DS_RUNS][3] of gate_up and down; then
+// a shared expert every token runs (Qwen2-MoE's; width 0: none): its width, the address of
+// its float32 gate [H] (output scaled by sigmoid(gate . x)) and its runs [DS_RUNS][3]
 enum { MOE_E, MOE_TOP_K, MOE_I, MOE_RENORM, MOE_ACT, MOE_ROUTER, MOE_GU_RUNS, MOE_DN_RUNS,
-       MOE_FIELDS };
+       MOE_SH_I, MOE_SH_GATE, MOE_SH_GU_RUNS, MOE_SH_DN_RUNS, MOE_FIELDS };
 typedef struct {
-    int64_t cap_T, cap_E, cap_k, cap_I, H;  // what it was sized for
+    int64_t cap_T, cap_E, cap_k, cap_I, cap_Ish, H;  // what it was sized for
     int64_t *ints, *ids, *start, *pair, *pos, *hit, *cursor;
     float *floats, *wts, *logits, *gu, *y;
-    int8_t *q;
-    act_rows a;
+    float *sfloats, *sgu, *sy, *sgate;  // the shared expert's gate_up [T, 2 Ish], down [T, H],
+                                        // gates [T] (in sfloats)
+    int8_t *q, *sq;
+    act_rows a, sa;  // the pairs' rows; the shared expert's (one per token)
 } moe_scratch;
 int moe_layer_check(const int64_t *m, int64_t H);  // 0, or -2 for a layer moe.c cannot run
-int moe_scratch_alloc(moe_scratch *s, int64_t T, int64_t H, int64_t E, int64_t k, int64_t I);
+int moe_scratch_alloc(moe_scratch *s, int64_t T, int64_t H, int64_t E, int64_t k, int64_t I,
+                      int64_t Ish);
 void moe_scratch_free(moe_scratch *s);
 // team phases: out [T, H] = the experts' sum for h [T, H] (route 0: s->ids / s->wts given)
 void moe_team(const int64_t *m, const moe_scratch *s, const float *h, int64_t T, int64_t H,

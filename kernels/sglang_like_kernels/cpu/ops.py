@@ -373,31 +373,46 @@ def eagle_head_x16(embeds: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torc
     return out, top_ids, top_lp
 
 
-MOE_FIELDS = 8  # ops.h's MOE_*: E, top_k, I, renormalize, activation, router, gate_up, down
+MOE_FIELDS = 12  # ops.h's MOE_*: E, top_k, I, renormalize, activation, router, gate_up, down,
+# then the shared expert's width, gate, gate_up and down
 
 
 def moe_layer(router: torch.Tensor, gate_up_runs: torch.Tensor, down_runs: torch.Tensor,
-              top_k: int, intermediate_size: int, renormalize: bool,
-              activation: str) -> torch.Tensor:
+              top_k: int, intermediate_size: int, renormalize: bool, activation: str,
+              shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+              ) -> torch.Tensor:
     """A sparse layer as moe.c reads it: int64 [MOE_FIELDS] (the router float32 [E, H] and the
-    experts' runs int64 [E, DECODE_STEP_RUNS, 3] by address: the caller keeps them alive)."""
+    experts' runs int64 [E, DECODE_STEP_RUNS, 3] by address: the caller keeps them alive).
+    `shared`: a shared expert every token runs, (gate float32 [H], its gate_up and down runs
+    int64 [DECODE_STEP_RUNS, 3], its width): its output, scaled by sigmoid(gate . x), is
+    added after the routed experts' sum."""
     E = router.shape[0]
-    for name, runs in (("gate_up_runs", gate_up_runs), ("down_runs", down_runs)):
-        if (runs.dtype != torch.int64 or not runs.is_contiguous()
-                or tuple(runs.shape) != (E, DECODE_STEP_RUNS, 3)):
-            raise TypeError(f"{name}: contiguous int64 [E, {DECODE_STEP_RUNS}, 3]")
+    tables = [("gate_up_runs", gate_up_runs, (E, DECODE_STEP_RUNS, 3)),
+              ("down_runs", down_runs, (E, DECODE_STEP_RUNS, 3))]
+    if shared is not None:
+        tables += [("shared gate_up runs", shared[1], (DECODE_STEP_RUNS, 3)),
+                   ("shared down runs", shared[2], (DECODE_STEP_RUNS, 3))]
+        gate = shared[0]
+        if gate.dtype != torch.float32 or not gate.is_contiguous() or gate.dim() != 1:
+            raise TypeError("shared gate: contiguous float32 [H]")
+    for name, runs, shape in tables:
+        if runs.dtype != torch.int64 or not runs.is_contiguous() or tuple(runs.shape) != shape:
+            raise TypeError(f"{name}: contiguous int64 {list(shape)}")
     if router.dtype != torch.float32 or not router.is_contiguous():
         raise TypeError("router: contiguous float32 [E, H]")
+    sh = ([shared[3], shared[0].data_ptr(), shared[1].data_ptr(), shared[2].data_ptr()]
+          if shared is not None else [0, 0, 0, 0])
     return torch.tensor([E, top_k, intermediate_size, int(renormalize), ACTIVATIONS[activation],
-                         router.data_ptr(), gate_up_runs.data_ptr(), down_runs.data_ptr()],
+                         router.data_ptr(), gate_up_runs.data_ptr(), down_runs.data_ptr(), *sh],
                         dtype=torch.int64)
 
 
 def moe_forward(x: torch.Tensor, layer: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor]
                 | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, ids, weights) of a sparse layer (moe.c) for x float32 [T, H]: out float32 [T, H]
-    the experts' sum, ids int64 / weights float32 [T, top_k] the routing (each token's experts
-    in ascending id). `routing` (ids, weights): use it instead of the router's."""
+    the experts' sum (and the shared expert's, where the layer has one), ids int64 / weights
+    float32 [T, top_k] the routing (each token's experts in ascending id). `routing` (ids,
+    weights): use it instead of the router's."""
     x = x.float().contiguous()
     T, H = x.shape
     k = int(layer[1])
