@@ -42,7 +42,7 @@ static void add_bias_team(float *y, const float *bias, int64_t T, int64_t N) {
 // LoRA deltas (layers/lora.py's math): for each row t on an adapter s (lora_rows[t] >= 0) whose
 // entry for this layer's linear `which` is (A [R, K], Bt [R, N], R, cols [R][2]) (lora_tab
 // [S][L][4][4]; A 0: the adapter leaves the linear alone), y_t += B @ (A @ x_t), float32, in
-// two phases: u = A x over rows and ranks, then y over blocks of 16 output columns, each
+// two phases: u = A x per row, then y over blocks of 16 output columns, each
 // column summing its ranks in order. Bt is B transposed, so a rank's 16 columns are one
 // vector; cols[r] = [c0, c1) holds rank r's nonzero columns (a fused q/k/v or gate/up B is
 // block diagonal: most of it is zeros, skipped, which adds nothing). Each sum runs in a fixed
@@ -57,21 +57,27 @@ typedef struct {
 #define LORA_FIELDS 4
 #define LORA_COLS 16
 
-static void lora_team(const lora_rows_t *lo, int64_t l, int which, const float *x, int64_t ldx,
-                      int64_t K, float *y, int64_t N, int64_t T) {
-    const int64_t rmax = lo->rmax;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < T * rmax; i++) {
-        const int64_t t = i / rmax, r = i % rmax, s = lo->rows[t];
-        if (s < 0) continue;
-        const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * LORA_FIELDS;
-        if (!e[0] || r >= e[2]) continue;
-        const float *a = (const float *)e[0] + r * K, *xt = x + t * ldx;
+// phase 1 for row t (x_t [K]): u[t, r] = A[r] . x_t. Each loop that produces a linear's input
+// row calls it for that row, so the phase costs no barrier of its own.
+static void lora_u_row(const lora_rows_t *lo, int64_t l, int which, const float *xt, int64_t K,
+                       int64_t t) {
+    const int64_t s = lo->rows[t];
+    if (s < 0) return;
+    const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * LORA_FIELDS;
+    if (!e[0]) return;
+    for (int64_t r = 0; r < e[2]; r++) {
+        const float *a = (const float *)e[0] + r * K;
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t k = 0; k < K; k++) acc += a[k] * xt[k];
-        lo->u[t * rmax + r] = acc;
+        lo->u[t * lo->rmax + r] = acc;
     }
+}
+
+// phase 2: y_t += B u_t for every row on an adapter (u from lora_u_row, after a barrier)
+static void lora_team(const lora_rows_t *lo, int64_t l, int which, float *y, int64_t N,
+                      int64_t T) {
+    const int64_t rmax = lo->rmax;
 #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < (N + LORA_COLS - 1) / LORA_COLS; nb++) {
         const int64_t n0 = nb * LORA_COLS;
@@ -272,40 +278,46 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                     residual_norm_row(x + t * H, NULL, 0, t, NULL, 0.0f, 1.0f, NULL,
                                       (const float *)p[P_NORM_IN], H, eps, h, 0, tmp);
                     quantize_act_row(&a, h + t * H, H, t);
+                    if (lora_rows) lora_u_row(&lo, l, 0, h + t * H, H, t);
                 }
             }
             linear_runs_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv);
             if (p[P_QKV_BIAS]) add_bias_team(qkv, (const float *)p[P_QKV_BIAS], T, nqkv);
-            if (lora_rows) lora_team(&lo, l, 0, h, H, H, qkv, nqkv, T);
+            if (lora_rows) lora_team(&lo, l, 0, qkv, nqkv, T);
             attn_rope_store_team(plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_kind,
                                  k_scale, v_scale, out_slots, tmp);
             attn_attend_team(plan, k_pool, v_pool, pool_kind, k_scale, v_scale, table, ld_table,
                              rows, seq_lens,
                              fc[F_SM_SCALE], fc[F_SOFTCAP], att, 0, tmp);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) quantize_act_row(&a, att + t * hqd, hqd, t);
+            for (int64_t t = 0; t < T; t++) {
+                quantize_act_row(&a, att + t * hqd, hqd, t);
+                if (lora_rows) lora_u_row(&lo, l, 1, att + t * hqd, hqd, t);
+            }
             linear_runs_team(LINEAR_RUNS(1), w_o, H, hqd, &a, T, proj);
             if (p[P_O_BIAS]) add_bias_team(proj, (const float *)p[P_O_BIAS], T, H);
-            if (lora_rows) lora_team(&lo, l, 1, att, hqd, hqd, proj, H, T);
+            if (lora_rows) lora_team(&lo, l, 1, proj, H, T);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 residual_norm_row(x + t * H, proj, 0, t, (const float *)p[P_ATTN_OUT], eps,
                                   scale, x, (const float *)p[P_NORM_POST], H, eps, h, 0, tmp);
                 quantize_act_row(&a, h + t * H, H, t);
+                if (lora_rows) lora_u_row(&lo, l, 2, h + t * H, H, t);
             }
             const int64_t *moe = moe_tab ? moe_tab + l * MOE_FIELDS : NULL;
             if (moe && moe[MOE_E]) {  // a sparse layer: routing and experts (moe.c)
                 moe_team(moe, &ms, h, T, H, 1, proj);
             } else {
                 linear_runs_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu);
-                if (lora_rows) lora_team(&lo, l, 2, h, H, H, gu, 2 * I, T);
+                if (lora_rows) lora_team(&lo, l, 2, gu, 2 * I, T);
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; t++) {
                     act_mul_row((int)c[C_ACT], gu + t * 2 * I, I);
                     quantize_act_row(&a, gu + t * 2 * I, I, t);
+                    if (lora_rows) lora_u_row(&lo, l, 3, gu + t * 2 * I, I, t);
                 }
                 linear_runs_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj);
-                if (lora_rows) lora_team(&lo, l, 3, gu, 2 * I, I, proj, H, T);
+                if (lora_rows) lora_team(&lo, l, 3, proj, H, T);
             }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -315,6 +327,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                                       (const float *)ptrs[(l + 1) * DS_PTRS + P_NORM_IN], H, eps,
                                       h, 0, tmp);
                     quantize_act_row(&a, h + t * H, H, t);
+                    if (lora_rows) lora_u_row(&lo, l + 1, 0, h + t * H, H, t);
                 } else {
                     residual_norm_row(x + t * H, proj, 0, t, w_mlp_out, eps, scale, x, NULL, H,
                                       eps, NULL, 0, tmp);
