@@ -33,12 +33,6 @@
 enum { P_QKV, P_O, P_GATE_UP, P_DOWN, P_NORM_IN, P_NORM_POST, P_K, P_V, P_ATTN_OUT, P_MLP_OUT,
        P_Q_NORM, P_K_NORM, P_QKV_BIAS, P_O_BIAS, DS_PTRS };
 
-// y [T, N] += bias [N]: one float32 add per output, as the per-op path adds it after its matmul
-static void add_bias_team(float *y, const float *bias, int64_t T, int64_t N) {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < N; j++) y[t * N + j] += bias[j];
-}
 // LoRA deltas (layers/lora.py's math): for each row t on an adapter s (lora_rows[t] >= 0) whose
 // entry for this layer's linear `which` is (A [R, K], Bt [R, N], R, cols [R][2]) (lora_tab
 // [S][L][4][4]; A 0: the adapter leaves the linear alone), y_t += B @ (A @ x_t), float32, in
@@ -56,6 +50,7 @@ typedef struct {
 
 #define LORA_FIELDS 4
 #define LORA_COLS 16
+#define KQ_GROUP_ROWS 16  // output columns of one linear work item (x16, kquants groups)
 
 // phase 1 for row t (x_t [K]): u[t, r] = A[r] . x_t. Each loop that produces a linear's input
 // row calls it for that row, so the phase costs no barrier of its own.
@@ -74,32 +69,29 @@ static void lora_u_row(const lora_rows_t *lo, int64_t l, int which, const float 
     }
 }
 
-// phase 2: y_t += B u_t for every row on an adapter (u from lora_u_row, after a barrier)
-static void lora_team(const lora_rows_t *lo, int64_t l, int which, float *y, int64_t N,
-                      int64_t T) {
+// phase 2 for output columns [n0, n0 + 16): y_t += B u_t there, for every row on an adapter
+// (u from lora_u_row, a barrier before); called by the work item that made those columns
+static void lora_cols(const lora_rows_t *lo, int64_t l, int which, float *y, int64_t N,
+                      int64_t T, int64_t n0) {
     const int64_t rmax = lo->rmax;
-#pragma omp for schedule(static)
-    for (int64_t nb = 0; nb < (N + LORA_COLS - 1) / LORA_COLS; nb++) {
-        const int64_t n0 = nb * LORA_COLS;
-        const int w = (int)(N - n0 < LORA_COLS ? N - n0 : LORA_COLS);
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t s = lo->rows[t];
-            if (s < 0) continue;
-            const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * LORA_FIELDS;
-            if (!e[0]) continue;
-            const int64_t R = e[2], *cols = (const int64_t *)e[3];
-            const float *bt = (const float *)e[1], *ut = lo->u + t * rmax;
-            float acc[LORA_COLS] = {0};
-            for (int64_t r = 0; r < R; r++) {
-                if (cols[2 * r] >= n0 + w || cols[2 * r + 1] <= n0) continue;
-                const float ur = ut[r], *b = bt + r * N + n0;
+    const int w = (int)(N - n0 < LORA_COLS ? N - n0 : LORA_COLS);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t s = lo->rows[t];
+        if (s < 0) continue;
+        const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * LORA_FIELDS;
+        if (!e[0]) continue;
+        const int64_t R = e[2], *cols = (const int64_t *)e[3];
+        const float *bt = (const float *)e[1], *ut = lo->u + t * rmax;
+        float acc[LORA_COLS] = {0};
+        for (int64_t r = 0; r < R; r++) {
+            if (cols[2 * r] >= n0 + w || cols[2 * r + 1] <= n0) continue;
+            const float ur = ut[r], *b = bt + r * N + n0;
 #pragma omp simd
-                for (int j = 0; j < w; j++) acc[j] += b[j] * ur;
-            }
-            float *yt = y + t * N + n0;
-#pragma omp simd
-            for (int j = 0; j < w; j++) yt[j] += acc[j];
+            for (int j = 0; j < w; j++) acc[j] += b[j] * ur;
         }
+        float *yt = y + t * N + n0;
+#pragma omp simd
+        for (int j = 0; j < w; j++) yt[j] += acc[j];
     }
 }
 
@@ -119,19 +111,27 @@ void quantize_act_row(const act_rows *a, const float *x, int64_t K, int64_t t) {
     if (a->qs) kq_row_sums16(a->q + t * K, K, a->qs + t * (K / 16));
 }
 
-// y [T, N] = quantized rows @ W.T for linear `which` of a layer: its x16 weight, or its runs
-void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
-                      const act_rows *a, int64_t T, float *y) {
-    if (!runs) {
-        kq_any_team(-1, x16, N, K, a->q, a->e, a->S, a->qs, T, y, N);
-        return;
-    }
-    int64_t col = 0;
-    for (int r = 0; r < DS_RUNS && runs[3 * r + 2] > 0; r++) {
-        const int64_t kind = runs[3 * r], rows = runs[3 * r + 2];
-        const uint8_t *w = (const uint8_t *)runs[3 * r + 1];
-        kq_any_team((int)kind, w, rows, K, a->q, a->e, a->S, a->qs, T, y + col, N);
-        col += rows;
+// y [T, N] = quantized rows @ W.T for linear `which` of layer l: its x16 weight, or its runs;
+// then, in the same work item (16 output columns: no barrier of their own), + bias [N] (NULL:
+// none; one float32 add per output, as the per-op path adds it after its matmul) and each
+// row's LoRA delta (lo NULL: none).
+static void linear_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
+                        const act_rows *a, int64_t T, float *y, const float *bias,
+                        const lora_rows_t *lo, int64_t l, int which) {
+    const int64_t whole[3] = {-1, (int64_t)x16, N};  // an x16 linear: one run
+    const int64_t *rl = runs ? runs : whole;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / KQ_GROUP_ROWS; g++) {
+        int64_t g0 = 0;  // the run holding group g starts at group g0
+        int r = 0;
+        for (; g >= g0 + rl[3 * r + 2] / KQ_GROUP_ROWS; r++) g0 += rl[3 * r + 2] / KQ_GROUP_ROWS;
+        const int64_t col = g * KQ_GROUP_ROWS;
+        kq_any_group((int)rl[3 * r], (const uint8_t *)rl[3 * r + 1], g - g0, K, a->q, a->e,
+                     a->S, a->qs, T, y + col, N);
+        if (bias)
+            for (int64_t t = 0; t < T; t++)
+                for (int j = 0; j < KQ_GROUP_ROWS; j++) y[t * N + col + j] += bias[col + j];
+        if (lo) lora_cols(lo, l, which, y, N, T, col);
     }
 }
 
@@ -146,7 +146,7 @@ void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_
 // [T, n_aux * H] (EAGLE-3's capture). pool_kind: ops.h's KV_*; kv_scales [L, 2] (NULL for a
 // float pool): each layer's K and V scale addresses ([S, Hkv] float32). LoRA (lora_rows NULL:
 // none): lora_rows [T] each row's adapter (-1: the base), lora_tab [n_lora][L][4][4] (see
-// lora_team), lora_rmax the largest R. moe_tab [L][MOE_FIELDS] (NULL: every layer dense): a
+// lora_cols), lora_rmax the largest R. moe_tab [L][MOE_FIELDS] (NULL: every layer dense): a
 // row with experts makes that layer's MLP a mixture of experts (moe.c's phases, in place of
 // gate_up / act / down; ptrs' MLP weights unused there). Returns 0; -1 when scratch memory could not be
 // allocated; -2 for shapes or settings the kernels do not take.
@@ -281,9 +281,8 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                     if (lora_rows) lora_u_row(&lo, l, 0, h + t * H, H, t);
                 }
             }
-            linear_runs_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv);
-            if (p[P_QKV_BIAS]) add_bias_team(qkv, (const float *)p[P_QKV_BIAS], T, nqkv);
-            if (lora_rows) lora_team(&lo, l, 0, qkv, nqkv, T);
+            linear_team(LINEAR_RUNS(0), w_qkv, nqkv, H, &a, T, qkv,
+                        (const float *)p[P_QKV_BIAS], lora_rows ? &lo : NULL, l, 0);
             attn_rope_store_team(plan, qkv, 0, &qk, positions, k_pool, v_pool, pool_kind,
                                  k_scale, v_scale, out_slots, tmp);
             attn_attend_team(plan, k_pool, v_pool, pool_kind, k_scale, v_scale, table, ld_table,
@@ -294,9 +293,8 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                 quantize_act_row(&a, att + t * hqd, hqd, t);
                 if (lora_rows) lora_u_row(&lo, l, 1, att + t * hqd, hqd, t);
             }
-            linear_runs_team(LINEAR_RUNS(1), w_o, H, hqd, &a, T, proj);
-            if (p[P_O_BIAS]) add_bias_team(proj, (const float *)p[P_O_BIAS], T, H);
-            if (lora_rows) lora_team(&lo, l, 1, proj, H, T);
+            linear_team(LINEAR_RUNS(1), w_o, H, hqd, &a, T, proj, (const float *)p[P_O_BIAS],
+                        lora_rows ? &lo : NULL, l, 1);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 residual_norm_row(x + t * H, proj, 0, t, (const float *)p[P_ATTN_OUT], eps,
@@ -308,16 +306,16 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
             if (moe && moe[MOE_E]) {  // a sparse layer: routing and experts (moe.c)
                 moe_team(moe, &ms, h, T, H, 1, proj);
             } else {
-                linear_runs_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu);
-                if (lora_rows) lora_team(&lo, l, 2, gu, 2 * I, T);
+                linear_team(LINEAR_RUNS(2), w_gu, 2 * I, H, &a, T, gu, NULL,
+                            lora_rows ? &lo : NULL, l, 2);
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; t++) {
                     act_mul_row((int)c[C_ACT], gu + t * 2 * I, I);
                     quantize_act_row(&a, gu + t * 2 * I, I, t);
                     if (lora_rows) lora_u_row(&lo, l, 3, gu + t * 2 * I, I, t);
                 }
-                linear_runs_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj);
-                if (lora_rows) lora_team(&lo, l, 3, proj, H, T);
+                linear_team(LINEAR_RUNS(3), w_down, H, I, &a, T, proj, NULL,
+                            lora_rows ? &lo : NULL, l, 3);
             }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {

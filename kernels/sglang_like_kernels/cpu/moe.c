@@ -14,7 +14,7 @@
 // Routing: logits = h @ router.T in float32, softmax, the top_k largest (ties: the lower
 // expert id), divided by their sum when `renorm`. A token's k experts are summed in ascending
 // id, and every row's numbers come from per-row sums: a token's output is the same bits alone
-// or in any batch. Linears are runs (ops.h's linear_runs_team: x16 Q4_1 or kquants.c kinds),
+// or in any batch. Linears are runs (ops.h's DS_RUNS: x16 Q4_1 or kquants.c kinds),
 // each expert with its own: gu_runs / dn_runs [E][DS_RUNS][3].
 //
 // The same phases run inside the fused decode step (decode_step.c) for its sparse layers, and

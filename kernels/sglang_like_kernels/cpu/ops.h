@@ -62,10 +62,8 @@ typedef struct {
 void quantize_act_row(const act_rows *a, const float *x, int64_t K, int64_t t);
 // A linear as runs of output rows, one kind each: runs [DS_RUNS][3] (kind, packed weight
 // address, rows), kind -1 an x16 Q4_1 weight, else a kquants.c kind; rows 0 ends the list
-// (runs NULL: the whole linear is the x16 weight `x16`). y [T, N] = a's rows @ W.T.
+// (decode_step.c's linear_team; moe.c's experts).
 #define DS_RUNS 4
-void linear_runs_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
-                      const act_rows *a, int64_t T, float *y);
 
 // moe.c: a sparse layer as int64 fields (a row of the fused step's moe table, or one layer
 // for moe_forward): experts, top k, expert width, renormalize (0/1), ACT_*, and addresses of
