@@ -74,9 +74,9 @@ class ExpertMLP(nn.Module):
         super().__init__()
         self.activation = activation
         self.intermediate_size = inter
-        self.gate_up_proj = QuantLinear(quant.linear_method(hidden, 2 * inter), hidden,
+        self.gate_up_proj = QuantLinear(quant.expert_method(hidden, 2 * inter), hidden,
                                         [inter, inter], ["gate_proj", "up_proj"])
-        self.down_proj = QuantLinear(quant.linear_method(inter, hidden), inter, [hidden],
+        self.down_proj = QuantLinear(quant.expert_method(inter, hidden), inter, [hidden],
                                      ["down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -118,11 +118,12 @@ def _pairwise(moe: SparseMoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tenso
     return out
 
 
-KINDS = [("gguf", "Q8_0"), ("gguf", "Q4_K"), ("gguf", "Q6_K"), ("int4", None)]
+# int8: dense weights that Q8ExpertMethod rounds to Q8_0 blocks (QuantConfig.expert_method)
+KINDS = [("gguf", "Q8_0"), ("gguf", "Q4_K"), ("gguf", "Q6_K"), ("int4", None), ("int8", None)]
 
 
 @native
-@pytest.mark.parametrize(("quant", "qtype"), KINDS, ids=[q or "int4" for _, q in KINDS])
+@pytest.mark.parametrize(("quant", "qtype"), KINDS, ids=[q or m for m, q in KINDS])
 def test_native_experts_equal_a_pairwise_loop(quant: str, qtype: str | None) -> None:
     moe = _moe(quant, qtype)
     layer = moe.native_layer()

@@ -24,7 +24,11 @@ from sglang_like.layers.quantization.gguf_blocks import (
     all_int4_blocks,
     any_gguf_blocks,
 )
-from sglang_like.layers.quantization.gguf_native import GGUFMethod, GGUFNativeMethod
+from sglang_like.layers.quantization.gguf_native import (
+    GGUFMethod,
+    GGUFNativeMethod,
+    Q8ExpertMethod,
+)
 from sglang_like.layers.quantization.int4 import Int4Method, quantize_groups_int4
 from sglang_like.layers.quantization.int8 import (
     Int8EmbeddingMethod,
@@ -49,6 +53,7 @@ __all__ = [
     "Fp16FbgemmMethod",
     "GGUFBlockWeight",
     "GGUFMethod",
+    "Q8ExpertMethod",
     "GGUFNativeMethod",
     "Int4Method",
     "Int8EmbeddingMethod",
@@ -149,6 +154,15 @@ class QuantConfig:
             return _INT8
         return DenseMethod(self.dtype)
 
+    def expert_method(self, in_features: int, out_features: int) -> LinearMethod:
+        """The method of a sparse layer's expert linear: `int8` experts on the native Q8_0
+        kind (Q8ExpertMethod: moe.c runs them in one call a layer) where the kernels are
+        built and the shape fits; else as any linear of that shape."""
+        if (self.name == "int8" and in_features % 32 == 0 and out_features % 16 == 0
+                and native_cpu_available()):
+            return _Q8_EXPERT
+        return self.linear_method(in_features, out_features)
+
     def head_method(self, in_features: int, *, embeds: bool = True) -> LinearMethod:
         """The method of the LM head; `embeds`: it is also the (tied) embedding.
 
@@ -201,3 +215,4 @@ _INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
 _Q4_NATIVE = {det: Q4NativeMethod(batch_invariant=det) for det in (False, True)}
 _Q4_X16 = {det: Q4X16Method(batch_invariant=det) for det in (False, True)}
 _GGUF = GGUFMethod()
+_Q8_EXPERT = Q8ExpertMethod()

@@ -253,6 +253,29 @@ class GGUFNativeMethod(LinearMethod):
 
 
 
+class Q8ExpertMethod(GGUFNativeMethod):
+    """`--quantization int8`'s experts of a sparse layer: each matrix rounded to int8 per row
+    and block of 32 columns with an fp16 scale (GGUF's Q8_0, gguf-py's rounding; a Q8_0
+    matrix is taken as it is) and run on kquants.c's Q8_0 kind, so moe.c and the one-call
+    step run them as they run a GGUF file's, instead of an int8 expert at a time in torch.
+    The other int8 linears keep one scale per row (Int8Method): those are one torch call a
+    layer anyway, an expert loop is one per chosen expert."""
+
+    def create_weights(self, layer: nn.Module, sources: list[WeightSource],
+                       device: torch.device) -> None:
+        super().create_weights(layer, [_as_q8_0(s) for s in sources], device)
+
+
+def _as_q8_0(source: WeightSource) -> GGUFBlockWeight:
+    import gguf
+
+    if isinstance(source, GGUFBlockWeight) and source.qtype == "Q8_0":
+        return source
+    w = (source.dequantize() if isinstance(source, GGUFBlockWeight) else source).float()
+    blocks = gguf.quants.quantize(w.contiguous().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    return GGUFBlockWeight("Q8_0", tuple(w.shape), blocks)
+
+
 _FALLBACK_LOGGED: set[str] = set()
 
 
