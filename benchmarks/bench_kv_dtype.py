@@ -236,6 +236,7 @@ def main() -> None:
                                      capture_output=True, text=True).stdout.strip()}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.remove(args.out + ".partial")  # the whole run is in args.out now
     draw(rows, args, args.out.removesuffix(".json") + ".png")
 
 
