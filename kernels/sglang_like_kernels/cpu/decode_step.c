@@ -52,29 +52,41 @@ typedef struct {
 #define LORA_COLS 16
 #define KQ_GROUP_ROWS 16  // output columns of one linear work item (x16, kquants groups)
 
-// phase 1 for row t (x_t [K]): u[t, r] = A[r] . x_t. Each loop that produces a linear's input
-// row calls it for that row, so the phase costs no barrier of its own.
+// phase 1 for row t (x_t [K], K a multiple of 16): u[t, r] = A[r] . x_t, four ranks at a time
+// (each 16 columns of x_t loaded once for the four), each rank's 16 lane sums then added in
+// lane order. Each loop that produces a linear's input row calls it for that row, so the
+// phase costs no barrier of its own.
 static void lora_u_row(const lora_rows_t *lo, int64_t l, int which, const float *xt, int64_t K,
                        int64_t t) {
     const int64_t s = lo->rows[t];
     if (s < 0) return;
     const int64_t *e = lo->tab + ((s * lo->L + l) * 4 + which) * LORA_FIELDS;
     if (!e[0]) return;
-    for (int64_t r = 0; r < e[2]; r++) {
-        const float *a = (const float *)e[0] + r * K;
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < K; k++) acc += a[k] * xt[k];
-        lo->u[t * lo->rmax + r] = acc;
+    const int64_t R = e[2];
+    const float *A = (const float *)e[0];
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int nr = (int)(R - r0 < 4 ? R - r0 : 4);
+        float acc[4][16] = {{0}};
+        for (int64_t k0 = 0; k0 < K; k0 += 16)
+            for (int i = 0; i < nr; i++) {
+                const float *a = A + (r0 + i) * K + k0;
+#pragma omp simd
+                for (int j = 0; j < 16; j++) acc[i][j] += a[j] * xt[k0 + j];
+            }
+        for (int i = 0; i < nr; i++) {
+            float u = 0.0f;
+            for (int j = 0; j < 16; j++) u += acc[i][j];
+            lo->u[t * lo->rmax + r0 + i] = u;
+        }
     }
 }
 
-// phase 2 for output columns [n0, n0 + 16): y_t += B u_t there, for every row on an adapter
-// (u from lora_u_row, a barrier before); called by the work item that made those columns
+// phase 2 for output columns [n0, n0 + 16) (N a multiple of 16): y_t += B u_t there, for
+// every row on an adapter (u from lora_u_row, a barrier before); called by the work item that
+// made those columns
 static void lora_cols(const lora_rows_t *lo, int64_t l, int which, float *y, int64_t N,
                       int64_t T, int64_t n0) {
     const int64_t rmax = lo->rmax;
-    const int w = (int)(N - n0 < LORA_COLS ? N - n0 : LORA_COLS);
     for (int64_t t = 0; t < T; t++) {
         const int64_t s = lo->rows[t];
         if (s < 0) continue;
@@ -84,14 +96,14 @@ static void lora_cols(const lora_rows_t *lo, int64_t l, int which, float *y, int
         const float *bt = (const float *)e[1], *ut = lo->u + t * rmax;
         float acc[LORA_COLS] = {0};
         for (int64_t r = 0; r < R; r++) {
-            if (cols[2 * r] >= n0 + w || cols[2 * r + 1] <= n0) continue;
+            if (cols[2 * r] >= n0 + LORA_COLS || cols[2 * r + 1] <= n0) continue;
             const float ur = ut[r], *b = bt + r * N + n0;
 #pragma omp simd
-            for (int j = 0; j < w; j++) acc[j] += b[j] * ur;
+            for (int j = 0; j < LORA_COLS; j++) acc[j] += b[j] * ur;
         }
         float *yt = y + t * N + n0;
 #pragma omp simd
-        for (int j = 0; j < w; j++) yt[j] += acc[j];
+        for (int j = 0; j < LORA_COLS; j++) yt[j] += acc[j];
     }
 }
 
