@@ -4,7 +4,7 @@
 Prints the median microseconds of the default model's four linears (summed) and of its LM
 head under each kernel this CPU has, and writes bench_results/kernel_choice.json:
 
-- linears: `x16` (q4_rows.c), `x16_tiles` (amx_x16.c: the same bytes and bits on AMX
+- linears: `x16` (q4_rows.c), `x16_tiles` (amx_kq.c: the same bytes and bits on AMX
   tiles), `x16_dense` (the x16 weights dequantized for a GEMM: the prefill path off AMX; from
   64 rows), `amx_pack` (torch's int4 pack on this project's tile kernels: codes below 256
   rows, bf16 from there; what `auto` ran on AMX before);

@@ -206,7 +206,7 @@ def test_row_major_q8_head_picks_integer_below_24_rows_bf16_above_unless_batch_i
                            amx.q8_matmul(x, codes, scales, int8=invariant))
 
 
-# ---- amx_x16.c: the x16 layout (Q4_1, int8 activations) on AMX-INT8 tiles ------------------
+# ---- amx_kq.c: the x16 layout (Q4_1, int8 activations) on AMX-INT8 tiles ------------------
 
 def _x16_matrix(n: int, k: int, seed: int) -> torch.Tensor:
     from sglang_like.layers.quantization.q4_native import q4_1_blocks

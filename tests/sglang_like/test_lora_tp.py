@@ -6,7 +6,6 @@ default model in real processes: TP=2 against TP=1, fp32, the 2 + 1 KV-head spli
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -22,6 +21,8 @@ from sglang_like.model_loader.loaded import expected_weight_shapes
 from sglang_like.models.llama import LlamaForCausalLM
 from sglang_like.tp import ShmAllReduce, TPShard, make_shard_plan, shard_lora, shard_weights
 from sglang_like.tp.broadcast import decode_batch, encode_batch
+
+from .test_tp_sharding import _on_threads
 
 # 3 KV heads and 3 MLP chunks of 64: both split 2 + 1 at TP=2, as the default model's heads
 TINY = ModelConfig("llama", 97, 64, 192, 2, 6, 3, 16, max_position_embeddings=64)
@@ -79,26 +80,6 @@ def test_two_shards_with_an_adapter_compute_the_whole_model(tmp_path) -> None:
     got = _on_threads(rank_main, 2)
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[0], got[1])
-
-
-def _on_threads(fn, num: int) -> list:  # noqa: ANN001
-    results: list = [None] * num
-    errors: list = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(num)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return results
 
 
 def test_the_broadcast_carries_each_rows_adapter() -> None:

@@ -27,9 +27,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "kq_matmul", "q4_matmul", "q4_x16_matmul",
            "q8_matmul", "q8_x16_matmul"]
 
-# q4_1.c for its activation quantizer: amx_x16.c rounds activations exactly as the x16 kernel
-_SOURCES = ("amx.c", "amx_q4.c", "amx_q4_codes.c", "amx_q8.c", "amx_x16.c", "amx_q8x16.c",
-            "amx_kq.c", "q4_1.c")
+# q4_1.c for its activation quantizer: amx_kq.c rounds activations exactly as the x16 kernel
+_SOURCES = ("amx.c", "amx_q4.c", "amx_q4_codes.c", "amx_q8.c", "amx_q8x16.c", "amx_kq.c",
+            "q4_1.c")
 _HEADERS = ("amx.h", "simd.h", "kquants.h")
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
@@ -68,8 +68,6 @@ def _library() -> ctypes.CDLL | None:
     lib.q8_amx_matmul.restype = ctypes.c_int
     lib.q8_amx_matmul_i8.argtypes = lib.q8_amx_matmul.argtypes
     lib.q8_amx_matmul_i8.restype = ctypes.c_int
-    lib.q4_x16_amx_matmul.argtypes = [p, i64, i64, p, i64, i64, p, i64]
-    lib.q4_x16_amx_matmul.restype = ctypes.c_int
     lib.q8_x16_amx_matmul.argtypes = lib.q8_amx_matmul.argtypes
     lib.q8_x16_amx_matmul.restype = ctypes.c_int
     lib.kq_amx_matmul.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, i64]
@@ -139,13 +137,14 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 def q4_x16_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32 @ W.T -> [M, N] float32, W in the x16 layout (`cpu.q4_x16_pack`;
-    N = out_features, a multiple of 16; K a multiple of 32), on AMX-INT8 tiles (amx_x16.c):
+    N = out_features, a multiple of 16; K a multiple of 32), on AMX-INT8 tiles (amx_kq.c, whose
+    Q4_K kind is the x16 record byte for byte):
     the same bits as `cpu.q4_x16_matmul`, row for row, at any M."""
     x = _rows(x, torch.float32)
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    if m and _lib().q4_x16_amx_matmul(packed.data_ptr(), out_features, k, x.data_ptr(),
-                                      x.stride(0), m, y.data_ptr(), out_features) != 0:
+    if m and _lib().kq_amx_matmul(-1, packed.data_ptr(), out_features, k, x.data_ptr(),
+                                  x.stride(0), m, y.data_ptr(), out_features) != 0:
         raise RuntimeError(f"q4_x16_amx_matmul: N={out_features} must divide by 16, K={k} "
                            "by 32")
     return y

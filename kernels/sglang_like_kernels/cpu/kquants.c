@@ -269,18 +269,30 @@ void kq_matmul_group(int kind, const uint8_t *w, int64_t g, int64_t K, const int
     KQ_GROUP[kind](w + g * (int64_t)nb * kq_record_bytes(kind), nb, &a, M, (int)K, y, ldy);
 }
 
-// y [M, N] (row stride ldy) = x [M, K] float32 (row stride ldx) @ W.T, W [N, K] packed as
-// `kind`. Returns 0, or -1 for a bad kind or shape, or when scratch could not be allocated.
-int kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,
-              int64_t M, float *y, int64_t ldy) {
-    if (kind < 0 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS || M <= 0 || N <= 0) return -1;
+// x's rows quantized, then one team runs kq_matmul_team, or (any) kq_any_team: kind -1 allowed
+static int quantized_matmul(int any, int kind, const uint8_t *w, int64_t N, int64_t K,
+                            const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy) {
+    if (kind < -1 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS || M <= 0 || N <= 0) return -1;
     kq_act a;
     void *scratch = kq_quantize_rows(x, ldx, M, K, &a);
     if (!scratch) return -1;
 #pragma omp parallel
-    kq_matmul_team(kind, w, N, K, a.q, a.e, a.S, a.qs, M, y, ldy);
+    {
+        if (any)
+            kq_any_team(kind, w, N, K, a.q, a.e, a.S, a.qs, M, y, ldy);
+        else
+            kq_matmul_team(kind, w, N, K, a.q, a.e, a.S, a.qs, M, y, ldy);
+    }
     free(scratch);
     return 0;
+}
+
+// y [M, N] (row stride ldy) = x [M, K] float32 (row stride ldx) @ W.T, W [N, K] packed as
+// `kind`. Returns 0, or -1 for a bad kind or shape, or when scratch could not be allocated.
+int kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx,
+              int64_t M, float *y, int64_t ldy) {
+    if (kind < 0) return -1;
+    return quantized_matmul(0, kind, w, N, K, x, ldx, M, y, ldy);
 }
 
 // the packed matrix -> float32 [N, K] (the prefill path's dense weight; tests)
@@ -380,12 +392,5 @@ void kq_any_team(int kind, const uint8_t *w, int64_t N, int64_t K, const int8_t 
 // the MoE layers run, tiles included where lent (tests/kernels/test_gguf_kernels.py)
 int kq_any_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x,
                   int64_t ldx, int64_t M, float *y, int64_t ldy) {
-    if (kind < -1 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS || M <= 0 || N <= 0) return -1;
-    kq_act a;
-    void *scratch = kq_quantize_rows(x, ldx, M, K, &a);
-    if (!scratch) return -1;
-#pragma omp parallel
-    kq_any_team(kind, w, N, K, a.q, a.e, a.S, a.qs, M, y, ldy);
-    free(scratch);
-    return 0;
+    return quantized_matmul(1, kind, w, N, K, x, ldx, M, y, ldy);
 }

@@ -8,7 +8,7 @@ does; the same sums to float rounding):
   `vpmaddubsw` halves) dots 4 columns of all 16 rows and the float scaling is paid per 16
   rows; an activation row costs a few instructions per block, so a speculative verify of 4-8
   rows costs about what one decode row does under torch's kernel. On CPUs with AMX the same
-  bytes also feed a tile kernel (amx_x16.c) that gives the same bits, used from
+  bytes also feed a tile kernel (amx_kq.c) that gives the same bits, used from
   `amx_min_rows` rows (timings: docs/cpu-kernels.md).
 - `Q4NativeMethod` (kernels/sglang_like_kernels/cpu/q4_1.c): row-major blocks, one weight row
   at a time. `SGLANG_LIKE_INT4_KERNEL=native` asks for it.
@@ -50,7 +50,7 @@ def int4_kernel() -> str:
     (benchmarks/bench_kernel_choice.py, docs/cpu-kernels.md): up to 8-16 rows (decode,
     verifies) the x16 kernel is about twice as fast as the tile kernels on torch's pack, the
     one-call decode step (decode_step.c) needs x16 weights, and from 16 rows its own tile
-    kernel (amx_x16.c, the same bits) takes over."""
+    kernel (amx_kq.c, the same bits) takes over."""
     choice = os.environ.get(_ENV_VAR, "").strip().lower() or "auto"
     if choice not in ("auto", "x16", "native", "torch"):
         raise ValueError(f"{_ENV_VAR}={choice!r}: expected auto, x16, native or torch")
@@ -160,7 +160,7 @@ class Q4X16Method(Q4NativeMethod):
     the same alone, in a batch or in a verify); from there the layer is dequantized for a
     GEMM on the activations rounded as the kernel rounds them (see Q4NativeMethod).
 
-    With AMX (`layer.amx`), forwards of `amx_min_rows` rows or more run amx_x16.c on the same
+    With AMX (`layer.amx`), forwards of `amx_min_rows` rows or more run amx_kq.c on the same
     bytes instead, and nothing is dequantized: its integer tile products are the x16
     kernel's dots and its float steps the x16 kernel's, so a row's result is the same bits
     at every row count, in any batch, chunk or verify. A prefill chunk of 256+ rows through a
