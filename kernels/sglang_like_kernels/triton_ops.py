@@ -95,6 +95,18 @@ def _kv_args(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor |
             k_scale.stride(0))
 
 
+def _query_for(q: torch.Tensor, k_pool: torch.Tensor) -> torch.Tensor:
+    """q as the kernels take it: contiguous in its last dim, and over a quantized pool (whose
+    rows are stored rotated, kv_quant) rotated the same way, W q / B."""
+    q = _inner_contiguous(q)
+    return kv_quant.rotate_back(q).to(q.dtype) if kv_quant.is_quantized(k_pool.dtype) else q
+
+
+def _output_for(out: torch.Tensor, k_pool: torch.Tensor) -> torch.Tensor:
+    """The kernels' output over a quantized pool is W o (sum p_i W v_i): o = W (W o) / B."""
+    return kv_quant.rotate_back(out).to(out.dtype) if kv_quant.is_quantized(k_pool.dtype) else out
+
+
 def _runtime(window: int | None, softcap: float | None) -> tuple[int, float]:
     """The runtime values behind the switches (unused when a switch is off)."""
     check_window_softcap(window, softcap)
@@ -237,7 +249,7 @@ def decode_attention(
     out = _empty(q.shape, q.dtype, q.device)
     if batch == 0:
         return out
-    q = _inner_contiguous(q)
+    q = _query_for(q, k_pool)
     window_value, softcap_value = _runtime(window, softcap)
     meta = decode_meta(
         num_q_heads, num_kv_heads, head_dim, req_to_token.shape[1], k_pool.dtype, num_splits,
@@ -265,7 +277,7 @@ def decode_attention(
         num_q_heads, head_dim,
         NUM_SPLITS=splits, BLOCK_S=meta["BLOCK_S"], BLOCK_D=meta["BLOCK_D"],
     )  # fmt: skip
-    return out
+    return _output_for(out, k_pool)
 
 
 def extend_attention(
@@ -299,7 +311,7 @@ def extend_attention(
     max_extend = int(extend_lens.max()) if batch else 0
     if max_extend == 0:
         return out
-    q = _inner_contiguous(q)
+    q = _query_for(q, k_pool)
     device = q.device
     extend_lens = extend_lens.to(device=device, dtype=torch.int64)
     extend_starts = torch.cumsum(extend_lens, 0) - extend_lens
@@ -316,7 +328,7 @@ def extend_attention(
         num_q_heads // num_kv_heads, head_dim,
         **meta,
     )  # fmt: skip
-    return out
+    return _output_for(out, k_pool)
 
 
 def tree_verify_attention(
@@ -348,7 +360,7 @@ def tree_verify_attention(
     out = _empty(q.shape, q.dtype, q.device)
     if batch == 0 or num_draft == 0:
         return out
-    q = _inner_contiguous(q)
+    q = _query_for(q, k_pool)
     device = q.device
     mask = tree_mask.to(device=device, dtype=torch.int8).contiguous()
     window_value, softcap_value = _runtime(window, softcap)
@@ -362,7 +374,7 @@ def tree_verify_attention(
         num_draft, num_q_heads // num_kv_heads, head_dim,
         **tree_verify_meta(num_draft, head_dim, k_pool.dtype, window=window, softcap=softcap),
     )  # fmt: skip
-    return out
+    return _output_for(out, k_pool)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

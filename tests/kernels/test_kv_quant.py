@@ -32,25 +32,79 @@ def _quantized(shape, dtype, gen, scale=1.0):
 @pytest.mark.parametrize("dtype", QDTYPES)
 def test_quantize_rounds_each_row_to_its_own_scale(dtype):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(50, 3, 64, generator=gen) * torch.logspace(-3, 3, 50)[:, None, None]
-    x[7, 1] = 0.0  # a row of zeros: scale 0, codes 0, read back as zeros
-    codes, scale = kv_quant.quantize(x, dtype)
+    r = torch.randn(50, 3, 64, generator=gen) * torch.logspace(-3, 3, 50)[:, None, None]
+    r[7, 1] = 0.0  # a row of zeros: scale 0, codes 0, read back as zeros
+    codes, scale = kv_quant.quantize_rotated(r, dtype)
     assert codes.dtype == dtype and scale.dtype == torch.float32 and scale.shape == (50, 3)
     assert scale[7, 1] == 0 and not codes[7, 1].float().any()
     qmax = kv_quant.QMAX[dtype]
-    assert torch.equal(scale, x.abs().amax(-1) / qmax)
-    back = kv_quant.dequantize(codes, scale)
+    assert torch.equal(scale, r.abs().amax(-1) / qmax)
+    back = codes.float() * scale[..., None]
     assert back[7, 1].abs().max() == 0
-    err = (back - x).abs() / scale.clamp_min(1e-30)[..., None]  # in units of the scale
+    err = (back - r).abs() / scale.clamp_min(1e-30)[..., None]  # in units of the scale
     # int8: half a code step; fp8: half a step of its mantissa at the value's exponent
     mantissa = {torch.int8: None, torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
     if mantissa is None:
         assert err.max() <= 0.5 + 1e-4
         assert codes.abs().max() == 127
     else:
-        rel = ((back - x).abs() / x.abs().clamp_min(1e-30))[x.abs() > scale[..., None] * 2]
+        rel = ((back - r).abs() / r.abs().clamp_min(1e-30))[r.abs() > scale[..., None] * 2]
         assert rel.max() <= 2.0 ** -(mantissa + 1) + 1e-6
         assert codes.float().abs().max() == qmax
+
+
+def _sylvester(n):
+    w = torch.ones(1, 1)
+    while w.shape[0] < n:
+        w = torch.cat([torch.cat([w, w], 1), torch.cat([w, -w], 1)], 0)
+    return w
+
+
+@pytest.mark.parametrize("dim", [64, 40, 96, 128])
+def test_rows_are_stored_rotated_and_read_back(dim):
+    """quantize = quantize_rotated of W x, W the Walsh-Hadamard matrix of each block of the
+    largest power of two dividing D (64 -> 64, 40 -> 8, 96 -> 32); dequantize reads x back
+    within the codes' rounding (the rotation is orthogonal up to its factor sqrt(B))."""
+    b = kv_quant.block(dim)
+    assert b == {64: 64, 40: 8, 96: 32, 128: 128}[dim]
+    gen = torch.Generator().manual_seed(dim)
+    x = torch.randn(20, 2, dim, generator=gen)
+    w = torch.block_diag(*[_sylvester(b)] * (dim // b))
+    torch.testing.assert_close(kv_quant.rotate(x), x @ w, rtol=1e-5, atol=1e-5)
+    ints = torch.randint(-100, 100, (20, dim), generator=gen).float()
+    assert torch.equal(kv_quant.rotate(kv_quant.rotate(ints)), ints * b)  # exact sums
+    assert torch.allclose(kv_quant.rotate_back(kv_quant.rotate(x)), x, atol=1e-5)
+    for dtype in QDTYPES:
+        codes, scale = kv_quant.quantize(x, dtype)
+        want = kv_quant.quantize_rotated(kv_quant.rotate(x), dtype)
+        assert torch.equal(kv_quant.as_bytes(codes), kv_quant.as_bytes(want[0]))
+        assert torch.equal(scale, want[1])
+        back = kv_quant.dequantize(codes, scale)
+        if dtype == torch.int8:  # |r - r_hat| <= scale / 2 each, and |W e| = sqrt(B) |e|
+            bound = 0.5 * scale * (dim / b) ** 0.5 + 1e-5
+            assert ((back - x).norm(dim=-1) <= bound).all()
+        else:
+            assert ((back - x).norm(dim=-1) <= 0.1 * x.norm(dim=-1)).all()
+
+
+def test_the_rotation_keeps_outlier_channels_from_costing_the_other_scores():
+    """int8 K rows with two channels 40x the others (the pattern of RoPE'd keys): one scale
+    per row spends the codes on the outliers, so scores q . k of queries that read the other
+    channels lose most of their precision; rotated first, the error is several times less.
+    (fp8 keeps each value's relative precision, so this case favours it unrotated; on the
+    default model's real keys the rotation helps fp8 too, docs/benchmarks.md#bench_kv_dtype.)"""
+    dtype = torch.int8
+    gen = torch.Generator().manual_seed(9)
+    k = torch.randn(512, 64, generator=gen)
+    k[:, 5] *= 40
+    k[:, 37] *= 40
+    q = torch.randn(64, 64, generator=gen)
+    q[:, [5, 37]] = 0.0
+    exact = q @ k.T
+    plain = kv_quant.quantize_rotated(k, dtype)  # one scale, no rotation
+    err_plain = (q @ (plain[0].float() * plain[1][:, None]).T - exact).abs().mean()
+    err_rot = (q @ kv_quant.dequantize(*kv_quant.quantize(k, dtype)).T - exact).abs().mean()
+    assert err_rot * 3 < err_plain, (err_rot, err_plain)
 
 
 def _pools(dtype, slots=260, hkv=2, dim=64, seed=0):
@@ -179,9 +233,30 @@ def _edge_rows(dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", QDTYPES)
+def test_native_quantizer_is_torchs_bit_for_bit(dtype):
+    """The native quantizer (attention.c's store) against kv_quant: on rotated rows at each
+    format's rounding edges (ties between two codes, subnormals, negative zero), and on
+    random rows of any magnitude through the rotation, for head sizes 64, 40 and 96."""
+    edge = _edge_rows(dtype)
+    codes, scale = ops.kv_quantize_rows(edge, dtype, rotated=True)
+    want = kv_quant.quantize_rotated(edge, dtype)
+    assert torch.equal(scale, want[1]) and (scale == 1).all()
+    assert torch.equal(kv_quant.as_bytes(codes), kv_quant.as_bytes(want[0]))
+    gen = torch.Generator().manual_seed(5)
+    for dim in (64, 40, 96):
+        x = torch.randn(300, dim, generator=gen) * torch.logspace(-4, 3, 300)[:, None]
+        x[3] = 0.0
+        codes, scale = ops.kv_quantize_rows(x, dtype)
+        want = kv_quant.quantize(x, dtype)
+        assert torch.equal(scale, want[1])
+        assert torch.equal(kv_quant.as_bytes(codes), kv_quant.as_bytes(want[0]))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", QDTYPES)
 def test_native_store_quantizes_as_torch_does_bit_for_bit(dtype):
     """decode_attention_rope without RoPE stores k and v as given: its codes and scales are
-    kv_quant.quantize's, bit for bit, on random rows and on the edges of each format."""
+    kv_quant.quantize's, bit for bit, on random rows and on each format's edge values."""
     edge = _edge_rows(dtype)
     gen = torch.Generator().manual_seed(5)
     rand = torch.randn(edge.shape[0], 64, generator=gen) * torch.logspace(
@@ -205,6 +280,20 @@ def test_native_store_quantizes_as_torch_does_bit_for_bit(dtype):
         codes, scale = kv_quant.quantize(x, dtype)
         assert torch.equal(scale_t[slots], scale)
         assert torch.equal(kv_quant.as_bytes(pool_t[slots]), kv_quant.as_bytes(codes))
+
+
+def _as_the_int8_kernel_reads(q, dtype):
+    """q [..., D] as attention.c's int8 kernel scores with it (D a multiple of 16, <= 256):
+    rotated (W q / B), each head rounded to int16 with its own scale max|.| / 32767, so the
+    reference over the same pool can be held to float rounding (a score of 300 moves by 1e-3
+    with the int16 query, which the softmax of such scores shows)."""
+    dim = q.shape[-1]
+    if dtype != torch.int8 or dim % 16 or dim > 256:
+        return q
+    r = kv_quant.rotate(q) * (1.0 / kv_quant.block(dim))
+    scale = r.abs().amax(-1, keepdim=True) / 32767
+    q16 = (r / torch.where(scale > 0, scale, torch.ones_like(scale))).round()
+    return kv_quant.rotate(q16 * scale)  # W r': the reference reads keys rotated back
 
 
 def _native_case(dtype, dim, heads, gen):
@@ -257,8 +346,9 @@ def test_native_decode_attention_over_a_quantized_pool_is_the_reference(dtype, d
     # K went through RoPE on each side (last-bit differences): codes within one step
     diff = (kq.float() - ref[0].float()).abs()
     assert (diff > 0).sum() <= diff.numel() // 100
-    want = reference.decode_attention(qk[:, :hq].contiguous(), kq, vq, table, rows, lens,
-                                      dim**-0.5, k_scale=ks, v_scale=vs, **kw)
+    q = _as_the_int8_kernel_reads(qk[:, :hq].contiguous(), dtype)
+    want = reference.decode_attention(q, kq, vq, table, rows, lens, dim**-0.5, k_scale=ks,
+                                      v_scale=vs, **kw)
     # values reach 10 (rows of 0.01 to 10): float32 sums in another order, relative to them
     torch.testing.assert_close(got.view(3, hq, dim), want, rtol=2e-5,
                                atol=5e-6 * want.abs().max().item())
@@ -291,7 +381,7 @@ def test_native_rows_sharing_a_long_prefix_are_each_rows_own_bits(dtype):
                                           out_slots[one], table, rows[one], lens[one],
                                           dim**-0.5, torch.float32, k_scale=ks, v_scale=vs)
         assert torch.equal(alone[0], together[i]), i
-    q = qkv[:, :hq * dim].reshape(n_rows, hq, dim)
+    q = _as_the_int8_kernel_reads(qkv[:, :hq * dim].reshape(n_rows, hq, dim), dtype)
     want = reference.decode_attention(q, kq, vq, table, rows, lens, dim**-0.5, k_scale=ks,
                                       v_scale=vs)
     torch.testing.assert_close(together.view(n_rows, hq, dim), want, rtol=2e-5,

@@ -164,6 +164,8 @@ class _Library:
                                               ptr, i32, ptr, ptr, i64, ptr, ptr, f32, ptr, i32,
                                               i64, f32, i32, ptr, ptr, f32, ptr, ptr]
         lib.decode_attention_rope.restype = ctypes.c_int
+        lib.kv_quantize_rows.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr]
+        lib.kv_quantize_rows.restype = ctypes.c_int
         lib.decode_step_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, i32,
                                         ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr,
                                         ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
@@ -203,6 +205,7 @@ class _Library:
         self.act_mul = lib.act_mul
         self.residual_norm = lib.residual_norm
         self.decode_attention_rope = lib.decode_attention_rope
+        self.kv_quantize_rows = lib.kv_quantize_rows
         self.decode_step_x16 = lib.decode_step_x16
         self.eagle_head_x16 = lib.eagle_head_x16
         self.argmax_rows = lib.argmax_rows

@@ -80,31 +80,102 @@ static inline uint8_t f32_to_e5m2(float f) {
     return sign | (uint8_t)((u >> 21) - (112u << 2));
 }
 
-// One kv head's row x [D] into the pool at row `row` (slot * Hkv + head): fp32 / bf16 as it
-// is, or codes and scale as kv_quant.quantize makes them (scale = max|x| / QMAX, codes =
-// x / scale rounded to nearest even), the same bits: float32 division in both.
-static inline void store_kv_row(void *pool, float *scales, int kind, int64_t row, int64_t D,
-                                const float *x) {
-    if (kind == KV_F32 || kind == KV_BF16) {
-        store_row(pool, kind, row * D, (int)D, x);
+// A quantized pool holds rotated rows (kv_quant.rotate, which says why): the unnormalized
+// Walsh-Hadamard transform of each block of D & -D values, in place, by butterflies of span
+// 1, 2, 4, ... in kv_quant's order (each value's sums and differences the same float ops,
+// so both give the same bits). Applied twice it is B times the identity.
+static void kv_rotate(float *x, int64_t D) {
+    const int64_t b = D & -D;
+    if (D % 8 == 0) {  // spans 1, 2, 4 inside each 8 lanes, then whole vectors: the same ops
+        for (int64_t i = 0; i < D; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i), w = _mm256_permute_ps(v, 0xB1);
+            v = _mm256_blend_ps(_mm256_add_ps(v, w), _mm256_sub_ps(w, v), 0xAA);
+            w = _mm256_permute_ps(v, 0x4E);
+            v = _mm256_blend_ps(_mm256_add_ps(v, w), _mm256_sub_ps(w, v), 0xCC);
+            w = _mm256_permute2f128_ps(v, v, 1);
+            v = _mm256_blend_ps(_mm256_add_ps(v, w), _mm256_sub_ps(w, v), 0xF0);
+            _mm256_storeu_ps(x + i, v);
+        }
+        for (int64_t h = 8; h < b; h *= 2)
+            for (int64_t i = 0; i < D; i += 2 * h)
+                for (int64_t j = i; j < i + h; j += 8) {
+                    const __m256 a = _mm256_loadu_ps(x + j), c = _mm256_loadu_ps(x + j + h);
+                    _mm256_storeu_ps(x + j, _mm256_add_ps(a, c));
+                    _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, c));
+                }
         return;
     }
+    for (int64_t h = 1; h < b; h *= 2)
+        for (int64_t i = 0; i < D; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], c = x[j + h];
+                x[j] = a + c;
+                x[j + h] = a - c;
+            }
+}
+
+// Codes and scale of one rotated row r [D], as kv_quant.quantize_rotated makes them (scale =
+// max|r| / QMAX, codes = r / scale rounded to nearest even), the same bits: float32 division
+// in both.
+static void quantize_kv_row(uint8_t *dst, float *scale_out, int kind, int64_t D, const float *r) {
     float amax = 0.0f;
-    for (int64_t d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    for (int64_t d = 0; d < D; d++) amax = fabsf(r[d]) > amax ? fabsf(r[d]) : amax;
     const float scale = amax / (kind == KV_I8 ? 127.0f : (kind == KV_E4M3 ? 448.0f : 57344.0f));
-    scales[row] = scale;
+    *scale_out = scale;
     const float div = scale > 0.0f ? scale : 1.0f;
-    uint8_t *dst = (uint8_t *)pool + row * D;
-    for (int64_t d = 0; d < D; d++) {
-        const float y = x[d] / div;
+    int64_t d0 = 0;
+    if (kind == KV_I8) {  // 8 at a time: the same division and rounding (to nearest even)
+        const __m256 dv = _mm256_set1_ps(div), hi = _mm256_set1_ps(127.0f);
+        for (; d0 + 8 <= D; d0 += 8) {
+            __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(r + d0), dv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            y = _mm256_max_ps(_mm256_min_ps(y, hi), _mm256_sub_ps(_mm256_setzero_ps(), hi));
+            const __m256i i = _mm256_cvtps_epi32(y);
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i),
+                                              _mm256_extracti128_si256(i, 1));
+            _mm_storel_epi64((__m128i *)(dst + d0), _mm_packs_epi16(w, w));
+        }
+    }
+    for (int64_t d = d0; d < D; d++) {
+        const float y = r[d] / div;
         if (kind == KV_I8) {
-            float r = nearbyintf(y);
-            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            dst[d] = (uint8_t)(int8_t)r;
+            float q = nearbyintf(y);
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            dst[d] = (uint8_t)(int8_t)q;
         } else {
             dst[d] = kind == KV_E4M3 ? f32_to_e4m3(y) : f32_to_e5m2(y);
         }
     }
+}
+
+// One kv head's row x [D] into the pool at row `row` (slot * Hkv + head): fp32 / bf16 as it
+// is, or rotated, then codes and scale (kv_quant.quantize's bits). rot: D floats of scratch.
+static inline void store_kv_row(void *pool, float *scales, int kind, int64_t row, int64_t D,
+                                const float *x, float *rot) {
+    if (kind == KV_F32 || kind == KV_BF16) {
+        store_row(pool, kind, row * D, (int)D, x);
+        return;
+    }
+    memcpy(rot, x, sizeof(float) * (size_t)D);
+    kv_rotate(rot, D);
+    quantize_kv_row((uint8_t *)pool + row * D, scales + row, kind, D, rot);
+}
+
+// n rows x [n, D] -> codes [n, D] and scales [n] of a pool of `kind` (KV_I8 and up), rotated
+// first unless `rotated` says they are (kv_quant.quantize / quantize_rotated): the native
+// quantizer alone, which the tests hold to torch's on the formats' rounding edges.
+int kv_quantize_rows(const float *x, int64_t n, int64_t D, int kind, int rotated, void *codes,
+                     float *scales) {
+    if (kind < KV_I8 || kind >= KV_KINDS || D <= 0) return -2;
+    float *rot = (float *)malloc(sizeof(float) * (size_t)D);
+    if (!rot) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(rot, x + i * D, sizeof(float) * (size_t)D);
+        if (!rotated) kv_rotate(rot, D);
+        quantize_kv_row((uint8_t *)codes + i * D, scales + i, kind, D, rot);
+    }
+    free(rot);
+    return 0;
 }
 
 // Keys are gathered by slot: a request's slots are scattered over the pool once requests come
@@ -263,6 +334,159 @@ ATTEND_KINDS(2)
 ATTEND_KINDS(3)
 ATTEND_KINDS(4)
 
+// The int8 pool's own kernel: integer dot products for the scores. Each query head's (rotated)
+// row is rounded to int16 with its own scale, qs = max|q| / 32767 (about 5 significant
+// digits, far finer than the keys' 8 bits; attn_rope_store_team does it once a row), and a
+// key row's codes are widened to int16 once for the G heads; each head's dot is pairs of
+// products summed in int32, exactly (|sum| <= D * 32767 * 127 < 2^31 for D <= 256), by
+// vpmaddwd + vpaddd (AVX2) or vpdpwssd (AVX-512 VNNI), and eight keys' lane sums are
+// reduced together before one float multiply brings in qs * sm_scale and each key's scale.
+// The float path widened every code to float and spent an FMA per code and head: at long
+// contexts on 2 cores the attention is compute-bound there, so this is what turns the pool's
+// halved bytes into speed. Values: the weighted sum of V rows in float, as the generic kernel
+// (the weights times their V scales first, then 16 columns at a time so the G heads'
+// accumulators stay in registers). D a multiple of 16, at most 256.
+#define I8_MAX_D 256
+static inline int i8_kernel_fits(int64_t D) { return D % 16 == 0 && D <= I8_MAX_D; }
+
+static inline __m256i dot16_i8(__m256i acc, __m256i q, __m256i k) {
+#ifdef Q4_VNNI
+    return _mm256_dpwssd_epi32(acc, q, k);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(q, k));
+#endif
+}
+
+// the lane sums of b[0..7] (8 lanes each), in order
+static inline __m256i hsum8_i32(const __m256i *b) {
+    const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(b[0], b[1]),
+                                         _mm256_hadd_epi32(b[2], b[3]));
+    const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(b[4], b[5]),
+                                         _mm256_hadd_epi32(b[6], b[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
+                            _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+
+static inline int32_t hsum1_i32(__m256i a) {
+    const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
+// one query row's G heads as int16 (q [G, D] float) -> q16 [G, D], qs [G]
+static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, float *qs) {
+    for (int64_t j = 0; j < G; j++) {
+        float amax = 0.0f;
+        for (int64_t d = 0; d < D; d++)
+            amax = fabsf(q[j * D + d]) > amax ? fabsf(q[j * D + d]) : amax;
+        const float s = amax / 32767.0f, div = s > 0.0f ? s : 1.0f;
+        for (int64_t d = 0; d < D; d++) q16[j * D + d] = (int16_t)nearbyintf(q[j * D + d] / div);
+        qs[j] = s;
+    }
+}
+
+#define ATTEND_I8(G)                                                                            \
+    static void attend_i8_##G(                                                                  \
+        const int16_t *q16, const float *qs, const int32_t *slots, int64_t t0, int64_t t1,      \
+        const int8_t *kp, const int8_t *vp, const float *ksc, const float *vsc, int64_t Hkv,    \
+        int64_t g, int64_t D, float sm_scale, float softcap, float *scores, float *part,        \
+        int64_t part_stride, int pf_all) {                                                      \
+        const int64_t n = t1 - t0;                                                              \
+        int64_t rows[KV_CHUNK];                                                                 \
+        float kss[KV_CHUNK];                                                                    \
+        __m256i buf[G][8];                                                                      \
+        float mul[G];                                                                           \
+        for (int j = 0; j < G; j++) mul[j] = qs[j] * sm_scale;                                  \
+        for (int64_t t = 0; t < n; t++) rows[t] = (int64_t)slots[t0 + t] * Hkv + g;             \
+        for (int64_t t = 0; t < n; t++) kss[t] = ksc[rows[t]];                                  \
+        int64_t t = 0;                                                                          \
+        for (; t + 8 <= n; t += 8) {                                                            \
+            for (int p = 0; p < 8; p += 2) {                                                    \
+                for (int64_t u = t + p + KV_PREFETCH; u < t + p + KV_PREFETCH + 2 && u < n; u++) { \
+                    prefetch_row(kp, KV_I8, rows[u] * D, D);                                    \
+                    prefetch_row(vp, KV_I8, rows[u] * D, D);                                    \
+                    if (pf_all) {                                                               \
+                        const int64_t row0 = (int64_t)slots[t0 + u] * Hkv * D;                  \
+                        prefetch_row_l2(kp, KV_I8, row0, Hkv * D);                              \
+                        prefetch_row_l2(vp, KV_I8, row0, Hkv * D);                              \
+                    }                                                                           \
+                }                                                                               \
+                const int8_t *k0 = kp + rows[t + p] * D, *k1 = kp + rows[t + p + 1] * D;        \
+                __m256i a[G][2];                                                                \
+                for (int j = 0; j < G; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();         \
+                for (int64_t d = 0; d < D; d += 16) {                                           \
+                    const __m256i x0 =                                                          \
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));       \
+                    const __m256i x1 =                                                          \
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k1 + d)));       \
+                    for (int j = 0; j < G; j++) {                                               \
+                        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q16 + j * D + d)); \
+                        a[j][0] = dot16_i8(a[j][0], qv, x0);                                    \
+                        a[j][1] = dot16_i8(a[j][1], qv, x1);                                    \
+                    }                                                                           \
+                }                                                                               \
+                for (int j = 0; j < G; j++) {                                                   \
+                    buf[j][p] = a[j][0];                                                        \
+                    buf[j][p + 1] = a[j][1];                                                    \
+                }                                                                               \
+            }                                                                                   \
+            const __m256 ks = _mm256_loadu_ps(kss + t);                                         \
+            for (int j = 0; j < G; j++)                                                         \
+                _mm256_storeu_ps(scores + j * KV_CHUNK + t,                                     \
+                                 _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_i32(buf[j])), \
+                                                             _mm256_set1_ps(mul[j])), ks));     \
+        }                                                                                       \
+        for (; t < n; t++) {                                                                    \
+            const int8_t *k0 = kp + rows[t] * D;                                                \
+            __m256i a[G];                                                                       \
+            for (int j = 0; j < G; j++) a[j] = _mm256_setzero_si256();                          \
+            for (int64_t d = 0; d < D; d += 16) {                                               \
+                const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d))); \
+                for (int j = 0; j < G; j++)                                                     \
+                    a[j] = dot16_i8(a[j], _mm256_loadu_si256((const __m256i *)(q16 + j * D + d)), \
+                                    x0);                                                        \
+            }                                                                                   \
+            for (int j = 0; j < G; j++)                                                         \
+                scores[j * KV_CHUNK + t] = ((float)hsum1_i32(a[j]) * mul[j]) * kss[t];          \
+        }                                                                                       \
+        for (t = 0; t < n; t++) kss[t] = vsc[rows[t]]; /* now the V scales */                   \
+        for (int j = 0; j < G; j++) {                                                           \
+            float *sc = scores + j * KV_CHUNK, mx = -INFINITY;                                  \
+            if (softcap > 0.0f) softcap_row(sc, n, softcap);                                    \
+            for (t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;                               \
+            part[j * part_stride] = mx;                                                         \
+            part[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                               \
+            for (t = 0; t < n; t++) sc[t] *= kss[t];                                            \
+        }                                                                                       \
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {                                                \
+            __m256 acc[G][2];                                                                   \
+            for (int j = 0; j < G; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();            \
+            for (t = 0; t < n; t++) {                                                           \
+                const int64_t o = rows[t] * D + d0;                                             \
+                const __m256 v0 = load8(vp, KV_I8, o), v1 = load8(vp, KV_I8, o + 8);            \
+                for (int j = 0; j < G; j++) {                                                   \
+                    const __m256 w = _mm256_broadcast_ss(scores + j * KV_CHUNK + t);            \
+                    acc[j][0] = _mm256_fmadd_ps(w, v0, acc[j][0]);                              \
+                    acc[j][1] = _mm256_fmadd_ps(w, v1, acc[j][1]);                              \
+                }                                                                               \
+            }                                                                                   \
+            for (int j = 0; j < G; j++) {                                                       \
+                _mm256_storeu_ps(part + j * part_stride + 2 + d0, acc[j][0]);                   \
+                _mm256_storeu_ps(part + j * part_stride + 2 + d0 + 8, acc[j][1]);               \
+            }                                                                                   \
+        }                                                                                       \
+    }
+ATTEND_I8(1)
+ATTEND_I8(2)
+ATTEND_I8(3)
+ATTEND_I8(4)
+
+typedef void (*attend_i8_fn)(const int16_t *, const float *, const int32_t *, int64_t, int64_t,
+                             const int8_t *, const int8_t *, const float *, const float *,
+                             int64_t, int64_t, int64_t, float, float, float *, float *, int64_t,
+                             int);
+static const attend_i8_fn I8_FNS[4] = {attend_i8_1, attend_i8_2, attend_i8_3, attend_i8_4};
+
 typedef void (*attend_fn)(const float *, const int32_t *, int64_t, int64_t, const void *,
                           const void *, const float *, const float *, int64_t, int64_t, int64_t,
                           float, float, float *, float *, int64_t, int);
@@ -272,14 +496,20 @@ typedef void (*attend_fn)(const float *, const int32_t *, int64_t, int64_t, cons
 static const attend_fn ATTEND_FNS[4][KV_KINDS] = {ATTEND_ROW(1), ATTEND_ROW(2), ATTEND_ROW(3),
                                                   ATTEND_ROW(4)};
 
-// heads [h0, h0 + G) of kv head g, G <= 4, over a pool of `kind` (see ATTEND_GROUP)
-static void attend_group(int G, const float *q, const int32_t *slots, int64_t t0, int64_t t1,
-                         const void *k_pool, const void *v_pool, int kind, const float *ksc,
-                         const float *vsc, int64_t Hkv, int64_t g, int64_t D, float sm_scale,
-                         float softcap, float *scores, float *part, int64_t part_stride,
-                         int pf_all) {
-    ATTEND_FNS[(G < 4 ? G : 4) - 1][kind](q, slots, t0, t1, k_pool, v_pool, ksc, vsc, Hkv, g, D,
-                                          sm_scale, softcap, scores, part, part_stride, pf_all);
+// heads [h0, h0 + G) of kv head g, G <= 4, over a pool of `kind` (see ATTEND_GROUP); an int8
+// pool's through attend_i8_* with the heads' int16 queries q16 [G, D] and their scales qs
+static void attend_group(int G, const float *q, const int16_t *q16, const float *qs,
+                         const int32_t *slots, int64_t t0, int64_t t1, const void *k_pool,
+                         const void *v_pool, int kind, const float *ksc, const float *vsc,
+                         int64_t Hkv, int64_t g, int64_t D, float sm_scale, float softcap,
+                         float *scores, float *part, int64_t part_stride, int pf_all) {
+    const int fn = (G < 4 ? G : 4) - 1;
+    if (kind == KV_I8 && i8_kernel_fits(D))
+        I8_FNS[fn](q16, qs, slots, t0, t1, (const int8_t *)k_pool, (const int8_t *)v_pool, ksc,
+                   vsc, Hkv, g, D, sm_scale, softcap, scores, part, part_stride, pf_all);
+    else
+        ATTEND_FNS[fn][kind](q, slots, t0, t1, k_pool, v_pool, ksc, vsc, Hkv, g, D, sm_scale,
+                             softcap, scores, part, part_stride, pf_all);
 }
 
 // rotate-half RoPE of one head: out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin_signed[i],
@@ -349,12 +579,14 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
     }
     p->by_chunk = longest >= 2 * threads * KV_CHUNK;
     p->q_all = (float *)malloc(sizeof(float) * (size_t)(B * Hq * D));
+    p->q16 = (int16_t *)malloc(sizeof(int16_t) * (size_t)(B * Hq * D));
+    p->q16_scale = (float *)malloc(sizeof(float) * (size_t)(B * Hq));
     p->num_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
     p->item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
     p->group_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
     p->group_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
     p->kv_item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
-    if (!p->q_all || !p->num_chunks || !p->item_start || !p->group_start || !p->group_chunks ||
+    if (!p->q_all || !p->q16 || !p->q16_scale || !p->num_chunks || !p->item_start || !p->group_start || !p->group_chunks ||
         !p->kv_item_start) {
         attn_plan_free(p);
         return -1;
@@ -388,7 +620,7 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
 }
 
 void attn_plan_free(attn_plan *p) {
-    free(p->q_all); free(p->num_chunks); free(p->item_start); free(p->group_start);
+    free(p->q_all); free(p->q16); free(p->q16_scale); free(p->num_chunks); free(p->item_start); free(p->group_start);
     free(p->group_chunks); free(p->kv_item_start); free(p->partials); free(p->lo);
     memset(p, 0, sizeof(*p));
 }
@@ -418,23 +650,33 @@ void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, con
                 rmsnorm_inplace(buf + (Hq + h) * D, D, qk->k_norm, qk->eps);
         }
         const int64_t slot = out_slots[b];
-        if (!qk->cos) {  // no rotation: q as it is, k stored as it is
-            memcpy(p->q_all + b * Hq * D, buf, sizeof(float) * (size_t)(Hq * D));
+        float *q = p->q_all + b * Hq * D, *rot = buf + row, *scratch = rot + D;
+        if (!qk->cos) {  // no RoPE: q as it is, k stored as it is
+            memcpy(q, buf, sizeof(float) * (size_t)(Hq * D));
             for (int64_t h = 0; h < Hkv; h++) {
-                store_kv_row(k_pool, k_scale, pool_kind, slot * Hkv + h, D, buf + (Hq + h) * D);
+                store_kv_row(k_pool, k_scale, pool_kind, slot * Hkv + h, D, buf + (Hq + h) * D,
+                             scratch);
                 store_kv_row(v_pool, v_scale, pool_kind, slot * Hkv + h, D,
-                             buf + (Hq + Hkv + h) * D);
+                             buf + (Hq + Hkv + h) * D, scratch);
             }
-            continue;
+        } else {
+            const float *c = qk->cos + positions[b] * D, *s = qk->sin + positions[b] * D;
+            for (int64_t h = 0; h < Hq; h++) rope_head(buf + h * D, c, s, (int)D, q + h * D);
+            for (int64_t h = 0; h < Hkv; h++) {
+                rope_head(buf + (Hq + h) * D, c, s, (int)D, rot);
+                store_kv_row(k_pool, k_scale, pool_kind, slot * Hkv + h, D, rot, scratch);
+                store_kv_row(v_pool, v_scale, pool_kind, slot * Hkv + h, D,
+                             buf + (Hq + Hkv + h) * D, scratch);
+            }
         }
-        const float *c = qk->cos + positions[b] * D, *s = qk->sin + positions[b] * D;
-        for (int64_t h = 0; h < Hq; h++)
-            rope_head(buf + h * D, c, s, (int)D, p->q_all + (b * Hq + h) * D);
-        float *rot = buf + row;
-        for (int64_t h = 0; h < Hkv; h++) {
-            rope_head(buf + (Hq + h) * D, c, s, (int)D, rot);
-            store_kv_row(k_pool, k_scale, pool_kind, slot * Hkv + h, D, rot);
-            store_kv_row(v_pool, v_scale, pool_kind, slot * Hkv + h, D, buf + (Hq + Hkv + h) * D);
+        if (pool_kind >= KV_I8) {  // the keys are rotated: so is the query, W q / B
+            const float inv = 1.0f / (float)(D & -D);
+            for (int64_t h = 0; h < Hq; h++) {
+                kv_rotate(q + h * D, D);
+                for (int64_t d = 0; d < D; d++) q[h * D + d] *= inv;
+            }
+            if (pool_kind == KV_I8 && i8_kernel_fits(D))
+                quantize_q16(q, Hq, D, p->q16 + b * Hq * D, p->q16_scale + b * Hq);
         }
     }
 }
@@ -474,9 +716,9 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
                 const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
                 float *part = p->partials + (p->item_start[b] + h0 * nchb + c) * (D + 2);
                 const float *q = p->q_all + (b * Hq + h0) * D;
-                attend_group((int)nh, q, slots, t0, t1, k_pool, v_pool, pool_kind, k_scale,
-                             v_scale, Hkv, g, D,
-                             sm_scale, softcap, scores, part, nchb * (D + 2), prefetch);
+                attend_group((int)nh, q, p->q16 + (b * Hq + h0) * D, p->q16_scale + b * Hq + h0,
+                             slots, t0, t1, k_pool, v_pool, pool_kind, k_scale, v_scale, Hkv, g,
+                             D, sm_scale, softcap, scores, part, nchb * (D + 2), prefetch);
                 prefetch = 0;
             }
         }
@@ -497,7 +739,11 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
             denom += w * part[1];
             for (int64_t d = 0; d < D; d++) merged[d] += w * part[2 + d];
         }
-        const float inv = 1.0f / denom;
+        float inv = 1.0f / denom;
+        if (pool_kind >= KV_I8) {  // sum p_i W v_i = W o: o = W (W o) / B
+            kv_rotate(merged, D);
+            inv /= (float)(D & -D);
+        }
         for (int64_t d = 0; d < D; d++) merged[d] *= inv;
         store_row(out, out_bf16, (b * Hq + h) * D, (int)D, merged);
     }

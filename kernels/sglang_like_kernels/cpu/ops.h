@@ -93,6 +93,8 @@ typedef struct {
     int64_t B, Hq, Hkv, D;
     int64_t group, sub, subs;  // query heads per kv head; per attend call; calls per kv head
     float *q_all;              // [B, Hq, D] the rotated queries
+    int16_t *q16;              // [B, Hq, D] over an int8 pool: q_all rounded, per head scale
+    float *q16_scale;          // [B, Hq] (attention.c's int8 kernel)
     int64_t *num_chunks;       // [B] chunks of KV_CHUNK keys per query row
     int64_t *item_start;       // [B + 1] first partial of each row
     int64_t num_groups;        // runs of rows that read the same keys (attention.c)
@@ -125,8 +127,12 @@ typedef struct {
 
 // The KV pool's element kinds (pool_kind; 0 and 1 are the older bf16 flag's values): float32,
 // bfloat16, or 8-bit codes with a float32 scale per (slot, kv head) in k_scale / v_scale
-// [S, Hkv] (kv_quant.py: scale = max|x| / 127, 448 or 57344; code = x / scale rounded).
+// [S, Hkv] (kv_quant.py: the row rotated, r = W x; scale = max|r| / 127, 448 or 57344;
+// code = r / scale rounded).
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_E4M3 = 3, KV_E5M2 = 4, KV_KINDS = 5 };
+// n rows [n, D] -> codes and scales as kv_quant.quantize (rotated = 1: as quantize_rotated)
+int kv_quantize_rows(const float *x, int64_t n, int64_t D, int kind, int rotated, void *codes,
+                     float *scales);
 
 // k_scale / v_scale: unused (NULL) unless pool_kind is a quantized kind
 void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, const attn_qk *qk,

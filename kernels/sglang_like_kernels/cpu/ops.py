@@ -14,8 +14,8 @@ import torch
 from sglang_like_kernels.cpu import _lib
 
 __all__ = ["POOL_KINDS", "act_mul", "add_rmsnorm", "argmax_rows", "decode_attention_rope",
-           "decode_step_x16", "eagle_head_x16", "moe_forward", "moe_layer", "pool_kind",
-           "residual_norm", "rmsnorm", "silu_mul"]
+           "decode_step_x16", "eagle_head_x16", "kv_quantize_rows", "moe_forward", "moe_layer",
+           "pool_kind", "residual_norm", "rmsnorm", "silu_mul"]
 
 _FLAGS = {torch.float32: 0, torch.bfloat16: 1}
 # the C side's codes (ops.h, decode_step.c) of a layer description's values (layers/decoder.py)
@@ -48,6 +48,23 @@ def _scales(pool: torch.Tensor, k_scale: torch.Tensor | None,
             raise TypeError(f"a {pool.dtype} pool needs {name}: contiguous float32 "
                             f"{tuple(pool.shape[:2])}")
     return k_scale.data_ptr(), v_scale.data_ptr()
+
+
+def kv_quantize_rows(x: torch.Tensor, dtype: torch.dtype, *, rotated: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native quantizer alone: x [..., D] float32 -> (codes, scales) as
+    kv_quant.quantize (or kv_quant.quantize_rotated when `rotated`) makes them."""
+    kind = pool_kind(dtype)
+    if kind < 2:
+        raise TypeError(f"{dtype} is not a quantized pool dtype")
+    x = x.float().contiguous()
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    scales = torch.empty(x.shape[:-1], dtype=torch.float32)
+    rc = _lib(None).kv_quantize_rows(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], kind,
+                                     int(rotated), codes.data_ptr(), scales.data_ptr())
+    if rc != 0:
+        raise MemoryError("kv_quantize_rows could not allocate its scratch memory")
+    return codes.view(dtype), scales
 
 
 def _flag(dtype: torch.dtype) -> int:
