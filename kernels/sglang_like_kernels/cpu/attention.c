@@ -373,6 +373,18 @@ static inline int32_t hsum1_i32(__m256i a) {
     return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
 }
 
+// the largest of v[0, n) (-inf for none), 8 lanes at a time
+static inline float max_row(const float *v, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(v + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    for (; i < n; i++) mx = v[i] > mx ? v[i] : mx;
+    return mx;
+}
+
 // one query row's G heads as int16 (q [G, D] float) -> q16 [G, D], qs [G]
 static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, float *qs) {
     for (int64_t j = 0; j < G; j++) {
@@ -397,8 +409,11 @@ static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, flo
         __m256i buf[G][8];                                                                      \
         float mul[G];                                                                           \
         for (int j = 0; j < G; j++) mul[j] = qs[j] * sm_scale;                                  \
-        for (int64_t t = 0; t < n; t++) rows[t] = (int64_t)slots[t0 + t] * Hkv + g;             \
-        for (int64_t t = 0; t < n; t++) kss[t] = ksc[rows[t]];                                  \
+        for (int64_t t = 0; t < n; t++) { /* the scales' lines start coming now */              \
+            rows[t] = (int64_t)slots[t0 + t] * Hkv + g;                                         \
+            _mm_prefetch((const char *)(ksc + rows[t]), _MM_HINT_T0);                           \
+            _mm_prefetch((const char *)(vsc + rows[t]), _MM_HINT_T0);                           \
+        }                                                                                       \
         int64_t t = 0;                                                                          \
         for (; t + 8 <= n; t += 8) {                                                            \
             for (int p = 0; p < 8; p += 2) {                                                    \
@@ -430,6 +445,7 @@ static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, flo
                     buf[j][p + 1] = a[j][1];                                                    \
                 }                                                                               \
             }                                                                                   \
+            for (int i = 0; i < 8; i++) kss[t + i] = ksc[rows[t + i]];                          \
             const __m256 ks = _mm256_loadu_ps(kss + t);                                         \
             for (int j = 0; j < G; j++)                                                         \
                 _mm256_storeu_ps(scores + j * KV_CHUNK + t,                                     \
@@ -447,13 +463,13 @@ static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, flo
                                     x0);                                                        \
             }                                                                                   \
             for (int j = 0; j < G; j++)                                                         \
-                scores[j * KV_CHUNK + t] = ((float)hsum1_i32(a[j]) * mul[j]) * kss[t];          \
+                scores[j * KV_CHUNK + t] = ((float)hsum1_i32(a[j]) * mul[j]) * ksc[rows[t]];    \
         }                                                                                       \
         for (t = 0; t < n; t++) kss[t] = vsc[rows[t]]; /* now the V scales */                   \
         for (int j = 0; j < G; j++) {                                                           \
             float *sc = scores + j * KV_CHUNK, mx = -INFINITY;                                  \
             if (softcap > 0.0f) softcap_row(sc, n, softcap);                                    \
-            for (t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;                               \
+            mx = max_row(sc, n);                                                                \
             part[j * part_stride] = mx;                                                         \
             part[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                               \
             for (t = 0; t < n; t++) sc[t] *= kss[t];                                            \
