@@ -14,7 +14,14 @@ Per pool dtype, each in a fresh process (`--worker`):
 - the pool's bytes per token (K and V, every layer, scales included) and tokens per GiB;
 - teacher-forced top-1 agreement with the bf16 pool and perplexity, over the first
   `--accuracy-tokens` (3,000) tokens of a fixed English text (Python's own reference
-  manual pages in `pydoc_data`), scored in one prefill through the pool.
+  manual pages in `pydoc_data`), scored in one prefill through the pool: once as the model
+  runs by default (int4 weights, bf16 activations), and once with float32 activations
+  (`--dtype float32`), where the pool is the only difference between two runs; a float32
+  pool's agreement there is the measure's floor (near-ties the bf16 pool's own rounding
+  flips).
+
+`--rounds N` repeats the speed figures N times, the dtypes alternating, and keeps each one's
+best (the machine moves by 10-20% between runs).
 
 llama.cpp (`llama-bench -d` and `llama-batched-bench`, `-fa on`, f16 and `-ctk q8_0 -ctv q8_0`
 KV, 2 threads) on the same GGUF; its weight repacking off only where its default run crashes
@@ -31,6 +38,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from tqdm import tqdm
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "bench_results")
@@ -65,6 +74,29 @@ def _timed_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -> flo
     return len(prompts) * new_tokens / seconds
 
 
+def _accuracy(engine: Any, n: int) -> dict[str, Any]:
+    """teacher-forced top-1 predictions and perplexity over the first n tokens of the text"""
+    ids = engine.tokenizer.encode(accuracy_text())[:n]
+    engine.flush_cache()
+    meta = engine.generate(input_ids=[ids], sampling_params={"max_new_tokens": 0},
+                           return_logprob=True, logprob_start_len=0,
+                           top_logprobs_num=1)[0]["meta_info"]
+    lps = [e[0] for e in meta["input_token_logprobs"][1:]]
+    return {"top1": [t[0][1] for t in meta["input_top_logprobs"][1:]],
+            "perplexity": math.exp(-sum(lps) / len(lps)), "accuracy_tokens": len(ids)}
+
+
+def accuracy_worker(kv: str, args: argparse.Namespace) -> dict[str, Any]:
+    """the accuracy figures with float32 activations (the pool the only difference)"""
+    from sglang_like.engine import Engine
+
+    engine = Engine(kv_cache_dtype=kv, dtype="float32", engine_in_process=True,
+                    log_level="warning", max_total_tokens=args.accuracy_tokens + 512)
+    out = {"kv_cache_dtype": kv, **_accuracy(engine, args.accuracy_tokens)}
+    engine.shutdown()
+    return out
+
+
 def worker(kv: str, args: argparse.Namespace) -> dict[str, Any]:
     from sglang_like.engine import Engine
 
@@ -84,21 +116,15 @@ def worker(kv: str, args: argparse.Namespace) -> dict[str, Any]:
     prompts = [_filler(engine, args.batch_context, f"Request {i}.") for i in range(args.batch)]
     out[f"b{args.batch}_c{args.batch_context}_tok_s"] = _timed_decode(engine, prompts,
                                                                      args.new_tokens)
-    ids = engine.tokenizer.encode(accuracy_text())[:args.accuracy_tokens]
-    engine.flush_cache()
-    meta = engine.generate(input_ids=[ids], sampling_params={"max_new_tokens": 0},
-                           return_logprob=True, logprob_start_len=0,
-                           top_logprobs_num=1)[0]["meta_info"]
-    out["top1"] = [t[0][1] for t in meta["input_top_logprobs"][1:]]
-    lps = [e[0] for e in meta["input_token_logprobs"][1:]]
-    out["perplexity"] = math.exp(-sum(lps) / len(lps))
-    out["accuracy_tokens"] = len(ids)
+    if not args.no_accuracy:
+        out.update(_accuracy(engine, args.accuracy_tokens))
     engine.shutdown()
     return out
 
 
-def _run_worker(kv: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_kv_dtype", "--worker", kv,
+def _run_worker(kv: str, args: argparse.Namespace, mode: str = "--worker",
+                extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.bench_kv_dtype", mode, kv, *extra,
            f"--depth={args.depth}", f"--batch={args.batch}",
            f"--batch-context={args.batch_context}", f"--new-tokens={args.new_tokens}",
            f"--accuracy-tokens={args.accuracy_tokens}"]
@@ -149,8 +175,9 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     base = next(r for r in rows if r["kv_cache_dtype"] == BASE)
     head = (f"| KV | pool | bytes/token | tokens/GiB | b1 @{args.depth} tok/s | vs bf16 | "
             f"b{args.batch} x {args.batch_context} tok/s | vs bf16 | top-1 vs bf16 | "
-            f"perplexity (vs bf16) |")
+            f"perplexity (vs bf16) | fp32 act.: top-1 vs bf16 | fp32 act.: perplexity |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    f32_base = base.get("fp32_activations", {}).get("perplexity")
     for r in rows:
         def cell(key: str, r: dict[str, Any] = r) -> str:
             return f"{r[key]:.1f}" if key in r else "-"
@@ -163,9 +190,13 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                if "perplexity" in r else "-")
         size = f"{r['bytes_per_token']:,}" if "bytes_per_token" in r else "-"
         per_gib = f"{r['tokens_per_gib']:,.0f}" if "tokens_per_gib" in r else "-"
+        f32 = r.get("fp32_activations", {})
+        acc32 = f"{f32['agreement']:.2%}" if "agreement" in f32 else "-"
+        ppl32 = (f"{f32['perplexity']:.4f} ({f32['perplexity'] / f32_base - 1:+.2%})"
+                 if "perplexity" in f32 and f32_base else "-")
         lines.append(f"| {r['kv_cache_dtype']} | {r.get('pool_dtype', '-')} | {size} | "
                      f"{per_gib} | {cell(b1)} | {ratio(b1)} | {cell(bn)} | {ratio(bn)} | "
-                     f"{acc} | {ppl} |")
+                     f"{acc} | {ppl} | {acc32} | {ppl32} |")
     return "\n".join(lines)
 
 
@@ -195,6 +226,9 @@ def draw(rows: list[dict[str, Any]], args: argparse.Namespace, path: str) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker")
+    ap.add_argument("--accuracy-worker")
+    ap.add_argument("--no-accuracy", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--kv-dtypes", default="auto,int8,fp8_e4m3,fp8_e5m2")
     ap.add_argument("--depth", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=32)
@@ -209,6 +243,9 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args)))
         return
+    if args.accuracy_worker:
+        print(json.dumps(accuracy_worker(args.accuracy_worker, args)))
+        return
     import torch
 
     kvs = [k for k in args.kv_dtypes.split(",") if k]
@@ -216,22 +253,50 @@ def main() -> None:
         kvs.insert(0, BASE)
     rows = []
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    for kv in kvs:
-        rows.append(_run_worker(kv, args))
-        print(f"{kv}: {json.dumps({k: v for k, v in rows[-1].items() if k != 'top1'})}",
-              file=sys.stderr, flush=True)
-        with open(args.out + ".partial", "w") as f:  # what a run cut short still leaves
+    speed_keys = (f"b1_d{args.depth}_tok_s", f"b{args.batch}_c{args.batch_context}_tok_s")
+
+    def save_partial() -> None:  # what a run cut short still leaves
+        with open(args.out + ".partial", "w") as f:
             json.dump(rows, f)
+
+    for rnd in tqdm(range(args.rounds), desc="rounds"):
+        for i, kv in enumerate(kvs):
+            got = _run_worker(kv, args, extra=("--no-accuracy",) if rnd else ())
+            if rnd == 0:
+                rows.append({**got, "rounds": {k: [got[k]] for k in speed_keys}})
+            else:
+                for k in speed_keys:
+                    rows[i]["rounds"][k].append(got[k])
+                    rows[i][k] = max(rows[i][k], got[k])
+            print(f"{kv} round {rnd + 1}: "
+                  f"{json.dumps({k: v for k, v in got.items() if k != 'top1'})}",
+                  file=sys.stderr, flush=True)
+            save_partial()
+    # float32 activations: the bf16 pool, the float32 pool (the floor), each quantized pool
+    f32 = {kv: _run_worker(kv, args, "--accuracy-worker")
+           for kv in ["bfloat16", "float32", *[k for k in kvs if k != BASE]]}
+    f32_base = f32["bfloat16"]["top1"]
+    for kv, r in f32.items():
+        r["agreement"] = sum(a == b for a, b in zip(r.pop("top1"), f32_base, strict=True)
+                             ) / len(f32_base)
+        row = next((x for x in rows if x["kv_cache_dtype"] == (BASE if kv == "bfloat16"
+                                                                  else kv)), None)
+        if row is None:
+            row = {"kv_cache_dtype": f"{kv} (fp32 activations only)"}
+            rows.append(row)
+        row["fp32_activations"] = r
+    save_partial()
     base = rows[0]["top1"]
     for r in rows:
-        top1 = r.pop("top1")
-        r["agreement"] = sum(a == b for a, b in zip(top1, base, strict=True)) / len(base)
+        if "top1" in r:
+            top1 = r.pop("top1")
+            r["agreement"] = sum(a == b for a, b in zip(top1, base, strict=True)) / len(base)
     if args.llama_cpp_bin:
         rows += peer(args)
     print(table(rows, args))
     meta = {"threads": torch.get_num_threads(), "depth": args.depth, "batch": args.batch,
             "batch_context": args.batch_context, "new_tokens": args.new_tokens,
-            "accuracy_tokens": args.accuracy_tokens,
+            "accuracy_tokens": args.accuracy_tokens, "rounds": args.rounds,
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                      capture_output=True, text=True).stdout.strip()}
     with open(args.out, "w") as f:

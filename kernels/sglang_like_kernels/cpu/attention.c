@@ -449,15 +449,17 @@ static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, flo
             const __m256 ks = _mm256_loadu_ps(kss + t);                                         \
             for (int j = 0; j < G; j++)                                                         \
                 _mm256_storeu_ps(scores + j * KV_CHUNK + t,                                     \
-                                 _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_i32(buf[j])), \
-                                                             _mm256_set1_ps(mul[j])), ks));     \
+                                 _mm256_mul_ps(_mm256_mul_ps(                                   \
+                                     _mm256_cvtepi32_ps(hsum8_i32(buf[j])),                     \
+                                     _mm256_set1_ps(mul[j])), ks));                             \
         }                                                                                       \
         for (; t < n; t++) {                                                                    \
             const int8_t *k0 = kp + rows[t] * D;                                                \
             __m256i a[G];                                                                       \
             for (int j = 0; j < G; j++) a[j] = _mm256_setzero_si256();                          \
             for (int64_t d = 0; d < D; d += 16) {                                               \
-                const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d))); \
+                const __m256i x0 =                                                              \
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));           \
                 for (int j = 0; j < G; j++)                                                     \
                     a[j] = dot16_i8(a[j], _mm256_loadu_si256((const __m256i *)(q16 + j * D + d)), \
                                     x0);                                                        \
@@ -602,7 +604,8 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
     p->group_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
     p->group_chunks = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
     p->kv_item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
-    if (!p->q_all || !p->q16 || !p->q16_scale || !p->num_chunks || !p->item_start || !p->group_start || !p->group_chunks ||
+    if (!p->q_all || !p->q16 || !p->q16_scale || !p->num_chunks || !p->item_start ||
+        !p->group_start || !p->group_chunks ||
         !p->kv_item_start) {
         attn_plan_free(p);
         return -1;
@@ -636,7 +639,8 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
 }
 
 void attn_plan_free(attn_plan *p) {
-    free(p->q_all); free(p->q16); free(p->q16_scale); free(p->num_chunks); free(p->item_start); free(p->group_start);
+    free(p->q_all); free(p->q16); free(p->q16_scale); free(p->num_chunks); free(p->item_start);
+    free(p->group_start);
     free(p->group_chunks); free(p->kv_item_start); free(p->partials); free(p->lo);
     memset(p, 0, sizeof(*p));
 }
