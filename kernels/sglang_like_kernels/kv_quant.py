@@ -10,13 +10,14 @@ then becomes
     code  = round(r / scale)       (int8: to nearest, ties to even, in [-127, 127];
                                     fp8: torch's float -> fp8 cast, the same rounding)
 
-and is read back as W (code * scale) / B (W W = B I). Why the rotation: a head's K rows carry
+and holds W (code * scale) / B (W W = B I). Why the rotation: a head's K rows carry
 a few outlier channels (RoPE pairs with large norms), and one scale per row then spends the
 code range on them; the rotation spreads every channel over all B, so the codes fit the row
 (the default model's teacher-forced top-1 agreement with a bf16 pool: int8 98.3% -> 99.0%,
 fp8 e4m3 95.8% -> 96.6%, docs/benchmarks.md#bench_kv_dtype). Attention never rotates the
-keys back: q . k = (W q / B) . (W k), and sum p_i v_i = W (sum p_i W v_i) / B, so a kernel
-rotates the query once and its output once, and reads the codes as they are.
+keys back: q . k = (W q / B) . (W k), and sum p_i v_i = W (sum p_i W v_i) / B, so every
+attention (the torch references, Triton, the native kernels) rotates its query once and its
+output once (query_for / output_for), and reads the rows as stored, code * scale.
 
 The scale is per row so a token's keys use the whole code range whatever their magnitude (a
 K row after RoPE and a V row differ by orders of magnitude between heads and layers); fp8
@@ -33,7 +34,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["QMAX", "QUANTIZED_DTYPES", "as_bytes", "block", "dequantize", "is_quantized",
-           "quantize", "quantize_rotated", "rotate", "rotate_back"]
+           "output_for", "query_for", "quantize", "quantize_rotated", "rotate", "rotate_back",
+           "rotated_values"]
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 QUANTIZED_DTYPES = tuple(QMAX)
@@ -97,9 +99,26 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return quantize_rotated(rotate(x), dtype)
 
 
+def rotated_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes [..., D], scales [...] -> float32 code * scale: the rows as stored, W x."""
+    return codes.float() * scale.unsqueeze(-1)
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """codes [..., D], scales [...] -> the float32 rows x [..., D] they hold (rotated back)."""
-    return rotate_back(codes.float() * scale.unsqueeze(-1))
+    return rotate_back(rotated_values(codes, scale))
+
+
+def query_for(q: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """q as an attention over a pool of `pool_dtype` reads it: W q / B over a quantized pool
+    (its keys are W k, and (W q / B) . (W k) = q . k), else q itself."""
+    return rotate_back(q).to(q.dtype) if is_quantized(pool_dtype) else q
+
+
+def output_for(out: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """An attention's output over a pool of `pool_dtype`: over a quantized pool the sum of
+    p_i W v_i is W o, so o = W (W o) / B; else the output itself."""
+    return rotate_back(out).to(out.dtype) if is_quantized(pool_dtype) else out
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ gathers into float32, so the paths themselves are the same code for every pool.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
@@ -56,8 +57,9 @@ def store_kv(
 
 class _Dequantized:
     """A quantized pool as the attention paths read it: the rows a gather takes (index_select
-    on dim 0, or indexing by a tensor of slots) come back float32, code * scale; shape and
-    device are the codes'. Only the gathered rows are ever dequantized."""
+    on dim 0, or indexing by a tensor of slots) come back float32 as stored, code * scale
+    (rotated: the paths take a rotated query and rotate their output back, _over_rotated);
+    shape and device are the codes'. Only the gathered rows are ever widened."""
 
     dtype = torch.float32
 
@@ -67,11 +69,23 @@ class _Dequantized:
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         assert dim == 0
-        return kv_quant.dequantize(self.codes.index_select(0, index),
-                                   self.scale.index_select(0, index))
+        return kv_quant.rotated_values(self.codes.index_select(0, index),
+                                       self.scale.index_select(0, index))
 
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
-        return kv_quant.dequantize(self.codes[index], self.scale[index])
+        return kv_quant.rotated_values(self.codes[index], self.scale[index])
+
+
+def _over_rotated(fn):
+    """An attention path over a quantized pool, whose rows are stored rotated (kv_quant): its
+    query rotated in, its output rotated back out; a float pool's call is fn itself."""
+    @functools.wraps(fn)
+    def run(q, k_pool, v_pool, *args, **kw):
+        if not kv_quant.is_quantized(k_pool.dtype):
+            return fn(q, k_pool, v_pool, *args, **kw)
+        out = fn(kv_quant.query_for(q, k_pool.dtype), k_pool, v_pool, *args, **kw)
+        return kv_quant.output_for(out, k_pool.dtype)
+    return run
 
 
 def _readable(pool: torch.Tensor, scale: torch.Tensor | None):
@@ -96,6 +110,7 @@ def check_window_softcap(window: int | None, softcap: float | None) -> None:
 _MAX_GATHER_ELEMENTS = 1 << 20
 
 
+@_over_rotated
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -490,6 +505,7 @@ def _attend_one(
     return out[0].transpose(0, 1)
 
 
+@_over_rotated
 def extend_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -566,6 +582,7 @@ def _extend_plan(
     return memo_store.put(key, plan)
 
 
+@_over_rotated
 def tree_verify_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -605,6 +622,7 @@ def tree_verify_attention(
     return out.to(q.dtype)
 
 
+@_over_rotated
 def masked_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,

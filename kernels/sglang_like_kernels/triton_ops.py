@@ -96,15 +96,13 @@ def _kv_args(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor |
 
 
 def _query_for(q: torch.Tensor, k_pool: torch.Tensor) -> torch.Tensor:
-    """q as the kernels take it: contiguous in its last dim, and over a quantized pool (whose
-    rows are stored rotated, kv_quant) rotated the same way, W q / B."""
-    q = _inner_contiguous(q)
-    return kv_quant.rotate_back(q).to(q.dtype) if kv_quant.is_quantized(k_pool.dtype) else q
+    """q as the kernels take it: contiguous in its last dim, and rotated over a quantized pool
+    (kv_quant.query_for)."""
+    return kv_quant.query_for(_inner_contiguous(q), k_pool.dtype)
 
 
 def _output_for(out: torch.Tensor, k_pool: torch.Tensor) -> torch.Tensor:
-    """The kernels' output over a quantized pool is W o (sum p_i W v_i): o = W (W o) / B."""
-    return kv_quant.rotate_back(out).to(out.dtype) if kv_quant.is_quantized(k_pool.dtype) else out
+    return kv_quant.output_for(out, k_pool.dtype)
 
 
 def _runtime(window: int | None, softcap: float | None) -> tuple[int, float]:

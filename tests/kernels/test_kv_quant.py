@@ -118,10 +118,16 @@ def _pools(dtype, slots=260, hkv=2, dim=64, seed=0):
 @pytest.mark.parametrize("window,softcap", [(None, None), (40, None), (None, 20.0)])
 def test_references_over_a_quantized_pool_are_their_float_paths_over_its_values(
         dtype, window, softcap):
-    """Every reference path reads a quantized pool as code * scale: its result is the same
-    bits as the same path over the dequantized float32 pool (decode with and without a
-    shared prefix, extend, tree verify, masked)."""
-    gen, (kq, vq, ks, vs), (kf, vf) = _pools(dtype)
+    """Every reference path reads a quantized pool as stored, code * scale (rotated rows),
+    with its query rotated in and its output rotated back: the same bits as the same path
+    over that float32 pool so framed (decode with and without a shared prefix, extend, tree
+    verify, masked), and within float rounding of the path over the dequantized rows."""
+    gen, (kq, vq, ks, vs), (kd, vd) = _pools(dtype)
+    kf, vf = kv_quant.rotated_values(kq, ks), kv_quant.rotated_values(vq, vs)
+
+    def framed(path, q, *args, **kw):  # the float path over the rotated rows
+        return kv_quant.output_for(path(kv_quant.query_for(q, dtype), kf, vf, *args, **kw),
+                                   dtype)
     hq, dim, sm = 6, 64, 0.125
     quant = {"k_scale": ks, "v_scale": vs, "window": window, "softcap": softcap}
     plain = {"window": window, "softcap": softcap}
@@ -134,25 +140,27 @@ def test_references_over_a_quantized_pool_are_their_float_paths_over_its_values(
     rows, lens = torch.tensor([0, 1, 2]), torch.tensor([120, 100, 90])
     q = torch.randn(3, hq, dim, generator=gen)
     got = reference.decode_attention(q, kq, vq, table, rows, lens, sm, **quant)
-    assert torch.equal(got, reference.decode_attention(q, kf, vf, table, rows, lens, sm,
-                                                       **plain))
+    assert torch.equal(got, framed(reference.decode_attention, q, table, rows, lens, sm,
+                                   **plain))
+    torch.testing.assert_close(got, reference.decode_attention(q, kd, vd, table, rows, lens, sm,
+                                                               **plain), rtol=1e-4, atol=1e-4)
     prefix, extend = torch.tensor([0, 50, 20]), torch.tensor([30, 10, 70])
     qe = torch.randn(110, hq, dim, generator=gen)
     got = reference.extend_attention(qe, kq, vq, table, rows, prefix, extend, sm, **quant)
-    assert torch.equal(got, reference.extend_attention(qe, kf, vf, table, rows, prefix, extend,
-                                                       sm, **plain))
+    assert torch.equal(got, framed(reference.extend_attention, qe, table, rows, prefix, extend,
+                                   sm, **plain))
     tree = torch.ones(3, 4, 4, dtype=torch.bool).tril()
     tree[:, 3, 1] = False
     qt = torch.randn(12, hq, dim, generator=gen)
     pre = torch.tensor([80, 40, 60])
     got = reference.tree_verify_attention(qt, kq, vq, table, rows, pre, tree, sm, **quant)
-    assert torch.equal(got, reference.tree_verify_attention(qt, kf, vf, table, rows, pre, tree,
-                                                            sm, **plain))
+    assert torch.equal(got, framed(reference.tree_verify_attention, qt, table, rows, pre, tree,
+                                   sm, **plain))
     masks = [tree[0], torch.ones(1, 1, dtype=torch.bool), tree[2][:2, :2]]
     qm = torch.randn(7, hq, dim, generator=gen)
     got = reference.masked_attention(qm, kq, vq, table, rows, pre, masks, sm, **quant)
-    assert torch.equal(got, reference.masked_attention(qm, kf, vf, table, rows, pre, masks, sm,
-                                                       **plain))
+    assert torch.equal(got, framed(reference.masked_attention, qm, table, rows, pre, masks, sm,
+                                   **plain))
 
 
 def test_a_quantized_pool_without_its_scales_is_refused():
