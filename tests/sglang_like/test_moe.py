@@ -135,7 +135,9 @@ def test_native_experts_equal_a_pairwise_loop(quant: str, qtype: str | None) -> 
         w, ids = route(moe.gate(x), TOP_K, True)
         _, got_ids, got_w = forward(x, layer)  # its own routing: the router's choice
         assert torch.equal(got_ids, ids.sort(-1).values)
-        assert torch.allclose(got_w, w.gather(1, ids.argsort(-1)), atol=1e-6)
+        # the router's logits: the native kernel's float32 sums against torch's GEMM, whose
+        # blocking differs by machine (37 rows on an AMD EPYC: weights 1.8e-6 apart)
+        assert torch.allclose(got_w, w.gather(1, ids.argsort(-1)), atol=5e-6)
         if T > 1:
             ids = ids.clone()
             ids[:, 0] = 3  # expert 3 gets every token
