@@ -2,22 +2,24 @@
 
 A quantized layer's pool is a pair: codes [S, Hkv, D] in the pool dtype (``torch.int8``,
 ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) and scales [S, Hkv] float32 beside it. A
-stored row x [D] (one token's one kv head) is first rotated, r = W x (``rotate``: the
-Walsh-Hadamard transform in blocks of B = the largest power of two dividing D, unnormalized),
-then becomes
+stored row x [D] (one token's one kv head) is first rotated, r = W S x (``rotate``: S flips
+the signs of a fixed pseudo-random half of the channels, ``signs``; W is the Walsh-Hadamard
+transform in blocks of B = the largest power of two dividing D, unnormalized), then becomes
 
     scale = max|r| / QMAX          (QMAX 127 for int8, 448 for e4m3, 57344 for e5m2)
     code  = round(r / scale)       (int8: to nearest, ties to even, in [-127, 127];
                                     fp8: torch's float -> fp8 cast, the same rounding)
 
-and holds W (code * scale) / B (W W = B I). Why the rotation: a head's K rows carry
-a few outlier channels (RoPE pairs with large norms), and one scale per row then spends the
-code range on them; the rotation spreads every channel over all B, so the codes fit the row
-(the default model's teacher-forced top-1 agreement with a bf16 pool, float32 activations:
-int8 98.3% -> 99.0%, fp8 e4m3 95.8% -> 96.5%, docs/benchmarks.md#bench_kv_dtype). Attention never rotates the
-keys back: q . k = (W q / B) . (W k), and sum p_i v_i = W (sum p_i W v_i) / B, so every
-attention (the torch references, Triton, the native kernels) rotates its query once and its
-output once (query_for / output_for), and reads the rows as stored, code * scale.
+and holds S W (code * scale) / B (W W = B I, S S = I). Why the rotation: a head's K rows
+carry a few outlier channels (RoPE pairs with large norms), and one scale per row then spends
+the code range on them; the rotation spreads every channel over all B, so the codes fit the
+row. The signs break the alignment of structured rows with W's own rows (a pair of outliers
+whose signs match a Hadamard pattern would land in a few outputs). Attention never rotates
+the keys back: q . k = (W S q / B) . (W S k), and sum p_i v_i = S W (sum p_i W S v_i) / B, so
+every attention (the torch references, Triton, the native kernels) rotates its query once and
+its output once (query_for / output_for), and reads the rows as stored, code * scale. The
+default model's teacher-forced top-1 agreement with a bf16 pool, float32 activations:
+docs/benchmarks.md#bench_kv_dtype.
 
 The scale is per row so a token's keys use the whole code range whatever their magnitude (a
 K row after RoPE and a V row differ by orders of magnitude between heads and layers); fp8
@@ -35,7 +37,7 @@ import torch
 
 __all__ = ["QMAX", "QUANTIZED_DTYPES", "as_bytes", "block", "dequantize", "is_quantized",
            "output_for", "query_for", "quantize", "quantize_rotated", "rotate", "rotate_back",
-           "rotated_values"]
+           "rotated_values", "signs"]
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 QUANTIZED_DTYPES = tuple(QMAX)
@@ -50,12 +52,37 @@ def block(d: int) -> int:
     return d & -d
 
 
+def _sign_flipped(j: int) -> bool:
+    """Whether channel j's sign is flipped: the top bit of a 32-bit integer hash of j (the
+    same in cpu/attention.c's kv_sign_flipped), so the pattern is fixed for every head size
+    and needs no table on disk or on the wire."""
+    h = (j * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+    h ^= h >> 15
+    h = (h * 0x2C1B3C6D) & 0xFFFFFFFF
+    h ^= h >> 12
+    return bool(h >> 31)
+
+
+_SIGNS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """S's diagonal for head size d: float32 [d] of +1 and -1."""
+    key = (d, torch.device(device))
+    s = _SIGNS.get(key)
+    if s is None:
+        s = torch.tensor([-1.0 if _sign_flipped(j) else 1.0 for j in range(d)], device=device)
+        _SIGNS[key] = s
+    return s
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """W x along the last dim (float32): the unnormalized Walsh-Hadamard transform of each
-    block of `block(D)` values, by butterflies (a + b, a - b) of span 1, 2, 4, ... in the
-    order cpu/attention.c's kv_rotate runs them, so both give the same bits."""
-    x = x.float()
+    """W S x along the last dim (float32): the signs flipped (exact), then the unnormalized
+    Walsh-Hadamard transform of each block of `block(D)` values, by butterflies
+    (a + b, a - b) of span 1, 2, 4, ... in the order cpu/attention.c's kv_rotate runs them,
+    so both give the same bits."""
     shape, d = x.shape, x.shape[-1]
+    x = x.float() * signs(d, x.device)
     b = block(d)
     h = 1
     while h < b:
@@ -65,19 +92,25 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(shape)
 
 
-_INVERSES: dict[tuple[int, torch.device], torch.Tensor] = {}
+# row-vector matrices: x @ _FORWARD = W S x / B, r @ _INVERSE = S W r / B
+_FORWARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+_INVERSE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _matrix(cache: dict, d: int, device: torch.device, inverse: bool) -> torch.Tensor:
+    m = cache.get((d, device))
+    if m is None:
+        # rows of rotate(I) are W S e_j: as a right factor, x @ that = W S x (W symmetric)
+        m = rotate(torch.eye(d, device=device)) / block(d)
+        m = m.T.contiguous() if inverse else m
+        cache[(d, device)] = m
+    return m
 
 
 def rotate_back(r: torch.Tensor) -> torch.Tensor:
-    """x from r = W x (float32): one matmul by W / B (W is symmetric; W W = B I). Readers
-    take this (not the butterflies) for speed; its bits need not match anything."""
-    d = r.shape[-1]
-    key = (d, r.device)
-    w = _INVERSES.get(key)
-    if w is None:
-        w = rotate(torch.eye(d, device=r.device)) / block(d)
-        _INVERSES[key] = w
-    return r.float() @ w
+    """x from r = W S x (float32): one matmul by S W / B. Readers take this (not the
+    butterflies) for speed; its bits need not match anything."""
+    return r.float() @ _matrix(_INVERSE, r.shape[-1], r.device, inverse=True)
 
 
 def quantize_rotated(r: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +133,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 
 def rotated_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """codes [..., D], scales [...] -> float32 code * scale: the rows as stored, W x."""
+    """codes [..., D], scales [...] -> float32 code * scale: the rows as stored, W S x."""
     return codes.float() * scale.unsqueeze(-1)
 
 
@@ -110,14 +143,16 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def query_for(q: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
-    """q as an attention over a pool of `pool_dtype` reads it: W q / B over a quantized pool
-    (its keys are W k, and (W q / B) . (W k) = q . k), else q itself."""
-    return rotate_back(q).to(q.dtype) if is_quantized(pool_dtype) else q
+    """q as an attention over a pool of `pool_dtype` reads it: W S q / B over a quantized
+    pool (its keys are W S k, and (W S q / B) . (W S k) = q . k), else q itself."""
+    if not is_quantized(pool_dtype):
+        return q
+    return (q.float() @ _matrix(_FORWARD, q.shape[-1], q.device, inverse=False)).to(q.dtype)
 
 
 def output_for(out: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
     """An attention's output over a pool of `pool_dtype`: over a quantized pool the sum of
-    p_i W v_i is W o, so o = W (W o) / B; else the output itself."""
+    p_i W S v_i is W S o, so o = S W (W S o) / B; else the output itself."""
     return rotate_back(out).to(out.dtype) if is_quantized(pool_dtype) else out
 
 

@@ -62,18 +62,29 @@ def _sylvester(n):
 
 @pytest.mark.parametrize("dim", [64, 40, 96, 128])
 def test_rows_are_stored_rotated_and_read_back(dim):
-    """quantize = quantize_rotated of W x, W the Walsh-Hadamard matrix of each block of the
-    largest power of two dividing D (64 -> 64, 40 -> 8, 96 -> 32); dequantize reads x back
-    within the codes' rounding (the rotation is orthogonal up to its factor sqrt(B))."""
+    """quantize = quantize_rotated of W S x, S a fixed diagonal of signs (about half
+    flipped) and W the Walsh-Hadamard matrix of each block of the largest power of two
+    dividing D (64 -> 64, 40 -> 8, 96 -> 32); dequantize reads x back within the codes'
+    rounding (the rotation is orthogonal up to its factor sqrt(B)); query_for and
+    output_for frame an attention so that it reads q . k and returns sum p v."""
     b = kv_quant.block(dim)
     assert b == {64: 64, 40: 8, 96: 32, 128: 128}[dim]
+    s = kv_quant.signs(dim)
+    assert set(s.tolist()) == {1.0, -1.0} and abs((s < 0).sum().item() - dim / 2) < dim / 4
     gen = torch.Generator().manual_seed(dim)
     x = torch.randn(20, 2, dim, generator=gen)
     w = torch.block_diag(*[_sylvester(b)] * (dim // b))
-    torch.testing.assert_close(kv_quant.rotate(x), x @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv_quant.rotate(x), (x * s) @ w, rtol=1e-5, atol=1e-5)
     ints = torch.randint(-100, 100, (20, dim), generator=gen).float()
-    assert torch.equal(kv_quant.rotate(kv_quant.rotate(ints)), ints * b)  # exact sums
+    assert torch.equal(kv_quant.rotate(ints), (ints * s) @ w)  # exact sums
     assert torch.allclose(kv_quant.rotate_back(kv_quant.rotate(x)), x, atol=1e-5)
+    q, k = torch.randn(5, dim, generator=gen), torch.randn(7, dim, generator=gen)
+    rk = kv_quant.rotate(k)
+    scores = kv_quant.query_for(q, torch.int8) @ rk.T
+    torch.testing.assert_close(scores, q @ k.T, rtol=1e-4, atol=1e-4)
+    p = torch.softmax(scores, -1)
+    torch.testing.assert_close(kv_quant.output_for(p @ rk, torch.int8), p @ k,
+                               rtol=1e-4, atol=1e-4)
     for dtype in QDTYPES:
         codes, scale = kv_quant.quantize(x, dtype)
         want = kv_quant.quantize_rotated(kv_quant.rotate(x), dtype)
@@ -292,16 +303,17 @@ def test_native_store_quantizes_as_torch_does_bit_for_bit(dtype):
 
 def _as_the_int8_kernel_reads(q, dtype):
     """q [..., D] as attention.c's int8 kernel scores with it (D a multiple of 16, <= 256):
-    rotated (W q / B), each head rounded to int16 with its own scale max|.| / 32767, so the
-    reference over the same pool can be held to float rounding (a score of 300 moves by 1e-3
-    with the int16 query, which the softmax of such scores shows)."""
+    rotated (W S q / B), each head rounded to int16 with its own scale max|.| / 32767, so
+    the reference over the same pool can be held to float rounding (a score of 300 moves by
+    1e-3 with the int16 query, which the softmax of such scores shows)."""
     dim = q.shape[-1]
     if dtype != torch.int8 or dim % 16 or dim > 256:
         return q
     r = kv_quant.rotate(q) * (1.0 / kv_quant.block(dim))
     scale = r.abs().amax(-1, keepdim=True) / 32767
     q16 = (r / torch.where(scale > 0, scale, torch.ones_like(scale))).round()
-    return kv_quant.rotate(q16 * scale)  # W r': the reference reads keys rotated back
+    # the query whose rotation (query_for, in the reference) is r': S W r' (W S S W = B I)
+    return kv_quant.rotate_back(q16 * scale) * kv_quant.block(dim)
 
 
 def _native_case(dtype, dim, heads, gen):

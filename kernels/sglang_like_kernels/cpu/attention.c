@@ -80,11 +80,24 @@ static inline uint8_t f32_to_e5m2(float f) {
     return sign | (uint8_t)((u >> 21) - (112u << 2));
 }
 
-// A quantized pool holds rotated rows (kv_quant.rotate, which says why): the unnormalized
-// Walsh-Hadamard transform of each block of D & -D values, in place, by butterflies of span
-// 1, 2, 4, ... in kv_quant's order (each value's sums and differences the same float ops,
-// so both give the same bits). Applied twice it is B times the identity.
-static void kv_rotate(float *x, int64_t D) {
+// Whether channel j's sign is flipped before the rotation: kv_quant._sign_flipped's hash.
+static inline int kv_sign_flipped(int64_t j) {
+    uint32_t h = (uint32_t)j * 0x9E3779B1u + 0x7F4A7C15u;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    return (int)(h >> 31);
+}
+
+static void kv_flip_signs(float *x, int64_t D) {
+    for (int64_t j = 0; j < D; j++)
+        if (kv_sign_flipped(j)) x[j] = -x[j];
+}
+
+// The unnormalized Walsh-Hadamard transform W of each block of D & -D values, in place, by
+// butterflies of span 1, 2, 4, ... in kv_quant's order (each value's sums and differences the
+// same float ops, so both give the same bits). W W is B times the identity.
+static void kv_hadamard(float *x, int64_t D) {
     const int64_t b = D & -D;
     if (D % 8 == 0) {  // spans 1, 2, 4 inside each 8 lanes, then whole vectors: the same ops
         for (int64_t i = 0; i < D; i += 8) {
@@ -112,6 +125,13 @@ static void kv_rotate(float *x, int64_t D) {
                 x[j] = a + c;
                 x[j + h] = a - c;
             }
+}
+
+// A quantized pool holds rotated rows W S x (kv_quant.rotate, which says why): the signs of
+// a fixed half of the channels flipped, then W. Queries take the same (W S q, then / B).
+static void kv_rotate(float *x, int64_t D) {
+    kv_flip_signs(x, D);
+    kv_hadamard(x, D);
 }
 
 // Codes and scale of one rotated row r [D], as kv_quant.quantize_rotated makes them (scale =
@@ -689,7 +709,7 @@ void attn_rope_store_team(const attn_plan *p, const void *qkv, int qkv_bf16, con
                              buf + (Hq + Hkv + h) * D, scratch);
             }
         }
-        if (pool_kind >= KV_I8) {  // the keys are rotated: so is the query, W q / B
+        if (pool_kind >= KV_I8) {  // the keys are rotated: so is the query, W S q / B
             const float inv = 1.0f / (float)(D & -D);
             for (int64_t h = 0; h < Hq; h++) {
                 kv_rotate(q + h * D, D);
@@ -760,8 +780,9 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
             for (int64_t d = 0; d < D; d++) merged[d] += w * part[2 + d];
         }
         float inv = 1.0f / denom;
-        if (pool_kind >= KV_I8) {  // sum p_i W v_i = W o: o = W (W o) / B
-            kv_rotate(merged, D);
+        if (pool_kind >= KV_I8) {  // sum p_i W S v_i = W S o: o = S W (W S o) / B
+            kv_hadamard(merged, D);
+            kv_flip_signs(merged, D);
             inv /= (float)(D & -D);
         }
         for (int64_t d = 0; d < D; d++) merged[d] *= inv;
