@@ -145,6 +145,17 @@ def test_a_section_past_its_time_limit_is_killed(tmp_path: Path, monkeypatch) ->
     assert 0.5 <= result["seconds"] < 5
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_without_cuda_and_without_cpu_smoke_it_says_so_and_stops(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT / 'kernels'}{os.pathsep}{ROOT}"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, _report(proc)
+    assert "no CUDA device here" in proc.stderr and "--cpu-smoke" in proc.stderr
+    assert not out.exists()
+
+
 def test_unknown_sections_and_time_limits_are_refused() -> None:
     for argv in (["--sections", "kernels,nope"], ["--time-limit", "kernels"],
                  ["--time-limit", "nope=3"]):
