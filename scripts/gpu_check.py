@@ -137,7 +137,7 @@ PLAN_SMOKE = Plan((SMOLLM2_TINY, LLAMA3_TINY), (7, 12), 4,
 
 # ---- command line and environment ------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true",
                    help="every section on CPU, Triton under the interpreter, tiny shapes")
@@ -979,7 +979,9 @@ def child_main(name: str, args: argparse.Namespace, result_path: str) -> int:
     try:
         result = run_in_child(name, args)
     except BaseException as exc:  # reported by the parent; the next section still runs
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+        hint = (" (a package the runtime imports; the docstring, --help, says how to carry "
+                "one to a machine without it)" if isinstance(exc, ModuleNotFoundError) else "")
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}{hint}",
                   "traceback": traceback.format_exc()[-4000:]}
     Path(result_path).write_text(json.dumps(result, default=str))
     return 0
