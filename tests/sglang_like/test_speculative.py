@@ -345,7 +345,7 @@ def test_eagle_head_idles_in_a_batch_where_no_row_can_pay(make_engine, monkeypat
     """With the controller on, 32 requests at once are held before the head runs over their
     prompts (no tree could pay at 32 rows on CPU), and stay held to the end, past the end of
     a hold (32 steps) without catching up: the head runs over no row. Two requests
-    afterwards are not held: the head's first forward is over the rows their prefill
+    afterwards are not held: the head's first forward covers the rows their prefill
     computed (whether it goes on drafting is the controller's call from measured step
     costs, which differ from machine to machine)."""
     engine = make_engine(quantization=SPEC_QUANT, speculative_algorithm="EAGLE3")
@@ -367,7 +367,9 @@ def test_eagle_head_idles_in_a_batch_where_no_row_can_pay(make_engine, monkeypat
     prefilled = sum(len(engine.tokenizer.encode(p)) - o["meta_info"]["cached_tokens"]
                     for p, o in zip(PROMPTS[:2], outs, strict=True))
     assert prefilled >= 2
-    assert rows and rows[0] == prefilled
+    # at least those rows: a request the controller pauses at first is caught up over them
+    # and the ones after when it drafts
+    assert rows and rows[0] >= prefilled
 
 
 @pytest.mark.slow
