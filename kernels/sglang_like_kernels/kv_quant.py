@@ -59,7 +59,6 @@ def _sign_flipped(j: int) -> bool:
     h = (j * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
     h ^= h >> 15
     h = (h * 0x2C1B3C6D) & 0xFFFFFFFF
-    h ^= h >> 12
     return bool(h >> 31)
 
 
