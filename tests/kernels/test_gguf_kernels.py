@@ -190,6 +190,50 @@ def test_bad_shapes_and_types_are_clear_errors() -> None:
         cpu.kq_matmul(torch.randn(2, 48), packed, kind, 16)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_head_and_embeddings_stay_in_the_files_type(qtype) -> None:
+    """`gguf`'s LM head / tied embedding and its untied embedding (QuantConfig's methods): a
+    type kquants.c runs, other than Q8_0, stays in its codes: logits are the kernel's, the
+    rows an embedding gathers are the values the kernel multiplies (bit for bit) and the
+    file's within the repack bound, in fewer bytes than the int8 head's rows. A Q8_0 matrix
+    is those int8 rows already and takes the Q8_0 head."""
+    from sglang_like.layers.quantization import (
+        GGUFRowsMethod,
+        Int8EmbeddingMethod,
+        Q8HeadMethod,
+        QuantConfig,
+    )
+
+    config = QuantConfig("gguf", torch.float32)
+    w = quantized_blocks(qtype, 64, 256, seed=3)
+    head = QuantLinear(config.head_method(256), 256, [64], ["embed_tokens"])
+    head.load_weights({"m.embed_tokens.weight": w}, "m.", torch.device("cpu"))
+    embed = QuantLinear(config.embedding_method(), 256, [64], ["embed_tokens"])
+    embed.load_weights({"m.embed_tokens.weight": w}, "m.", torch.device("cpu"))
+    if qtype == "Q8_0":
+        assert isinstance(head.gguf_method, Q8HeadMethod)
+        assert isinstance(embed.gguf_method, Int8EmbeddingMethod)
+        return
+    assert isinstance(head.gguf_method, GGUFRowsMethod)
+    assert isinstance(embed.gguf_method, GGUFRowsMethod)
+    ids = torch.tensor([0, 15, 16, 63, 15, 40])
+    kernel_values = head.method.dequantize(head)
+    for lin in (head, embed):
+        rows = lin.method.embed(lin, ids)
+        assert torch.equal(rows, kernel_values[ids])
+        assert ((rows - w.dequantize()[ids]).abs() <= repack_bound(w)[ids]).all()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    (kind, n, packed), = head.gguf_method.packed_runs(head)
+    assert torch.equal(head(x), cpu.kq_matmul(x, packed, kind, n))
+    int8_rows = QuantLinear(Q8HeadMethod(), 256, [64], ["w"])
+    int8_rows.load_weights({"m.w.weight": w}, "m.", torch.device("cpu"))
+    assert head.method.weight_bytes(head) < 0.8 * int8_rows.method.weight_bytes(int8_rows)
+    assert head.method.decode_bytes(head) == head.method.weight_bytes(head)
+    assert embed.method.decode_bytes(embed) == 0  # a step gathers its tokens' rows only
+    with pytest.raises(IndexError, match="outside"):
+        embed.method.embed(embed, torch.tensor([64]))
+
+
 def test_types_without_a_kernel_take_int8_and_say_so(caplog) -> None:
     """GGUFMethod: a type kquants.c does not run (Q3_K here) is dequantized and requantized
     to int8 per row with a log line naming it; a dense F16 matrix runs dense in bf16."""

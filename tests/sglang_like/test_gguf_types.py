@@ -17,7 +17,13 @@ import pytest
 import torch
 
 import sglang_like.engine as engine_mod
-from sglang_like.layers.quantization import GGUFMethod, GGUFNativeMethod, resolve_quantization
+from sglang_like.layers.quantization import (
+    GGUFMethod,
+    GGUFNativeMethod,
+    GGUFRowsMethod,
+    Q8HeadMethod,
+    resolve_quantization,
+)
 from sglang_like.model_loader import default_model_path
 from sglang_like_kernels import cpu
 
@@ -101,6 +107,12 @@ def test_gguf_file_runs_in_its_own_types_and_tracks_fp32(files, sequences, recip
         assert all(isinstance(lin.method, GGUFMethod) for layer in layers
                    for lin in (layer.mlp.down_proj,))
         assert methods == {GGUFNativeMethod}, methods  # no matrix requantized
+        # the tied head too: Q8_0 rows as they are (the K recipes' fallback on 576 columns),
+        # IQ4_NL on its own kind
+        head = got.runner.model.lm_head
+        assert head is got.runner.model.model.embed_tokens
+        want_head = GGUFRowsMethod if recipe == "IQ4_NL" else Q8HeadMethod
+        assert type(head.gguf_method) is want_head, head.gguf_method
         kinds = collections.Counter(k for layer in layers for k, _, _ in
                                     layer.mlp.down_proj.kq_runs)
         print(f"\n{recipe}: down_proj kinds {dict(kinds)}; weights "

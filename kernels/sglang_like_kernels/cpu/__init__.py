@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "isa", "kq_dequantize", "kq_matmul", "kq_record_bytes",
+__all__ = ["available", "isa", "kq_dequantize", "kq_matmul", "kq_rows", "kq_record_bytes",
            "q4_1_dequantize", "q4_1_matmul", "q4_x16_dequantize",
            "q4_x16_matmul", "q4_x16_pack", "q8_0_matmul_f32", "q8_x16_argmax", "q8_x16_matmul",
            "q8_x16_pack", "q8_x16_row_bounds", "q8_x16_rows"]
@@ -181,6 +181,8 @@ class _Library:
         lib.kq_matmul.restype = ctypes.c_int
         lib.kq_dequantize.argtypes = [i32, ptr, i64, i64, ptr]
         lib.kq_dequantize.restype = ctypes.c_int
+        lib.kq_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr]
+        lib.kq_rows.restype = ctypes.c_int
         lib.moe_forward.argtypes = [i64, i64, ptr, ptr, i32, ptr, ptr, ptr]
         lib.moe_forward.restype = ctypes.c_int
         lib.kq_record_bytes.argtypes = [i32]
@@ -211,6 +213,7 @@ class _Library:
         self.argmax_rows = lib.argmax_rows
         self.kq_matmul = lib.kq_matmul
         self.kq_dequantize = lib.kq_dequantize
+        self.kq_rows = lib.kq_rows
         self.kq_record_bytes = lib.kq_record_bytes
         self.moe_forward = lib.moe_forward
         self.set_tiles = lib.kq_set_tiles
@@ -403,6 +406,21 @@ def kq_dequantize(packed: torch.Tensor, kind: str, out_features: int, in_feature
                                      in_features, out.data_ptr())
     if rc != 0:
         raise ValueError(f"kq_dequantize: bad kind or shape {out_features}x{in_features}")
+    return out
+
+
+def kq_rows(packed: torch.Tensor, kind: str, out_features: int, in_features: int,
+            ids: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """Rows `ids` (int64 [T]) of a kquants.c-packed [N, K] matrix as float32 [T, K]: the same
+    values `kq_dequantize` gives them (an embedding kept in the file's codes)."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], in_features, dtype=torch.float32)
+    rc = _lib(variant).kq_rows(KQ_KINDS[kind], packed.data_ptr(), out_features, in_features,
+                               ids.data_ptr(), ids.shape[0], out.data_ptr())
+    if rc == -2:
+        raise IndexError(f"kq_rows: a token id outside [0, {out_features})")
+    if rc != 0:
+        raise ValueError(f"kq_rows: bad kind or shape {out_features}x{in_features}")
     return out
 
 

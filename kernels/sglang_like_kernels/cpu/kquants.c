@@ -295,40 +295,58 @@ int kq_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, 
     return quantized_matmul(0, kind, w, N, K, x, ldx, M, y, ldy);
 }
 
+// row r (of the record's 16) of one record -> 32 floats
+static void kq_record_row(int kind, const uint8_t *rec, int r, float *o) {
+    const int bits = KQ_BITS[kind], mode = KQ_MODE[kind], off = KQ_OFF[kind];
+    const int cb = code_bytes(bits);
+    const float d0 = _cvtsh_ss(*(const uint16_t *)(rec + cb + 2 * r));
+    const float d1 = mode == MODE_OFF32 ? d0 : _cvtsh_ss(*(const uint16_t *)(rec + cb + 32 + 2 * r));
+    for (int i = 0; i < XQK; i++) {
+        const int t = i / 4, j = i % 4;
+        int code;
+        if (bits == 8) {
+            code = rec[64 * t + 4 * r + j];
+        } else {
+            const uint8_t byte = rec[64 * (t % 4) + 4 * r + j];
+            code = t < 4 ? byte & 0x0F : byte >> 4;
+            if (kind == KQ_IQ4) code = IQ4_VALUES[code] + 128;
+            for (int p = 0; p < bits - 4; p++)
+                code += ((rec[256 + 64 * p + 4 * r + j] >> t) & 1) << (4 + p);
+        }
+        if (mode == MODE_MIN32)
+            o[i] = fmaf((float)code, d0, d1);
+        else
+            o[i] = (float)(code - off) * (mode == MODE_OFF16 && i >= 16 ? d1 : d0);
+    }
+}
+
 // the packed matrix -> float32 [N, K] (the prefill path's dense weight; tests)
 int kq_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, float *out) {
     if (kind < 0 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS) return -1;
-    const int bits = KQ_BITS[kind], mode = KQ_MODE[kind], off = KQ_OFF[kind];
-    const int rs = kq_record_size(kind), cb = code_bytes(bits);
+    const int rs = kq_record_size(kind);
     const int64_t nb = K / XQK;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < N / KQ_ROWS; g++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *rec = w + (g * nb + b) * rs;
-            for (int r = 0; r < KQ_ROWS; r++) {
-                const float d0 = _cvtsh_ss(*(const uint16_t *)(rec + cb + 2 * r));
-                const float d1 = mode == MODE_OFF32 ? d0
-                                                    : _cvtsh_ss(*(const uint16_t *)(rec + cb + 32 + 2 * r));
-                float *o = out + (g * KQ_ROWS + r) * K + b * XQK;
-                for (int i = 0; i < XQK; i++) {
-                    const int t = i / 4, j = i % 4;
-                    int code;
-                    if (bits == 8) {
-                        code = rec[64 * t + 4 * r + j];
-                    } else {
-                        const uint8_t byte = rec[64 * (t % 4) + 4 * r + j];
-                        code = t < 4 ? byte & 0x0F : byte >> 4;
-                        if (kind == KQ_IQ4) code = IQ4_VALUES[code] + 128;
-                        for (int p = 0; p < bits - 4; p++)
-                            code += ((rec[256 + 64 * p + 4 * r + j] >> t) & 1) << (4 + p);
-                    }
-                    if (mode == MODE_MIN32)
-                        o[i] = fmaf((float)code, d0, d1);
-                    else
-                        o[i] = (float)(code - off) * (mode == MODE_OFF16 && i >= 16 ? d1 : d0);
-                }
-            }
-        }
+    for (int64_t g = 0; g < N / KQ_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < KQ_ROWS; r++)
+                kq_record_row(kind, w + (g * nb + b) * rs, r, out + (g * KQ_ROWS + r) * K + b * XQK);
+    return 0;
+}
+
+// rows ids[0..T) of the packed matrix -> float32 [T, K] (an embedding kept in the file's
+// codes gathers its tokens' rows); -2 for an id outside [0, N)
+int kq_rows(int kind, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t T,
+            float *out) {
+    if (kind < 0 || kind >= KQ_KINDS || K % XQK || N % KQ_ROWS) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -2;
+    const int rs = kq_record_size(kind);
+    const int64_t nb = K / XQK;
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t g = ids[t] / KQ_ROWS;
+        for (int64_t b = 0; b < nb; b++)
+            kq_record_row(kind, w + (g * nb + b) * rs, (int)(ids[t] % KQ_ROWS), out + t * K + b * XQK);
     }
     return 0;
 }

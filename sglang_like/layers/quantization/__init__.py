@@ -25,8 +25,10 @@ from sglang_like.layers.quantization.gguf_blocks import (
     any_gguf_blocks,
 )
 from sglang_like.layers.quantization.gguf_native import (
+    GGUFHeadMethod,
     GGUFMethod,
     GGUFNativeMethod,
+    GGUFRowsMethod,
     Q8ExpertMethod,
 )
 from sglang_like.layers.quantization.int4 import Int4Method, quantize_groups_int4
@@ -52,7 +54,9 @@ __all__ = [
     "DenseMethod",
     "Fp16FbgemmMethod",
     "GGUFBlockWeight",
+    "GGUFHeadMethod",
     "GGUFMethod",
+    "GGUFRowsMethod",
     "Q8ExpertMethod",
     "GGUFNativeMethod",
     "Int4Method",
@@ -170,17 +174,24 @@ class QuantConfig:
         (one copy a quarter of fp32's bytes; see q8_head: on AVX-512 VNNI the x16 layout,
         whose AMX tile kernel gives the same logits from 8 rows, AMX CPUs included), else
         fbgemm's fp16 GEMM where the CPU has it, else int8 (whose bf16 output is cast up).
+        Under `gguf` a head of a K / legacy / IQ4 type other than Q8_0 stays in the file's
+        codes on its own kernel (GGUFHeadMethod).
         """
         if not self.is_quantized:
             return DenseMethod(self.dtype)
         if in_features % 32 == 0 and q8_head_available():
+            if self.name == "gguf":  # a head in the file's own type where that is not Q8_0
+                return _GGUF_HEADS[self.deterministic]
             return _Q8_HEADS[self.deterministic]
         if fbgemm_fp16_available():
             return _FP16_TIED if embeds else _FP16
         return _INT8
 
     def embedding_method(self) -> LinearMethod:
-        """The method of an untied embedding (rows gathered, never multiplied)."""
+        """The method of an untied embedding (rows gathered, never multiplied): under `gguf`
+        in the file's own type where kquants.c holds it (GGUFHeadMethod), else int8 rows."""
+        if self.name == "gguf":
+            return _GGUF_EMBED
         return _INT8_EMBED if self.is_quantized else DenseMethod(self.dtype)
 
     @property
@@ -215,4 +226,6 @@ _INT4_METHODS = {(g, det): Int4Method(g, batch_invariant=det) for g in (32, 64)
 _Q4_NATIVE = {det: Q4NativeMethod(batch_invariant=det) for det in (False, True)}
 _Q4_X16 = {det: Q4X16Method(batch_invariant=det) for det in (False, True)}
 _GGUF = GGUFMethod()
+_GGUF_HEADS = {det: GGUFHeadMethod(_Q8_HEADS[det]) for det in (False, True)}
+_GGUF_EMBED = GGUFHeadMethod(_INT8_EMBED, reads_all=False)
 _Q8_EXPERT = Q8ExpertMethod()

@@ -253,6 +253,74 @@ class GGUFNativeMethod(LinearMethod):
 
 
 
+class GGUFRowsMethod(GGUFNativeMethod):
+    """GGUFNativeMethod whose rows can also be gathered (`embed`, kq_rows: the values the
+    kernel multiplies): an LM head, a tied embedding, or (`reads_all=False`) an untied
+    embedding, of which a step reads only its tokens' rows."""
+
+    def __init__(self, reads_all: bool = True) -> None:
+        self.reads_all = reads_all
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        (kind, n, packed), = self.packed_runs(layer)  # one partition: one run
+        return native_cpu.kq_rows(packed, kind, n, layer.in_features, ids)
+
+    def decode_bytes(self, layer: nn.Module) -> int:
+        return self.weight_bytes(layer) if self.reads_all else 0
+
+
+class GGUFHeadMethod(LinearMethod):
+    """`gguf`'s LM head and embeddings. A matrix of a type in `KQ_KIND` other than Q8_0 stays
+    in the file's codes (GGUFRowsMethod): the head's logits come from kquants.c, activations
+    rounded to int8 as llama.cpp rounds them for its dot; the embedding's rows are gathered out
+    of the same bytes. Requantizing it to `fallback`'s int8 rows instead rounded the file's
+    values a second time into more bytes: a Q6_K head is 7 bits a weight here (6.56 in the
+    file), 9 as int8 rows with float32 scales; a Q4_K embedding 5 against 9.
+    A Q8_0 matrix (already those int8 rows, exactly), a dense one, or a shape kquants.c cannot
+    pack takes `fallback` (the Q8_0 head, or the int8 embedding). The method the layer took is
+    `layer.gguf_method`."""
+
+    input_dtype = torch.float32
+
+    def __init__(self, fallback: LinearMethod, reads_all: bool = True) -> None:
+        self.fallback = fallback
+        self._native = GGUFRowsMethod(reads_all)
+
+    def create_weights(self, layer: nn.Module, sources: list[WeightSource],
+                       device: torch.device) -> None:
+        s = sources[0] if len(sources) == 1 else None
+        native = (isinstance(s, GGUFBlockWeight) and s.qtype in KQ_KIND and s.qtype != "Q8_0"
+                  and s.shape[0] % _ROWS == 0 and s.shape[1] % BLOCK == 0
+                  and device.type == "cpu")
+        layer.gguf_method = self._native if native else self.fallback
+        layer.gguf_method.create_weights(layer, sources, device)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer.gguf_method.apply(layer, x)
+
+    def decode_fn(self, layer: nn.Module):
+        return layer.gguf_method.decode_fn(layer)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return layer.gguf_method.embed(layer, ids)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.gguf_method.dequantize(layer)
+
+    def argmax_supported(self, layer: nn.Module) -> bool:
+        supported = getattr(layer.gguf_method, "argmax_supported", None)
+        return supported is not None and supported(layer)
+
+    def argmax(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer.gguf_method.argmax(layer, x)
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        return layer.gguf_method.weight_bytes(layer)
+
+    def decode_bytes(self, layer: nn.Module) -> int:
+        return layer.gguf_method.decode_bytes(layer)
+
+
 class Q8ExpertMethod(GGUFNativeMethod):
     """`--quantization int8`'s experts of a sparse layer: each matrix rounded to int8 per row
     and block of 32 columns with an fp16 scale (GGUF's Q8_0, gguf-py's rounding; a Q8_0
