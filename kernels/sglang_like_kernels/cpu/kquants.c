@@ -117,8 +117,31 @@ static inline __attribute__((always_inline)) void kq_pass(int kind, int R, const
 #else
 #define KQ_MAX_ACT 4
 
-static inline __m256i kq_dot8(__m256i codes, __m256i qv) {  // unsigned codes (<= 63)
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, qv), _mm256_set1_epi16(1));
+// lo, hi = the int32 dots of codes c[0..3], c[4..7] (unsigned, `bits` wide) with the
+// activations' 4-byte groups qb[0..3], qb[4..7], one lane a row. maddubs's int16 pair sums
+// are added in int16 while they cannot overflow (|q| <= 127: a pair is at most
+// 2 * 127 * (2^bits - 1); eight 4-bit, four 5-bit or two 6-bit ones fit) before one widening
+// madd: the same integers as widening each, with fewer instructions.
+static inline __attribute__((always_inline)) void kq_dot_unsigned(const __m256i c[8],
+                                                                  const int32_t *qb, int bits,
+                                                                  __m256i *lo, __m256i *hi) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[8];
+    for (int t = 0; t < 8; t++) p[t] = _mm256_maddubs_epi16(c[t], _mm256_set1_epi32(qb[t]));
+    if (bits == 4) {  // the caller adds lo and hi: one sum of eight
+        const __m256i a = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+        const __m256i b = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+        *lo = _mm256_madd_epi16(_mm256_add_epi16(a, b), ones);
+        *hi = _mm256_setzero_si256();
+    } else if (bits == 5) {
+        *lo = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+        *hi = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])), ones);
+    } else {
+        *lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                               _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+        *hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), ones),
+                               _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), ones));
+    }
 }
 static inline __m256i kq_dot8_signed(__m256i w, __m256i qv) {  // |w| <= 128: no saturation
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(qv, w)),
@@ -204,15 +227,13 @@ static inline __attribute__((always_inline)) void kq_pass(int kind, int R, const
                 const int32_t *qb = (const int32_t *)(a->q + row * K + b * XQK);
                 const int32_t *qs = a->qs + 2 * nbk;
                 __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-                for (int t = 0; t < 4; t++) {
-                    const __m256i q0 = _mm256_set1_epi32(qb[t]), q1 = _mm256_set1_epi32(qb[t + 4]);
-                    if (is_signed) {
-                        lo = _mm256_add_epi32(lo, kq_dot8_signed(c[t], q0));
-                        hi = _mm256_add_epi32(hi, kq_dot8_signed(c[t + 4], q1));
-                    } else {
-                        lo = _mm256_add_epi32(lo, kq_dot8(c[t], q0));
-                        hi = _mm256_add_epi32(hi, kq_dot8(c[t + 4], q1));
+                if (is_signed) {
+                    for (int t = 0; t < 4; t++) {
+                        lo = _mm256_add_epi32(lo, kq_dot8_signed(c[t], _mm256_set1_epi32(qb[t])));
+                        hi = _mm256_add_epi32(hi, kq_dot8_signed(c[t + 4], _mm256_set1_epi32(qb[t + 4])));
                     }
+                } else {
+                    kq_dot_unsigned(c, qb, KQ_BITS[kind], &lo, &hi);
                 }
                 const __m256 e = _mm256_set1_ps(a->e[nbk]);
                 if (mode == MODE_OFF16) {
