@@ -190,6 +190,19 @@ def test_bad_shapes_and_types_are_clear_errors() -> None:
         cpu.kq_matmul(torch.randn(2, 48), packed, kind, 16)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_NL"])
+def test_a_matrix_repacks_the_same_in_chunks_of_rows(qtype, monkeypatch) -> None:
+    """pack() repacks a tall matrix a chunk of rows at a time (the load's peak memory): the
+    bytes are those of one pass over it, a short last chunk included."""
+    from sglang_like.layers.quantization import gguf_native
+
+    w = quantized_blocks(qtype, 80, 256, seed=2)
+    whole = pack(w)
+    monkeypatch.setattr(gguf_native, "_PACK_ROWS", 32)  # 80 rows: chunks of 32, 32, 16
+    chunked = pack(w)
+    assert chunked[0] == whole[0] and torch.equal(chunked[1], whole[1])
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_head_and_embeddings_stay_in_the_files_type(qtype) -> None:
     """`gguf`'s LM head / tied embedding and its untied embedding (QuantConfig's methods): a

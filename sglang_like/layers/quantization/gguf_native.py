@@ -139,12 +139,30 @@ def _fp16_checked(x: np.ndarray, name: str) -> np.ndarray:
     return out
 
 
+# rows repacked at a time: numpy's temporaries for a chunk are a few times its codes' bytes,
+# which for a whole 49152 x 2048 head or embedding raised the load's peak RSS by ~370 MB
+_PACK_ROWS = 1024
+
+
 def pack(w: GGUFBlockWeight) -> tuple[str, torch.Tensor]:
     """(kind, the matrix in kquants.c's layout uint8 [N/16, K/32 * record bytes])."""
     kind = KQ_KIND[w.qtype]
     rows, cols = w.shape
     if rows % _ROWS or cols % BLOCK:
         raise ValueError(f"{w.qtype} [{rows}, {cols}]: kquants.c needs rows % 16 and cols % 32")
+    if rows <= _PACK_ROWS:
+        return kind, torch.from_numpy(_pack_rows(w, kind, f"{w.qtype} [{rows}, {cols}]"))
+    raw = np.asarray(w.blocks).reshape(rows, -1)
+    out = np.empty((rows // _ROWS, cols // BLOCK * native_cpu.kq_record_bytes(kind)), np.uint8)
+    for r in range(0, rows, _PACK_ROWS):
+        n = min(_PACK_ROWS, rows - r)
+        part = GGUFBlockWeight(w.qtype, (n, cols), raw[r:r + n])
+        out[r // _ROWS:(r + n) // _ROWS] = _pack_rows(part, kind, f"{w.qtype} [{rows}, {cols}]")
+    return kind, torch.from_numpy(out)
+
+
+def _pack_rows(w: GGUFBlockWeight, kind: str, name: str) -> np.ndarray:
+    rows, cols = w.shape
     codes, d, m = block_codes(w)
     g, nb = rows // _ROWS, cols // BLOCK
     c = codes.reshape(g, _ROWS, nb, 8, 4)  # [group, row, block, t, j]: column 4t + j
@@ -161,7 +179,6 @@ def pack(w: GGUFBlockWeight) -> tuple[str, torch.Tensor]:
             bit = (c >> (4 + p)) & 1  # [g, r, b, t, j]
             plane = (bit << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)
             parts.append(plane.transpose(0, 2, 1, 3).reshape(g, nb, 64))
-    name = f"{w.qtype} [{rows}, {cols}]"
     if kind == "q6":  # d per 16 columns: first halves, then second halves
         d16 = _fp16_checked(d, name).reshape(g, _ROWS, nb, 2)
         scales = [d16[..., 0], d16[..., 1]]
@@ -171,8 +188,7 @@ def pack(w: GGUFBlockWeight) -> tuple[str, torch.Tensor]:
             scales.append(_fp16_checked(m, name).reshape(g, _ROWS, nb))
     for s in scales:
         parts.append(np.ascontiguousarray(s.transpose(0, 2, 1)).view(np.uint8))
-    packed = np.concatenate(parts, axis=-1).reshape(g, -1)
-    return kind, torch.from_numpy(np.ascontiguousarray(packed))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(g, -1))
 
 
 class GGUFNativeMethod(LinearMethod):
