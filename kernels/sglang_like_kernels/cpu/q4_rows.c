@@ -78,12 +78,18 @@ void *q4_1_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8
         for (int i = 0; i < R; i++) _mm512_storeu_ps(y + i * ldy, sum[i]);                     \
     }
 #else
-#define X16_MAX_ACT 4
+// 8 as with VNNI: 1.2x faster than 4 on a Zen 3 at 8 and 32 rows (kquants.c measured it)
+#define X16_MAX_ACT 8
 
-// 8 int32 lanes of sum(code * q) over 4 bytes each: maddubs (u8 x s8 pairs; 15 * 127 * 2
-// fits int16) then madd against ones
-static inline __m256i x16_dot8(__m256i codes, __m256i qv) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, qv), _mm256_set1_epi16(1));
+// 8 int32 lanes of sum(code * q) over the 32 bytes of c[0..7] (4 each): maddubs (u8 x s8
+// pairs, each at most 15 * 127 * 2), the eight int16 results added while they cannot
+// overflow (8 * 3810 < 2^15), then one madd against ones: the same integers as widening each
+static inline __m256i x16_dot32(const __m256i c[8], const int32_t *qb) {
+    __m256i p[8];
+    for (int t = 0; t < 8; t++) p[t] = _mm256_maddubs_epi16(c[t], _mm256_set1_epi32(qb[t]));
+    const __m256i a = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+    const __m256i b = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+    return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
 }
 
 #define X16_PASS(R)                                                                            \
@@ -107,9 +113,7 @@ static inline __m256i x16_dot8(__m256i codes, __m256i qv) {
                 const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));\
                 for (int i = 0; i < R; i++) {                                                  \
                     const int32_t *qb = (const int32_t *)(q + (int64_t)i * K + b * XQK);       \
-                    __m256i acc = x16_dot8(c[0], _mm256_set1_epi32(qb[0]));                    \
-                    for (int t = 1; t < 8; t++)                                                \
-                        acc = _mm256_add_epi32(acc, x16_dot8(c[t], _mm256_set1_epi32(qb[t]))); \
+                    const __m256i acc = x16_dot32(c, qb);                                      \
                     const int nbk = i * nb + b;                                                \
                     sum[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc),                       \
                                                 _mm256_mul_ps(d, _mm256_set1_ps(e[nbk])),      \
