@@ -229,17 +229,18 @@ class ModelRunner:
             image_embeds=image_embeds,
         )
 
-    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_rows), vocab] float32 on CPU. With `aux_layers` set (an
-        EAGLE-3 drafter is on), the target's features of every token row are kept in
-        `last_features` [num_tokens, 3 * hidden] for the drafter."""
+    def forward(self, batch: ScheduleBatch, *, to_host: bool = True) -> torch.Tensor:
+        """Logits [len(batch.logits_rows), vocab] float32 on CPU, or with `to_host=False` on
+        the model's device (for the device sampler: no full-vocabulary copy). With
+        `aux_layers` set (an EAGLE-3 drafter is on), the target's features of every token row
+        are kept in `last_features` [num_tokens, 3 * hidden] for the drafter."""
         fb = self.build_forward_batch(batch)
-        pooled = any(r.pooling for r in batch.reqs)
+        pooled = batch if any(r.pooling for r in batch.reqs) else None
         if self.tp_group is None:
-            return self._forward(fb, batch if pooled else None)
+            return self._forward(fb, pooled, to_host)
         self.tp_group.broadcast(fb)
         try:
-            return self._forward(fb, batch if pooled else None)
+            return self._forward(fb, pooled, to_host)
         except Exception as exc:
             # the other ranks are inside this forward's collectives: they cannot be brought
             # back in step with the next batch, so the group (and the engine) ends
@@ -261,14 +262,16 @@ class ModelRunner:
             self.last_features = features
         return ids.tolist()
 
-    def _forward(self, fb: ForwardBatch, pooled: ScheduleBatch | None = None
-                 ) -> torch.Tensor:
-        """Logits; `pooled` (a batch with embedding requests): their final hidden states
-        (after the model's norm) are also read out and pooled into each request."""
+    def _forward(self, fb: ForwardBatch, pooled: ScheduleBatch | None = None,
+                 to_host: bool = True) -> torch.Tensor:
+        """Logits (float32; on the host if `to_host`); `pooled` (a batch with embedding
+        requests): their final hidden states (after the model's norm) are also read out and
+        pooled into each request."""
         final = self.model_config.num_hidden_layers
         aux = self.aux_layers + ((final,) if pooled is not None else ())
         if not aux:
-            return self.model(fb, self.kv_pool).float().cpu()
+            logits = self.model(fb, self.kv_pool).float()
+            return logits.cpu() if to_host else logits
         logits, features = self.model.forward_features(fb, self.kv_pool, aux)
         if pooled is not None:
             hidden = self.model_config.hidden_size
@@ -276,7 +279,7 @@ class ModelRunner:
             features = features[:, :-hidden] if self.aux_layers else None
         if self.aux_layers:
             self.last_features = features
-        return logits.float().cpu()
+        return logits.float().cpu() if to_host else logits.float()
 
     def run_shard(self, fb: ForwardBatch) -> None:
         """A tensor-parallel rank > 0's part of a forward: its layers, K/V stored, no logits."""

@@ -56,6 +56,16 @@ class CudaProfile:
         self.triton_calls: collections.Counter[str] = collections.Counter()
         self.reference_calls: collections.Counter[str] = collections.Counter()
         self.native_calls: collections.Counter[str] = collections.Counter()
+        self.num_paused = 0
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Syncs inside are not counted (a fake model's own reads, an invariant check)."""
+        self.num_paused += 1
+        try:
+            yield
+        finally:
+            self.num_paused -= 1
 
     def reset(self) -> None:
         self.syncs.clear()
@@ -68,7 +78,7 @@ _active: list[CudaProfile] = []
 
 
 def _record_sync(name: str) -> None:
-    if _active:
+    if _active and not _active[-1].num_paused:
         _active[-1].syncs.append(name)
 
 
