@@ -1,0 +1,127 @@
+"""Whole scheduler steps of a tiny random llama, forward included, under the CUDA profile
+(tests/sglang_like/cuda_profile.py): the device-to-host syncs of each kind of step stay within
+its budget, the Triton kernels are the ones launched (never the torch reference nor the native
+CPU kernels on device data), and greedy output is the CPU path's.
+
+Counted: every sync of `Scheduler.step()`, the runner's forward and sampling included.
+Budgets, and what the syncs beyond one are (to be removed by later work):
+- decode: 1 (the chosen tokens);
+- prefill: 1 + one per prefilled request (its KV slots read back from req_to_token to enter
+  the radix tree, `KVCacheManager.cache_computed_prefix`);
+- verify: 1, but it is the whole verify's logits copied to the host, where the tree walk
+  reads them (`spec_verify.accept_trees`: the native argmax, or the host sampler, on that
+  host copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from sglang_like.config import ModelConfig
+from sglang_like.model_loader import load_tokenizer
+from sglang_like.model_loader.loaded import expected_weight_shapes
+from sglang_like.model_runner import ModelRunner
+from sglang_like.req import Req
+from sglang_like.sampling_params import SamplingParams
+from sglang_like.scheduler import Scheduler, SchedulerConfig
+from sglang_like.speculative.tree import DraftTree
+
+from .cuda_profile import CudaProfile, cuda_profile
+
+TINY = ModelConfig("llama", 97, 64, 192, 2, 6, 3, 16, max_position_embeddings=64)
+PARAMS = [dict(temperature=0.0), dict(temperature=0.8, top_k=5, seed=1),
+          dict(top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.2, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=gen) * 0.2 + (1.0 if "norm" in name else 0.0)
+            for name, shape in expected_weight_shapes(TINY).items()}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+class _Drafter:
+    """Trees of fixed tokens (a chain of two with a sibling at each depth): verifies run."""
+
+    num_draft_tokens = 5
+
+    def propose(self, reqs: list[Req], max_depths: list[int], ctx: object) -> list[DraftTree]:
+        trees = []
+        for req, cap in zip(reqs, max_depths, strict=True):
+            n = 1 + 2 * min(2, cap)
+            trees.append(DraftTree([req.fill_ids[-1], 11, 12, 13, 14][:n], [-1, 0, 0, 1, 2][:n]))
+        return trees
+
+
+def _scheduler(weights, tokenizer, device: str, drafter: object = None) -> Scheduler:
+    runner = ModelRunner(TINY, weights, dtype=torch.float32, device=torch.device(device),
+                         num_kv_slots=256, context_len=64, max_running_requests=8)
+    config = SchedulerConfig(pool_size=256, context_len=64, vocab_size=TINY.vocab_size,
+                             max_running_requests=8, chunked_prefill_size=None,
+                             device_sampling=device == "cuda", speculative_auto_disable=False)
+    return Scheduler(config, runner, tokenizer, frozenset({0}), drafter)
+
+
+def _add(sched: Scheduler, params: list[dict]) -> list[Req]:
+    reqs = [Req(f"r{i}", [5 + i, 17, 3, 90, 41], SamplingParams(max_new_tokens=8,
+                                                                  ignore_eos=True, **kw))
+            for i, kw in enumerate(params)]
+    for r in reqs:
+        sched.add_request(r)
+    return reqs
+
+
+def _step(sched: Scheduler, profile: CudaProfile) -> list[str]:
+    profile.reset()
+    sched.step()
+    assert not profile.reference_calls, "the torch reference ran on device tensors"
+    return list(profile.syncs)
+
+
+def test_prefill_and_decode_steps_stay_within_budget(weights, tokenizer) -> None:
+    with cuda_profile() as profile:
+        sched = _scheduler(weights, tokenizer, "cuda")
+        reqs = _add(sched, PARAMS)
+        syncs = _step(sched, profile)
+        assert syncs.count("cpu") == 1 and len(syncs) <= 1 + len(reqs), syncs
+        assert profile.triton_calls["extend_attention"] == TINY.num_hidden_layers
+        assert not profile.native_calls
+        for _ in range(4):
+            assert _step(sched, profile) == ["cpu"]
+            assert profile.triton_calls == {"store_kv": TINY.num_hidden_layers,
+                                            "decode_attention": TINY.num_hidden_layers}
+            assert not profile.native_calls
+    assert all(len(r.output_ids) == 5 for r in reqs)
+
+
+def test_verify_steps_stay_within_budget(weights, tokenizer) -> None:
+    with cuda_profile() as profile:
+        sched = _scheduler(weights, tokenizer, "cuda", _Drafter())
+        _add(sched, [dict(temperature=0.0)] * 2)
+        _step(sched, profile)  # the prefill
+        for _ in range(3):
+            assert _step(sched, profile) == ["cpu"]
+            assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
+            # the walk's argmax runs on the host copy of the logits (not device data)
+            assert set(profile.native_calls) <= {"argmax_rows"}
+
+
+def test_greedy_output_under_the_profile_is_the_cpu_paths(weights, tokenizer) -> None:
+    outputs = []
+    for device in ("cpu", "cuda"):
+        with cuda_profile() if device == "cuda" else contextlib.nullcontext():
+            sched = _scheduler(weights, tokenizer, device)
+            reqs = _add(sched, [dict(temperature=0.0), dict(temperature=0.0,
+                                                            presence_penalty=0.7)])
+            for _ in range(6):
+                sched.step()
+        outputs.append([r.output_ids for r in reqs])
+    assert outputs[0] == outputs[1]
