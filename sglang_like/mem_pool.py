@@ -93,6 +93,11 @@ class ReqToTokenPool:
     """Rows of [max_context_len] int32 slot ids, one row per running request.
 
     Row r, position p holds the KV slot of token p of the request that owns row r.
+
+    Off the CPU, every write also lands in a host copy of the rows, which `read` answers from:
+    the scheduler reads a request's slots back after each prefill and at its end, and each
+    read of the device's table would be a device-to-host sync. Everything writes through
+    `write` / `write_one` (the model reads the table on the device, never writes it).
     """
 
     def __init__(self, num_rows: int, max_context_len: int, device: torch.device | str) -> None:
@@ -100,6 +105,10 @@ class ReqToTokenPool:
             (num_rows, max_context_len), dtype=torch.int32, device=device
         )
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        # the host copy: per row, its slots up to the furthest position written (None on CPU,
+        # where the table itself is host memory)
+        self._host_rows: list[list[int]] | None = (
+            None if torch.device(device).type == "cpu" else [[] for _ in range(num_rows)])
 
     @property
     def num_free_rows(self) -> int:
@@ -125,6 +134,22 @@ class ReqToTokenPool:
             self.req_to_token[row, start : start + len(slots)] = torch.tensor(
                 slots, dtype=torch.int32
             )
+            if self._host_rows is not None:
+                self._write_host(row, start, slots)
+
+    def write_one(self, row: int, position: int, slot: int) -> None:
+        """`write(row, position, [slot])` without building a tensor (a verify's walk)."""
+        self.req_to_token[row, position] = slot
+        if self._host_rows is not None:
+            self._write_host(row, position, [slot])
+
+    def _write_host(self, row: int, start: int, slots: list[int]) -> None:
+        host = self._host_rows[row]
+        if len(host) < start:
+            host.extend([0] * (start - len(host)))
+        host[start : start + len(slots)] = slots
 
     def read(self, row: int, start: int, end: int) -> list[int]:
+        if self._host_rows is not None:
+            return self._host_rows[row][start:end]
         return self.req_to_token[row, start:end].tolist()

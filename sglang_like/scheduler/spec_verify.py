@@ -89,7 +89,7 @@ def accept_trees(ctx: VerifyContext, walks: list[TreeWalk], logits: torch.Tensor
     while active:
         reqs = [w.req for w in active]
         for w in active:  # the node's K/V (computed by the verify) becomes the request's
-            pool.req_to_token[w.req.req_pool_idx, w.req.kv_len] = w.slots[w.node]
+            pool.write_one(w.req.req_pool_idx, w.req.kv_len, w.slots[w.node])
             w.req.kv_len += 1
             w.committed.append(w.node)
         if argmax is not None:
