@@ -522,9 +522,12 @@ class Scheduler:
         return 0 if no_row else None
 
     def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """The batch's logits: left on the model's device for the device sampler, except for
-        a verify, whose tree walk reads them on the host (one copy, as without it)."""
-        if self.device_sampler is not None and not batch.has_trees:
+        """The batch's logits: left on the model's device for the device sampler, unless a
+        verify's walk samples (it does so on the host, from one copy of the logits, as
+        without it); a walk that only takes argmaxes reads them off the device."""
+        if self.device_sampler is not None and all(
+                takes_argmax(r) for r, t in zip(batch.reqs, batch.trees, strict=True)
+                if t is not None):
             return self.runner.forward(batch, to_host=False)
         return self.runner.forward(batch)
 

@@ -8,9 +8,10 @@ Budgets, and what the syncs beyond one are (to be removed by later work):
 - decode and prefill: 1 (the chosen tokens; the KV slots the scheduler reads back come from
   the pool's host copy of req_to_token);
 - a step where requests finish: 1 as well;
-- verify: 1, but it is the whole verify's logits copied to the host, where the tree walk
-  reads them (`spec_verify.accept_trees`: the native argmax, or the host sampler, on that
-  host copy).
+- verify, every request greedy (`spec_verify.takes_argmax`): 1, the argmax of every node;
+- verify with sampled requests: 1 as well, but it is the whole verify's logits copied to the
+  host, where the tree walk samples them with the host sampler (node by node: whether a
+  node's child is taken depends on the token drawn at the node).
 """
 
 from __future__ import annotations
@@ -101,23 +102,29 @@ def test_prefill_and_decode_steps_stay_within_budget(weights, tokenizer) -> None
     assert all(r.is_finished and len(r.output_ids) == 8 for r in reqs)
 
 
-def test_verify_steps_stay_within_budget(weights, tokenizer) -> None:
+@pytest.mark.parametrize(("params", "syncs"), [
+    ([dict(temperature=0.0)] * 2, ["tolist"]),  # the nodes' argmax, read off the device
+    ([dict(temperature=0.0), dict(temperature=0.7, seed=3)], ["cpu"]),  # the logits' copy
+])
+def test_verify_steps_stay_within_budget(weights, tokenizer, params, syncs) -> None:
     with cuda_profile() as profile:
         sched = _scheduler(weights, tokenizer, "cuda", _Drafter())
-        _add(sched, [dict(temperature=0.0)] * 2)
+        _add(sched, params)
         _step(sched, profile)  # the prefill
         for _ in range(3):
-            assert _step(sched, profile) == ["cpu"]
+            assert _step(sched, profile) == syncs
             assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
-            # the walk's argmax runs on the host copy of the logits (not device data)
-            assert set(profile.native_calls) <= {"argmax_rows"}
+            # the host sampler's native argmax runs on the host copy only
+            assert set(profile.native_calls) <= ({"argmax_rows"} if syncs == ["cpu"] else set())
 
 
-def test_greedy_output_under_the_profile_is_the_cpu_paths(weights, tokenizer) -> None:
+@pytest.mark.parametrize("speculative", [False, True])
+def test_greedy_output_under_the_profile_is_the_cpu_paths(weights, tokenizer,
+                                                          speculative: bool) -> None:
     outputs = []
     for device in ("cpu", "cuda"):
         with cuda_profile() if device == "cuda" else contextlib.nullcontext():
-            sched = _scheduler(weights, tokenizer, device)
+            sched = _scheduler(weights, tokenizer, device, _Drafter() if speculative else None)
             reqs = _add(sched, [dict(temperature=0.0), dict(temperature=0.0,
                                                             presence_penalty=0.7)])
             for _ in range(6):
