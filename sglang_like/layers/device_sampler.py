@@ -29,6 +29,7 @@ import torch
 import sglang_like_kernels
 from sglang_like.layers.sampler import SampleOutput
 from sglang_like.req import Req
+from sglang_like.utils.upload import Packer
 
 _NEG_INF = float("-inf")
 _MASK32 = 0xFFFFFFFF
@@ -50,36 +51,6 @@ class _Staged(NamedTuple):
     bias: torch.Tensor  # [L] float32
     blocked: torch.Tensor  # [2, E] int64 (row, token) held back by min_new_tokens
     bitmask: torch.Tensor | None  # [B, W] int32
-
-
-class _Packer:
-    """Host arrays packed into one int64 buffer so that they cross in a single copy: floats
-    ride as float64 bit patterns (an int64 view), which keeps seeds' 63 bits and the floats
-    exact in one dtype."""
-
-    def __init__(self) -> None:
-        self._parts: list[torch.Tensor] = []
-
-    def add(self, values: list[int] | list[float] | torch.Tensor, is_float: bool = False
-            ) -> int:
-        """Append `values`; returns its index for `unpack`."""
-        if is_float:
-            part = torch.tensor(values, dtype=torch.float64).view(torch.int64)
-        elif isinstance(values, torch.Tensor):
-            part = values.reshape(-1).to(torch.int64)
-        else:
-            part = torch.tensor(values, dtype=torch.int64)
-        self._parts.append(part.reshape(-1))
-        return len(self._parts) - 1
-
-    def to(self, device: torch.device) -> list[torch.Tensor]:
-        """Every part on `device`, from one copy (pinned and asynchronous on CUDA)."""
-        buf = torch.cat(self._parts) if self._parts else torch.empty(0, dtype=torch.int64)
-        if device.type == "cuda":
-            buf = buf.pin_memory().to(device, non_blocking=True)
-        else:
-            buf = buf.to(device)
-        return list(buf.split([p.numel() for p in self._parts]))
 
 
 class DeviceSampler:
@@ -140,7 +111,7 @@ class DeviceSampler:
             bias += token_bias.values()
             if len(r.output_ids) < sp.min_new_tokens:
                 _extend_pairs(blocked, i, self.eos_token_ids + list(sp.stop_token_ids or []))
-        pack = _Packer()
+        pack = Packer()
         for part in (floats, bias):
             pack.add(part, is_float=True)
         for part in (ints, seen, counted, bias_at, blocked):

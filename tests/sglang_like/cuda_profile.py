@@ -12,7 +12,9 @@ A sync is counted where a GPU would make the host wait on the device: a `DeviceT
 into Python or copied to the host (`cpu`, `to("cpu")`, `tolist`, `item`, `numpy`, `bool` /
 `int` / `float` / `index`, printing) or an op whose output shape depends on its values
 (`nonzero`, `masked_select`, `unique`, indexing with a boolean tensor). Host-to-device copies
-are not counted (pinned copies are asynchronous; `pin_memory` is a no-op here). This counts
+are not syncs (pinned copies are asynchronous; `pin_memory` is a no-op here), but each is
+recorded in `uploads` (a copy from pageable memory waits for the stream on a GPU, and every
+copy costs a launch). This counts
 at the Python API, which is where the runtime's syncs come from; it cannot see a sync hidden
 inside a C++ op, which none of the ops above are known to have.
 
@@ -53,6 +55,7 @@ class CudaProfile:
 
     def __init__(self) -> None:
         self.syncs: list[str] = []
+        self.uploads: list[str] = []  # host-to-device copies: what made each
         self.triton_calls: collections.Counter[str] = collections.Counter()
         self.reference_calls: collections.Counter[str] = collections.Counter()
         self.native_calls: collections.Counter[str] = collections.Counter()
@@ -69,6 +72,7 @@ class CudaProfile:
 
     def reset(self) -> None:
         self.syncs.clear()
+        self.uploads.clear()
         self.triton_calls.clear()
         self.reference_calls.clear()
         self.native_calls.clear()
@@ -80,6 +84,11 @@ _active: list[CudaProfile] = []
 def _record_sync(name: str) -> None:
     if _active and not _active[-1].num_paused:
         _active[-1].syncs.append(name)
+
+
+def _record_upload(name: str) -> None:
+    if _active and not _active[-1].num_paused:
+        _active[-1].uploads.append(name)
 
 
 def _is_cuda(device: Any) -> bool:
@@ -122,6 +131,9 @@ class DeviceTensor(torch.Tensor):
             return args[0]
         if name in ("to", "cuda"):
             return _move(func, args, kwargs)
+        if name == "__setitem__" and isinstance(args[2], (torch.Tensor, list, tuple)) and (
+                not isinstance(args[2], DeviceTensor)):
+            _record_upload("__setitem__")  # host data written into a device tensor
         if name in _SYNC_METHODS or (name == "__getitem__" and _bool_index(args)):
             _record_sync(name)
             if name == "cpu":
@@ -174,7 +186,21 @@ class _FactoryMode(TorchFunctionMode):
                 if name == "cuda":
                     return to_device(args[0].clone())
         out = func(*args, **kwargs)
+        if on_cuda and _is_upload(name, args):
+            _record_upload(name)
         return to_device(out) if on_cuda else out
+
+
+# factories that fill memory on the device itself (no host data crosses)
+_DEVICE_FILLS = frozenset({"zeros", "ones", "full", "empty", "arange", "zeros_like",
+                           "ones_like", "full_like", "empty_like", "rand", "randn", "randint",
+                           "linspace", "eye"})
+
+
+def _is_upload(name: str, args: tuple) -> bool:
+    """Whether a call aimed at cuda copies host data there (`torch.tensor(list)`, a host
+    tensor's `.to`), rather than filling device memory."""
+    return name not in _DEVICE_FILLS
 
 
 def _counting(calls: collections.Counter[str], name: str, fn: Any, strip: bool) -> Any:

@@ -12,6 +12,9 @@ Budgets, and what the syncs beyond one are (to be removed by later work):
 - verify with sampled requests: 1 as well, but it is the whole verify's logits copied to the
   host, where the tree walk samples them with the host sampler (node by node: whether a
   node's child is taken depends on the token drawn at the node).
+
+Host-to-device copies of a decode step: 3 (the KV rows the scheduler wrote, the batch's
+metadata, the sampler's parameters), whatever the batch size.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def test_prefill_and_decode_steps_stay_within_budget(weights, tokenizer) -> None
             assert _step(sched, profile) == ["cpu"]
             assert profile.triton_calls == {"store_kv": TINY.num_hidden_layers,
                                             "decode_attention": TINY.num_hidden_layers}
+            assert len(profile.uploads) == 3, profile.uploads
             assert not profile.native_calls
     assert all(r.is_finished and len(r.output_ids) == 8 for r in reqs)
 
