@@ -9,7 +9,10 @@ Checks, each a row of the table:
 - draws: 4,000 seeded draws over 8 tokens (top-k 2, top-p, min-p) fall only in the kept set
   and pass a chi-square test against the distribution;
 - time: a sampled batch at the Llama-3-8B vocabulary, device sampler against the logits'
-  copy to the host plus the host sampler (the path before).
+  copy to the host plus the host sampler (the path before);
+- steps: the scheduler over the runtime's ModelRunner (random weights, a stub tokenizer)
+  with device sampling off and on: greedy requests generate the same tokens, and with it on
+  a decode step makes one sync (CUDA; where the others come from is listed if not).
 
 Imported lazily by gpu_check.section_sampling (it needs the runtime on sys.path).
 """
@@ -154,15 +157,102 @@ def check_time(ctx: Any, report: Any, batch: int, vocab: int) -> None:
     report.figures["device_ms"], report.figures["host_ms"] = t_device, t_host
 
 
+class _StubTokenizer:
+    """Enough of a tokenizer for the scheduler's output path (no model files here)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def _scheduler(ctx: Any, config: Any, weights: Any, device_sampling: bool) -> Any:
+    import torch
+
+    from sglang_like.model_runner import ModelRunner
+    from sglang_like.scheduler import Scheduler, SchedulerConfig
+
+    runner = ModelRunner(config, weights, dtype=torch.float32, device=ctx.device,
+                         num_kv_slots=1024, context_len=128, max_running_requests=8)
+    sched_config = SchedulerConfig(pool_size=1024, context_len=128,
+                                   vocab_size=config.vocab_size, max_running_requests=8,
+                                   device_sampling=device_sampling)
+    return Scheduler(sched_config, runner, _StubTokenizer(), frozenset({EOS}))
+
+
+def _step_syncs(ctx: Any, sched: Any) -> list[str]:
+    """Run one step; on CUDA, where each sync it made came from (file:line)."""
+    import torch
+
+    if ctx.device.type != "cuda":
+        sched.step()
+        return []
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sched.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
+            if "synchroniz" in str(w.message)]
+
+
+def check_steps(ctx: Any, report: Any, config: Any, num_steps: int) -> None:
+    import torch
+
+    from sglang_like.model_loader.loaded import expected_weight_shapes
+    from sglang_like.req import Req
+    from sglang_like.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: (torch.randn(s, generator=gen) * 0.2 + (1.0 if "norm" in n else 0.0))
+               for n, s in expected_weight_shapes(config).items()}
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3,
+                                         logit_bias={"9": 2.0}),
+             dict(temperature=0.8, top_k=20, seed=1), dict(top_p=0.9, min_p=0.05, seed=2)]
+    outputs, worst = {}, []
+    for on in (False, True):
+        sched = _scheduler(ctx, config, weights, on)
+        reqs = [Req(f"r{i}", [5 + i, 17, 3, 90, 41, 7], SamplingParams(
+            max_new_tokens=num_steps + 2, ignore_eos=True, **kw)) for i, kw in enumerate(kinds)]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()  # the prefill
+        for _ in range(num_steps):
+            syncs = _step_syncs(ctx, sched)
+            if on and len(syncs) > len(worst):
+                worst = syncs
+        outputs[on] = [r.output_ids for r in reqs[:2]]
+    same = outputs[False] == outputs[True]
+    counted = ctx.device.type == "cuda"
+    report.rows.append(["steps: greedy off = on", f"{num_steps} decode steps", str(same), ""])
+    report.rows.append(["steps: syncs / decode step (most)", f"V{config.vocab_size}",
+                        str(len(worst)) if counted else "-",
+                        ", ".join(worst[:4]) if counted else "no GPU"])
+    report.figures["steps_greedy_equal"] = same
+    if counted:
+        report.figures["steps_max_syncs"] = len(worst)
+    if not same:
+        report.failures.append("steps: greedy tokens differ with device sampling on")
+    if counted and len(worst) > 1:
+        report.failures.append(f"steps: {len(worst)} syncs in a decode step: {worst[:6]}")
+
+
 def run_sampling_checks(ctx: Any, report: Any) -> None:
     """Fill `report` (gpu_check.Report: columns check, shape, value, note)."""
+    from sglang_like.config import ModelConfig
+
     if ctx.smoke:
         check_greedy(ctx, report, 10, 300)
         check_syncs(ctx, report, 5, 300)
         check_draws(ctx, report)
         check_time(ctx, report, 5, 300)
+        check_steps(ctx, report, ModelConfig("llama", 97, 64, 192, 2, 4, 2, 16), 3)
     else:
         check_greedy(ctx, report, 64, 128256)
         check_syncs(ctx, report, 64, 128256)
         check_draws(ctx, report)
         check_time(ctx, report, 64, 128256)
+        check_steps(ctx, report, ModelConfig("llama", 32000, 256, 512, 2, 4, 2, 64), 6)

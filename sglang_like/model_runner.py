@@ -231,6 +231,7 @@ class ModelRunner:
             if any(r.lora is not None for r in batch.reqs) else None,
             image_rows=image_rows,
             image_embeds=image_embeds,
+            max_extend_len=max(batch.extend_lens, default=0),
         )
 
     def forward(self, batch: ScheduleBatch, *, to_host: bool = True) -> torch.Tensor:

@@ -18,10 +18,11 @@ copy costs a launch). This counts
 at the Python API, which is where the runtime's syncs come from; it cannot see a sync hidden
 inside a C++ op, which none of the ops above are known to have.
 
-Triton launches (the kernels package's `triton_ops`) run the torch reference on the plain
-tensors instead, counted by name in `triton_calls`; the torch reference and the native CPU
-kernels called directly are counted in `reference_calls` / `native_calls` (a dispatch test
-asserts they stay empty).
+A Triton op (the kernels package's `triton_ops`, counted by name in `triton_calls`) runs its
+launcher's host code on the DeviceTensors, so what it reads on the host is counted, with
+every kernel launch a no-op; then the torch reference computes its result on the plain
+tensors. The torch reference and the native CPU kernels called directly are counted in
+`reference_calls` / `native_calls` (a dispatch test asserts they stay empty).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class _FactoryMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "pin_memory":
             return args[0]
+        if name in ("to", "cuda") and args and isinstance(args[0], DeviceTensor):
+            return func(*args, **kwargs)  # DeviceTensor's own rule (_move)
         on_cuda = _is_cuda(kwargs.get("device"))
         if on_cuda:
             kwargs["device"] = "cpu"
@@ -203,16 +206,35 @@ def _is_upload(name: str, args: tuple) -> bool:
     return name not in _DEVICE_FILLS
 
 
-def _counting(calls: collections.Counter[str], name: str, fn: Any, strip: bool) -> Any:
+class _NoKernels:
+    """Stands for `triton_kernels` in `triton_ops`: `tk.some_kernel[grid](...)` does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _NoKernels()
+
+    def __getitem__(self, grid: Any) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _counting(calls: collections.Counter[str], name: str, fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         calls[name] += 1
-        if not strip:
-            return fn(*args, **kwargs)
-        # a launch: the reference on the plain tensors (its reads are not the kernel's syncs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _as_triton(calls: collections.Counter[str], name: str, launcher: Any, ref: Any) -> Any:
+    """A Triton op under the profile: the launcher's host code on the device tensors (its
+    host reads counted, its launches no-ops), then the reference's result on plain tensors
+    (whose own reads are not the kernel's syncs)."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        launcher(*args, **kwargs)
         plain_args = [_plain(a) for a in args]
         plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
         with torch._C.DisableTorchFunctionSubclass():
-            out = fn(*plain_args, **plain_kwargs)
+            out = ref(*plain_args, **plain_kwargs)
         return to_device(out)
 
     return wrapper
@@ -225,10 +247,13 @@ def _kernel_names() -> list[str]:
 @contextlib.contextmanager
 def cuda_profile() -> Iterator[CudaProfile]:
     """Inside: "cuda" tensors are DeviceTensors, syncs and kernel launches are counted."""
+    from sglang_like_kernels import triton_ops
+
     profile = CudaProfile()
     fake_triton = types.SimpleNamespace(**{
-        n: _counting(profile.triton_calls, n, getattr(reference, n), strip=True)
-        for n in _kernel_names() if hasattr(reference, n)})
+        n: _as_triton(profile.triton_calls, n, getattr(triton_ops, n), getattr(reference, n))
+        for n in _kernel_names() if hasattr(triton_ops, n)})
+    saved_tk = triton_ops.tk
     saved_triton = sglang_like_kernels._triton_ops
     saved_ref = {n: getattr(reference, n) for n in _kernel_names() if hasattr(reference, n)}
     native = sglang_like_kernels.cpu.ops
@@ -236,10 +261,11 @@ def cuda_profile() -> Iterator[CudaProfile]:
                     if inspect.isfunction(f) and f.__module__ == native.__name__
                     and not n.startswith("_")}
     sglang_like_kernels._triton_ops = fake_triton
+    triton_ops.tk = _NoKernels()
     for n, fn in saved_ref.items():
-        setattr(reference, n, _counting(profile.reference_calls, n, fn, strip=False))
+        setattr(reference, n, _counting(profile.reference_calls, n, fn))
     for n, fn in saved_native.items():
-        setattr(native, n, _counting(profile.native_calls, n, fn, strip=False))
+        setattr(native, n, _counting(profile.native_calls, n, fn))
     _active.append(profile)
     try:
         with _FactoryMode():
@@ -247,6 +273,7 @@ def cuda_profile() -> Iterator[CudaProfile]:
     finally:
         _active.pop()
         sglang_like_kernels._triton_ops = saved_triton
+        triton_ops.tk = saved_tk
         for n, fn in saved_ref.items():
             setattr(reference, n, fn)
         for n, fn in saved_native.items():

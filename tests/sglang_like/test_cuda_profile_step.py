@@ -3,10 +3,12 @@
 its budget, the Triton kernels are the ones launched (never the torch reference nor the native
 CPU kernels on device data), and greedy output is the CPU path's.
 
-Counted: every sync of `Scheduler.step()`, the runner's forward and sampling included.
+Counted: every sync of `Scheduler.step()`, the runner's forward and sampling included, and
+the Triton launchers' host code (a grid sized from a device tensor read back is a sync).
 Budgets, and what the syncs beyond one are (to be removed by later work):
 - decode and prefill: 1 (the chosen tokens; the KV slots the scheduler reads back come from
-  the pool's host copy of req_to_token);
+  the pool's host copy of req_to_token, the extend kernel's grid from the batch's
+  `max_extend_len`, known on the host);
 - a step where requests finish: 1 as well;
 - verify, every request greedy (`spec_verify.takes_argmax`): 1, the argmax of every node;
 - verify with sampled requests: 1 as well, but it is the whole verify's logits copied to the
