@@ -183,9 +183,7 @@ class _FactoryMode(TorchFunctionMode):
             targets = [*args[1:], kwargs.get("device")]
             if name == "cuda" or any(_is_cuda(t) for t in targets):
                 on_cuda = True
-                args = (args[0], *(a for a in args[1:] if not _is_cuda(a)))
-                kwargs.pop("device", None)
-                kwargs.pop("non_blocking", None)
+                args = (args[0], *("cpu" if _is_cuda(a) else a for a in args[1:]))
                 if name == "cuda":
                     return to_device(args[0].clone())
         out = func(*args, **kwargs)

@@ -15,6 +15,12 @@ Budgets, and what the syncs beyond one are (to be removed by later work):
   host, where the tree walk samples them with the host sampler (node by node: whether a
   node's child is taken depends on the token drawn at the node).
 
+- EAGLE-3 (a random head), a step that verifies and drafts: 5, the budget below (what they
+  are: the verify's argmax; the head's top-k candidates, one copy per head run (after the
+  verify, and per draft depth); the draft tree's attention, the torch reference on every
+  device (`masked_attention`), 2 reads of its masks). Its prefill: 2 (the token, the head's
+  candidates).
+
 Host-to-device copies of a decode step: 3 (the KV rows the scheduler wrote, the batch's
 metadata, the sampler's parameters), whatever the batch size.
 """
@@ -33,9 +39,12 @@ from sglang_like.model_runner import ModelRunner
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
 from sglang_like.scheduler import Scheduler, SchedulerConfig
+from sglang_like.speculative import SpecConfig
+from sglang_like.speculative.eagle import EagleDrafter
 from sglang_like.speculative.tree import DraftTree
 
 from .cuda_profile import CudaProfile, cuda_profile
+from .spec_fakes import random_head
 
 TINY = ModelConfig("llama", 97, 64, 192, 2, 6, 3, 16, max_position_embeddings=64)
 PARAMS = [dict(temperature=0.0), dict(temperature=0.8, top_k=5, seed=1),
@@ -122,6 +131,29 @@ def test_verify_steps_stay_within_budget(weights, tokenizer, params, syncs) -> N
             assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
             # the host sampler's native argmax runs on the host copy only
             assert set(profile.native_calls) <= ({"argmax_rows"} if syncs == ["cpu"] else set())
+
+
+EAGLE_PREFILL_BUDGET, EAGLE_STEP_BUDGET = 2, 5
+
+
+def test_eagle_steps_stay_within_budget(weights, tokenizer, tmp_path) -> None:
+    head = random_head(str(tmp_path / "head"), TINY.vocab_size, TINY.hidden_size,
+                       TINY.num_hidden_layers)
+    spec = SpecConfig("EAGLE3", num_steps=2, eagle_topk=2, num_draft_tokens=4,
+                      draft_model_path=head, ngram_min_window=1, ngram_max_window=4,
+                      ngram_breadth=1, auto_disable=False)
+    with cuda_profile() as profile:
+        sched = _scheduler(weights, tokenizer, "cuda")
+        sched.drafter = EagleDrafter(spec, sched.runner)
+        _add(sched, [dict(temperature=0.0)] * 2)
+        assert len(_step(sched, profile)) <= EAGLE_PREFILL_BUDGET, profile.syncs
+        for _ in range(3):
+            profile.reset()
+            sched.step()
+            assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
+            assert len(profile.syncs) <= EAGLE_STEP_BUDGET, profile.syncs
+            assert set(profile.reference_calls) <= {"masked_attention"}  # the draft tree's
+            assert not profile.native_calls
 
 
 @pytest.mark.parametrize("speculative", [False, True])
