@@ -22,6 +22,7 @@ batch with the host `Sampler`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,9 @@ _MASK32 = 0xFFFFFFFF
 _MUL_A = 0x21F0AAAD
 _MUL_B = 0x735A2D97
 _STEP_SALT = 0x9E3779B9
+# columns of _Staged.floats and _Staged.ints
+_TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(6)
+_TOP_K, _SEED, _STEP, _IS_GREEDY, _HAS_GRAMMAR = range(5)
 
 
 class _Staged(NamedTuple):
@@ -77,7 +81,7 @@ class DeviceSampler:
         staged = self._stage(reqs, bitmask, logits.device)
         want_lp = [r.return_logprob for r in reqs]
         lp = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
-        _penalize(logits, staged, reqs)
+        _penalize(logits, staged)
         if staged.bias.numel():
             logits.index_put_(tuple(staged.bias_at), staged.bias, accumulate=True)
         if staged.bitmask is not None:
@@ -89,7 +93,10 @@ class DeviceSampler:
 
     def _stage(self, reqs: list[Req], bitmask: torch.Tensor | None,
                device: torch.device) -> _Staged:
-        floats, ints = [], []
+        """The step's inputs (columns as the _TEMPERATURE ... / _TOP_K ... constants say), on
+        `device` from one copy."""
+        floats: list[float] = []
+        ints: list[int] = []
         seen: tuple[list[int], list[int]] = ([], [])
         counted: tuple[list[int], list[int]] = ([], [])
         bias_at: tuple[list[int], list[int]] = ([], [])
@@ -111,38 +118,52 @@ class DeviceSampler:
             bias += token_bias.values()
             if len(r.output_ids) < sp.min_new_tokens:
                 _extend_pairs(blocked, i, self.eos_token_ids + list(sp.stop_token_ids or []))
-        pack = Packer()
-        for part in (floats, bias):
-            pack.add(part, is_float=True)
-        for part in (ints, seen, counted, bias_at, blocked):
-            pack.add(part)
-        if bitmask is not None:
-            pack.add(bitmask)
-        on = pack.to(device)
-        batch = len(reqs)
-        return _Staged(
-            floats=on[0].view(torch.float64).view(batch, 6).float(),
-            ints=on[2].view(batch, 5), seen=on[3].view(2, len(seen[0])),
-            counted=on[4].view(2, len(counted[0])), bias_at=on[5].view(2, len(bias)),
-            bias=on[1].view(torch.float64).float(), blocked=on[6].view(2, len(blocked[0])),
-            bitmask=None if bitmask is None else on[7].to(torch.int32).view(bitmask.shape))
+        return _upload(device, len(reqs), floats, ints, seen, counted, bias_at, bias, blocked,
+                       bitmask)
 
 
-def _extend_pairs(pairs: tuple[list[int], list[int]], row: int, tokens: object) -> None:
+def _upload(device: torch.device, batch: int, floats: list[float], ints: list[int],
+            seen: tuple[list[int], list[int]], counted: tuple[list[int], list[int]],
+            bias_at: tuple[list[int], list[int]], bias: list[float],
+            blocked: tuple[list[int], list[int]], bitmask: torch.Tensor | None) -> _Staged:
+    pack = Packer()
+    at = {"floats": pack.add(floats, is_float=True), "bias": pack.add(bias, is_float=True)}
+    at |= {name: pack.add(part) for name, part in (
+        ("ints", ints), ("seen", seen), ("counted", counted), ("bias_at", bias_at),
+        ("blocked", blocked))}
+    if bitmask is not None:
+        at["bitmask"] = pack.add(bitmask)
+    on = pack.to(device)
+
+    def pairs(name: str, n: int) -> torch.Tensor:
+        return on[at[name]].view(2, n)
+
+    return _Staged(
+        floats=on[at["floats"]].view(torch.float64).view(batch, 6).float(),
+        ints=on[at["ints"]].view(batch, 5), seen=pairs("seen", len(seen[0])),
+        counted=pairs("counted", len(counted[0])), bias_at=pairs("bias_at", len(bias)),
+        bias=on[at["bias"]].view(torch.float64).float(),
+        blocked=pairs("blocked", len(blocked[0])),
+        bitmask=None if bitmask is None
+        else on[at["bitmask"]].to(torch.int32).view(bitmask.shape))
+
+
+def _extend_pairs(pairs: tuple[list[int], list[int]], row: int, tokens: Iterable[int]
+                  ) -> None:
     """Append (row, token) for each token: the [2, N] index lists a step's scatters take."""
-    tokens = list(tokens)  # type: ignore[call-overload]
+    tokens = list(tokens)
     pairs[0].extend([row] * len(tokens))
     pairs[1].extend(tokens)
 
 
-def _penalize(logits: torch.Tensor, staged: _Staged, reqs: list[Req]) -> None:
+def _penalize(logits: torch.Tensor, staged: _Staged) -> None:
     """Repetition (over prompt and output), then frequency and presence (over the output), as
     the host sampler applies them; rows without a penalty pass through unchanged (x / 1,
     x * 1 and x - 0 are exact)."""
     if staged.seen.numel():
         seen = torch.zeros_like(logits, dtype=torch.bool)
         seen[tuple(staged.seen)] = True
-        rep = staged.floats[:, 3:4]
+        rep = staged.floats[:, _REPETITION:_REPETITION + 1]
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalized, logits))
     if staged.counted.numel():
@@ -150,7 +171,8 @@ def _penalize(logits: torch.Tensor, staged: _Staged, reqs: list[Req]) -> None:
         counts.index_put_(tuple(staged.counted), torch.ones_like(staged.counted[0],
                                                                  dtype=logits.dtype),
                           accumulate=True)
-        freq, presence = staged.floats[:, 4:5], staged.floats[:, 5:6]
+        freq = staged.floats[:, _FREQUENCY:_FREQUENCY + 1]
+        presence = staged.floats[:, _PRESENCE:_PRESENCE + 1]
         logits -= freq * counts + presence * (counts > 0)
 
 
@@ -161,7 +183,7 @@ def _block_early_stop(logits: torch.Tensor, staged: _Staged) -> None:
     blocked = torch.zeros_like(logits, dtype=torch.bool)
     blocked[tuple(staged.blocked)] = True
     held = logits.masked_fill(blocked, _NEG_INF)
-    has_grammar = staged.ints[:, 4].bool()
+    has_grammar = staged.ints[:, _HAS_GRAMMAR].bool()
     keep = torch.isfinite(held).any(dim=-1) | ~has_grammar
     logits.copy_(torch.where(keep.unsqueeze(1), held, logits))
 
@@ -172,15 +194,15 @@ def _choose(logits: torch.Tensor, staged: _Staged, reqs: list[Req]) -> torch.Ten
     greedy_ids = logits.argmax(dim=-1)
     if all(r.sampling_params.is_greedy for r in reqs):
         return greedy_ids
-    is_greedy = staged.ints[:, 3].bool()
-    temps = torch.where(is_greedy, 1.0, staged.floats[:, 0]).unsqueeze(1)
+    is_greedy = staged.ints[:, _IS_GREEDY].bool()
+    temps = torch.where(is_greedy, 1.0, staged.floats[:, _TEMPERATURE]).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     if any(r.sampling_params.min_p > 0 for r in reqs):
-        floor = probs.max(dim=-1, keepdim=True).values * staged.floats[:, 2:3]
+        floor = probs.max(dim=-1, keepdim=True).values * staged.floats[:, _MIN_P:_MIN_P + 1]
         probs = torch.where(probs < floor, 0.0, probs)
-    uniform = _uniform(staged.ints[:, 1], staged.ints[:, 2])
+    uniform = _uniform(staged.ints[:, _SEED], staged.ints[:, _STEP])
     drawn = _inverse_cdf(probs, uniform)  # no cut: the CDF in id order, as the host's
-    top_ks, top_ps = staged.ints[:, 0], staged.floats[:, 1]
+    top_ks, top_ps = staged.ints[:, _TOP_K], staged.floats[:, _TOP_P]
     if any(r.sampling_params.top_k > 0 or r.sampling_params.top_p < 1.0 for r in reqs):
         # every row takes the path its own parameters pick, whatever the others ask, so a
         # seed's draws do not depend on the batch; a stable sort orders ties by id

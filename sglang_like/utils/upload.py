@@ -8,6 +8,9 @@ and asynchronous on CUDA), and hands back views of it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 
@@ -19,10 +22,9 @@ class Packer:
     def __init__(self) -> None:
         self._parts: list[torch.Tensor] = []
 
-    def add(self, values: list[int] | list[float] | torch.Tensor, is_float: bool = False
-            ) -> int:
-        """Append `values` (ints, or floats with `is_float`; a tensor is taken as ints);
-        returns its index in `to`'s list."""
+    def add(self, values: Sequence[Any] | torch.Tensor, is_float: bool = False) -> int:
+        """Append `values` (ints, nested lists of them, or floats with `is_float`; a tensor is
+        taken as ints), flattened; returns its index in `to`'s list."""
         if is_float:
             part = torch.tensor(values, dtype=torch.float64).view(torch.int64)
         elif isinstance(values, torch.Tensor):
