@@ -27,6 +27,10 @@ one runs:
 - verify: a verify forward of 1, 2, 4, 8, 16 rows (a draft chain) against a one-row decode
   on both shapes, and the speed-up accept_len * t_decode / t_verify(rows) that predicts at
   each of --accept-lengths (drafting not counted; "-" where accept_len > rows).
+- sampling: the device sampler (sglang_like.layers.device_sampler) against the host sampler:
+  greedy tokens equal, one device-to-host sync per sample (torch's CUDA sync debug mode),
+  seeded draws that pass a chi-square test, and its time beside copy + host sampler
+  (scripts/gpu_check_sampling.py). It is what `--device-sampling auto` (on for CUDA) rests on.
 
 --cpu-smoke runs every section on CPU at tiny shapes, the Triton launchers under the
 interpreter (TRITON_INTERPRET=1, SGLANG_LIKE_KERNELS=triton), the torch references as the
@@ -74,13 +78,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION_NAMES = ("kernels", "greedy", "throughput", "verify")
+SECTION_NAMES = ("kernels", "greedy", "throughput", "verify", "sampling")
 # seconds per section: on an H100 they sum to 8 minutes with the probe; each is several times
 # what the section was estimated to need there (compiles included)
 LIMITS_CUDA = {"probe": 30.0, "kernels": 130.0, "greedy": 100.0, "throughput": 120.0,
-               "verify": 90.0}
+               "verify": 90.0, "sampling": 60.0}
 LIMITS_SMOKE = {"probe": 30.0, "kernels": 60.0, "greedy": 60.0, "throughput": 60.0,
-                "verify": 60.0}
+                "verify": 60.0, "sampling": 60.0}
 INJECT_ENV = "GPU_CHECK_INJECT"
 KERNEL_TOL = 2e-2  # max error relative to the reference's largest magnitude (bf16 dots)
 # the same, between the fp32 paths' logits: both sum in fp32 (seen: 2e-7 on CPU)
@@ -940,9 +944,20 @@ def section_verify(ctx: Context) -> Report:
     return report
 
 
+def section_sampling(ctx: Context) -> Report:
+    """The device sampler against the host sampler (scripts/gpu_check_sampling.py says what)."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_check_sampling import run_sampling_checks
+
+    report = Report(["check", "shape", "value", "note"])
+    run_sampling_checks(ctx, report)
+    return report
+
+
 SECTIONS: dict[str, Callable[[Context], Report]] = {
     "kernels": section_kernels, "greedy": section_greedy, "throughput": section_throughput,
-    "verify": section_verify,
+    "verify": section_verify, "sampling": section_sampling,
 }
 
 

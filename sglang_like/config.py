@@ -219,6 +219,12 @@ class ServerArgs:
     # since pinning with the caller not moved made streaming slower (docs/benchmarks.md).
     # "off": the OS places them
     cpu_pinning: str = "auto"  # "auto" | "on" | "off"
+    # Where a step's tokens are chosen (sglang_like.layers.device_sampler): "on" keeps the
+    # logits on the model's device and samples there (one device-to-host copy a step; DRY /
+    # XTC batches and speculative verifies still go to the host sampler); "off" copies the
+    # logits to the host and samples there. "auto": "on" on CUDA, "off" on CPU (where the host
+    # sampler is the faster; "on" there is for tests of the device path on CPU tensors)
+    device_sampling: str = "auto"  # "auto" | "on" | "off"
     # Scale-out (sglang_like.tp, sglang_like.disaggregation): tensor parallelism over
     # tp_size engine-core ranks (torch.distributed: gloo on CPU, NCCL on CUDA); and SGLang's
     # prefill/decode disaggregation roles ("null": a regular worker), the prefill side's

@@ -45,6 +45,9 @@ class ForwardBatch:
     # (a vision-language model's prefill); None: every row embeds its id
     image_rows: torch.Tensor | None = None  # [K] int64
     image_embeds: torch.Tensor | None = None  # [K, hidden]
+    # max(extend_lens), known on the host (a kernel's grid needs it; reading it back from the
+    # device would be a sync per layer); None: the kernel reads it
+    max_extend_len: int | None = None
     seq_lens: torch.Tensor = field(init=False)  # [B] prefix + extend, built once per forward
 
     def __post_init__(self) -> None:

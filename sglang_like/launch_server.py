@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "core of its own, which the OpenMP workers and this HTTP process keep "
                         "off (a pipe write would otherwise run the HTTP side on the loop's "
                         "core); off: the OS decides")
+    p.add_argument("--device-sampling", default=d.device_sampling,
+                   choices=["auto", "on", "off"],
+                   help="auto (= on on CUDA): sample on the model's device, with one "
+                        "device-to-host copy of the chosen tokens a step; off: copy the "
+                        "logits to the host and sample there (the CPU default)")
     p.add_argument("--log-level", default=d.log_level, choices=_LOG_LEVELS)
     p.add_argument("--log-requests", action="store_true", default=d.log_requests,
                    help="log one INFO line per generate request (whatever --log-level): rid, "

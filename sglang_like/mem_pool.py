@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sglang_like.config import KV_CACHE_DTYPES
+from sglang_like.utils.upload import Packer
 from sglang_like_kernels import kv_quant
 
 # --kv-cache-dtype's values (ServerArgs.kv_cache_dtype): "auto" (the activations' dtype, see
@@ -93,13 +94,41 @@ class ReqToTokenPool:
     """Rows of [max_context_len] int32 slot ids, one row per running request.
 
     Row r, position p holds the KV slot of token p of the request that owns row r.
+
+    Off the CPU the scheduler's writes (`write` / `write_one`; the model only reads the table)
+    land in a host copy of the rows, which `read` answers from (a read of the device's table
+    would be a device-to-host sync, and the scheduler reads a request's slots back after each
+    prefill and at its end), and wait there until the table is next asked for
+    (`req_to_token`): then they cross in one copy, not one per request and step.
     """
 
     def __init__(self, num_rows: int, max_context_len: int, device: torch.device | str) -> None:
-        self.req_to_token = torch.zeros(
+        self._table = torch.zeros(
             (num_rows, max_context_len), dtype=torch.int32, device=device
         )
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        on_host = torch.device(device).type == "cpu"
+        # the host copy: per row, its slots up to the furthest position written; and the
+        # writes not on the device yet, slot by flat index (a later write to a position wins)
+        # (both None on CPU, where the table itself is host memory)
+        self._host_rows: list[list[int]] | None = (
+            None if on_host else [[] for _ in range(num_rows)])
+        self._pending: dict[int, int] | None = None if on_host else {}
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """The table [num_rows, max_context_len] int32 on the pool's device, every write in."""
+        if self._pending:
+            self._flush()
+        return self._table
+
+    def _flush(self) -> None:
+        pack = Packer()
+        pack.add(list(self._pending))
+        pack.add(list(self._pending.values()))
+        flat, slots = pack.to(self._table.device)
+        self._table.view(-1)[flat] = slots.to(torch.int32)
+        self._pending.clear()
 
     @property
     def num_free_rows(self) -> int:
@@ -115,16 +144,35 @@ class ReqToTokenPool:
     def reclaim(self, used_rows: set[int]) -> int:
         """Free every row that is neither free nor in `used_rows` (recovery after a fault)."""
         free = set(self._free_rows)
-        lost = [r for r in range(self.req_to_token.shape[0]) if r not in free
+        lost = [r for r in range(self._table.shape[0]) if r not in free
                 and r not in used_rows]
         self._free_rows.extend(lost)
         return len(lost)
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
-        if slots:
-            self.req_to_token[row, start : start + len(slots)] = torch.tensor(
-                slots, dtype=torch.int32
-            )
+        if not slots:
+            return
+        if self._host_rows is None:
+            self._table[row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        else:
+            self._write_host(row, start, slots)
+
+    def write_one(self, row: int, position: int, slot: int) -> None:
+        """`write(row, position, [slot])` without building a tensor (a verify's walk)."""
+        if self._host_rows is None:
+            self._table[row, position] = slot
+        else:
+            self._write_host(row, position, [slot])
+
+    def _write_host(self, row: int, start: int, slots: list[int]) -> None:
+        host = self._host_rows[row]
+        if len(host) < start:
+            host.extend([0] * (start - len(host)))
+        host[start : start + len(slots)] = slots
+        base = row * self._table.shape[1] + start
+        self._pending.update(zip(range(base, base + len(slots)), slots, strict=True))
 
     def read(self, row: int, start: int, end: int) -> list[int]:
+        if self._host_rows is not None:
+            return self._host_rows[row][start:end]
         return self.req_to_token[row, start:end].tolist()

@@ -18,6 +18,7 @@ from sglang_like.multimodal.encoder_cache import EncoderCache
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.tp.comm import TPRankLost
 from sglang_like.tp.parallel import TPShard, shard_weights
+from sglang_like.utils.upload import Packer
 
 if TYPE_CHECKING:
     from sglang_like.tp.group import TPGroup
@@ -206,15 +207,18 @@ class ModelRunner:
         else:
             positions = [p for pre, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)
                          for p in range(pre, pre + n)]
+        (input_ids_t, positions_t, out_slots, pool_rows, prefix_lens, extend_lens,
+         logits_rows) = _upload_ints([input_ids, positions, batch.out_slots,
+                                      [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
+                                      batch.extend_lens, batch.logits_rows], dev)
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            out_slots=torch.tensor(batch.out_slots, dtype=torch.long, device=dev),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.long,
-                                          device=dev),
-            prefix_lens=torch.tensor(batch.prefix_lens, dtype=torch.long, device=dev),
-            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.long, device=dev),
-            logits_indices=torch.tensor(batch.logits_rows, dtype=torch.long, device=dev),
+            input_ids=input_ids_t,
+            positions=positions_t,
+            out_slots=out_slots,
+            req_pool_indices=pool_rows,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            logits_indices=logits_rows,
             req_to_token=self.req_to_token_pool.req_to_token,
             tree_mask=tree_mask,
             custom_masks=custom_masks,
@@ -227,19 +231,21 @@ class ModelRunner:
             if any(r.lora is not None for r in batch.reqs) else None,
             image_rows=image_rows,
             image_embeds=image_embeds,
+            max_extend_len=max(batch.extend_lens, default=0),
         )
 
-    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_rows), vocab] float32 on CPU. With `aux_layers` set (an
-        EAGLE-3 drafter is on), the target's features of every token row are kept in
-        `last_features` [num_tokens, 3 * hidden] for the drafter."""
+    def forward(self, batch: ScheduleBatch, *, to_host: bool = True) -> torch.Tensor:
+        """Logits [len(batch.logits_rows), vocab] float32 on CPU, or with `to_host=False` on
+        the model's device (for the device sampler: no full-vocabulary copy). With
+        `aux_layers` set (an EAGLE-3 drafter is on), the target's features of every token row
+        are kept in `last_features` [num_tokens, 3 * hidden] for the drafter."""
         fb = self.build_forward_batch(batch)
-        pooled = any(r.pooling for r in batch.reqs)
+        pooled = batch if any(r.pooling for r in batch.reqs) else None
         if self.tp_group is None:
-            return self._forward(fb, batch if pooled else None)
+            return self._forward(fb, pooled, to_host)
         self.tp_group.broadcast(fb)
         try:
-            return self._forward(fb, batch if pooled else None)
+            return self._forward(fb, pooled, to_host)
         except Exception as exc:
             # the other ranks are inside this forward's collectives: they cannot be brought
             # back in step with the next batch, so the group (and the engine) ends
@@ -261,14 +267,16 @@ class ModelRunner:
             self.last_features = features
         return ids.tolist()
 
-    def _forward(self, fb: ForwardBatch, pooled: ScheduleBatch | None = None
-                 ) -> torch.Tensor:
-        """Logits; `pooled` (a batch with embedding requests): their final hidden states
-        (after the model's norm) are also read out and pooled into each request."""
+    def _forward(self, fb: ForwardBatch, pooled: ScheduleBatch | None = None,
+                 to_host: bool = True) -> torch.Tensor:
+        """Logits (float32; on the host if `to_host`); `pooled` (a batch with embedding
+        requests): their final hidden states (after the model's norm) are also read out and
+        pooled into each request."""
         final = self.model_config.num_hidden_layers
         aux = self.aux_layers + ((final,) if pooled is not None else ())
         if not aux:
-            return self.model(fb, self.kv_pool).float().cpu()
+            logits = self.model(fb, self.kv_pool).float()
+            return logits.cpu() if to_host else logits
         logits, features = self.model.forward_features(fb, self.kv_pool, aux)
         if pooled is not None:
             hidden = self.model_config.hidden_size
@@ -276,7 +284,7 @@ class ModelRunner:
             features = features[:, :-hidden] if self.aux_layers else None
         if self.aux_layers:
             self.last_features = features
-        return logits.float().cpu()
+        return logits.float().cpu() if to_host else logits.float()
 
     def run_shard(self, fb: ForwardBatch) -> None:
         """A tensor-parallel rank > 0's part of a forward: its layers, K/V stored, no logits."""
@@ -286,6 +294,17 @@ class ModelRunner:
         """Stop the other tensor-parallel ranks (nothing to do without them)."""
         if self.tp_group is not None:
             self.tp_group.close()
+
+
+def _upload_ints(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Each list as an int64 tensor on `device`: off the CPU views of one copy (`Packer`),
+    not a copy each; on the CPU a tensor each, as they always were."""
+    if device.type == "cpu":
+        return [torch.tensor(p, dtype=torch.long) for p in parts]
+    pack = Packer()
+    for p in parts:
+        pack.add(p)
+    return pack.to(device)
 
 
 def _pool_hidden(batch: ScheduleBatch, hidden: torch.Tensor) -> None:

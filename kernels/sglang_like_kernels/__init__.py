@@ -129,16 +129,20 @@ def extend_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_extend_len: int | None = None,
 ) -> torch.Tensor:
     """Prefill/extend attention: q [T, Hq, D] packed by request in batch order.
 
     Request b's extend_lens[b] new K/V are stored at req_to_token[r, prefix_lens[b] :
     prefix_lens[b] + extend_lens[b]]; its query i attends to keys 0..prefix_lens[b]+i.
     prefix_lens, extend_lens [B] int64 (CPU or device). Returns [T, Hq, D] in q's dtype.
+    `max_extend_len`: max(extend_lens) when the caller knows it (else the Triton launcher
+    reads it back from the device, a sync per call).
     """
     return _backend(q).extend_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale,
         window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+        max_extend_len=max_extend_len,
     )
 
 

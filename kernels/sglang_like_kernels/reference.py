@@ -519,13 +519,15 @@ def extend_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_extend_len: int | None = None,
 ) -> torch.Tensor:
     """New tokens attend to their request's cached prefix and causally to each other.
 
     q [T, Hq, D] packed by request in batch order (sum(extend_lens) == T); request b's new
     K/V sit at req_to_token[r, prefix_lens[b] : prefix_lens[b] + extend_lens[b]].
     `window`: the token at position p sees keys p - window < j <= p only; `softcap`: scores
-    -> cap * tanh(scores / cap). Returns [T, Hq, D] in q's dtype.
+    -> cap * tanh(scores / cap). `max_extend_len`: the Triton launcher's hint (unread here).
+    Returns [T, Hq, D] in q's dtype.
     """
     k_pool, v_pool = _readable(k_pool, k_scale), _readable(v_pool, v_scale)
     check_window_softcap(window, softcap)

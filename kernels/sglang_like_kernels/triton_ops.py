@@ -291,6 +291,7 @@ def extend_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_extend_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over prefix + themselves (the token at
     position p over p - window < j <= p with a `window`; scores soft-capped with `softcap`).
@@ -298,15 +299,18 @@ def extend_attention(
     q: [T, Hq, D], request b's extend_lens[b] rows contiguous in batch order; their K/V
     are at req_to_token[req_pool_indices[b], prefix_lens[b] : prefix_lens[b] +
     extend_lens[b]]; k_pool, v_pool: [num_slots, Hkv, D]; prefix_lens, extend_lens: [B]
-    int (CPU or device; the max extend length is read on the host). Returns [T, Hq, D]
-    in q's dtype.
+    int (CPU or device; the max extend length is read on the host unless `max_extend_len`
+    gives it). Returns [T, Hq, D] in q's dtype.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0 and k_pool.stride() == v_pool.stride()
     out = _empty(q.shape, q.dtype, q.device)
     batch = extend_lens.shape[0]
-    max_extend = int(extend_lens.max()) if batch else 0
+    if max_extend_len is not None:
+        max_extend = max_extend_len
+    else:
+        max_extend = int(extend_lens.max()) if batch else 0
     if max_extend == 0:
         return out
     q = _query_for(q, k_pool)

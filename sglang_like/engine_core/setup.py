@@ -46,6 +46,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         raise ValueError(f"cpu_pinning must be auto, on or off; got "
                          f"{server_args.cpu_pinning!r}")
     device = _resolve_device(server_args.device)
+    device_sampling = resolve_device_sampling(server_args.device_sampling, device)
     dtype = _resolve_dtype(server_args.dtype, device)
     spec = resolve_spec_config(server_args, default_model=server_args.model_path is None)
     # One read of the checkpoint: GGUF blocks stay packed unless dense was asked for, and
@@ -88,7 +89,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
             disable_radix_cache=sa.disable_radix_cache, eviction_policy=sa.eviction_policy,
             enable_jump_forward=sa.enable_jump_forward, random_seed=sa.random_seed,
             speculative_auto_disable=sa.speculative_auto_disable,
-            max_loras_per_batch=sa.max_loras_per_batch,
+            max_loras_per_batch=sa.max_loras_per_batch, device_sampling=device_sampling,
             **priority_config(sa),
         ),
         runner, tokenizer, eos, drafter,
@@ -97,6 +98,13 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     scheduler.loras = loras
     return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos,
                        loras)
+
+
+def resolve_device_sampling(value: str, device: torch.device) -> bool:
+    """`device_sampling` as a switch: "auto" is on for CUDA only (ValueError for a bad one)."""
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"device_sampling must be auto, on or off; got {value!r}")
+    return value == "on" or (value == "auto" and device.type == "cuda")
 
 
 def _lora_args(sa: ServerArgs) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fb: Forw
             **kw)
     return sglang_like_kernels.extend_attention(
         q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
-        fb.extend_lens, sm_scale, **kw)
+        fb.extend_lens, sm_scale, max_extend_len=fb.max_extend_len, **kw)
 
 
 class Attention:

@@ -27,6 +27,8 @@ class SchedulerConfig:
     random_seed: int = 0
     check_accounting: bool = False  # assert the pool invariant after every step (tests)
     speculative_auto_disable: bool = True  # speculate only where measured to pay
+    # sample on the logits' device (ServerArgs.device_sampling resolved: layers.device_sampler)
+    device_sampling: bool = False
     # distinct LoRA adapters among the running requests; a request on one more waits
     max_loras_per_batch: int = 8
     # priority scheduling (policy.priority_rank): the queue in priority order, preemption of

@@ -12,6 +12,7 @@ import torch
 
 from radix_cache import KVSlotAllocator, RadixCache
 from radix_cache.namespace import adapter_namespace
+from sglang_like.layers.device_sampler import DeviceSampler
 from sglang_like.layers.sampler import SampleOutput, Sampler, select_rows
 from sglang_like.mem_pool import ReqToTokenPool
 from sglang_like.req import FinishReason, Req, internal_error_message
@@ -45,7 +46,9 @@ class ModelRunnerLike(Protocol):
     req_to_token_pool: ReqToTokenPool
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_rows), vocab] float32."""
+        """Logits [len(batch.logits_rows), vocab] float32 on the host. With
+        `config.device_sampling` the scheduler calls `forward(batch, to_host=False)`, which
+        may leave them on the model's device."""
 
 
 class Scheduler:
@@ -61,6 +64,8 @@ class Scheduler:
         tree = RadixCache(allocator, config.eviction_policy, disable=config.disable_radix_cache)
         self.cache = KVCacheManager(allocator, tree, runner.req_to_token_pool)
         self.sampler = Sampler(eos_token_ids, config.vocab_size, tokenizer)
+        self.device_sampler = (DeviceSampler(eos_token_ids, config.vocab_size)
+                               if config.device_sampling else None)
         self.faults = FaultInjector.from_env()
         self.outputs = OutputProcessor(tokenizer, eos_token_ids, self.cache, config,
                                        self.faults)
@@ -228,7 +233,7 @@ class Scheduler:
             if self._argmax_only(batch):
                 greedy = self.runner.forward_greedy(batch)
             else:
-                logits = self.runner.forward(batch)
+                logits = self._forward(batch)
         finally:
             if disagg is not None:
                 disagg.after_forward()  # its slots are not freed with a write in flight
@@ -516,6 +521,16 @@ class Scheduler:
             and self.cache.req_to_token_pool.num_free_rows == 0)
         return 0 if no_row else None
 
+    def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """The batch's logits: left on the model's device for the device sampler, unless a
+        verify's walk samples (it does so on the host, from one copy of the logits, as
+        without it); a walk that only takes argmaxes reads them off the device."""
+        if self.device_sampler is not None and all(
+                takes_argmax(r) for r, t in zip(batch.reqs, batch.trees, strict=True)
+                if t is not None):
+            return self.runner.forward(batch, to_host=False)
+        return self.runner.forward(batch)
+
     # ---- after the forward ---------------------------------------------------------------
     def _argmax_only(self, batch: ScheduleBatch) -> bool:
         """Whether every row of a decode batch takes its plain argmax (greedy, and no logprobs,
@@ -565,9 +580,7 @@ class Scheduler:
                 result = SampleOutput([greedy[batch.sample_index[i]] for i in to_sample],
                                       nothing, nothing)
             else:
-                rows = select_rows(logits, [batch.sample_index[i] for i in to_sample])
-                bitmask = self.outputs.grammar_bitmask(reqs)
-                result = self.sampler.sample(rows, reqs, bitmask)
+                result = self._sample(logits, [batch.sample_index[i] for i in to_sample], reqs)
             for j, req in enumerate(reqs):
                 if req.is_finished:  # its grammar failed while the mask was built
                     self._end(req, req.finished_reason, touched)
@@ -584,6 +597,16 @@ class Scheduler:
                     touched.append(req)
         if walks:
             accept_trees(self._verify_context(), walks, logits, touched)
+
+    def _sample(self, logits: torch.Tensor, index: list[int], reqs: list[Req]) -> SampleOutput:
+        """The tokens of `logits`' rows `index` for `reqs`: on the logits' device when the
+        device sampler is on and takes every request of them, else on the host."""
+        bitmask = self.outputs.grammar_bitmask(reqs)
+        if self.device_sampler is not None:
+            if self.device_sampler.supports(reqs):
+                return self.device_sampler.sample(select_rows(logits, index), reqs, bitmask)
+            logits = logits.cpu()  # DRY / XTC: the host sampler, on a copy of the logits
+        return self.sampler.sample(select_rows(logits, index), reqs, bitmask)
 
     def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         for req in batch.reqs:

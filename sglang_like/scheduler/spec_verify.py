@@ -84,12 +84,15 @@ def accept_trees(ctx: VerifyContext, walks: list[TreeWalk], logits: torch.Tensor
     active = list(walks)
     # every request takes its row's plain argmax (`takes_argmax`): each node's token is read
     # off one argmax over the verify's rows, the sampler's own choice for them, instead of a
-    # sampler call per depth (0.1-0.2 ms of a batch-1 step)
+    # sampler call per depth (0.1-0.2 ms of a batch-1 step); on a device, where the logits
+    # then stay, that is one copy of the rows' tokens
     argmax = (argmax_rows(logits) if all(takes_argmax(w.req) for w in walks) else None)
+    if argmax is None and logits.device.type != "cpu":
+        logits = logits.cpu()  # the host sampler walks it
     while active:
         reqs = [w.req for w in active]
         for w in active:  # the node's K/V (computed by the verify) becomes the request's
-            pool.req_to_token[w.req.req_pool_idx, w.req.kv_len] = w.slots[w.node]
+            pool.write_one(w.req.req_pool_idx, w.req.kv_len, w.slots[w.node])
             w.req.kv_len += 1
             w.committed.append(w.node)
         if argmax is not None:

@@ -303,7 +303,8 @@ class EagleDrafter:
                 new = [t if t < vocab else 0 for t in new]
             ids += new
             pos += range(first, first + count)
-            slots += table[req.req_pool_idx, first : first + count].tolist()
+            # the pool's host copy off the CPU: no read back from the device's table
+            slots += self.runner.req_to_token_pool.read(req.req_pool_idx, first, first + count)
             feats.append(cur)
             prefix.append(first)
             lens.append(count)
@@ -321,16 +322,17 @@ class EagleDrafter:
             extend_lens=torch.tensor(lens, dtype=torch.long, device=dev),
             logits_indices=torch.empty(0, dtype=torch.long, device=dev),
             req_to_token=table, is_decode=all(n == 1 for n in lens),
+            max_extend_len=max(lens, default=0),
         )
         last = torch.tensor(lens).cumsum(0) - 1
         outs, cand_ids, cand_lp = self._run_head(fb, torch.cat(feats), last)
         last_outs = outs[last]
+        ids_rows, lp_rows = _candidates_to_host(cand_ids, cand_lp)
         for j, req in enumerate(reqs):
             if req.kv_len != prefix[j] + lens[j]:
                 req.spec.eagle = None  # a prefill chunk: more prompt follows, no candidates
                 continue
-            req.spec.eagle = EagleState(cand_ids[j].tolist(), cand_lp[j].tolist(), last_outs[j],
-                                        req.kv_len - 1)
+            req.spec.eagle = EagleState(ids_rows[j], lp_rows[j], last_outs[j], req.kv_len - 1)
 
     # ---- a tree per request ---------------------------------------------------------------
     def propose(self, reqs: list[Req], max_depths: list[int], ctx: DraftContext,
@@ -440,7 +442,7 @@ class EagleDrafter:
             req_to_token=table, custom_masks=masks,
         )
         outs, cand_ids, cand_lp = self._run_head(fb, torch.stack(feats), None)
-        cand_ids, cand_lp = cand_ids.tolist(), cand_lp.tolist()
+        cand_ids, cand_lp = _candidates_to_host(cand_ids, cand_lp)
         r = 0
         for i in step:
             ns = nodes[i]
@@ -477,3 +479,14 @@ class EagleDrafter:
             parents.append(0 if p < 0 else picked[p])
             probs.append(math.exp(ns[j].score))
         return DraftTree(tokens, parents, probs=probs)
+
+
+def _candidates_to_host(ids: torch.Tensor, logprobs: torch.Tensor
+                        ) -> tuple[list[list[int]], list[list[float]]]:
+    """The head's top-k ids [R, k] and log-probs [R, k] as lists: off the CPU in one copy
+    (both as float64, exact for the ids and the float32 log-probs), not one each."""
+    if ids.device.type == "cpu":
+        return ids.tolist(), logprobs.tolist()
+    width = ids.shape[-1]
+    both = torch.cat([ids.to(torch.float64), logprobs.to(torch.float64)], dim=-1).cpu().tolist()
+    return [[int(t) for t in row[:width]] for row in both], [row[width:] for row in both]

@@ -94,6 +94,13 @@ def _figures_present(section: dict) -> None:
             for v in s["verify"]:  # a speed-up at every acceptance length the rows allow
                 assert set(v["speedup"]) == {str(a) for a in figs["accept_lengths"]
                                              if a <= v["rows"]}
+    elif name == "sampling":
+        assert figs["greedy_equal"] == 10
+        assert "syncs_per_sample" not in figs  # counted on CUDA only
+        assert {k for k in figs if k.startswith("chi2")} == {
+            "chi2 top_k 2", "chi2 top_p 0.75", "chi2 min_p 0.3"}
+        assert all(figs[k] < 24.3 for k in figs if k.startswith("chi2"))
+        assert figs["device_ms"] > 0 and figs["host_ms"] > 0
     else:  # pragma: no cover - a new section needs its checks here
         raise AssertionError(f"no figure checks for section {name!r}")
 

@@ -71,7 +71,8 @@ class FakeRunner:
         self.slot_tokens = [-1] * (num_slots + 1)
         self.batches: list[ScheduleBatch] = []
 
-    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+    def forward(self, batch: ScheduleBatch, to_host: bool = True) -> torch.Tensor:
+        """Logits on the host (`to_host=False`, the device sampler's call, changes nothing)."""
         self.batches.append(batch)
         for slot, tok in zip(batch.out_slots, batch.input_ids, strict=True):
             assert self.slot_tokens[slot] == -1 or slot != 0, "slot 0 is padding"

@@ -1,0 +1,258 @@
+"""The device check's "sampling" section (scripts/gpu_check.py): the device sampler
+(sglang_like.layers.device_sampler) on the GPU against the host sampler.
+
+Checks, each a row of the table:
+- greedy: a batch of greedy rows under penalties, logit bias, a grammar bitmask and
+  min_new_tokens gives the host sampler's tokens (on a host copy of the same logits);
+- syncs: one `sample` of a batch of every kind of row makes exactly one device-to-host sync,
+  counted by torch's CUDA sync debug mode (in --cpu-smoke there is no device: "-");
+- draws: 4,000 seeded draws over 8 tokens (top-k 2, top-p, min-p) fall only in the kept set
+  and pass a chi-square test against the distribution;
+- time: a sampled batch at the Llama-3-8B vocabulary, device sampler against the logits'
+  copy to the host plus the host sampler (the path before);
+- steps: the scheduler over the runtime's ModelRunner (random weights, a stub tokenizer)
+  with device sampling off and on: greedy requests generate the same tokens, and with it on
+  a decode step makes one sync (CUDA; where the others come from is listed if not).
+
+Imported lazily by gpu_check.section_sampling (it needs the runtime on sys.path).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+EOS = 2
+CHI2_LIMIT = 24.3  # p < 0.001 at 7 degrees of freedom
+
+
+def _req(seed: int, output: tuple[int, ...] = (), grammar: bool = False, **params: Any) -> Any:
+    import torch
+
+    from sglang_like.req import Req
+    from sglang_like.sampling_params import SamplingParams
+
+    sp = SamplingParams(**params)
+    req = Req(f"r{seed}", [5, 6, 7, 5], sp)
+    req.output_ids = list(output)
+    if not sp.is_greedy:
+        req.generator = torch.Generator().manual_seed(seed)
+    if grammar:
+        req.grammar = object()  # only its presence is read while sampling
+    return req
+
+
+def _greedy_batch(batch: int) -> list[Any]:
+    kinds = [dict(), dict(repetition_penalty=1.6), dict(frequency_penalty=1.0,
+                                                        presence_penalty=0.5),
+             dict(logit_bias={"9": 20.0}), dict(min_new_tokens=9, stop_token_ids=[3])]
+    return [_req(i, output=(9, 9, 4, EOS), grammar=i % 3 == 0, temperature=0.0,
+                 **kinds[i % len(kinds)]) for i in range(batch)]
+
+
+def _mixed_batch(batch: int) -> list[Any]:
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=40),
+             dict(top_p=0.9, repetition_penalty=1.2), dict(min_p=0.05, frequency_penalty=0.3),
+             dict(temperature=1.1, top_k=20, top_p=0.95, logit_bias={"7": -4.0})]
+    return [_req(i, output=tuple(range(100 + i, 140 + i)), **kinds[i % len(kinds)])
+            for i in range(batch)]
+
+
+def _bitmask(batch: int, vocab: int) -> Any:
+    """A random packed mask on the host, where a grammar fills it."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    words = (vocab + 31) // 32
+    return torch.randint(-(2**31), 2**31 - 1, (batch, words), dtype=torch.int32, generator=gen)
+
+
+def check_greedy(ctx: Any, report: Any, batch: int, vocab: int) -> None:
+    import torch
+
+    from sglang_like.layers.device_sampler import DeviceSampler
+    from sglang_like.layers.sampler import Sampler
+
+    reqs = _greedy_batch(batch)
+    logits = torch.randn(batch, vocab, device=ctx.device) * 3
+    logits[:, EOS] = 50.0
+    bitmask = _bitmask(batch, vocab)
+    want = Sampler({EOS}, vocab).sample(logits.cpu(), reqs, bitmask).next_token_ids
+    got = DeviceSampler({EOS}, vocab).sample(logits.clone(), reqs, bitmask).next_token_ids
+    same = sum(g == w for g, w in zip(got, want, strict=True))
+    report.rows.append(["greedy = host sampler", f"B{batch} V{vocab}", f"{same}/{batch}", ""])
+    report.figures["greedy_equal"] = same
+    if same != batch:
+        report.failures.append(f"greedy: {batch - same} of {batch} rows differ from the host")
+
+
+def check_syncs(ctx: Any, report: Any, batch: int, vocab: int) -> None:
+    import torch
+
+    from sglang_like.layers.device_sampler import DeviceSampler
+
+    if ctx.device.type != "cuda":
+        report.rows.append(["device-to-host syncs / sample", f"B{batch} V{vocab}", "-", "no GPU"])
+        return
+    reqs = _mixed_batch(batch)
+    reqs[0].return_logprob, reqs[0].top_logprobs_num = True, 5
+    sampler = DeviceSampler({EOS}, vocab)
+    logits = torch.randn(batch, vocab, device=ctx.device)
+    bitmask = _bitmask(batch, vocab)
+    sampler.sample(logits.clone(), reqs, bitmask)  # warm: first-call allocations
+    fresh = logits.clone()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sampler.sample(fresh, reqs, bitmask)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    report.rows.append(["device-to-host syncs / sample", f"B{batch} V{vocab}", str(len(syncs)),
+                        "budget 1"])
+    report.figures["syncs_per_sample"] = len(syncs)
+    if len(syncs) != 1:
+        report.failures.append(f"syncs: {len(syncs)} per sample, budget 1: {syncs[:4]}")
+
+
+def check_draws(ctx: Any, report: Any, num_draws: int = 4000, vocab: int = 8) -> None:
+    import torch
+
+    from sglang_like.layers.device_sampler import DeviceSampler
+
+    row = torch.linspace(2.0, -2.0, vocab, device=ctx.device)
+    cases = {"top_k 2": (dict(top_k=2), 2), "top_p 0.75": (dict(top_p=0.75), 3),
+             "min_p 0.3": (dict(min_p=0.3), 3)}
+    for name, (params, keep) in cases.items():
+        reqs = [_req(s, **params) for s in range(num_draws)]
+        out = DeviceSampler({EOS}, vocab).sample(row.repeat(num_draws, 1), reqs)
+        observed = torch.bincount(torch.tensor(out.next_token_ids), minlength=vocab).double()
+        p = torch.softmax(row.cpu().double(), dim=-1)
+        p[keep:] = 0
+        expected = p / p.sum() * num_draws
+        outside = int(observed[keep:].sum())
+        chi2 = float(((observed[:keep] - expected[:keep]) ** 2 / expected[:keep]).sum())
+        report.rows.append([f"draws {name}", f"{num_draws} x V{vocab}",
+                            f"chi2 {chi2:.1f}", f"{outside} outside"])
+        report.figures[f"chi2 {name}"] = chi2
+        if outside or chi2 >= CHI2_LIMIT:
+            report.failures.append(f"draws {name}: chi2 {chi2:.1f}, {outside} outside the set")
+
+
+def check_time(ctx: Any, report: Any, batch: int, vocab: int) -> None:
+    import torch
+
+    from sglang_like.layers.device_sampler import DeviceSampler
+    from sglang_like.layers.sampler import Sampler
+
+    reqs = _mixed_batch(batch)
+    logits = torch.randn(batch, vocab, device=ctx.device)
+    device, host = DeviceSampler({EOS}, vocab), Sampler({EOS}, vocab)
+    t_device = ctx.bench(lambda: device.sample(logits.clone(), reqs))
+    t_host = ctx.bench(lambda: host.sample(logits.float().cpu(), reqs))
+    report.rows.append(["time: device / copy + host", f"B{batch} V{vocab}",
+                        f"{t_device:.3f} ms", f"{t_host:.3f} ms"])
+    report.figures["device_ms"], report.figures["host_ms"] = t_device, t_host
+
+
+class _StubTokenizer:
+    """Enough of a tokenizer for the scheduler's output path (no model files here)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def _scheduler(ctx: Any, config: Any, weights: Any, device_sampling: bool) -> Any:
+    import torch
+
+    from sglang_like.model_runner import ModelRunner
+    from sglang_like.scheduler import Scheduler, SchedulerConfig
+
+    runner = ModelRunner(config, weights, dtype=torch.float32, device=ctx.device,
+                         num_kv_slots=1024, context_len=128, max_running_requests=8)
+    sched_config = SchedulerConfig(pool_size=1024, context_len=128,
+                                   vocab_size=config.vocab_size, max_running_requests=8,
+                                   device_sampling=device_sampling)
+    return Scheduler(sched_config, runner, _StubTokenizer(), frozenset({EOS}))
+
+
+def _step_syncs(ctx: Any, sched: Any) -> list[str]:
+    """Run one step; on CUDA, where each sync it made came from (file:line)."""
+    import torch
+
+    if ctx.device.type != "cuda":
+        sched.step()
+        return []
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sched.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}" for w in caught
+            if "synchroniz" in str(w.message)]
+
+
+def check_steps(ctx: Any, report: Any, config: Any, num_steps: int) -> None:
+    import torch
+
+    from sglang_like.model_loader.loaded import expected_weight_shapes
+    from sglang_like.req import Req
+    from sglang_like.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: (torch.randn(s, generator=gen) * 0.2 + (1.0 if "norm" in n else 0.0))
+               for n, s in expected_weight_shapes(config).items()}
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3,
+                                         logit_bias={"9": 2.0}),
+             dict(temperature=0.8, top_k=20, seed=1), dict(top_p=0.9, min_p=0.05, seed=2)]
+    outputs, worst = {}, []
+    for on in (False, True):
+        sched = _scheduler(ctx, config, weights, on)
+        reqs = [Req(f"r{i}", [5 + i, 17, 3, 90, 41, 7], SamplingParams(
+            max_new_tokens=num_steps + 2, ignore_eos=True, **kw)) for i, kw in enumerate(kinds)]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()  # the prefill
+        for _ in range(num_steps):
+            syncs = _step_syncs(ctx, sched)
+            if on and len(syncs) > len(worst):
+                worst = syncs
+        outputs[on] = [r.output_ids for r in reqs[:2]]
+    same = outputs[False] == outputs[True]
+    counted = ctx.device.type == "cuda"
+    report.rows.append(["steps: greedy off = on", f"{num_steps} decode steps", str(same), ""])
+    report.rows.append(["steps: syncs / decode step (most)", f"V{config.vocab_size}",
+                        str(len(worst)) if counted else "-",
+                        ", ".join(worst[:4]) if counted else "no GPU"])
+    report.figures["steps_greedy_equal"] = same
+    if counted:
+        report.figures["steps_max_syncs"] = len(worst)
+    if not same:
+        report.failures.append("steps: greedy tokens differ with device sampling on")
+    if counted and len(worst) > 1:
+        report.failures.append(f"steps: {len(worst)} syncs in a decode step: {worst[:6]}")
+
+
+def run_sampling_checks(ctx: Any, report: Any) -> None:
+    """Fill `report` (gpu_check.Report: columns check, shape, value, note)."""
+    from sglang_like.config import ModelConfig
+
+    if ctx.smoke:
+        check_greedy(ctx, report, 10, 300)
+        check_syncs(ctx, report, 5, 300)
+        check_draws(ctx, report)
+        check_time(ctx, report, 5, 300)
+        check_steps(ctx, report, ModelConfig("llama", 97, 64, 192, 2, 4, 2, 16), 3)
+    else:
+        check_greedy(ctx, report, 64, 128256)
+        check_syncs(ctx, report, 64, 128256)
+        check_draws(ctx, report)
+        check_time(ctx, report, 64, 128256)
+        check_steps(ctx, report, ModelConfig("llama", 32000, 256, 512, 2, 4, 2, 64), 6)

@@ -1,0 +1,282 @@
+"""DeviceSampler: logits -> next tokens where the logits live, one device-to-host copy a step.
+
+The host `Sampler` walks rows in Python and reads tensors back as it goes (`tolist`, `bool`,
+per-request generators on the CPU): on a GPU each of those is a sync, and the whole vocabulary
+of every row has to come to the host first. Here a step is:
+
+1. host: the batch's parameters and token ids (penalties, logit bias, EOS held back by
+   min_new_tokens, the grammar bitmask) packed into one int64 buffer, one host-to-device copy;
+2. device: penalties, logit bias, grammar bitmask (`apply_token_bitmask_`, Triton on CUDA),
+   EOS blocking, temperature, min-p, top-k / top-p and the draw, with no data-dependent
+   branch (every choice that depends on values is a `torch.where`);
+3. one device-to-host copy of the chosen tokens (and their logprobs / top logprobs when asked).
+
+Randomness is a counter-based hash of (the request's seed, its number of output tokens): no
+generator state, so a seed draws the same tokens whatever else is in the batch, and a
+retracted request redraws what it drew before. Draws are not the host sampler's (a different
+uniform), but come from the same distribution; greedy rows take the same first-maximum argmax.
+
+What it does not do on the device (DRY, XTC) `supports` turns down: the caller samples that
+batch with the host `Sampler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+import sglang_like_kernels
+from sglang_like.layers.sampler import SampleOutput
+from sglang_like.req import Req
+from sglang_like.utils.upload import Packer
+
+_NEG_INF = float("-inf")
+_MASK32 = 0xFFFFFFFF
+# odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so the hash's
+# int64 products never overflow (signed overflow is not something to lean on in torch)
+_MUL_A = 0x21F0AAAD
+_MUL_B = 0x735A2D97
+_STEP_SALT = 0x9E3779B9
+# columns of _Staged.floats and _Staged.ints
+_TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(6)
+_TOP_K, _SEED, _STEP, _IS_GREEDY, _HAS_GRAMMAR = range(5)
+
+
+class _Staged(NamedTuple):
+    """The step's host-built inputs, on the device."""
+
+    floats: torch.Tensor  # [B, 6] float32: temperature, top_p, min_p, rep., freq., presence
+    ints: torch.Tensor  # [B, 5] int64: top_k, seed, step, is_greedy, has_grammar
+    seen: torch.Tensor  # [2, S] int64 (row, token): prompt and output, repetition penalty
+    counted: torch.Tensor  # [2, C] int64 (row, token): output, frequency / presence
+    bias_at: torch.Tensor  # [2, L] int64 (row, token) of logit bias
+    bias: torch.Tensor  # [L] float32
+    blocked: torch.Tensor  # [2, E] int64 (row, token) held back by min_new_tokens
+    bitmask: torch.Tensor | None  # [B, W] int32
+
+
+class DeviceSampler:
+    """Samples a batch on its logits' device; stateless apart from the EOS ids."""
+
+    def __init__(self, eos_token_ids: frozenset[int] | set[int], vocab_size: int) -> None:
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def supports(reqs: list[Req]) -> bool:
+        """Whether every request's sampling runs here (DRY and XTC do not: host sampler)."""
+        return not any(r.sampling_params.has_dry or r.sampling_params.xtc_probability > 0.0
+                       for r in reqs)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list[Req],
+               bitmask: torch.Tensor | None = None) -> SampleOutput:
+        """logits [B, V] float32 on the device (modified in place, as the host sampler's);
+        bitmask int32 [B, ceil(V/32)] on the host (grammar masks, packed), or None. Costs one
+        host-to-device copy and one device-to-host copy."""
+        if not self.supports(reqs):
+            raise ValueError("DRY and XTC are sampled on the host (check supports() first)")
+        staged = self._stage(reqs, bitmask, logits.device)
+        want_lp = [r.return_logprob for r in reqs]
+        lp = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
+        _penalize(logits, staged)
+        if staged.bias.numel():
+            logits.index_put_(tuple(staged.bias_at), staged.bias, accumulate=True)
+        if staged.bitmask is not None:
+            sglang_like_kernels.apply_token_bitmask_(logits, staged.bitmask)
+        if staged.blocked.numel():
+            _block_early_stop(logits, staged)
+        ids = _choose(logits, staged, reqs)
+        return _read_back(ids, lp, reqs)
+
+    def _stage(self, reqs: list[Req], bitmask: torch.Tensor | None,
+               device: torch.device) -> _Staged:
+        """The step's inputs (columns as the _TEMPERATURE ... / _TOP_K ... constants say), on
+        `device` from one copy."""
+        floats: list[float] = []
+        ints: list[int] = []
+        seen: tuple[list[int], list[int]] = ([], [])
+        counted: tuple[list[int], list[int]] = ([], [])
+        bias_at: tuple[list[int], list[int]] = ([], [])
+        bias: list[float] = []
+        blocked: tuple[list[int], list[int]] = ([], [])
+        for i, r in enumerate(reqs):
+            sp = r.sampling_params
+            floats += [sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty,
+                       sp.frequency_penalty, sp.presence_penalty]
+            seed = r.generator.initial_seed() if r.generator is not None else 0
+            ints += [sp.top_k, seed, len(r.output_ids), int(sp.is_greedy),
+                     int(r.grammar is not None)]
+            if sp.repetition_penalty != 1.0:
+                _extend_pairs(seen, i, set(r.fill_ids))
+            if r.output_ids and (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
+                _extend_pairs(counted, i, r.output_ids)
+            token_bias = sp.token_bias
+            _extend_pairs(bias_at, i, token_bias)
+            bias += token_bias.values()
+            if len(r.output_ids) < sp.min_new_tokens:
+                _extend_pairs(blocked, i, self.eos_token_ids + list(sp.stop_token_ids or []))
+        return _upload(device, len(reqs), floats, ints, seen, counted, bias_at, bias, blocked,
+                       bitmask)
+
+
+def _upload(device: torch.device, batch: int, floats: list[float], ints: list[int],
+            seen: tuple[list[int], list[int]], counted: tuple[list[int], list[int]],
+            bias_at: tuple[list[int], list[int]], bias: list[float],
+            blocked: tuple[list[int], list[int]], bitmask: torch.Tensor | None) -> _Staged:
+    pack = Packer()
+    at = {"floats": pack.add(floats, is_float=True), "bias": pack.add(bias, is_float=True)}
+    at |= {name: pack.add(part) for name, part in (
+        ("ints", ints), ("seen", seen), ("counted", counted), ("bias_at", bias_at),
+        ("blocked", blocked))}
+    if bitmask is not None:
+        at["bitmask"] = pack.add(bitmask)
+    on = pack.to(device)
+
+    def pairs(name: str, n: int) -> torch.Tensor:
+        return on[at[name]].view(2, n)
+
+    return _Staged(
+        floats=on[at["floats"]].view(torch.float64).view(batch, 6).float(),
+        ints=on[at["ints"]].view(batch, 5), seen=pairs("seen", len(seen[0])),
+        counted=pairs("counted", len(counted[0])), bias_at=pairs("bias_at", len(bias)),
+        bias=on[at["bias"]].view(torch.float64).float(),
+        blocked=pairs("blocked", len(blocked[0])),
+        bitmask=None if bitmask is None
+        else on[at["bitmask"]].to(torch.int32).view(bitmask.shape))
+
+
+def _extend_pairs(pairs: tuple[list[int], list[int]], row: int, tokens: Iterable[int]
+                  ) -> None:
+    """Append (row, token) for each token: the [2, N] index lists a step's scatters take."""
+    tokens = list(tokens)
+    pairs[0].extend([row] * len(tokens))
+    pairs[1].extend(tokens)
+
+
+def _penalize(logits: torch.Tensor, staged: _Staged) -> None:
+    """Repetition (over prompt and output), then frequency and presence (over the output), as
+    the host sampler applies them; rows without a penalty pass through unchanged (x / 1,
+    x * 1 and x - 0 are exact)."""
+    if staged.seen.numel():
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[tuple(staged.seen)] = True
+        rep = staged.floats[:, _REPETITION:_REPETITION + 1]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if staged.counted.numel():
+        counts = torch.zeros_like(logits)
+        counts.index_put_(tuple(staged.counted), torch.ones_like(staged.counted[0],
+                                                                 dtype=logits.dtype),
+                          accumulate=True)
+        freq = staged.floats[:, _FREQUENCY:_FREQUENCY + 1]
+        presence = staged.floats[:, _PRESENCE:_PRESENCE + 1]
+        logits -= freq * counts + presence * (counts > 0)
+
+
+def _block_early_stop(logits: torch.Tensor, staged: _Staged) -> None:
+    """min_new_tokens: EOS / stop tokens to -inf, except where a grammar allows nothing else
+    (its output is complete: it may end early rather than break the grammar), decided per row
+    on the device."""
+    blocked = torch.zeros_like(logits, dtype=torch.bool)
+    blocked[tuple(staged.blocked)] = True
+    held = logits.masked_fill(blocked, _NEG_INF)
+    has_grammar = staged.ints[:, _HAS_GRAMMAR].bool()
+    keep = torch.isfinite(held).any(dim=-1) | ~has_grammar
+    logits.copy_(torch.where(keep.unsqueeze(1), held, logits))
+
+
+def _choose(logits: torch.Tensor, staged: _Staged, reqs: list[Req]) -> torch.Tensor:
+    """Each row's token [B] int64 on the device: greedy rows the first maximum, the others a
+    draw after temperature, min-p, top-k and top-p."""
+    greedy_ids = logits.argmax(dim=-1)
+    if all(r.sampling_params.is_greedy for r in reqs):
+        return greedy_ids
+    is_greedy = staged.ints[:, _IS_GREEDY].bool()
+    temps = torch.where(is_greedy, 1.0, staged.floats[:, _TEMPERATURE]).unsqueeze(1)
+    probs = torch.softmax(logits / temps, dim=-1)
+    if any(r.sampling_params.min_p > 0 for r in reqs):
+        floor = probs.max(dim=-1, keepdim=True).values * staged.floats[:, _MIN_P:_MIN_P + 1]
+        probs = torch.where(probs < floor, 0.0, probs)
+    uniform = _uniform(staged.ints[:, _SEED], staged.ints[:, _STEP])
+    drawn = _inverse_cdf(probs, uniform)  # no cut: the CDF in id order, as the host's
+    top_ks, top_ps = staged.ints[:, _TOP_K], staged.floats[:, _TOP_P]
+    if any(r.sampling_params.top_k > 0 or r.sampling_params.top_p < 1.0 for r in reqs):
+        # every row takes the path its own parameters pick, whatever the others ask, so a
+        # seed's draws do not depend on the batch; a stable sort orders ties by id
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        pos = _inverse_cdf(_keep_top(sorted_p, top_ks, top_ps), uniform)
+        is_cut = (top_ks > 0) | (top_ps < 1.0)
+        drawn = torch.where(is_cut, order.gather(1, pos.unsqueeze(1)).squeeze(1), drawn)
+    return torch.where(is_greedy, greedy_ids, drawn)
+
+
+def _keep_top(sorted_p: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+              ) -> torch.Tensor:
+    """Zero what top-k and top-p exclude from rows sorted descending: a token stays while its
+    rank is below k and the mass ranked before it is below top_p (the first always stays)."""
+    width = sorted_p.shape[-1]
+    rank = torch.arange(width, device=sorted_p.device).unsqueeze(0)
+    keep = rank < torch.where(top_ks > 0, top_ks, width).unsqueeze(1)
+    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < top_ps.unsqueeze(1)
+    return torch.where(keep, sorted_p, 0.0)
+
+
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of non-negative `weights` [R, W], the index whose CDF interval holds
+    uniform * total; never a zero-weight entry (float rounding at the top end included)."""
+    cdf = weights.cumsum(dim=-1)
+    target = (uniform * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    width = weights.shape[-1]
+    positions = torch.arange(width, device=weights.device)
+    last = torch.where(weights > 0, positions, -1).max(dim=-1).values
+    return torch.minimum(idx, last.clamp(min=0))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift / multiply rounds) of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 15)
+
+
+def _uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One float32 uniform in [0, 1) per row from (seed, step), int64 [B] each (seeds of up
+    to 63 bits): a counter-based draw, the same for a row whatever the batch."""
+    h = _mix32((steps & _MASK32) ^ _STEP_SALT)
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
+    h = _mix32(h ^ (seeds & _MASK32))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _read_back(ids: torch.Tensor, lp: torch.Tensor | None, reqs: list[Req]) -> SampleOutput:
+    """The step's one device-to-host copy: tokens, then (when asked) the chosen logprobs and
+    the top logprobs, all as float64 (token ids are exact in it)."""
+    batch = len(reqs)
+    parts = [ids.to(torch.float64)]
+    max_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+    if lp is not None:
+        parts.append(lp.gather(1, ids.unsqueeze(1)).squeeze(1).to(torch.float64))
+        if max_top > 0:
+            values, top_ids = lp.topk(min(max_top, lp.shape[-1]), dim=-1)
+            parts += [values.to(torch.float64).flatten(), top_ids.to(torch.float64).flatten()]
+    host = torch.cat(parts).cpu().tolist()
+    next_ids = [int(t) for t in host[:batch]]
+    out_lp: list[float | None] = [None] * batch
+    out_top: list[list[tuple[float, int]] | None] = [None] * batch
+    if lp is None:
+        return SampleOutput(next_ids, out_lp, out_top)
+    width = min(max_top, lp.shape[-1])
+    values_at, ids_at = 2 * batch, 2 * batch + batch * width
+    for i, r in enumerate(reqs):
+        if r.return_logprob:
+            out_lp[i] = host[batch + i]
+            k = min(max(r.top_logprobs_num, 0), width)
+            out_top[i] = [(host[values_at + i * width + j], int(host[ids_at + i * width + j]))
+                          for j in range(k)]
+    return SampleOutput(next_ids, out_lp, out_top)

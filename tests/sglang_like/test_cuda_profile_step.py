@@ -1,0 +1,171 @@
+"""Whole scheduler steps of a tiny random llama, forward included, under the CUDA profile
+(tests/sglang_like/cuda_profile.py): the device-to-host syncs of each kind of step stay within
+its budget, the Triton kernels are the ones launched (never the torch reference nor the native
+CPU kernels on device data), and greedy output is the CPU path's.
+
+Counted: every sync of `Scheduler.step()`, the runner's forward and sampling included, and
+the Triton launchers' host code (a grid sized from a device tensor read back is a sync).
+Budgets, and what the syncs beyond one are (to be removed by later work):
+- decode and prefill: 1 (the chosen tokens; the KV slots the scheduler reads back come from
+  the pool's host copy of req_to_token, the extend kernel's grid from the batch's
+  `max_extend_len`, known on the host);
+- a step where requests finish: 1 as well;
+- verify, every request greedy (`spec_verify.takes_argmax`): 1, the argmax of every node;
+- verify with sampled requests: 1 as well, but it is the whole verify's logits copied to the
+  host, where the tree walk samples them with the host sampler (node by node: whether a
+  node's child is taken depends on the token drawn at the node).
+
+- EAGLE-3 (a random head), a step that verifies and drafts: 5, the budget below (what they
+  are: the verify's argmax; the head's top-k candidates, one copy per head run (after the
+  verify, and per draft depth); the draft tree's attention, the torch reference on every
+  device (`masked_attention`), 2 reads of its masks). Its prefill: 2 (the token, the head's
+  candidates).
+
+Host-to-device copies of a decode step: 3 (the KV rows the scheduler wrote, the batch's
+metadata, the sampler's parameters), whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from sglang_like.config import ModelConfig
+from sglang_like.model_loader import load_tokenizer
+from sglang_like.model_loader.loaded import expected_weight_shapes
+from sglang_like.model_runner import ModelRunner
+from sglang_like.req import Req
+from sglang_like.sampling_params import SamplingParams
+from sglang_like.scheduler import Scheduler, SchedulerConfig
+from sglang_like.speculative import SpecConfig
+from sglang_like.speculative.eagle import EagleDrafter
+from sglang_like.speculative.tree import DraftTree
+
+from .cuda_profile import CudaProfile, cuda_profile
+from .spec_fakes import random_head
+
+TINY = ModelConfig("llama", 97, 64, 192, 2, 6, 3, 16, max_position_embeddings=64)
+PARAMS = [dict(temperature=0.0), dict(temperature=0.8, top_k=5, seed=1),
+          dict(top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.2, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=gen) * 0.2 + (1.0 if "norm" in name else 0.0)
+            for name, shape in expected_weight_shapes(TINY).items()}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+class _Drafter:
+    """Trees of fixed tokens (a chain of two with a sibling at each depth): verifies run."""
+
+    num_draft_tokens = 5
+
+    def propose(self, reqs: list[Req], max_depths: list[int], ctx: object) -> list[DraftTree]:
+        trees = []
+        for req, cap in zip(reqs, max_depths, strict=True):
+            n = 1 + 2 * min(2, cap)
+            trees.append(DraftTree([req.fill_ids[-1], 11, 12, 13, 14][:n], [-1, 0, 0, 1, 2][:n]))
+        return trees
+
+
+def _scheduler(weights, tokenizer, device: str, drafter: object = None) -> Scheduler:
+    runner = ModelRunner(TINY, weights, dtype=torch.float32, device=torch.device(device),
+                         num_kv_slots=256, context_len=64, max_running_requests=8)
+    config = SchedulerConfig(pool_size=256, context_len=64, vocab_size=TINY.vocab_size,
+                             max_running_requests=8, chunked_prefill_size=None,
+                             device_sampling=device == "cuda", speculative_auto_disable=False)
+    return Scheduler(config, runner, tokenizer, frozenset({0}), drafter)
+
+
+def _add(sched: Scheduler, params: list[dict]) -> list[Req]:
+    reqs = [Req(f"r{i}", [5 + i, 17, 3, 90, 41], SamplingParams(max_new_tokens=8,
+                                                                  ignore_eos=True, **kw))
+            for i, kw in enumerate(params)]
+    for r in reqs:
+        sched.add_request(r)
+    return reqs
+
+
+def _step(sched: Scheduler, profile: CudaProfile) -> list[str]:
+    profile.reset()
+    sched.step()
+    assert not profile.reference_calls, "the torch reference ran on device tensors"
+    return list(profile.syncs)
+
+
+def test_prefill_and_decode_steps_stay_within_budget(weights, tokenizer) -> None:
+    with cuda_profile() as profile:
+        sched = _scheduler(weights, tokenizer, "cuda")
+        reqs = _add(sched, PARAMS)
+        assert _step(sched, profile) == ["cpu"]
+        assert profile.triton_calls["extend_attention"] == TINY.num_hidden_layers
+        assert not profile.native_calls
+        for _ in range(7):  # the last one finishes every request (max_new_tokens 8)
+            assert _step(sched, profile) == ["cpu"]
+            assert profile.triton_calls == {"store_kv": TINY.num_hidden_layers,
+                                            "decode_attention": TINY.num_hidden_layers}
+            assert len(profile.uploads) == 3, profile.uploads
+            assert not profile.native_calls
+    assert all(r.is_finished and len(r.output_ids) == 8 for r in reqs)
+
+
+@pytest.mark.parametrize(("params", "syncs"), [
+    ([dict(temperature=0.0)] * 2, ["tolist"]),  # the nodes' argmax, read off the device
+    ([dict(temperature=0.0), dict(temperature=0.7, seed=3)], ["cpu"]),  # the logits' copy
+])
+def test_verify_steps_stay_within_budget(weights, tokenizer, params, syncs) -> None:
+    with cuda_profile() as profile:
+        sched = _scheduler(weights, tokenizer, "cuda", _Drafter())
+        _add(sched, params)
+        _step(sched, profile)  # the prefill
+        for _ in range(3):
+            assert _step(sched, profile) == syncs
+            assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
+            # the host sampler's native argmax runs on the host copy only
+            assert set(profile.native_calls) <= ({"argmax_rows"} if syncs == ["cpu"] else set())
+
+
+EAGLE_PREFILL_BUDGET, EAGLE_STEP_BUDGET = 2, 5
+
+
+def test_eagle_steps_stay_within_budget(weights, tokenizer, tmp_path) -> None:
+    head = random_head(str(tmp_path / "head"), TINY.vocab_size, TINY.hidden_size,
+                       TINY.num_hidden_layers)
+    spec = SpecConfig("EAGLE3", num_steps=2, eagle_topk=2, num_draft_tokens=4,
+                      draft_model_path=head, ngram_min_window=1, ngram_max_window=4,
+                      ngram_breadth=1, auto_disable=False)
+    with cuda_profile() as profile:
+        sched = _scheduler(weights, tokenizer, "cuda")
+        sched.drafter = EagleDrafter(spec, sched.runner)
+        _add(sched, [dict(temperature=0.0)] * 2)
+        assert len(_step(sched, profile)) <= EAGLE_PREFILL_BUDGET, profile.syncs
+        for _ in range(3):
+            profile.reset()
+            sched.step()
+            assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
+            assert len(profile.syncs) <= EAGLE_STEP_BUDGET, profile.syncs
+            assert set(profile.reference_calls) <= {"masked_attention"}  # the draft tree's
+            assert not profile.native_calls
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_greedy_output_under_the_profile_is_the_cpu_paths(weights, tokenizer,
+                                                          speculative: bool) -> None:
+    outputs = []
+    for device in ("cpu", "cuda"):
+        with cuda_profile() if device == "cuda" else contextlib.nullcontext():
+            sched = _scheduler(weights, tokenizer, device, _Drafter() if speculative else None)
+            reqs = _add(sched, [dict(temperature=0.0), dict(temperature=0.0,
+                                                            presence_penalty=0.7)])
+            for _ in range(6):
+                sched.step()
+        outputs.append([r.output_ids for r in reqs])
+    assert outputs[0] == outputs[1]

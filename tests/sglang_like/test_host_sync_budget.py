@@ -1,0 +1,84 @@
+"""Host-sync budget of a step under the CUDA profile (tests/sglang_like/cuda_profile.py).
+
+What is counted: every device-to-host sync the scheduler makes while it steps, from the
+logits the runner hands back to the tokens appended (sampling, logprobs, grammar, penalties,
+stop checks, the KV rows it reads back); not the fake runner's forward, which stands for the
+model (its reads of req_to_token are the attention kernel's, on the device). The runner's
+req_to_token lives on the "device" as the real one's does (the scheduler reads its slots back
+from the pool's host copy).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_like.mem_pool import ReqToTokenPool
+from sglang_like.model_loader import load_tokenizer
+from sglang_like.req import Req
+from sglang_like.sampling_params import SamplingParams
+from sglang_like.scheduler import Scheduler, SchedulerConfig
+
+from .cuda_profile import CudaProfile, cuda_profile
+from .fake_runner import VOCAB, FakeRunner
+
+EOS = frozenset({0, 2})
+STEP_BUDGET = 1  # the chosen tokens (and logprobs), one copy, prefill or decode
+
+
+class DeviceFakeRunner(FakeRunner):
+    """The scripted runner with its req_to_token and logits on the (profiled) device."""
+
+    def __init__(self, profile: CudaProfile, num_slots: int, max_rows: int,
+                 context_len: int) -> None:
+        super().__init__(num_slots, max_rows, context_len)
+        self.profile = profile
+        self.req_to_token_pool = ReqToTokenPool(max_rows, context_len, "cuda")
+        self.device = torch.device("cuda")
+
+    def forward(self, batch, to_host: bool = True) -> torch.Tensor:
+        with self.profile.uncounted():
+            logits = super().forward(batch)
+        return logits if to_host else logits.to("cuda")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def _requests() -> list[Req]:
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_k=5, repetition_penalty=1.2, seed=1),
+        dict(top_p=0.9, frequency_penalty=0.4, presence_penalty=0.3, logit_bias={"7": -3.0},
+             seed=2),
+        dict(min_p=0.1, min_new_tokens=6, seed=3),
+    ]
+    reqs = [Req(f"r{i}", list(range(40 + i, 60 + 2 * i)),
+                SamplingParams(max_new_tokens=12, **kw)) for i, kw in enumerate(kinds)]
+    reqs[2].return_logprob, reqs[2].top_logprobs_num = True, 2
+    return reqs
+
+
+def test_a_decode_step_syncs_once(tokenizer) -> None:
+    with cuda_profile() as profile:
+        runner = DeviceFakeRunner(profile, 512, 9, 256)
+        config = SchedulerConfig(pool_size=512, context_len=256, vocab_size=VOCAB,
+                                 max_running_requests=8, chunked_prefill_size=None,
+                                 device_sampling=True)
+        sched = Scheduler(config, runner, tokenizer, EOS)
+        reqs = _requests()
+        for r in reqs:
+            sched.add_request(r)
+        profile.reset()
+        sched.step()  # every prompt at once
+        assert runner.batches[-1].batch_size == len(reqs)
+        assert profile.syncs == ["cpu"] * STEP_BUDGET, profile.syncs
+        for _ in range(5):
+            profile.reset()
+            sched.step()
+            assert runner.batches[-1].is_decode
+            assert profile.syncs == ["cpu"] * STEP_BUDGET, profile.syncs
+    assert all(len(r.output_ids) == 6 and not r.is_finished for r in reqs)
+    assert reqs[2].logprobs.output_top[-1] and len(reqs[2].logprobs.output_top[-1]) == 2
