@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 import sglang_like_kernels
-from sglang_like.layers.sampler import SampleOutput
+from sglang_like.layers.sampler import SampleOutput, inverse_cdf, keep_top
 from sglang_like.req import Req
 from sglang_like.utils.upload import Packer
 
@@ -201,39 +201,16 @@ def _choose(logits: torch.Tensor, staged: _Staged, reqs: list[Req]) -> torch.Ten
         floor = probs.max(dim=-1, keepdim=True).values * staged.floats[:, _MIN_P:_MIN_P + 1]
         probs = torch.where(probs < floor, 0.0, probs)
     uniform = _uniform(staged.ints[:, _SEED], staged.ints[:, _STEP])
-    drawn = _inverse_cdf(probs, uniform)  # no cut: the CDF in id order, as the host's
+    drawn = inverse_cdf(probs, uniform)  # no cut: the CDF in id order, as the host's
     top_ks, top_ps = staged.ints[:, _TOP_K], staged.floats[:, _TOP_P]
     if any(r.sampling_params.top_k > 0 or r.sampling_params.top_p < 1.0 for r in reqs):
         # every row takes the path its own parameters pick, whatever the others ask, so a
         # seed's draws do not depend on the batch; a stable sort orders ties by id
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        pos = _inverse_cdf(_keep_top(sorted_p, top_ks, top_ps), uniform)
+        pos = inverse_cdf(keep_top(sorted_p, top_ks, top_ps), uniform)
         is_cut = (top_ks > 0) | (top_ps < 1.0)
         drawn = torch.where(is_cut, order.gather(1, pos.unsqueeze(1)).squeeze(1), drawn)
     return torch.where(is_greedy, greedy_ids, drawn)
-
-
-def _keep_top(sorted_p: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
-              ) -> torch.Tensor:
-    """Zero what top-k and top-p exclude from rows sorted descending: a token stays while its
-    rank is below k and the mass ranked before it is below top_p (the first always stays)."""
-    width = sorted_p.shape[-1]
-    rank = torch.arange(width, device=sorted_p.device).unsqueeze(0)
-    keep = rank < torch.where(top_ks > 0, top_ks, width).unsqueeze(1)
-    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < top_ps.unsqueeze(1)
-    return torch.where(keep, sorted_p, 0.0)
-
-
-def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Per row of non-negative `weights` [R, W], the index whose CDF interval holds
-    uniform * total; never a zero-weight entry (float rounding at the top end included)."""
-    cdf = weights.cumsum(dim=-1)
-    target = (uniform * cdf[:, -1]).unsqueeze(1)
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    width = weights.shape[-1]
-    positions = torch.arange(width, device=weights.device)
-    last = torch.where(weights > 0, positions, -1).max(dim=-1).values
-    return torch.minimum(idx, last.clamp(min=0))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -281,7 +281,7 @@ def _sample(probs: torch.Tensor, reqs: list[Req], xtc: torch.Tensor | None = Non
         weights = probs[full]
         if xtc is not None:
             weights = _exclude_top_choices(weights, xtc[full])
-        ids = _inverse_cdf(weights, uniform[full])
+        ids = inverse_cdf(weights, uniform[full])
         for j, i in enumerate(full):
             out[i] = int(ids[j])
     pending = cut
@@ -298,10 +298,10 @@ def _sample(probs: torch.Tensor, reqs: list[Req], xtc: torch.Tensor | None = Non
         else:
             sorted_p, order = rows.sort(dim=-1, descending=True)
             held = torch.ones(len(pending), dtype=torch.bool)
-        kept = _keep_top(sorted_p, ks, tps)
+        kept = keep_top(sorted_p, ks, tps)
         if xtc is not None:  # exact on held rows: their kept set lies within the candidates
             kept = _exclude_top_choices(kept, xtc[pending])
-        pos = _inverse_cdf(kept, uniform[pending])
+        pos = inverse_cdf(kept, uniform[pending])
         chosen = order.gather(1, pos.unsqueeze(1)).squeeze(1).tolist()
         for j, ok in enumerate(held.tolist()):
             if ok:
@@ -310,23 +310,24 @@ def _sample(probs: torch.Tensor, reqs: list[Req], xtc: torch.Tensor | None = Non
     return out
 
 
-def _keep_top(sorted_p: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+def keep_top(sorted_p: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
               ) -> torch.Tensor:
     """Zero what top-k and top-p exclude from rows sorted descending: a token stays while its
     rank is below k and the mass ranked before it is below top_p (the first always stays)."""
     width = sorted_p.shape[-1]
-    rank = torch.arange(width).unsqueeze(0)
+    rank = torch.arange(width, device=sorted_p.device).unsqueeze(0)
     keep = rank < torch.where(top_ks > 0, top_ks, width).unsqueeze(1)
     keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < top_ps.unsqueeze(1)
     return torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
 
 
-def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Per row of non-negative `weights` [R, W], the index whose CDF interval holds
     uniform * total; never a zero-weight entry (float rounding at the top end included)."""
     cdf = weights.cumsum(dim=-1)
     target = (uniform * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     width = weights.shape[-1]
-    last = torch.where(weights > 0, torch.arange(width), -1).max(dim=-1).values
+    positions = torch.arange(width, device=weights.device)
+    last = torch.where(weights > 0, positions, -1).max(dim=-1).values
     return torch.minimum(idx, last.clamp(min=0))

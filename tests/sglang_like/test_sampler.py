@@ -89,7 +89,7 @@ def test_never_draws_a_zero_probability_token() -> None:
             reqs = [_req(seed, top_p=top_p), _req(seed + 1000, top_p=top_p)]
             assert set(sampler_mod._sample(probs, reqs)) <= {10, 4000}
     # u at the top of [0, 1): float rounding must not step past the last positive entry
-    assert sampler_mod._inverse_cdf(probs, torch.tensor([1.0 - 2 ** -24, 1.0])).tolist() \
+    assert sampler_mod.inverse_cdf(probs, torch.tensor([1.0 - 2 ** -24, 1.0])).tolist() \
         == [4000, 4000]
 
 
