@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -160,8 +162,18 @@ def _chat_command(line: str, backend: Any, history: list[dict]) -> bool:
     return False
 
 
+def _ctrl_c_interrupts() -> None:
+    """Ctrl-C must reach the loop as KeyboardInterrupt (it stops a reply): a SIGINT that this
+    process was started with ignored or blocked stays so across exec, and Python then installs
+    no handler of its own (a parent that ignores or blocks it: nohup, some runners)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def chat_loop(backend: Any, system: str | None) -> int:
     """Read a line, send it with the conversation so far, stream the reply; until /bye or EOF."""
+    _ctrl_c_interrupts()
     try:
         import readline  # noqa: F401 - line editing and recall for input()
     except ImportError:
