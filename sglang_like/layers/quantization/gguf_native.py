@@ -285,7 +285,21 @@ class GGUFRowsMethod(GGUFNativeMethod):
         return self.weight_bytes(layer) if self.reads_all else 0
 
 
-class GGUFHeadMethod(LinearMethod):
+class _ChosenPerLayer(LinearMethod):
+    """A method that picks another per layer when the weights arrive (`layer.gguf_method`)
+    and answers for it."""
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.gguf_method.dequantize(layer)
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        return layer.gguf_method.weight_bytes(layer)
+
+    def decode_bytes(self, layer: nn.Module) -> int:
+        return layer.gguf_method.decode_bytes(layer)
+
+
+class GGUFHeadMethod(_ChosenPerLayer):
     """`gguf`'s LM head and embeddings. A matrix of a type in `KQ_KIND` other than Q8_0 stays
     in the file's codes (GGUFRowsMethod): the head's logits come from kquants.c, activations
     rounded to int8 as llama.cpp rounds them for its dot; the embedding's rows are gathered out
@@ -320,21 +334,12 @@ class GGUFHeadMethod(LinearMethod):
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return layer.gguf_method.embed(layer, ids)
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return layer.gguf_method.dequantize(layer)
-
     def argmax_supported(self, layer: nn.Module) -> bool:
         supported = getattr(layer.gguf_method, "argmax_supported", None)
         return supported is not None and supported(layer)
 
     def argmax(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer.gguf_method.argmax(layer, x)
-
-    def weight_bytes(self, layer: nn.Module) -> int:
-        return layer.gguf_method.weight_bytes(layer)
-
-    def decode_bytes(self, layer: nn.Module) -> int:
-        return layer.gguf_method.decode_bytes(layer)
 
 
 class Q8ExpertMethod(GGUFNativeMethod):
@@ -363,7 +368,7 @@ def _as_q8_0(source: WeightSource) -> GGUFBlockWeight:
 _FALLBACK_LOGGED: set[str] = set()
 
 
-class GGUFMethod(LinearMethod):
+class GGUFMethod(_ChosenPerLayer):
     """`--quantization gguf`: each linear on the kernel of its checkpoint's type, chosen when
     its weights arrive (a K-quant mix gives different types to different layers):
     GGUFNativeMethod for the types in `KQ_KIND`; a dense F16 / BF16 / F32 matrix on the bf16
@@ -410,13 +415,3 @@ class GGUFMethod(LinearMethod):
             return fn
         dtype = method.input_dtype
         return lambda x: fn(x.to(dtype)).float()
-
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return layer.gguf_method.dequantize(layer)
-
-    def weight_bytes(self, layer: nn.Module) -> int:
-        return layer.gguf_method.weight_bytes(layer)
-
-    def decode_bytes(self, layer: nn.Module) -> int:
-        return layer.gguf_method.decode_bytes(layer)
-
