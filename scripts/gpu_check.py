@@ -473,12 +473,12 @@ def check_tree(out: KernelRows, batch: int, prefix: int, num_draft: int, hq: int
 
 def check_masked(out: KernelRows, prefixes: tuple[int, int, int], sizes: tuple[int, int, int],
                  hq: int, hkv: int, d: int) -> None:
-    """masked_attention (torch on every device) over a ragged batch, a tree, a causal extend
-    and another tree, against the Triton kernels run per request on the same pool."""
+    """masked_attention over a ragged batch (a tree, a causal extend and another tree: the
+    Triton masked kernel on CUDA, in one launch) against the torch reference of it."""
     import torch
 
     import sglang_like_kernels
-    from sglang_like_kernels import triton_ops
+    from sglang_like_kernels import reference
 
     ctx, dev = out.ctx, out.ctx.device
     lens = [p + n for p, n in zip(prefixes, sizes, strict=True)]
@@ -489,32 +489,20 @@ def check_masked(out: KernelRows, prefixes: tuple[int, int, int], sizes: tuple[i
              torch.tril(torch.ones(sizes[1], sizes[1], dtype=torch.bool, device=dev)),
              _two_branch_tree(sizes[2], dev)]
     prefix_lens = torch.tensor(prefixes, device=dev)
-    starts = [0, sizes[0], sizes[0] + sizes[1], sum(sizes)]
-
-    def per_request() -> Any:
-        parts = []
-        for i in range(3):
-            qi, row = q[starts[i] : starts[i + 1]], pool.rows[i : i + 1]
-            pre = prefix_lens[i : i + 1]
-            if i == 1:
-                parts.append(triton_ops.extend_attention(
-                    qi, pool.k, pool.v, pool.table, row, pre,
-                    torch.tensor([sizes[1]], device=dev), scale))  # fmt: skip
-            else:
-                parts.append(triton_ops.tree_verify_attention(
-                    qi, pool.k, pool.v, pool.table, row, pre, masks[i][None], scale))
-        return torch.cat(parts)
 
     def masked() -> Any:
         return sglang_like_kernels.masked_attention(q, pool.k, pool.v, pool.table, pool.rows,
                                                     prefix_lens, masks, scale)
 
-    (want, t_triton), (got, t_torch) = ctx.run_and_time(per_request), ctx.run_and_time(masked)
+    def torch_reference() -> Any:
+        return reference.masked_attention(q, pool.k, pool.v, pool.table, pool.rows,
+                                          prefix_lens, masks, scale)
+
+    (got, t_triton), (want, t_torch) = ctx.run_and_time(masked), ctx.run_and_time(torch_reference)
     err = rel_err(got, want)
     shape = f"T{sizes[0]}@{prefixes[0]} E{sizes[1]}@{prefixes[1]} T{sizes[2]}@{prefixes[2]} " \
             f"{hq}/{hkv}x{d}"
-    out.add("masked (torch) vs triton per request", shape, err, t_triton, t_torch,
-            pool.kv_bytes + 2 * q.numel() * 2)
+    out.add("masked (ragged)", shape, err, t_triton, t_torch, pool.kv_bytes + 2 * q.numel() * 2)
 
 
 def check_store(out: KernelRows, num_tokens: int, hkv: int, d: int, kv: str = "bf16") -> None:

@@ -190,9 +190,9 @@ def masked_attention(
     """Attention under a per-request mask (ragged trees mixed with extends): request b's
     masks[b].shape[0] packed queries see its first prefix_lens[b] keys and key
     prefix_lens[b] + j iff masks[b][i, j]; `positional` (reference.masked_attention): extends
-    whose masks see later keys, windowed by position. The torch reference on every device (a
-    uniform verify batch on CUDA goes through `tree_verify_attention` instead)."""
-    return reference.masked_attention(
+    whose masks see later keys, windowed by position. On CUDA the Triton kernel takes the
+    masks ragged, as they come (a uniform verify batch goes through `tree_verify_attention`)."""
+    return _backend(q).masked_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, masks, sm_scale,
         window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         positional=positional,

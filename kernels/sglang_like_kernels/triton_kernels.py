@@ -129,12 +129,13 @@ def decode_split_kernel(
     num_q_heads, group, head_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, KV_KIND: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_KIND: tl.constexpr, SPLIT_MIN: tl.constexpr,
 ):  # fmt: skip
     """Stage 1 of flash-decoding. Grid (B, Hkv, NUM_SPLITS).
 
     Each program scores the `group` query heads of one kv head over one contiguous split
-    of the request's visible keys (its sequence; the last `window` of it with USE_WINDOW)
+    of the request's visible keys (its sequence; the last `window` of it with USE_WINDOW),
+    split by the request's own length: min(NUM_SPLITS, its keys / SPLIT_MIN) splits
     and writes the normalized partial output to mid_out [B, Hq, NUM_SPLITS, D] and its
     log-sum-exp to mid_lse [B, Hq, NUM_SPLITS] (both contiguous fp32; lse is -inf when the
     split is empty).
@@ -146,11 +147,13 @@ def decode_split_kernel(
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-        split_len = tl.cdiv(seq_len - lo, NUM_SPLITS)
-        start = lo + split * split_len
     else:
-        split_len = tl.cdiv(seq_len, NUM_SPLITS)
-        start = split * split_len
+        lo = 0
+    # a split takes at least SPLIT_MIN keys, whole tiles: a short request uses few of the
+    # NUM_SPLITS programs (the others find no keys and only write an empty partial)
+    split_len = tl.maximum(tl.cdiv(seq_len - lo, NUM_SPLITS), SPLIT_MIN)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -358,6 +361,114 @@ def tree_verify_kernel(
     m_i, l_i, acc = _online_softmax_step(
         q_blk, k, v, draft_allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
     )
+
+    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]
+    tl.store(dst, result.to(out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def masked_kernel(
+    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens,
+    mask_meta, masks,
+    sm_scale, window, softcap,
+    stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
+    stride_scale_s, stride_table, batch,
+    group, head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    KV_KIND: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, Hq, cdiv(max rows, BLOCK_M)): one block of one request's queries under its
+    own mask (ragged: every request its own rows and columns).
+
+    mask_meta int64 [5, B]: each request's first query row, its rows, the offset of its mask
+    in `masks` (int8, row-major [rows, cols]), its cols, and 1 where the mask is an extend's
+    windowed by position (`positional`). Request b's queries see its first prefix_len keys
+    and key prefix_len + j iff its mask[i, j]. With USE_WINDOW a positional request's query
+    i (at position prefix_len + i) keeps the keys less than `window` positions before it,
+    later ones included; any other keeps the last `window` of its visible keys in position
+    order, which needs each row's count of visible mask keys first (one pass over the mask
+    before the keys are read).
+    """
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    q_start = tl.load(mask_meta + b)
+    num_rows = tl.load(mask_meta + batch + b).to(tl.int32)
+    mask_start = tl.load(mask_meta + 2 * batch + b)
+    num_cols = tl.load(mask_meta + 3 * batch + b).to(tl.int32)
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    prefix_len = tl.load(prefix_lens + b).to(tl.int32)
+    kv_head = head // group
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < num_rows
+    d_valid = offs_d < head_dim
+    q_mask = m_valid[:, None] & d_valid[None, :]
+    tokens = q_start + offs_m
+    q_ptrs = q + tokens[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
+    q_blk = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    token_row = req_to_token + row * stride_table
+    mask_rows = masks + mask_start + offs_m.to(tl.int64)[:, None] * num_cols
+    q_pos = prefix_len + offs_m
+    num_seen = tl.zeros([BLOCK_M], tl.int32)
+    if USE_WINDOW:
+        by_position = tl.load(mask_meta + 4 * batch + b) != 0
+        if not by_position:
+            for j0 in range(0, num_cols, BLOCK_N):
+                offs_j = j0 + tl.arange(0, BLOCK_N)
+                pair = m_valid[:, None] & (offs_j < num_cols)[None, :]
+                seen = (tl.load(mask_rows + offs_j[None, :], mask=pair, other=0) != 0)
+                num_seen += tl.sum(seen.to(tl.int32), 1)
+        # the first visible prefix key of each row; the block starts at the least of them
+        first_prefix = tl.where(by_position, q_pos - window + 1,
+                                prefix_len + num_seen - window)
+        prefix_start = tl.maximum(tl.min(tl.where(m_valid, first_prefix, prefix_len), 0), 0)
+    else:
+        by_position = False
+        first_prefix = tl.zeros([BLOCK_M], tl.int32)
+        prefix_start = 0
+    for n0 in range(prefix_start, prefix_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < prefix_len
+        k, v = _load_kv_block(
+            k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d,
+            d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
+        )  # fmt: skip
+        allowed = m_valid[:, None] & n_valid[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (offs_n[None, :] >= first_prefix[:, None])
+        m_i, l_i, acc = _online_softmax_step(
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
+        )
+
+    before = tl.zeros([BLOCK_M], tl.int32)  # visible mask keys in the blocks so far
+    for j0 in range(0, num_cols, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        j_valid = offs_j < num_cols
+        pair = m_valid[:, None] & j_valid[None, :]
+        allowed = tl.load(mask_rows + offs_j[None, :], mask=pair, other=0) != 0
+        if USE_WINDOW:
+            if by_position:
+                allowed = allowed & ((prefix_len + offs_j)[None, :] > q_pos[:, None] - window)
+            else:
+                seen = allowed.to(tl.int32)
+                at_or_after = num_seen[:, None] - before[:, None] - tl.cumsum(seen, 1) + seen
+                before += tl.sum(seen, 1)
+                allowed = allowed & (at_or_after <= window)
+        k, v = _load_kv_block(
+            k_pool, v_pool, k_scale, v_scale, token_row, prefix_len + offs_j, j_valid, kv_head,
+            offs_d, d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
+        )  # fmt: skip
+        m_i, l_i, acc = _online_softmax_step(
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
+        )
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]

@@ -29,6 +29,8 @@ __all__ = [
     "lora_delta_",
     "lora_meta",
     "decode_attention",
+    "masked_attention",
+    "masked_meta",
     "decode_meta",
     "extend_attention",
     "extend_meta",
@@ -43,6 +45,11 @@ _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.int
                torch.float8_e4m3fn: tl.bfloat16, torch.float8_e5m2: tl.bfloat16}
 # triton_kernels' KV_KIND of each pool dtype (0: a float pool)
 _KV_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+# Warps of the attention kernels on a GPU. With 4, ptxas spilled registers to local memory
+# in most of them (a 64 x 64 bf16 tile at head dim 128: 1.4 KB a thread on sm_90); with 8
+# and the tiles below none do on sm_90 or sm_80, which tests/kernels/cases_aot.py checks on
+# ptxas's own figures for every launch signature.
+_ATTENTION_WARPS = 8
 _MAX_DECODE_SPLITS = 16
 _DECODE_SPLIT_TOKENS = 256
 _BITMASK_BLOCK = 1024
@@ -67,6 +74,12 @@ def _tile(dot: tl.dtype, interpret: bool | None) -> int:
     """Key/query tile length. Exact fp32 dots run on CUDA cores, where 32-wide tiles keep
     registers (and compile time) sane; the interpreter is fastest with big tiles."""
     return 32 if dot == tl.float32 and not _resolve(interpret) else 64
+
+
+def _decode_warps(dot: tl.dtype) -> int:
+    """fp32 dots on CUDA cores hold fewer tile registers a thread with 4 warps' worth of
+    work each (8 spilled 8 bytes on sm_90); 16-bit tiles spill with 4."""
+    return 4 if dot == tl.float32 else _ATTENTION_WARPS
 
 
 def _block(n: int) -> int:
@@ -121,13 +134,16 @@ def decode_meta(
     interpret: bool | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    split_min: int = _DECODE_SPLIT_TOKENS,
 ) -> dict[str, object]:
     """Constexprs of decode_split_kernel (decode_reduce_kernel takes NUM_SPLITS, BLOCK_S,
-    BLOCK_D from the same dict). A window caps the keys a request reads, so the splits."""
+    BLOCK_D from the same dict). NUM_SPLITS, the programs a request gets, follows the
+    longest context the table holds (a window caps it), so one compiled kernel serves
+    every batch; each request then splits its own keys in pieces of at least `split_min`."""
     dtype = dot_dtype(pool_dtype, interpret)
     if num_splits is None:
         keys = max_context if window is None else min(max_context, window)
-        num_splits = min(_MAX_DECODE_SPLITS, max(1, triton.cdiv(keys, _DECODE_SPLIT_TOKENS)))
+        num_splits = min(_MAX_DECODE_SPLITS, max(1, triton.cdiv(keys, split_min)))
     return {
         "NUM_SPLITS": num_splits,
         "BLOCK_G": _block(num_q_heads // num_kv_heads),
@@ -135,6 +151,8 @@ def decode_meta(
         "BLOCK_D": _block(head_dim),
         "DOT_DTYPE": dtype,
         "BLOCK_S": triton.next_power_of_2(num_splits),
+        "SPLIT_MIN": split_min,
+        "num_warps": _decode_warps(dtype),
         **_flags(window, softcap, pool_dtype),
     }
 
@@ -143,11 +161,12 @@ def extend_meta(
     head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None,
     window: int | None = None, softcap: float | None = None,
 ) -> dict[str, object]:
-    """Constexprs of extend_kernel."""
+    """Constexprs of extend_kernel: 32 x 32 tiles on a GPU (64-row bf16 ones spilled over
+    a quantized pool, whose codes are widened and scaled in registers, or with a window)."""
     dtype = dot_dtype(pool_dtype, interpret)
-    block = _tile(dtype, interpret)
+    block = 64 if _resolve(interpret) else 32
     return {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": _block(head_dim), "DOT_DTYPE": dtype,
-            **_flags(window, softcap, pool_dtype)}
+            "num_warps": _ATTENTION_WARPS, **_flags(window, softcap, pool_dtype)}
 
 
 def tree_verify_meta(
@@ -161,8 +180,17 @@ def tree_verify_meta(
         "BLOCK_N": _tile(dtype, interpret),
         "BLOCK_D": _block(head_dim),
         "DOT_DTYPE": dtype,
+        "num_warps": _ATTENTION_WARPS,
         **_flags(window, softcap, pool_dtype),
     }
+
+
+def masked_meta(
+    head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None,
+    window: int | None = None, softcap: float | None = None,
+) -> dict[str, object]:
+    """Constexprs of masked_kernel (the extend kernel's tiles)."""
+    return extend_meta(head_dim, pool_dtype, interpret, window=window, softcap=softcap)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -232,14 +260,16 @@ def decode_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    split_min: int = _DECODE_SPLIT_TOKENS,
 ) -> torch.Tensor:
     """Flash-decoding: one query per request over its cached tokens.
 
     q: [B, Hq, D]; k_pool, v_pool: [num_slots, Hkv, D] contiguous, Hq % Hkv == 0;
     req_to_token: [max_requests, max_context] int32; req_pool_indices, seq_lens: [B] int
     (seq_lens >= 1). Returns [B, Hq, D] in q's dtype. The visible keys of each request (its
-    last `window`, or all) are cut into num_splits pieces (default from max_context and the
-    window) scored in parallel, then merged. `softcap`: scores -> cap * tanh(scores / cap).
+    last `window`, or all) are cut into at most num_splits pieces (default from max_context
+    and the window) of at least `split_min` keys, scored in parallel, then merged.
+    `softcap`: scores -> cap * tanh(scores / cap).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -251,7 +281,7 @@ def decode_attention(
     window_value, softcap_value = _runtime(window, softcap)
     meta = decode_meta(
         num_q_heads, num_kv_heads, head_dim, req_to_token.shape[1], k_pool.dtype, num_splits,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, split_min=split_min,
     )
     splits = meta["NUM_SPLITS"]
     device = q.device
@@ -267,7 +297,8 @@ def decode_attention(
         num_q_heads, num_q_heads // num_kv_heads, head_dim,
         NUM_SPLITS=splits, BLOCK_G=meta["BLOCK_G"], BLOCK_N=meta["BLOCK_N"],
         BLOCK_D=meta["BLOCK_D"], DOT_DTYPE=meta["DOT_DTYPE"], USE_WINDOW=meta["USE_WINDOW"],
-        USE_SOFTCAP=meta["USE_SOFTCAP"], KV_KIND=meta["KV_KIND"],
+        USE_SOFTCAP=meta["USE_SOFTCAP"], KV_KIND=meta["KV_KIND"], SPLIT_MIN=meta["SPLIT_MIN"],
+        num_warps=meta["num_warps"],
     )  # fmt: skip
     tk.decode_reduce_kernel[(batch, num_q_heads)](
         mid_out, mid_lse, out,
@@ -375,6 +406,68 @@ def tree_verify_attention(
         k_pool.stride(0), k_pool.stride(1), stride_scale, req_to_token.stride(0),
         num_draft, num_q_heads // num_kv_heads, head_dim,
         **tree_verify_meta(num_draft, head_dim, k_pool.dtype, window=window, softcap=softcap),
+    )  # fmt: skip
+    return _output_for(out, k_pool)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    masks: list[torch.Tensor],
+    sm_scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    positional: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention under a mask of its own per request (reference.masked_attention: ragged
+    draft trees, verifies beside extends). The masks' shapes give the grid and every offset
+    on the host, so a launch reads nothing back; the masks (host or device) go to the device
+    as one int8 buffer, with the offsets in one copy."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_pool.shape[1]
+    assert num_q_heads % num_kv_heads == 0 and k_pool.stride() == v_pool.stride()
+    out = _empty(q.shape, q.dtype, q.device)
+    batch = len(masks)
+    rows = [int(m.shape[0]) for m in masks]
+    cols = [int(m.shape[1]) for m in masks]
+    assert sum(rows) == q.shape[0] and prefix_lens.shape[0] == batch
+    if max(rows, default=0) == 0:
+        return out
+    q = _query_for(q, k_pool)
+    device = q.device
+    sizes = [r * c for r, c in zip(rows, cols, strict=True)]
+    starts = [0] * batch
+    mask_starts = [0] * batch
+    for b in range(1, batch):
+        starts[b] = starts[b - 1] + rows[b - 1]
+        mask_starts[b] = mask_starts[b - 1] + sizes[b - 1]
+    meta_rows = torch.tensor([starts, rows, mask_starts, cols], dtype=torch.int64)
+    if positional is None or positional.device.type == "cpu":
+        by_position = (torch.zeros(batch, dtype=torch.int64) if positional is None
+                       else positional.to(torch.int64))
+        mask_meta = torch.cat([meta_rows.flatten(), by_position]).to(device)
+    else:
+        mask_meta = torch.cat([meta_rows.flatten().to(device), positional.to(torch.int64)])
+    flat = torch.cat([m.reshape(-1).to(torch.int8) for m in masks])
+    flat = flat.to(device) if flat.numel() else torch.zeros(1, dtype=torch.int8, device=device)
+    window_value, softcap_value = _runtime(window, softcap)
+    meta = masked_meta(head_dim, k_pool.dtype, window=window, softcap=softcap)
+    grid = (batch, num_q_heads, triton.cdiv(max(rows), meta["BLOCK_M"]))
+    k_arg, v_arg, ks_arg, vs_arg, stride_scale = _kv_args(k_pool, v_pool, k_scale, v_scale)
+    tk.masked_kernel[grid](
+        q, k_arg, v_arg, ks_arg, vs_arg, out, req_to_token, req_pool_indices.to(device),
+        prefix_lens.to(device), mask_meta, flat,
+        sm_scale, window_value, softcap_value,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_pool.stride(0), k_pool.stride(1), stride_scale, req_to_token.stride(0), batch,
+        num_q_heads // num_kv_heads, head_dim,
+        **meta,
     )  # fmt: skip
     return _output_for(out, k_pool)
 
@@ -490,6 +583,8 @@ def fused_moe_meta(num_pairs: int, num_experts: int, dtype: torch.dtype,
         "BLOCK_N": 64,
         "BLOCK_K": 32 if dot == tl.float32 and not _resolve(interpret) else 64,
         "DOT_DTYPE": dot,
+        # 64-row blocks (prefill) spilled with 4 warps on sm_90 and sm_80
+        "num_warps": 8 if mean_rows > 32 else 4,
     }
 
 

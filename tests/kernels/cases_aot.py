@@ -1,4 +1,5 @@
-"""Every Triton kernel compiles ahead of time to cubin for sm_90 and sm_80 on a CPU machine.
+"""Every Triton kernel compiles ahead of time to cubin for sm_90 and sm_80 on a CPU machine,
+without register spills (ptxas's own `-v` figures).
 
 Not collected on its own: test_triton_kernels.py runs it in a subprocess without
 TRITON_INTERPRET (the interpreter replaces kernels with Python functions). The constexprs
@@ -8,6 +9,9 @@ come from the launchers' own *_meta helpers, so what compiles here is what runs 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import tempfile
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     raise RuntimeError("cases_aot.py must run without TRITON_INTERPRET=1")
@@ -15,7 +19,9 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from sglang_like_kernels import triton_kernels as tk  # noqa: E402
@@ -40,6 +46,46 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict[str, object]) 
     return signature
 
 
+def _spills(log: str) -> tuple[int, int]:
+    """(spill store bytes, spill load bytes) over every function in a `ptxas -v` log."""
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found, f"no spill figures in the ptxas log:\n{log}"
+    return sum(int(a) for a, _ in found), sum(int(b) for _, b in found)
+
+
+def _ptxas_log(ptx: str, capability: int) -> str:
+    """`ptxas -v` of a kernel's PTX, as triton's compile runs it (for a cache hit, which
+    compiles nothing)."""
+    arch = re.search(r"^\.target (\S+)", ptx, re.M).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        run = subprocess.run([get_ptxas(capability).path, "-v", f"--gpu-name={arch}", f.name,
+                              "-o", os.devnull], capture_output=True, text=True, check=True)
+    return run.stderr + run.stdout
+
+
+def _compile(kernel, pointers, constexprs, capability: int, capsys):
+    """The kernel compiled for sm_`capability` with the runtime's signature; fails where
+    ptxas spills registers to local memory (a slow kernel that still compiles)."""
+    constexprs = dict(constexprs)
+    options = {"num_warps": constexprs.pop("num_warps", 4)}  # a launch option, as launched
+    src = ASTSource(kernel, _signature(kernel, pointers, constexprs), constexprs=constexprs)
+    capsys.readouterr()
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64),
+                                  options=options)
+    finally:
+        knobs.nvidia.dump_ptxas_log = False
+    log = capsys.readouterr().out
+    if "spill" not in log:
+        log = _ptxas_log(compiled.asm["ptx"], capability)
+    stores, loads = _spills(log)
+    assert stores == 0 and loads == 0, f"{kernel.__name__} spills on sm_{capability}:\n{log}"
+    return compiled
+
+
 def _attention_pointers(dtype: torch.dtype) -> dict[str, str]:
     # a quantized pool: bf16 queries and outputs, int8 codes or fp8 bytes in the pool
     t = _TYPES.get(dtype, "bf16")
@@ -49,6 +95,7 @@ def _attention_pointers(dtype: torch.dtype) -> dict[str, str]:
         "req_pool_indices": "i64", "seq_lens": "i64", "prefix_lens": "i64",
         "extend_lens": "i64", "extend_starts": "i64", "tree_mask": "i8",
         "mid_out": "fp32", "mid_lse": "fp32", "k_scale": "fp32", "v_scale": "fp32",
+        "mask_meta": "i64", "masks": "i8",
     }  # fmt: skip
 
 
@@ -75,6 +122,12 @@ def _tree_verify(dtype, head_dim, group, window=None, softcap=None):
     meta = triton_ops.tree_verify_meta(12, head_dim, dtype, interpret=False, window=window,
                                        softcap=softcap)
     return tk.tree_verify_kernel, _attention_pointers(dtype), meta
+
+
+def _masked(dtype, head_dim, group, window=None, softcap=None):
+    meta = triton_ops.masked_meta(head_dim, dtype, interpret=False, window=window,
+                                  softcap=softcap)
+    return tk.masked_kernel, _attention_pointers(dtype), meta
 
 
 def _store_kv(dtype, head_dim, group):
@@ -123,7 +176,7 @@ def _moe_down(dtype, head_dim, group):
                                                                     "MUL_ROUTING_WEIGHT": True}
 
 
-BUILDERS = [_decode_split, _decode_reduce, _extend, _tree_verify, _store_kv, _bitmask,
+BUILDERS = [_decode_split, _decode_reduce, _extend, _tree_verify, _masked, _store_kv, _bitmask,
             _lora_shrink, _lora_expand, _moe_gate_up, _moe_down]
 # fp16 takes the same code path as bf16; fp32 the exact-dot one with a masked head dim.
 CONFIGS = [(torch.bfloat16, 128, 4), (torch.float32, 80, 3)]
@@ -132,41 +185,39 @@ CONFIGS = [(torch.bfloat16, 128, 4), (torch.float32, 80, 3)]
 @pytest.mark.parametrize("capability", [90, 80])
 @pytest.mark.parametrize("builder", BUILDERS, ids=lambda b: b.__name__.strip("_"))
 @pytest.mark.parametrize("dtype,head_dim,group", CONFIGS, ids=["bf16", "fp32"])
-def test_compiles_for_target(builder, dtype, head_dim, group, capability):
+def test_compiles_for_target(builder, dtype, head_dim, group, capability, capsys):
     kernel, pointers, constexprs = builder(dtype, head_dim, group)
-    src = ASTSource(kernel, _signature(kernel, pointers, constexprs), constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64))
+    compiled = _compile(kernel, pointers, constexprs, capability, capsys)
     assert len(compiled.asm["cubin"]) > 0
     assert kernel.__name__ in compiled.asm["ptx"]
     assert compiled.metadata.shared <= MAX_SHARED[capability]
 
 
 @pytest.mark.parametrize("capability", [90, 80])
-@pytest.mark.parametrize("builder", [_decode_split, _extend, _tree_verify],
+@pytest.mark.parametrize("builder", [_decode_split, _extend, _tree_verify, _masked],
                          ids=lambda b: b.__name__.strip("_"))
 @pytest.mark.parametrize("dtype,head_dim,group", CONFIGS, ids=["bf16", "fp32"])
-def test_window_and_softcap_variants_compile(builder, dtype, head_dim, group, capability):
+def test_window_and_softcap_variants_compile(builder, dtype, head_dim, group, capability,
+                                             capsys):
     """The attention kernels with their sliding-window and soft-cap switches on (Gemma 2's
     local layers) compile too, within the same shared memory."""
     kernel, pointers, constexprs = builder(dtype, head_dim, group, window=4096, softcap=50.0)
     assert constexprs["USE_WINDOW"] and constexprs["USE_SOFTCAP"]
-    src = ASTSource(kernel, _signature(kernel, pointers, constexprs), constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64))
+    compiled = _compile(kernel, pointers, constexprs, capability, capsys)
     assert len(compiled.asm["cubin"]) > 0
     assert compiled.metadata.shared <= MAX_SHARED[capability]
 
 
 @pytest.mark.parametrize("capability", [90, 80])
-@pytest.mark.parametrize("builder", [_decode_split, _extend, _tree_verify],
+@pytest.mark.parametrize("builder", [_decode_split, _extend, _tree_verify, _masked],
                          ids=lambda b: b.__name__.strip("_"))
 @pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
                          ids=["int8", "e4m3", "e5m2"])
-def test_quantized_pool_variants_compile(builder, pool_dtype, capability):
+def test_quantized_pool_variants_compile(builder, pool_dtype, capability, capsys):
     """The attention kernels over a quantized pool (codes, fp8 as bytes, and float32 scales;
     bf16 dots) compile for the GPU too."""
     kernel, pointers, constexprs = builder(pool_dtype, 128, 4)
     assert constexprs["KV_KIND"] > 0
-    src = ASTSource(kernel, _signature(kernel, pointers, constexprs), constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 64))
+    compiled = _compile(kernel, pointers, constexprs, capability, capsys)
     assert len(compiled.asm["cubin"]) > 0
     assert compiled.metadata.shared <= MAX_SHARED[capability]

@@ -77,8 +77,36 @@ def test_decode(lens, num_q_heads, num_kv_heads, head_dim, dtype, num_splits):
     q = pool.randn(len(lens), num_q_heads, head_dim, dtype=dtype)
     seq_lens = torch.tensor(lens)
     args = (q, pool.k, pool.v, pool.table, pool.rows, seq_lens, 1 / math.sqrt(head_dim))
-    out = triton_ops.decode_attention(*args, num_splits=num_splits)
-    _check(out, reference.decode_attention(*args), dtype)
+    want = reference.decode_attention(*args)
+    # every split in use (split_min 1), and the launcher's default minimum split
+    _check(triton_ops.decode_attention(*args, num_splits=num_splits, split_min=1), want, dtype)
+    _check(triton_ops.decode_attention(*args, num_splits=num_splits), want, dtype)
+
+
+def test_decode_splits_follow_each_requests_length(monkeypatch):
+    """Each request splits its own keys in pieces of at least split_min (whole tiles): a
+    short one fills one of the NUM_SPLITS partials, a long one all of them; the rest stay
+    empty (-inf log-sum-exp) and the merge still gives the reference."""
+    lse = []
+
+    def recording_empty(shape, dtype, device):
+        t = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        if tuple(shape) == (4, 4, 8):  # mid_lse [B, Hq, NUM_SPLITS]
+            lse.append(t)
+        return t
+
+    monkeypatch.setattr(triton_ops, "_empty", recording_empty)
+    lens = [5, 40, 300, 1000]
+    pool = _Pool(lens, 2, 64, F32, seed=4, max_context=1024)
+    q = pool.randn(len(lens), 4, 64, dtype=F32)
+    args = (q, pool.k, pool.v, pool.table, pool.rows, torch.tensor(lens), 0.125)
+    out = triton_ops.decode_attention(*args, num_splits=8, split_min=64)
+    _check(out, reference.decode_attention(*args), F32)
+    used = (lse[0] > float("-inf")).sum(-1)  # [B, Hq]
+    tile = triton_ops.decode_meta(4, 2, 64, 1024, F32)["BLOCK_N"]
+    assert tile == 64
+    # 5, 40: one split; 300: pieces of 64 -> 5; 1000: pieces of 125 -> 128 -> 8
+    assert used.tolist() == [[n] * 4 for n in (1, 1, 5, 8)]
 
 
 EXTEND_CASES = [
@@ -199,7 +227,7 @@ def test_quantized_pools_in_decode_extend_and_verify(dtype, window, softcap):
     k, v, scales = _quantized_pool(pool, dtype)
     q = pool.randn(3, 6, 64, dtype=F32)
     args = (q, k, v, pool.table, pool.rows, torch.tensor(lens), 0.125)
-    _check(triton_ops.decode_attention(*args, num_splits=3, **scales, **kw),
+    _check(triton_ops.decode_attention(*args, num_splits=3, split_min=1, **scales, **kw),
            reference.decode_attention(*args, **scales, **kw), F32)
     prefix, extend = [0, 100, 30], [1, 40, 40]
     qe = pool.randn(81, 6, 64, dtype=F32)
@@ -393,3 +421,40 @@ def test_sparse_moe_fused_path_declines_quantized_experts_and_lora_batches():
     assert dense._fused_experts_forward(x, weights, ids) is None
     ctx.batch = None
     assert dense._fused_experts_forward(x, weights, ids) is not None
+
+
+def _ragged_masks(gen: torch.Generator) -> tuple[list[int], list[torch.Tensor], list[bool]]:
+    """(prefix lens, masks, positional) of a mixed batch as the runtime builds them: a draft
+    tree, a causal extend longer than a tile (rows and columns in several blocks), a draft
+    step's rows over every node so far (fewer rows than columns), a request with no rows,
+    and an extend whose middle rows see each other both ways (an image's, windowed by
+    position)."""
+    tree = _random_tree_mask(1, 6, gen)[0]
+    causal = torch.ones(70, 70, dtype=torch.bool).tril()
+    step = torch.zeros(3, 9, dtype=torch.bool)
+    step[:, :6] = _random_tree_mask(1, 6, gen)[0][[1, 3, 5]]
+    step[torch.arange(3), torch.arange(6, 9)] = True
+    image = torch.ones(30, 30, dtype=torch.bool).tril()
+    image[10:25, 10:25] = True
+    masks = [tree, causal, step, torch.zeros(0, 4, dtype=torch.bool), image]
+    return [40, 90, 0, 7, 25], masks, [False, False, False, False, True]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.int8])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, 30.0), (75, None)])
+def test_masked_attention_ragged(dtype, window, softcap):
+    """Requests of different row and column counts, each under its own mask, in one launch:
+    every row is the reference's (windows: the last `window` visible keys, or by position
+    for the positional request)."""
+    prefix, masks, positional = _ragged_masks(torch.Generator().manual_seed(5))
+    lens = [p + m.shape[1] for p, m in zip(prefix, masks, strict=True)]
+    pool = _Pool(lens, 2, 64, F32 if dtype == torch.int8 else dtype, seed=9)
+    k, v, scales = (_quantized_pool(pool, dtype) if dtype == torch.int8
+                    else (pool.k, pool.v, {}))
+    q = pool.randn(sum(m.shape[0] for m in masks), 6, 64,
+                   dtype=F32 if dtype == torch.int8 else dtype)
+    args = (q, k, v, pool.table, pool.rows, torch.tensor(prefix), masks, 0.125)
+    kw = {"window": window, "softcap": softcap, "positional": torch.tensor(positional),
+          **scales}
+    _check(triton_ops.masked_attention(*args, **kw), reference.masked_attention(*args, **kw),
+           F32 if dtype == torch.int8 else dtype)

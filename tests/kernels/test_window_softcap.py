@@ -274,7 +274,7 @@ if INTERPRETING:
         q = pool.randn(len(lens), 4, head_dim)
         out = triton_ops.decode_attention(q, pool.k, pool.v, pool.table, pool.rows,
                                           torch.tensor(lens), 0.5, num_splits=num_splits,
-                                          window=window, softcap=2.5)
+                                          window=window, softcap=2.5, split_min=1)
         for b, n in enumerate(lens):
             keys, values = pool.keys(b, n)
             want = _dense(q[b : b + 1], keys, values, torch.tensor([n - 1]), torch.arange(n),

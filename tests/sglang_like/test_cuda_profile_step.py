@@ -15,11 +15,11 @@ Budgets, and what the syncs beyond one are (to be removed by later work):
   host, where the tree walk samples them with the host sampler (node by node: whether a
   node's child is taken depends on the token drawn at the node).
 
-- EAGLE-3 (a random head), a step that verifies and drafts: 5, the budget below (what they
+- EAGLE-3 (a random head), a step that verifies and drafts: 3, the budget below (what they
   are: the verify's argmax; the head's top-k candidates, one copy per head run (after the
-  verify, and per draft depth); the draft tree's attention, the torch reference on every
-  device (`masked_attention`), 2 reads of its masks). Its prefill: 2 (the token, the head's
-  candidates).
+  verify, and per draft depth)). The draft tree's attention runs the Triton masked kernel,
+  which takes the ragged masks from the host in one copy (it was the torch reference and 2
+  reads of its masks, 5 syncs a step). Its prefill: 2 (the token, the head's candidates).
 
 Host-to-device copies of a decode step: 3 (the KV rows the scheduler wrote, the batch's
 metadata, the sampler's parameters), whatever the batch size.
@@ -133,7 +133,7 @@ def test_verify_steps_stay_within_budget(weights, tokenizer, params, syncs) -> N
             assert set(profile.native_calls) <= ({"argmax_rows"} if syncs == ["cpu"] else set())
 
 
-EAGLE_PREFILL_BUDGET, EAGLE_STEP_BUDGET = 2, 5
+EAGLE_PREFILL_BUDGET, EAGLE_STEP_BUDGET = 2, 3
 
 
 def test_eagle_steps_stay_within_budget(weights, tokenizer, tmp_path) -> None:
@@ -152,7 +152,8 @@ def test_eagle_steps_stay_within_budget(weights, tokenizer, tmp_path) -> None:
             sched.step()
             assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
             assert len(profile.syncs) <= EAGLE_STEP_BUDGET, profile.syncs
-            assert set(profile.reference_calls) <= {"masked_attention"}  # the draft tree's
+            assert profile.triton_calls["masked_attention"] >= 1  # the draft tree's
+            assert not profile.reference_calls
             assert not profile.native_calls
 
 
