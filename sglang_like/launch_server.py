@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
                    help="KV pool size in tokens (default: from --mem-fraction-static)")
-    p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+                   help="CUDA: the share of the GPU's memory weights and KV pool take together "
+                        "(default 0.85); CPU: the share of available memory the KV pool takes "
+                        "(default 0.25)")
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
