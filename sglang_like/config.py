@@ -196,6 +196,11 @@ class ServerArgs:
     # SGLang's: a stream gets a chunk once this many tokens are new (its first token and its
     # end at once); larger is less work per token for the serving side, chunkier to read
     stream_interval: int = 1
+    # SGLang's switch: before the server takes requests, a few run through the scheduler (a
+    # prefill, decode steps, a verify under speculation) so the first user request compiles
+    # and autotunes nothing; they leave no trace. None -> skipped on CPU, where nothing
+    # compiles, run on CUDA; False runs it anywhere
+    skip_server_warmup: bool | None = None
     # Speculative decoding (SGLang's switches; None -> the algorithm's default, see
     # sglang_like.speculative.SpecConfig)
     speculative_algorithm: str | None = None  # "EAGLE" | "EAGLE3" | "NGRAM" | None (off)

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_arguments(p, d)
     add_lora_arguments(p, d)
     add_scale_out_arguments(p, d)
+    p.add_argument("--skip-server-warmup", action="store_true", default=d.skip_server_warmup,
+                   help="start without the warmup requests CUDA servers run first (so the "
+                        "first user request compiles nothing); CPU servers skip it anyway")
     p.add_argument("--engine-in-process", action="store_true", default=d.engine_in_process,
                    help="run the scheduler and model on a thread of the HTTP process instead "
                         "of an engine process of their own (the shape before; for debugging)")

@@ -82,6 +82,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         dtype=str(dtype).removeprefix("torch."), quantization=quantization,
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         mem_fraction_static=resolve_mem_fraction(server_args.mem_fraction_static, device),
+        skip_server_warmup=resolve_skip_server_warmup(server_args.skip_server_warmup, device),
         **_lora_args(server_args),
     )
     runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype,
@@ -212,6 +213,11 @@ def _resolve_dtype(dtype: str, device: torch.device,
     if dtype not in table:
         raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
     return table[dtype]
+
+
+def resolve_skip_server_warmup(value: bool | None, device: torch.device) -> bool:
+    """None: skip the start-up warmup off CUDA, where nothing compiles (engine_core.warmup)."""
+    return device.type != "cuda" if value is None else bool(value)
 
 
 def resolve_mem_fraction(fraction: float | None, device: torch.device) -> float:
