@@ -161,7 +161,10 @@ class ServerArgs:
     context_length: int | None = None  # None -> the model's max_position_embeddings
     # Memory: the KV pool holds max_total_tokens token slots (page size 1).
     max_total_tokens: int | None = None  # None -> from mem_fraction_static
-    mem_fraction_static: float = 0.25  # fraction of free memory the KV pool may take
+    # CUDA (SGLang's meaning): the share of the GPU's total memory weights and KV pool take
+    # together, the pool sized once the weights are placed; elsewhere the share of the host's
+    # available memory the KV pool takes. None -> 0.85 on CUDA, 0.25 elsewhere
+    mem_fraction_static: float | None = None
     max_running_requests: int = 256
     max_queued_requests: int = 1024
     max_prefill_tokens: int = 8192  # token budget of one prefill batch
@@ -193,6 +196,11 @@ class ServerArgs:
     # SGLang's: a stream gets a chunk once this many tokens are new (its first token and its
     # end at once); larger is less work per token for the serving side, chunkier to read
     stream_interval: int = 1
+    # SGLang's switch: before the server takes requests, a few run through the scheduler (a
+    # prefill, decode steps, a verify under speculation) so the first user request compiles
+    # and autotunes nothing; they leave no trace. None -> skipped on CPU, where nothing
+    # compiles, run on CUDA; False runs it anywhere
+    skip_server_warmup: bool | None = None
     # Speculative decoding (SGLang's switches; None -> the algorithm's default, see
     # sglang_like.speculative.SpecConfig)
     speculative_algorithm: str | None = None  # "EAGLE" | "EAGLE3" | "NGRAM" | None (off)

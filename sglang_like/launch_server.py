@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
                    help="KV pool size in tokens (default: from --mem-fraction-static)")
-    p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+                   help="CUDA: the share of the GPU's memory weights and KV pool take together "
+                        "(default 0.85); CPU: the share of available memory the KV pool takes "
+                        "(default 0.25)")
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
@@ -125,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_arguments(p, d)
     add_lora_arguments(p, d)
     add_scale_out_arguments(p, d)
+    p.add_argument("--skip-server-warmup", action="store_true", default=d.skip_server_warmup,
+                   help="start without the warmup requests CUDA servers run first (so the "
+                        "first user request compiles nothing); CPU servers skip it anyway")
     p.add_argument("--engine-in-process", action="store_true", default=d.engine_in_process,
                    help="run the scheduler and model on a thread of the HTTP process instead "
                         "of an engine process of their own (the shape before; for debugging)")

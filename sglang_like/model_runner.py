@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,7 +41,7 @@ class ModelRunner:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        num_kv_slots: int,
+        num_kv_slots: int | Callable[[int], int],
         context_len: int,
         max_running_requests: int,
         quant: QuantConfig | None = None,
@@ -51,17 +52,22 @@ class ModelRunner:
     ) -> None:
         """`dtype` is the dense dtype (residual stream, unquantized weights); `quant` picks each
         linear's method (default: dense in `dtype`); `kv_dtype` the KV pool's (default `dtype`).
+        `num_kv_slots`: the KV pool's size in tokens, or a function of the pool's bytes per
+        token (this rank's KV heads) that gives it once the weights are on the device: the
+        CUDA sizing reads the memory they left (engine_core.setup.cuda_pool_slots).
         `tp`: this rank's shard; `tp_group` (rank 0): the started group, which this runner
-        then owns (closed if the build fails). A vision-language model's image side (its
-        "vision." weights) is built beside the text model; `encoder_cache_bytes` bounds the
-        encoder outputs kept by image hash."""
+        then owns (closed if the build fails); its other ranks take rank 0's pool size. A
+        vision-language model's image side (its "vision." weights) is built beside the text
+        model; `encoder_cache_bytes` bounds the encoder outputs kept by image hash."""
         try:
             self.vision = self._build_vision(model_config, weights, dtype, device, tp)
             if self.vision is not None:  # the text model's weights only (the dict is shared)
                 weights = {n: w for n, w in weights.items() if not n.startswith("vision.")}
             self.encoder_cache = EncoderCache(encoder_cache_bytes)
-            self._build(model_config, weights, dtype, device, num_kv_slots, context_len,
-                        max_running_requests, quant, kv_dtype, tp)
+            self._build(model_config, weights, dtype, device, context_len,
+                        max_running_requests, quant, tp)
+            # last: everything else this runner holds on the device is placed by now
+            self._build_kv_pool(num_kv_slots, kv_dtype or dtype, tp, tp_group)
             if tp_group is not None:
                 tp_group.wait_ready()
         except BaseException:
@@ -71,9 +77,9 @@ class ModelRunner:
         self.tp_group = tp_group
 
     def _build(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
-               dtype: torch.dtype, device: torch.device, num_kv_slots: int, context_len: int,
+               dtype: torch.dtype, device: torch.device, context_len: int,
                max_running_requests: int, quant: QuantConfig | None,
-               kv_dtype: torch.dtype | None, tp: TPShard | None) -> None:
+               tp: TPShard | None) -> None:
         model_cls = model_class(model_config.architecture)  # ValueError if unsupported
         self.model_config = model_config
         self.device = device
@@ -85,14 +91,24 @@ class ModelRunner:
             weights = shard_weights(weights, model_config, tp.plan)
         model.load_weights(weights, device)
         self.model = model.eval()
-        num_kv_heads = tp.plan.num_kv_heads if tp else model_config.num_key_value_heads
-        self.kv_pool = KVPool(
-            num_kv_slots, model_config.num_hidden_layers, num_kv_heads,
-            model_config.head_dim, kv_dtype or dtype, device,
-        )
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len, device)
         self.aux_layers: tuple[int, ...] = ()  # set by an EAGLE-3 drafter
         self.last_features: torch.Tensor | None = None
+
+    def _build_kv_pool(self, num_kv_slots: int | Callable[[int], int], kv_dtype: torch.dtype,
+                       tp: TPShard | None, tp_group: TPGroup | None) -> None:
+        """The KV pool, sized now if `num_kv_slots` is a function; the other tensor-parallel
+        ranks wait for this size before they allocate theirs (equal pools: one scheduler
+        hands out slots for all of them)."""
+        config = self.model_config
+        num_kv_heads = tp.plan.num_kv_heads if tp else config.num_key_value_heads
+        if callable(num_kv_slots):
+            num_kv_slots = num_kv_slots(KVPool.bytes_per_token(
+                config.num_hidden_layers, num_kv_heads, config.head_dim, kv_dtype))
+        if tp_group is not None:
+            tp_group.share_num_kv_slots(num_kv_slots)
+        self.kv_pool = KVPool(num_kv_slots, config.num_hidden_layers, num_kv_heads,
+                              config.head_dim, kv_dtype, self.device)
 
     @staticmethod
     def _build_vision(config: ModelConfig, weights: dict[str, torch.Tensor],

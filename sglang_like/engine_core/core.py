@@ -86,6 +86,10 @@ class EngineCore:
         # built with the engine, not inside the first request's first decode step
         if getattr(self.tokenizer, "is_byte_level", False):
             _ = self.tokenizer.token_bytes
+        if not self.server_args.skip_server_warmup:  # before the loop takes any request
+            from sglang_like.engine_core.warmup import warm_up
+
+            warm_up(self.scheduler)
         self.info = CoreInfo(
             self.server_args, self.model_config, str(parts.device),
             str(parts.dtype).removeprefix("torch."), self.eos_token_ids,

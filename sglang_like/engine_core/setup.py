@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -22,7 +25,12 @@ from sglang_like.scheduler.config import priority_config
 from sglang_like.speculative import SpecConfig, resolve_spec_config
 from sglang_like.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 _CPU_MAX_AUTO_SLOTS = 1 << 16
+_CPU_MEM_FRACTION = 0.25  # of the host's available memory, for the KV pool
+_CUDA_MEM_FRACTION = 0.85  # of the GPU's memory, for weights and KV pool
+_GIB = 1 << 30
 
 
 class EngineParts(NamedTuple):
@@ -69,15 +77,18 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
 
         tokenizer = load_tokenizer(server_args.tokenizer_path)
     context_len = server_args.context_length or loaded.config.max_position_embeddings
-    num_slots = server_args.max_total_tokens or _auto_pool_size(
-        loaded.config, kv_dtype, device, server_args.mem_fraction_static
-    )
     sa = server_args.replace(
-        context_length=context_len, max_total_tokens=num_slots, device=str(device),
+        context_length=context_len, device=str(device),
         dtype=str(dtype).removeprefix("torch."), quantization=quantization,
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch."), **_lora_args(server_args),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        mem_fraction_static=resolve_mem_fraction(server_args.mem_fraction_static, device),
+        skip_server_warmup=resolve_skip_server_warmup(server_args.skip_server_warmup, device),
+        **_lora_args(server_args),
     )
-    runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype)
+    runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype,
+                           pool_slots(sa, loaded.config, kv_dtype, device))
+    num_slots = runner.kv_pool.num_slots
+    sa = sa.replace(max_total_tokens=num_slots)
     eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
     drafter = build_drafter(spec, runner) if spec is not None else None
     scheduler = Scheduler(
@@ -153,7 +164,8 @@ def _load_loras(sa: ServerArgs, config: ModelConfig, device: torch.device,
 
 def _build_runner(sa: ServerArgs, config: ModelConfig, weights: dict[str, Any],
                   device: torch.device, dtype: torch.dtype, quant: QuantConfig,
-                  kv_dtype: torch.dtype) -> ModelRunner:
+                  kv_dtype: torch.dtype, num_kv_slots: int | Callable[[int], int]
+                  ) -> ModelRunner:
     """The model runner; with `tp_size` > 1 it is rank 0 of a tensor-parallel group whose
     other ranks start here (they load while this rank builds its own shard)."""
     tp_group = tp = None
@@ -165,7 +177,7 @@ def _build_runner(sa: ServerArgs, config: ModelConfig, weights: dict[str, Any],
     elif sa.tp_size < 1:
         raise ValueError(f"tp_size must be >= 1; got {sa.tp_size}")
     return ModelRunner(
-        config, weights, dtype=dtype, device=device, num_kv_slots=sa.max_total_tokens,
+        config, weights, dtype=dtype, device=device, num_kv_slots=num_kv_slots,
         context_len=sa.context_length, max_running_requests=sa.max_running_requests,
         quant=quant, kv_dtype=kv_dtype, tp=tp, tp_group=tp_group,
         encoder_cache_bytes=sa.mm_encoder_cache_mb << 20,
@@ -203,13 +215,71 @@ def _resolve_dtype(dtype: str, device: torch.device,
     return table[dtype]
 
 
-def _auto_pool_size(config: Any, dtype: torch.dtype, device: torch.device,
-                    fraction: float) -> int:
+def resolve_skip_server_warmup(value: bool | None, device: torch.device) -> bool:
+    """None: skip the start-up warmup off CUDA, where nothing compiles (engine_core.warmup)."""
+    return device.type != "cuda" if value is None else bool(value)
+
+
+def resolve_mem_fraction(fraction: float | None, device: torch.device) -> float:
+    """`mem_fraction_static` checked, None resolved: on CUDA the share of the GPU's memory
+    that weights and KV pool take together (SGLang's meaning and usual value); elsewhere the
+    share of the host's available memory the KV pool takes."""
+    if fraction is None:
+        return _CUDA_MEM_FRACTION if device.type == "cuda" else _CPU_MEM_FRACTION
+    if not 0 < fraction <= 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1]; got {fraction}")
+    return fraction
+
+
+def pool_slots(sa: ServerArgs, config: ModelConfig, kv_dtype: torch.dtype,
+               device: torch.device) -> int | Callable[[int], int]:
+    """The KV pool's size: `max_total_tokens` when given; on CUDA a function of the pool's
+    bytes per token, which ModelRunner calls once the weights are on the GPU
+    (`cuda_pool_slots`); elsewhere sized now from the host's available memory."""
+    if sa.max_total_tokens:
+        return sa.max_total_tokens
+    if device.type == "cuda":
+        return functools.partial(cuda_pool_slots, device=device,
+                                 fraction=sa.mem_fraction_static, context_len=sa.context_length)
+    return _auto_pool_size(config, kv_dtype, sa.mem_fraction_static)
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device, as the driver counts them (tests replace this).
+    Blocks the caching allocator keeps but no tensor holds (the loader's temporaries) are
+    given back first, or they would count as used."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
+def cuda_pool_slots(bytes_per_token: int, *, device: torch.device, fraction: float,
+                    context_len: int) -> int:
+    """SGLang's sizing: weights and KV pool together take `fraction` of the GPU's memory.
+    Read once the weights are placed, what is in use then (weights, the CUDA context, other
+    processes) comes off total x fraction and the pool gets the rest; the other 1 - fraction
+    is left for activations and the allocator. ValueError when that is not one context."""
+    free, total = device_memory(device)
+    used = total - free
+    budget = int(total * fraction) - used
+    num_slots = max(budget, 0) // bytes_per_token
+    if num_slots < context_len:
+        raise ValueError(
+            f"no room for a KV pool of one context ({context_len} tokens) on {device}: "
+            f"--mem-fraction-static {fraction:g} of its {total / _GIB:.2f} GiB is "
+            f"{total * fraction / _GIB:.2f} GiB, and {used / _GIB:.2f} GiB are in use once the "
+            f"weights are placed, leaving {budget / _GIB:.2f} GiB for {num_slots} tokens of "
+            f"{bytes_per_token} bytes; raise --mem-fraction-static, lower --context-length, "
+            f"or set --max-total-tokens")
+    logger.info("KV pool: %d tokens (%.2f GiB) = %g of %.2f GiB on %s less %.2f GiB in use "
+                "once the weights are placed", num_slots, num_slots * bytes_per_token / _GIB,
+                fraction, total / _GIB, device, used / _GIB)
+    return num_slots
+
+
+def _auto_pool_size(config: Any, dtype: torch.dtype, fraction: float) -> int:
+    """From the host's available memory (a KV pool off CUDA lives there)."""
     per_token = KVPool.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
                                        config.head_dim, dtype)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(int(free * fraction) // per_token, 1024)
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

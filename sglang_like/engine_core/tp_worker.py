@@ -1,7 +1,8 @@
 """A tensor-parallel rank > 0: `python -m sglang_like.engine_core.tp_worker ARGS_FILE` (started by
 TPGroup, never by hand).
 
-It loads the checkpoint itself, keeps its shard, says "ready" in the group's store, then runs
+It loads the checkpoint itself, keeps its shard, allocates a KV pool of rank 0's size (read
+from the group's store once rank 0 has placed its weights), says "ready" there, then runs
 every batch rank 0 sends through its layers (no logits, nothing sent back: the all-reduces
 inside the layers are the only exchange). It exits on the stop message, when rank 0's
 process is gone, or when a collective fails (rank 0 then sees it gone). LoRA adapters arrive
@@ -18,6 +19,7 @@ import pickle
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -33,7 +35,7 @@ from sglang_like.tp.broadcast import (
     decode_uid,
 )
 from sglang_like.tp.comm import GroupAllReduce, ShmAllReduce, TPRankLost, make_process_group
-from sglang_like.tp.group import AllReduceSlot
+from sglang_like.tp.group import AllReduceSlot, wait_num_kv_slots
 from sglang_like.tp.parallel import TPShard, make_shard_plan, shard_lora
 
 logger = logging.getLogger("sglang_like.engine_core.tp_worker")
@@ -41,7 +43,8 @@ logger = logging.getLogger("sglang_like.engine_core.tp_worker")
 _PARENT_POLL_MS = 500
 
 
-def _build_runner(spec: dict, slot: AllReduceSlot, device: torch.device):  # noqa: ANN202
+def _build_runner(spec: dict, slot: AllReduceSlot, device: torch.device,  # noqa: ANN202
+                  num_kv_slots: Callable[[int], int]):
     from sglang_like.layers.quantization import QuantConfig
     from sglang_like.model_loader import load_model
     from sglang_like.model_runner import ModelRunner
@@ -53,7 +56,7 @@ def _build_runner(spec: dict, slot: AllReduceSlot, device: torch.device):  # noq
     plan = make_shard_plan(loaded.config, spec["tp_size"], spec["rank"])
     return ModelRunner(
         loaded.config, loaded.weights, dtype=dtype, device=device,
-        num_kv_slots=sa.max_total_tokens, context_len=sa.context_length,
+        num_kv_slots=num_kv_slots, context_len=sa.context_length,
         max_running_requests=sa.max_running_requests, quant=QuantConfig(
             sa.quantization, dtype, deterministic=sa.enable_deterministic_inference),
         kv_dtype=getattr(torch, sa.kv_cache_dtype),
@@ -85,7 +88,9 @@ def main(args_path: str) -> int:
         if spec["allreduce"] == "shm":
             slot.comm = ShmAllReduce(spec["shm_path"], rank, tp_size, spec["shm_slot_bytes"],
                                      parent_error, spec["timeout_s"])
-        runner = _build_runner(spec, slot, device)
+        # the pool after the weights, of rank 0's size (which it may know only then)
+        runner = _build_runner(spec, slot, device,
+                               lambda _: wait_num_kv_slots(store, parent_error))
     except BaseException as exc:  # noqa: BLE001 - told to rank 0, which raises it
         store.set(f"tp/ready/{rank}", f"{type(exc).__name__}: {exc}".encode()
                   or traceback.format_exc().encode())

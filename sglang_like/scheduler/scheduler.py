@@ -83,13 +83,19 @@ class Scheduler:
         # the radix namespaces requests on adapters took, with the adapter's name (the
         # dashboard labels a branch with it); the latest few thousand
         self.lora_namespaces: collections.OrderedDict[int, str] = collections.OrderedDict()
-        # rows cost a share of a step on CPU (its floor, measured there), next to nothing on CUDA
-        on_cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
-        self.spec_controller = SpecController(enabled=config.speculative_auto_disable,
-                                              **({"row_share": None} if on_cuda else {}))
         self._drafting_s, self._num_decoders = 0.0, 0  # this step's drafting (the controller's)
         self.spec_accept_lengths: collections.Counter[int] = collections.Counter()
-        # statistics
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Start the statistics and the speculation controller's measurements afresh (after
+        the start-up warmup, whose requests are no one's and whose steps paid for
+        compiling: they would price every later step)."""
+        # rows cost a share of a step on CPU (its floor, measured there), next to nothing on CUDA
+        on_cuda = getattr(getattr(self.runner, "device", None), "type", None) == "cuda"
+        self.spec_controller = SpecController(enabled=self.config.speculative_auto_disable,
+                                              **({"row_share": None} if on_cuda else {}))
+        self.spec_accept_lengths.clear()
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self.num_generated_tokens = 0

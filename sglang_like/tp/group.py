@@ -6,9 +6,11 @@ Start-up: rank 0 opens a FileStore (the rendezvous of torch.distributed) and the
 all-reduce file in a folder only its user can enter, and each worker's batch socket as an ipc
 path there too (no loopback port another local user could connect to), spawns the
 workers, builds its own shard while they build theirs, then waits for each worker's "ready"
-key in the store (or its error, or its death). The workers stop on the stop message, when
-rank 0's process is gone, or, on an engine thread (`engine_in_process`), once the thread that
-built the group ended.
+key in the store (or its error, or its death). Each rank allocates its KV pool after its
+weights, of rank 0's size: rank 0 puts it in the store once its own weights are placed (on
+CUDA the size comes from the memory they leave), and the workers wait for it there. The
+workers stop on the stop message, when rank 0's process is gone, or, on an engine thread
+(`engine_in_process`), once the thread that built the group ended.
 
 LoRA adapters reach the workers on the batch sockets, so in order with the batches: the whole
 adapter when the registry installs it (`install_lora`; each worker cuts its part), a drop
@@ -18,6 +20,7 @@ their adapters by the registry's `uid` of the load.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -30,6 +33,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +51,7 @@ logger = logging.getLogger(__name__)
 SHM_SLOT_BYTES = 8 << 20
 COLLECTIVE_TIMEOUT_S = 120.0  # a peer that is alive but stuck that long ends the group
 _READY_TIMEOUT_S = 900.0
+_KV_SLOTS_KEY = "tp/num_kv_slots"  # rank 0's KV pool size; "0": rank 0 gave up before
 _STOP_TIMEOUT_S = 10.0
 _SEND_POLL_MS = 100  # how often a send that waits on a worker checks the worker lives
 ALLREDUCE_ENV = "SGLANG_LIKE_TP_ALLREDUCE"  # "shm" (CPU default) | "group" (gloo / NCCL)
@@ -108,6 +113,7 @@ class TPGroup:
         self._socks: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         self._closed = False
+        self._kv_slots_shared = False
         self._close_lock = threading.Lock()  # the engine's shutdown, the watcher, exit
         num_threads = threads_per_rank(self.tp_size)
         torch.set_num_threads(num_threads)
@@ -143,6 +149,12 @@ class TPGroup:
         self.procs.append(subprocess.Popen(
             [sys.executable, "-m", "sglang_like.engine_core.tp_worker", args_path],
             stdin=subprocess.DEVNULL, env=_child_env()))
+
+    def share_num_kv_slots(self, num_slots: int) -> None:
+        """Tell the workers the KV pool size (`wait_num_kv_slots`): every rank's pool is rank
+        0's, whose scheduler hands out the slots of all of them."""
+        self._store.set(_KV_SLOTS_KEY, str(num_slots).encode())
+        self._kv_slots_shared = True
 
     def wait_ready(self) -> None:
         """Block until every worker has built its shard (RuntimeError with the worker's
@@ -264,6 +276,10 @@ class TPGroup:
             self._close()
 
     def _close(self) -> None:
+        if not self._kv_slots_shared:
+            # workers waiting for the pool size stop now, not at the stop message's timeout
+            with contextlib.suppress(RuntimeError):
+                self._store.set(_KV_SLOTS_KEY, b"0")
         _stop_workers(self.procs, self._socks, self._slot)
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
@@ -275,6 +291,24 @@ class TPGroup:
         if os.path.exists(self._shm_path):
             os.unlink(self._shm_path)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def wait_num_kv_slots(store: torch.distributed.Store, parent_error: Callable[[], str | None]
+                      ) -> int:
+    """A worker's side of `TPGroup.share_num_kv_slots`: rank 0's KV pool size, once it has
+    placed its weights (RuntimeError if rank 0 gave up or is gone meanwhile)."""
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while not store.check([_KV_SLOTS_KEY]):
+        why = parent_error()
+        if why is not None:
+            raise RuntimeError(why)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 did not size its KV pool in {_READY_TIMEOUT_S:g} s")
+        time.sleep(0.05)
+    num_slots = int(store.get(_KV_SLOTS_KEY))
+    if num_slots <= 0:
+        raise RuntimeError("rank 0 stopped before sizing its KV pool")
+    return num_slots
 
 
 def _stop_workers(procs: list[subprocess.Popen], socks: list[zmq.Socket],
