@@ -122,6 +122,32 @@ def _load_kv_block(
 
 
 @triton.jit
+def _attend_prefix(
+    q_blk, m_i, l_i, acc, m_valid, first_prefix, prefix_start, prefix_len,
+    k_pool, v_pool, k_scale, v_scale, token_row, kv_head, offs_d, d_valid,
+    stride_pool_s, stride_pool_h, stride_scale_s, sm_scale, softcap,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_KIND: tl.constexpr,
+):  # fmt: skip
+    """Fold a verify's fully visible prefix keys [prefix_start, prefix_len) into the running
+    (max, sum, acc); with USE_WINDOW row i sees them from first_prefix[i] on."""
+    for n0 in range(prefix_start, prefix_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < prefix_len
+        k, v = _load_kv_block(
+            k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d,
+            d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
+        )  # fmt: skip
+        allowed = m_valid[:, None] & n_valid[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (offs_n[None, :] >= first_prefix[:, None])
+        m_i, l_i, acc = _online_softmax_step(
+            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
+        )
+    return m_i, l_i, acc
+
+
+@triton.jit
 def decode_split_kernel(
     q, k_pool, v_pool, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
     sm_scale, window, softcap,
@@ -339,20 +365,14 @@ def tree_verify_kernel(
         draft_allowed = draft_allowed & (at_or_after <= window)
         prefix_start = tl.maximum(tl.min(tl.where(m_valid, first_prefix, prefix_len), 0), 0)
     else:
+        first_prefix = tl.zeros([BLOCK_M], tl.int32)  # unused without a window
         prefix_start = 0
-    for n0 in range(prefix_start, prefix_len, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < prefix_len
-        k, v = _load_kv_block(
-            k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d,
-            d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
-        )  # fmt: skip
-        allowed = m_valid[:, None] & n_valid[None, :]
-        if USE_WINDOW:
-            allowed = allowed & (offs_n[None, :] >= first_prefix[:, None])
-        m_i, l_i, acc = _online_softmax_step(
-            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
-        )
+    m_i, l_i, acc = _attend_prefix(
+        q_blk, m_i, l_i, acc, m_valid, first_prefix, prefix_start, prefix_len,
+        k_pool, v_pool, k_scale, v_scale, token_row, kv_head, offs_d, d_valid,
+        stride_pool_s, stride_pool_h, stride_scale_s, sm_scale, softcap,
+        BLOCK_N, DOT_DTYPE, USE_WINDOW, USE_SOFTCAP, KV_KIND,
+    )  # fmt: skip
 
     k, v = _load_kv_block(
         k_pool, v_pool, k_scale, v_scale, token_row, prefix_len + offs_j, j_valid, kv_head,
@@ -434,19 +454,12 @@ def masked_kernel(
         by_position = False
         first_prefix = tl.zeros([BLOCK_M], tl.int32)
         prefix_start = 0
-    for n0 in range(prefix_start, prefix_len, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < prefix_len
-        k, v = _load_kv_block(
-            k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d,
-            d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
-        )  # fmt: skip
-        allowed = m_valid[:, None] & n_valid[None, :]
-        if USE_WINDOW:
-            allowed = allowed & (offs_n[None, :] >= first_prefix[:, None])
-        m_i, l_i, acc = _online_softmax_step(
-            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
-        )
+    m_i, l_i, acc = _attend_prefix(
+        q_blk, m_i, l_i, acc, m_valid, first_prefix, prefix_start, prefix_len,
+        k_pool, v_pool, k_scale, v_scale, token_row, kv_head, offs_d, d_valid,
+        stride_pool_s, stride_pool_h, stride_scale_s, sm_scale, softcap,
+        BLOCK_N, DOT_DTYPE, USE_WINDOW, USE_SOFTCAP, KV_KIND,
+    )  # fmt: skip
 
     before = tl.zeros([BLOCK_M], tl.int32)  # visible mask keys in the blocks so far
     for j0 in range(0, num_cols, BLOCK_N):
