@@ -486,3 +486,37 @@ def test_fused_decode_step_over_a_quantized_pool_is_the_per_op_calls_bit_for_bit
     for i in range(layers):
         for a, b in zip(pool.layer(i), ref[i], strict=True):
             assert torch.equal(kv_quant.as_bytes(a), kv_quant.as_bytes(b))
+
+
+@needs_native
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4)])
+def test_int8_long_context_reads_every_head_in_one_pass_with_the_same_bits(heads):
+    """A batch with a context long enough to be read by chunk (4,401 keys: so on up to 8
+    threads) runs the int8 pool
+    through one pass over all kv heads a chunk (attention.c's attend_i8_all_*); a short row in
+    that batch is then the bits it has alone (read head by head), and the long row is the
+    reference's."""
+    hq, hkv, dim = *heads, 64
+    gen = torch.Generator().manual_seed(hq + hkv)
+    kq, ks, _ = _quantized((4600, hkv, dim), torch.int8, gen)
+    vq, vs, _ = _quantized((4600, hkv, dim), torch.int8, gen)
+    perm = (torch.randperm(4599, generator=gen) + 1).int()
+    lens = torch.tensor([4401, 90])  # a tail of keys past the last multiple of 8 too
+    table = torch.zeros(2, 4401, dtype=torch.int32)
+    table[0] = perm[:4401]
+    table[1, :90] = perm[4401:4491]
+    rows = torch.arange(2)
+    qkv = torch.randn(2, (hq + 2 * hkv) * dim, generator=gen)
+    out_slots = torch.stack([table[0, 4400], table[1, 89]]).long()
+    args = (hq, hkv, dim, None, None)
+    both = ops.decode_attention_rope(qkv, *args, lens - 1, kq, vq, out_slots, table, rows, lens,
+                                     dim**-0.5, torch.float32, k_scale=ks, v_scale=vs)
+    short = ops.decode_attention_rope(qkv[1:], *args, lens[1:] - 1, kq, vq, out_slots[1:],
+                                      table, rows[1:], lens[1:], dim**-0.5, torch.float32,
+                                      k_scale=ks, v_scale=vs)
+    assert torch.equal(both[1], short[0])
+    q = _as_the_int8_kernel_reads(qkv[:, :hq * dim].reshape(2, hq, dim), torch.int8)
+    want = reference.decode_attention(q, kq, vq, table, rows, lens, dim**-0.5, k_scale=ks,
+                                      v_scale=vs)
+    torch.testing.assert_close(both.view(2, hq, dim), want, rtol=2e-5,
+                               atol=5e-6 * want.abs().max().item())

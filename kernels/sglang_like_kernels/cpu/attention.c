@@ -531,6 +531,130 @@ ATTEND_I8(2)
 ATTEND_I8(3)
 ATTEND_I8(4)
 
+// Every kv head of one query row over a chunk of a long context, in one pass over the chunk's
+// slot rows (the by-chunk plan's items; each head's arithmetic is attend_i8_G's, so the same
+// bits): the rows' slots, the scale lookups and the prefetches are done once a key for all the
+// heads instead of once a key and head, and a slot's K codes of every head (Hkv * D contiguous
+// bytes) are read together. At 4,096 keys on a Zen 3 core those per-head repeats (and the
+// prefetch instructions) took about half of attend_i8_3's time (docs/cpu-kernels.md).
+// q16 / qs: the row's Hq = Hkv * G heads; scores [Hq, KV_CHUNK]; head h's partial at
+// part + h * part_stride.
+#define ATTEND_I8_ALL(G)                                                                        \
+    static void attend_i8_all_##G(                                                              \
+        const int16_t *q16, const float *qs, const int32_t *slots, int64_t t0, int64_t t1,      \
+        const int8_t *kp, const int8_t *vp, const float *ksc, const float *vsc, int64_t Hkv,    \
+        int64_t D, float sm_scale, float softcap, float *scores, float *part,                   \
+        int64_t part_stride, int pf) {                                                          \
+        const int64_t n = t1 - t0, row = Hkv * D;                                               \
+        int64_t base[KV_CHUNK]; /* slot * Hkv: head g's row is base + g */                      \
+        float kss[KV_CHUNK];                                                                    \
+        __m256i buf[G][8];                                                                      \
+        for (int64_t t = 0; t < n; t++) {                                                       \
+            base[t] = (int64_t)slots[t0 + t] * Hkv;                                             \
+            _mm_prefetch((const char *)(ksc + base[t]), _MM_HINT_T0);                           \
+            _mm_prefetch((const char *)(vsc + base[t]), _MM_HINT_T0);                           \
+        }                                                                                       \
+        int64_t t = 0;                                                                          \
+        for (; t + 8 <= n; t += 8) {                                                            \
+            if (pf) /* K for this pass, V (read after the chunk's scores) into L2 */            \
+                for (int64_t u = t + KV_PREFETCH; u < t + KV_PREFETCH + 8 && u < n; u++) {      \
+                    prefetch_row(kp, KV_I8, base[u] * D, row);                                  \
+                    prefetch_row_l2(vp, KV_I8, base[u] * D, row);                               \
+                }                                                                               \
+            for (int64_t g = 0; g < Hkv; g++) {                                                 \
+                const int16_t *qg = q16 + g * G * D;                                            \
+                for (int p = 0; p < 8; p += 2) {                                                \
+                    const int8_t *k0 = kp + (base[t + p] + g) * D;                              \
+                    const int8_t *k1 = kp + (base[t + p + 1] + g) * D;                          \
+                    __m256i a[G][2];                                                            \
+                    for (int j = 0; j < G; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();     \
+                    for (int64_t d = 0; d < D; d += 16) {                                       \
+                        const __m256i x0 =                                                      \
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));   \
+                        const __m256i x1 =                                                      \
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k1 + d)));   \
+                        for (int j = 0; j < G; j++) {                                           \
+                            const __m256i qv =                                                  \
+                                _mm256_loadu_si256((const __m256i *)(qg + j * D + d));          \
+                            a[j][0] = dot16_i8(a[j][0], qv, x0);                                \
+                            a[j][1] = dot16_i8(a[j][1], qv, x1);                                \
+                        }                                                                       \
+                    }                                                                           \
+                    for (int j = 0; j < G; j++) {                                               \
+                        buf[j][p] = a[j][0];                                                    \
+                        buf[j][p + 1] = a[j][1];                                                \
+                    }                                                                           \
+                }                                                                               \
+                float ks8[8];                                                                   \
+                for (int i = 0; i < 8; i++) ks8[i] = ksc[base[t + i] + g];                      \
+                const __m256 ks = _mm256_loadu_ps(ks8);                                         \
+                for (int j = 0; j < G; j++)                                                     \
+                    _mm256_storeu_ps(scores + (g * G + j) * KV_CHUNK + t,                       \
+                                     _mm256_mul_ps(_mm256_mul_ps(                               \
+                                         _mm256_cvtepi32_ps(hsum8_i32(buf[j])),                 \
+                                         _mm256_set1_ps(qs[g * G + j] * sm_scale)), ks));       \
+            }                                                                                   \
+        }                                                                                       \
+        for (; t < n; t++)                                                                      \
+            for (int64_t g = 0; g < Hkv; g++) {                                                 \
+                const int8_t *k0 = kp + (base[t] + g) * D;                                      \
+                const int16_t *qg = q16 + g * G * D;                                            \
+                __m256i a[G];                                                                   \
+                for (int j = 0; j < G; j++) a[j] = _mm256_setzero_si256();                      \
+                for (int64_t d = 0; d < D; d += 16) {                                           \
+                    const __m256i x0 =                                                          \
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));       \
+                    for (int j = 0; j < G; j++)                                                 \
+                        a[j] = dot16_i8(a[j], _mm256_loadu_si256((const __m256i *)(qg + j * D + d)), \
+                                        x0);                                                    \
+                }                                                                               \
+                for (int j = 0; j < G; j++)                                                     \
+                    scores[(g * G + j) * KV_CHUNK + t] =                                        \
+                        ((float)hsum1_i32(a[j]) * (qs[g * G + j] * sm_scale)) * ksc[base[t] + g]; \
+            }                                                                                   \
+        for (int64_t g = 0; g < Hkv; g++) {                                                     \
+            for (t = 0; t < n; t++) kss[t] = vsc[base[t] + g];                                  \
+            float *pg = part + g * G * part_stride;                                             \
+            for (int j = 0; j < G; j++) {                                                       \
+                float *sc = scores + (g * G + j) * KV_CHUNK, mx;                                \
+                if (softcap > 0.0f) softcap_row(sc, n, softcap);                                \
+                mx = max_row(sc, n);                                                            \
+                pg[j * part_stride] = mx;                                                       \
+                pg[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                             \
+                for (t = 0; t < n; t++) sc[t] *= kss[t];                                        \
+            }                                                                                   \
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {                                            \
+                __m256 acc[G][2];                                                               \
+                for (int j = 0; j < G; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();        \
+                for (t = 0; t < n; t++) {                                                       \
+                    const int64_t o = (base[t] + g) * D + d0;                                   \
+                    const __m256 v0 = load8(vp, KV_I8, o), v1 = load8(vp, KV_I8, o + 8);        \
+                    for (int j = 0; j < G; j++) {                                               \
+                        const __m256 w =                                                        \
+                            _mm256_broadcast_ss(scores + (g * G + j) * KV_CHUNK + t);           \
+                        acc[j][0] = _mm256_fmadd_ps(w, v0, acc[j][0]);                          \
+                        acc[j][1] = _mm256_fmadd_ps(w, v1, acc[j][1]);                          \
+                    }                                                                           \
+                }                                                                               \
+                for (int j = 0; j < G; j++) {                                                   \
+                    _mm256_storeu_ps(pg + j * part_stride + 2 + d0, acc[j][0]);                 \
+                    _mm256_storeu_ps(pg + j * part_stride + 2 + d0 + 8, acc[j][1]);             \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    }
+ATTEND_I8_ALL(1)
+ATTEND_I8_ALL(2)
+ATTEND_I8_ALL(3)
+ATTEND_I8_ALL(4)
+
+typedef void (*attend_i8_all_fn)(const int16_t *, const float *, const int32_t *, int64_t,
+                                 int64_t, const int8_t *, const int8_t *, const float *,
+                                 const float *, int64_t, int64_t, float, float, float *, float *,
+                                 int64_t, int);
+static const attend_i8_all_fn I8_ALL_FNS[4] = {attend_i8_all_1, attend_i8_all_2,
+                                               attend_i8_all_3, attend_i8_all_4};
+
 typedef void (*attend_i8_fn)(const int16_t *, const float *, const int32_t *, int64_t, int64_t,
                              const int8_t *, const int8_t *, const float *, const float *,
                              int64_t, int64_t, int64_t, float, float, float *, float *, int64_t,
@@ -679,7 +803,7 @@ void attn_plan_free(attn_plan *p) {
 
 size_t attn_thread_floats(const attn_plan *p) {
     const int64_t row = (p->Hq + 2 * p->Hkv) * p->D;
-    return (size_t)(row + 2 * p->D) + (size_t)KV_CHUNK * (size_t)p->sub;
+    return (size_t)(row + 2 * p->D) + (size_t)KV_CHUNK * (size_t)p->Hq;  // scores: all heads
 }
 
 // RoPE on each row's q and k heads, k/v stored at its slot (`omp for`; ends at its barrier,
@@ -763,6 +887,14 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
             // the whole slot rows, unless the row before read this chunk's keys (prefetched)
             int prefetch = p->by_chunk && t1 > t0 && slots[t0] != fetched;
             if (prefetch) fetched = slots[t0];
+            if (p->by_chunk && pool_kind == KV_I8 && i8_kernel_fits(D) && subs == 1) {
+                I8_ALL_FNS[group - 1](p->q16 + b * Hq * D, p->q16_scale + b * Hq, slots, t0, t1,
+                                      (const int8_t *)k_pool, (const int8_t *)v_pool, k_scale,
+                                      v_scale, Hkv, D, sm_scale, softcap, scores,
+                                      p->partials + (p->item_start[b] + c) * (D + 2),
+                                      nchb * (D + 2), prefetch);
+                continue;
+            }
             for (int64_t gs = gs0; gs < gs1; gs++) {
                 const int64_t g = gs / subs, h0 = g * group + (gs % subs) * sub;
                 const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
