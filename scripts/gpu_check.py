@@ -25,7 +25,8 @@ one runs:
   and Llama-3-8B's shapes, beside the bandwidth floor (weight + KV bytes a step reads / copy
   bandwidth) and the compute floor (FLOPs / measured bf16 GEMM rate).
 - verify: a verify forward of 1, 2, 4, 8, 16 rows (a draft chain) against a one-row decode
-  on both shapes, and the speed-up accept_len * t_decode / t_verify(rows) that predicts at
+  on both shapes, after 1k and 32k cached tokens (there the verify's prefix is split over
+  programs), and the speed-up accept_len * t_decode / t_verify(rows) that predicts at
   each of --accept-lengths (drafting not counted; "-" where accept_len > rows).
 - sampling: the device sampler (sglang_like.layers.device_sampler) against the host sampler:
   greedy tokens equal, one device-to-host sync per sample (torch's CUDA sync debug mode),
@@ -130,13 +131,15 @@ class Plan:
     decode_batches: tuple[int, ...]
     decode_context: int
     prefill_tokens: int
+    verify_contexts: tuple[int, ...]
     verify_rows: tuple[int, ...] = (1, 2, 4, 8, 16)
 
 
+# verify at 32k too: a batch-1 verify's prefix is split over programs there, as decode's is
 PLAN_CUDA = Plan((SMOLLM2_135M, LLAMA3_8B.with_layers(2)), (45, 70), 24,
-                 (SMOLLM2_135M, LLAMA3_8B), (1, 8, 32), 1024, 2048)
+                 (SMOLLM2_135M, LLAMA3_8B), (1, 8, 32), 1024, 2048, (1024, 32768))
 PLAN_SMOKE = Plan((SMOLLM2_TINY, LLAMA3_TINY), (7, 12), 4,
-                  (SMOLLM2_TINY, LLAMA3_TINY), (1, 2), 16, 16)
+                  (SMOLLM2_TINY, LLAMA3_TINY), (1, 2), 16, 16, (16,))
 
 
 # ---- command line and environment ------------------------------------------------------------
@@ -565,6 +568,7 @@ def section_kernels(ctx: Context) -> Report:
         check_decode(out, 3, 24, 4, 2, 32)
         check_extend(out, 2, 8, 8, 4, 2, 32)
         check_tree(out, 2, 10, 4, 4, 2, 32)
+        check_tree(out, 1, 600, 4, 4, 2, 32)  # a table wide enough for 2 prefix splits
         check_store(out, 16, 2, 32)
         check_bitmask(out, 2, 100)
         check_masked(out, (10, 6, 14), (4, 5, 3), 4, 2, 32)
@@ -581,9 +585,11 @@ def section_kernels(ctx: Context) -> Report:
         check_extend(out, 4, 1024, 1024, 32, 8, 128)
         check_extend(out, 16, 0, 512, 9, 3, 64)
         check_tree(out, 16, 2000, 16, 32, 8, 128)
+        check_tree(out, 1, 32768, 16, 32, 8, 128)  # long context, batch 1: the prefix split
         check_store(out, 4096, 8, 128)
         check_bitmask(out, 64, 128256)
         check_masked(out, (1500, 800, 3000), (8, 64, 4), 32, 8, 128)
+        check_masked(out, (32768, 800, 16384), (8, 64, 4), 32, 8, 128)
         for kv in KV_DTYPES[1:]:
             check_decode(out, 32, 4096, 32, 8, 128, kv)
             check_extend(out, 4, 1024, 1024, 32, 8, 128, kv)
@@ -900,36 +906,48 @@ def section_verify(ctx: Context) -> Report:
     report = Report(["shape", "forward", "ms", "x decode",
                      *[f"speed-up @{a:g}" for a in accept]])
     report.figures.update({"accept_lengths": accept, "shapes": []})
-    length = plan.decode_context
     gen = torch.Generator().manual_seed(ctx.seed)
     for shape in plan.bench_shapes:
         ctx.log(f"verify: building {shape.name}")
-        model = build_bench_model(ctx, shape, 1, length + max(plan.verify_rows) + 1)
+        model = build_bench_model(ctx, shape, 1,
+                                  max(plan.verify_contexts) + max(plan.verify_rows) + 1)
         with kernel_backend("triton"):
-            t_decode = bench_model(ctx, model, model.batch([0], [length],
-                                                           [_random_ids(gen, shape.vocab, 1)]))
-            report.rows.append([shape.name, f"decode 1 row, ctx {length}", f"{t_decode:.3f}",
-                                "1.00", *["" for _ in accept]])
-            fig: dict[str, Any] = {"shape": shape.name, "context": length,
-                                   "decode_ms": t_decode, "verify": []}
-            for n in plan.verify_rows:
-                chain = torch.tril(torch.ones(1, n, n, dtype=torch.bool, device=ctx.device))
-                fb = model.batch([0], [length], [_random_ids(gen, shape.vocab, n)], tree=chain)
-                t = bench_model(ctx, model, fb)
-                # a verify of n rows (the root and n - 1 drafts) yields at most n tokens
-                ups = {a: a * t_decode / t for a in accept if a <= n}
-                report.rows.append([shape.name, f"verify {n} rows", f"{t:.3f}",
-                                    f"{t / t_decode:.2f}",
-                                    *[f"{ups[a]:.2f}x" if a in ups else "-" for a in accept]])
-                fig["verify"].append({"rows": n, "ms": t, "ratio": t / t_decode,
-                                      "speedup": {str(a): u for a, u in ups.items()}})
-                ctx.log(f"{shape.name} verify {n}: {t:.3f} ms")
-        report.figures["shapes"].append(fig)
+            for length in plan.verify_contexts:
+                report.figures["shapes"].append(
+                    _verify_at(ctx, model, report, gen, shape, length))
         del model
         ctx.free()
     report.notes.append("speed-up = accept_len * t_decode / t_verify(rows), batch 1, bf16, "
                         "drafting not counted; '-': accept_len above the rows verified")
     return report
+
+
+def _verify_at(ctx: Context, model: Model, report: Report, gen: Any, shape: Shape,
+               length: int) -> dict[str, Any]:
+    """A one-row decode and verifies of plan.verify_rows rows after `length` cached tokens:
+    their rows in the report, and their figures."""
+    import torch
+
+    accept = ctx.args.accept
+    t_decode = bench_model(ctx, model, model.batch([0], [length],
+                                                   [_random_ids(gen, shape.vocab, 1)]))
+    report.rows.append([shape.name, f"decode 1 row, ctx {length}", f"{t_decode:.3f}",
+                        "1.00", *["" for _ in accept]])
+    fig: dict[str, Any] = {"shape": shape.name, "context": length, "decode_ms": t_decode,
+                           "verify": []}
+    for n in ctx.plan.verify_rows:
+        chain = torch.tril(torch.ones(1, n, n, dtype=torch.bool, device=ctx.device))
+        fb = model.batch([0], [length], [_random_ids(gen, shape.vocab, n)], tree=chain)
+        t = bench_model(ctx, model, fb)
+        # a verify of n rows (the root and n - 1 drafts) yields at most n tokens
+        ups = {a: a * t_decode / t for a in accept if a <= n}
+        report.rows.append([shape.name, f"verify {n} rows", f"{t:.3f}",
+                            f"{t / t_decode:.2f}",
+                            *[f"{ups[a]:.2f}x" if a in ups else "-" for a in accept]])
+        fig["verify"].append({"rows": n, "ms": t, "ratio": t / t_decode,
+                              "speedup": {str(a): u for a, u in ups.items()}})
+        ctx.log(f"{shape.name} ctx {length} verify {n}: {t:.3f} ms")
+    return fig
 
 
 def section_sampling(ctx: Context) -> Report:

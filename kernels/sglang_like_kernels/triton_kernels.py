@@ -148,6 +148,54 @@ def _attend_prefix(
 
 
 @triton.jit
+def _split_range(lo, hi, split, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """Keys [start, end) of split `split` of the keys [lo, hi), and whether it is the last
+    split holding any (split 0 when the range is empty).
+
+    A range is cut by its own length into pieces of at least SPLIT_MIN keys, whole tiles: a
+    short one uses few of the NUM_SPLITS programs (the others find no keys and only write an
+    empty partial), and with NUM_SPLITS 1 the one split is the whole range.
+    """
+    num_keys = tl.maximum(hi - lo, 0)
+    split_len = tl.maximum(tl.cdiv(num_keys, NUM_SPLITS), SPLIT_MIN)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
+    end = tl.minimum(start + split_len, hi)
+    num_used = tl.maximum(tl.cdiv(num_keys, split_len), 1)
+    return start, end, split == num_used - 1
+
+
+@triton.jit
+def _store_partial(mid_out, mid_lse, mid, m_i, l_i, acc, offs_d, row_valid, d_valid, head_dim):
+    """One split's rows for split_reduce_kernel: acc normalised [M, D] to mid_out and the
+    log-sum-exp to mid_lse at entries mid [M] (fp32, contiguous; lse -inf for a row the
+    split saw no key of)."""
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, m_i + tl.log(l_safe), float("-inf"))
+    tl.store(mid_out + mid[:, None] * head_dim + offs_d[None, :], acc / l_safe[:, None],
+             mask=row_valid[:, None] & d_valid[None, :])  # fmt: skip
+    tl.store(mid_lse + mid, lse, mask=row_valid)
+
+
+@triton.jit
+def _write_rows(
+    out, mid_out, mid_lse, tokens, head, split, m_i, l_i, acc, offs_d, m_valid, d_valid,
+    stride_out_t, stride_out_h, num_q_heads, head_dim, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Query rows `tokens` of one head: their output when one split saw all their keys, else
+    this split's partial at mid entry (token, head, split) of [rows, Hq, NUM_SPLITS]."""
+    if NUM_SPLITS == 1:
+        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]
+        tl.store(dst, result.to(out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+    else:
+        mid = (tokens.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+        _store_partial(mid_out, mid_lse, mid, m_i, l_i, acc, offs_d, m_valid, d_valid, head_dim)
+
+
+@triton.jit
 def decode_split_kernel(
     q, k_pool, v_pool, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse,
     sm_scale, window, softcap,
@@ -161,10 +209,10 @@ def decode_split_kernel(
 
     Each program scores the `group` query heads of one kv head over one contiguous split
     of the request's visible keys (its sequence; the last `window` of it with USE_WINDOW),
-    split by the request's own length: min(NUM_SPLITS, its keys / SPLIT_MIN) splits
-    and writes the normalized partial output to mid_out [B, Hq, NUM_SPLITS, D] and its
-    log-sum-exp to mid_lse [B, Hq, NUM_SPLITS] (both contiguous fp32; lse is -inf when the
-    split is empty).
+    split by the request's own length (_split_range: about min(NUM_SPLITS, its keys /
+    SPLIT_MIN) splits) and writes the normalized partial output to mid_out
+    [B, Hq, NUM_SPLITS, D] and its log-sum-exp to mid_lse [B, Hq, NUM_SPLITS] (both
+    contiguous fp32; lse is -inf when the split is empty).
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -175,12 +223,7 @@ def decode_split_kernel(
         lo = tl.maximum(seq_len - window, 0)
     else:
         lo = 0
-    # a split takes at least SPLIT_MIN keys, whole tiles: a short request uses few of the
-    # NUM_SPLITS programs (the others find no keys and only write an empty partial)
-    split_len = tl.maximum(tl.cdiv(seq_len - lo, NUM_SPLITS), SPLIT_MIN)
-    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
-    start = lo + split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    start, end, _ = _split_range(lo, seq_len, split, NUM_SPLITS, SPLIT_MIN, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -207,37 +250,36 @@ def decode_split_kernel(
             q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
         )
 
-    has_keys = l_i > 0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, m_i + tl.log(l_safe), float("-inf"))
     mid = (b * num_q_heads + heads) * NUM_SPLITS + split
-    tl.store(mid_out + mid[:, None] * head_dim + offs_d[None, :], acc / l_safe[:, None],
-             mask=q_mask)  # fmt: skip
-    tl.store(mid_lse + mid, lse, mask=g_valid)
+    _store_partial(mid_out, mid_lse, mid, m_i, l_i, acc, offs_d, g_valid, d_valid, head_dim)
 
 
 @triton.jit
-def decode_reduce_kernel(
+def split_reduce_kernel(
     mid_out, mid_lse, out,
-    stride_out_b, stride_out_h,
+    stride_out_t, stride_out_h,
     num_q_heads, head_dim,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Stage 2 of flash-decoding. Grid (B, Hq): merge the splits by their log-sum-exp."""
-    b = tl.program_id(0)
+    """Stage 2 of a split attention (decode, a verify's or a masked batch's prefix). Grid
+    (rows, Hq): merge a query row's splits by their log-sum-exp (mid_out [rows, Hq,
+    NUM_SPLITS, D], mid_lse [rows, Hq, NUM_SPLITS]). A row that no split saw a key of gets 0,
+    as a one-split kernel writes it."""
+    t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    base = (b * num_q_heads + head) * NUM_SPLITS
+    base = (t * num_q_heads + head) * NUM_SPLITS
     lse = tl.load(mid_lse + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     has_keys = lse > float("-inf")
-    weights = tl.exp(lse - tl.max(lse, 0))  # split 0 holds the first visible key: max finite
-    weights = tl.where(has_keys, weights, 0.0)
+    # the max is finite if any split has keys; where none has, every weight is 0 (not NaN)
+    weights = tl.where(has_keys, tl.exp(lse - tl.max(lse, 0)), 0.0)
     parts_mask = has_keys[:, None] & (offs_d[None, :] < head_dim)
     parts = tl.load(mid_out + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
                     mask=parts_mask, other=0.0)  # fmt: skip
-    merged = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    dst = out + b * stride_out_b + head * stride_out_h + offs_d
+    total = tl.sum(weights, 0)
+    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    dst = out + t * stride_out_t + head * stride_out_h + offs_d
     tl.store(dst, merged.to(out.dtype.element_ty), mask=offs_d < head_dim)
 
 
@@ -311,25 +353,33 @@ def extend_kernel(
 
 @triton.jit
 def tree_verify_kernel(
-    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens,
-    tree_mask,
+    q, k_pool, v_pool, k_scale, v_scale, out, mid_out, mid_lse, req_to_token,
+    req_pool_indices, prefix_lens, tree_mask,
     sm_scale, window, softcap,
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
     stride_scale_s, stride_table,
-    num_draft, group, head_dim,
+    num_draft, num_q_heads, group, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    KV_KIND: tl.constexpr,
+    KV_KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, Hq): the num_draft draft queries of one request and head.
+    """Grid (B, Hq, NUM_SPLITS): the num_draft draft queries of one request and head over
+    one split of its prefix.
 
     Prefix keys 0..prefix_len-1 are all visible; draft key j (position prefix_len + j) is
     visible to draft query i iff tree_mask[b, i, j] (tree_mask: contiguous int8 [B, N, N]).
     With USE_WINDOW a query keeps only the last `window` of those in position order.
     BLOCK_M >= num_draft.
+
+    The prefix keys the queries see are cut by the request's own length (_split_range, as
+    decode's keys are), and the split that ends them also takes the draft keys. With
+    NUM_SPLITS 1 the program writes `out`; else each writes its partial to mid_out
+    [B*N, Hq, NUM_SPLITS, D] and mid_lse [B*N, Hq, NUM_SPLITS] (contiguous fp32) for
+    split_reduce_kernel.
     """
     b = tl.program_id(0)
     head = tl.program_id(1)
+    split = tl.program_id(2)
     row = tl.load(req_pool_indices + b).to(tl.int64)
     prefix_len = tl.load(prefix_lens + b).to(tl.int32)
     kv_head = head // group
@@ -367,40 +417,45 @@ def tree_verify_kernel(
     else:
         first_prefix = tl.zeros([BLOCK_M], tl.int32)  # unused without a window
         prefix_start = 0
+    start, end, has_draft = _split_range(prefix_start, prefix_len, split, NUM_SPLITS,
+                                         SPLIT_MIN, BLOCK_N)  # fmt: skip
     m_i, l_i, acc = _attend_prefix(
-        q_blk, m_i, l_i, acc, m_valid, first_prefix, prefix_start, prefix_len,
+        q_blk, m_i, l_i, acc, m_valid, first_prefix, start, end,
         k_pool, v_pool, k_scale, v_scale, token_row, kv_head, offs_d, d_valid,
         stride_pool_s, stride_pool_h, stride_scale_s, sm_scale, softcap,
         BLOCK_N, DOT_DTYPE, USE_WINDOW, USE_SOFTCAP, KV_KIND,
     )  # fmt: skip
 
-    k, v = _load_kv_block(
-        k_pool, v_pool, k_scale, v_scale, token_row, prefix_len + offs_j, j_valid, kv_head,
-        offs_d, d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
-    )  # fmt: skip
-    m_i, l_i, acc = _online_softmax_step(
-        q_blk, k, v, draft_allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
-    )
+    if has_draft:
+        k, v = _load_kv_block(
+            k_pool, v_pool, k_scale, v_scale, token_row, prefix_len + offs_j, j_valid,
+            kv_head, offs_d, d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE,
+            KV_KIND,
+        )  # fmt: skip
+        m_i, l_i, acc = _online_softmax_step(
+            q_blk, k, v, draft_allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE,
+            USE_SOFTCAP,
+        )  # fmt: skip
 
-    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]
-    tl.store(dst, result.to(out.dtype.element_ty), mask=q_mask)
+    _write_rows(out, mid_out, mid_lse, tokens, head, split, m_i, l_i, acc, offs_d, m_valid,
+                d_valid, stride_out_t, stride_out_h, num_q_heads, head_dim, NUM_SPLITS)
 
 
 @triton.jit
 def masked_kernel(
-    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_pool_indices, prefix_lens,
-    mask_meta, masks,
+    q, k_pool, v_pool, k_scale, v_scale, out, mid_out, mid_lse, req_to_token,
+    req_pool_indices, prefix_lens, mask_meta, masks,
     sm_scale, window, softcap,
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
     stride_scale_s, stride_table, batch,
-    group, head_dim,
+    num_q_heads, group, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    KV_KIND: tl.constexpr,
+    KV_KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, Hq, cdiv(max rows, BLOCK_M)): one block of one request's queries under its
-    own mask (ragged: every request its own rows and columns).
+    """Grid (B, Hq, cdiv(max rows, BLOCK_M) * NUM_SPLITS): one block of one request's
+    queries under its own mask (ragged: every request its own rows and columns), over one
+    split of its prefix.
 
     mask_meta int64 [5, B]: each request's first query row, its rows, the offset of its mask
     in `masks` (int8, row-major [rows, cols]), its cols, and 1 where the mask is an extend's
@@ -410,12 +465,19 @@ def masked_kernel(
     later ones included; any other keeps the last `window` of its visible keys in position
     order, which needs each row's count of visible mask keys first (one pass over the mask
     before the keys are read).
+
+    The block's prefix keys are split as tree_verify_kernel's (the split that ends them also
+    takes the mask's keys); with NUM_SPLITS > 1 the partials go to mid_out [rows, Hq,
+    NUM_SPLITS, D] and mid_lse [rows, Hq, NUM_SPLITS] for split_reduce_kernel.
     """
     b = tl.program_id(0)
     head = tl.program_id(1)
-    m0 = tl.program_id(2) * BLOCK_M
-    q_start = tl.load(mask_meta + b)
+    m0 = (tl.program_id(2) // NUM_SPLITS) * BLOCK_M
+    split = tl.program_id(2) % NUM_SPLITS
     num_rows = tl.load(mask_meta + batch + b).to(tl.int32)
+    if m0 >= num_rows:
+        return  # the grid is sized by the most rows: this request has none here
+    q_start = tl.load(mask_meta + b)
     mask_start = tl.load(mask_meta + 2 * batch + b)
     num_cols = tl.load(mask_meta + 3 * batch + b).to(tl.int32)
     row = tl.load(req_pool_indices + b).to(tl.int64)
@@ -454,15 +516,19 @@ def masked_kernel(
         by_position = False
         first_prefix = tl.zeros([BLOCK_M], tl.int32)
         prefix_start = 0
+    start, end, has_mask_keys = _split_range(prefix_start, prefix_len, split, NUM_SPLITS,
+                                             SPLIT_MIN, BLOCK_N)  # fmt: skip
     m_i, l_i, acc = _attend_prefix(
-        q_blk, m_i, l_i, acc, m_valid, first_prefix, prefix_start, prefix_len,
+        q_blk, m_i, l_i, acc, m_valid, first_prefix, start, end,
         k_pool, v_pool, k_scale, v_scale, token_row, kv_head, offs_d, d_valid,
         stride_pool_s, stride_pool_h, stride_scale_s, sm_scale, softcap,
         BLOCK_N, DOT_DTYPE, USE_WINDOW, USE_SOFTCAP, KV_KIND,
     )  # fmt: skip
 
+    # the other splits loop 0 times
+    mask_end = tl.where(has_mask_keys, num_cols, 0)
     before = tl.zeros([BLOCK_M], tl.int32)  # visible mask keys in the blocks so far
-    for j0 in range(0, num_cols, BLOCK_N):
+    for j0 in range(0, mask_end, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         j_valid = offs_j < num_cols
         pair = m_valid[:, None] & j_valid[None, :]
@@ -483,9 +549,8 @@ def masked_kernel(
             q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
         )
 
-    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]
-    tl.store(dst, result.to(out.dtype.element_ty), mask=q_mask)
+    _write_rows(out, mid_out, mid_lse, tokens, head, split, m_i, l_i, acc, offs_d, m_valid,
+                d_valid, stride_out_t, stride_out_h, num_q_heads, head_dim, NUM_SPLITS)
 
 
 @triton.jit

@@ -50,8 +50,15 @@ _KV_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 # and the tiles below none do on sm_90 or sm_80, which tests/kernels/cases_aot.py checks on
 # ptxas's own figures for every launch signature.
 _ATTENTION_WARPS = 8
-_MAX_DECODE_SPLITS = 16
-_DECODE_SPLIT_TOKENS = 256
+# Split attention (flash-decoding; a verify's or a masked batch's prefix): at most
+# _MAX_SPLITS programs a request (or row block), each at least _SPLIT_TOKENS keys.
+_MAX_SPLITS = 16
+_SPLIT_TOKENS = 256
+# A verify's or masked batch's splits stop once its grid has about this many programs
+# (about 8 an SM on an H100's 132): a big batch fills the GPU with its (B, Hq) programs
+# alone, and its splits would only add partials to write and merge. A first guess, for
+# scripts/gpu_check.py's verify rows to confirm.
+_SPLIT_PROGRAMS = 1024
 _BITMASK_BLOCK = 1024
 
 
@@ -134,16 +141,16 @@ def decode_meta(
     interpret: bool | None = None,
     window: int | None = None,
     softcap: float | None = None,
-    split_min: int = _DECODE_SPLIT_TOKENS,
+    split_min: int = _SPLIT_TOKENS,
 ) -> dict[str, object]:
-    """Constexprs of decode_split_kernel (decode_reduce_kernel takes NUM_SPLITS, BLOCK_S,
+    """Constexprs of decode_split_kernel (split_reduce_kernel takes NUM_SPLITS, BLOCK_S,
     BLOCK_D from the same dict). NUM_SPLITS, the programs a request gets, follows the
     longest context the table holds (a window caps it), so one compiled kernel serves
     every batch; each request then splits its own keys in pieces of at least `split_min`."""
     dtype = dot_dtype(pool_dtype, interpret)
     if num_splits is None:
         keys = max_context if window is None else min(max_context, window)
-        num_splits = min(_MAX_DECODE_SPLITS, max(1, triton.cdiv(keys, split_min)))
+        num_splits = min(_MAX_SPLITS, max(1, triton.cdiv(keys, split_min)))
     return {
         "NUM_SPLITS": num_splits,
         "BLOCK_G": _block(num_q_heads // num_kv_heads),
@@ -169,11 +176,36 @@ def extend_meta(
             "num_warps": _ATTENTION_WARPS, **_flags(window, softcap, pool_dtype)}
 
 
+def _prefix_splits(max_context: int, window: int | None, split_min: int,
+                   num_programs: int) -> int:
+    """NUM_SPLITS of a launch that splits its requests' prefixes: decode's rule (the longest
+    prefix the table holds, or the window, in pieces of split_min, at most _MAX_SPLITS), no
+    more than bring the grid's num_programs to _SPLIT_PROGRAMS, rounded down to a power of
+    two so that batch sizes share a handful of compiled kernels. All host ints: choosing
+    reads nothing back from the device."""
+    keys = max_context if window is None else min(max_context, window)
+    splits = min(_MAX_SPLITS, triton.cdiv(keys, split_min), _SPLIT_PROGRAMS // num_programs)
+    return 1 << (max(splits, 1).bit_length() - 1)
+
+
+def _split_meta(max_context: int, window: int | None, split_min: int, num_programs: int,
+                num_splits: int | None) -> dict[str, int]:
+    """The split constexprs (BLOCK_S for split_reduce_kernel)."""
+    if num_splits is None:
+        num_splits = _prefix_splits(max_context, window, split_min, num_programs)
+    return {"NUM_SPLITS": num_splits, "SPLIT_MIN": split_min,
+            "BLOCK_S": triton.next_power_of_2(num_splits)}
+
+
 def tree_verify_meta(
     num_draft: int, head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, max_context: int = 0,
+    num_programs: int = 1, num_splits: int | None = None, split_min: int = _SPLIT_TOKENS,
 ) -> dict[str, object]:
-    """Constexprs of tree_verify_kernel."""
+    """Constexprs of tree_verify_kernel (split_reduce_kernel takes NUM_SPLITS, BLOCK_S,
+    BLOCK_D). NUM_SPLITS (default _prefix_splits) follows the table's width `max_context`
+    and the launch's B * Hq `num_programs`; each request then splits its own prefix in
+    pieces of at least `split_min` keys, so a short one uses one split."""
     dtype = dot_dtype(pool_dtype, interpret)
     return {
         "BLOCK_M": _block(num_draft),
@@ -182,20 +214,52 @@ def tree_verify_meta(
         "DOT_DTYPE": dtype,
         "num_warps": _ATTENTION_WARPS,
         **_flags(window, softcap, pool_dtype),
+        **_split_meta(max_context, window, split_min, num_programs, num_splits),
     }
 
 
 def masked_meta(
     head_dim: int, pool_dtype: torch.dtype, interpret: bool | None = None,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, max_context: int = 0,
+    num_programs: int = 1, num_splits: int | None = None, split_min: int = _SPLIT_TOKENS,
 ) -> dict[str, object]:
-    """Constexprs of masked_kernel (the extend kernel's tiles)."""
-    return extend_meta(head_dim, pool_dtype, interpret, window=window, softcap=softcap)
+    """Constexprs of masked_kernel: the extend kernel's tiles, and tree_verify_meta's splits
+    (`num_programs`: B * Hq * row blocks)."""
+    return {**extend_meta(head_dim, pool_dtype, interpret, window=window, softcap=softcap),
+            **_split_meta(max_context, window, split_min, num_programs, num_splits)}
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every output and scratch buffer comes from here (tests poison it with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _split_buffers(rows: int, num_q_heads: int, head_dim: int, meta: dict[str, object],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mid_out [rows, Hq, NUM_SPLITS, D], mid_lse [rows, Hq, NUM_SPLITS]) fp32 for the splits'
+    partials; with one split a placeholder each (the kernel writes the output itself)."""
+    splits = meta["NUM_SPLITS"]
+    if splits == 1:
+        return _empty((1,), torch.float32, device), _empty((1,), torch.float32, device)
+    return (_empty((rows, num_q_heads, splits, head_dim), torch.float32, device),
+            _empty((rows, num_q_heads, splits), torch.float32, device))
+
+
+def _reduce_splits(mid_out: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
+                   meta: dict[str, object]) -> None:
+    """out [rows, Hq, D] = each row's splits merged (split_reduce_kernel)."""
+    rows, num_q_heads, head_dim = out.shape
+    tk.split_reduce_kernel[(rows, num_q_heads)](
+        mid_out, mid_lse, out,
+        out.stride(0), out.stride(1),
+        num_q_heads, head_dim,
+        NUM_SPLITS=meta["NUM_SPLITS"], BLOCK_S=meta["BLOCK_S"], BLOCK_D=meta["BLOCK_D"],
+    )  # fmt: skip
+
+
+def _kernel_meta(meta: dict[str, object]) -> dict[str, object]:
+    """A split meta without the reduce's own BLOCK_S."""
+    return {k: v for k, v in meta.items() if k != "BLOCK_S"}
 
 
 def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -260,7 +324,7 @@ def decode_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    split_min: int = _DECODE_SPLIT_TOKENS,
+    split_min: int = _SPLIT_TOKENS,
 ) -> torch.Tensor:
     """Flash-decoding: one query per request over its cached tokens.
 
@@ -300,12 +364,7 @@ def decode_attention(
         USE_SOFTCAP=meta["USE_SOFTCAP"], KV_KIND=meta["KV_KIND"], SPLIT_MIN=meta["SPLIT_MIN"],
         num_warps=meta["num_warps"],
     )  # fmt: skip
-    tk.decode_reduce_kernel[(batch, num_q_heads)](
-        mid_out, mid_lse, out,
-        out.stride(0), out.stride(1),
-        num_q_heads, head_dim,
-        NUM_SPLITS=splits, BLOCK_S=meta["BLOCK_S"], BLOCK_D=meta["BLOCK_D"],
-    )  # fmt: skip
+    _reduce_splits(mid_out, mid_lse, out, meta)
     return _output_for(out, k_pool)
 
 
@@ -377,6 +436,8 @@ def tree_verify_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    split_min: int = _SPLIT_TOKENS,
 ) -> torch.Tensor:
     """Speculative verify: N draft tokens per request over the prefix and their tree.
 
@@ -384,7 +445,9 @@ def tree_verify_attention(
     req_pool_indices[b]; tree_mask: bool [B, N, N] (draft query i sees draft key j iff
     tree_mask[b, i, j]); prefix_lens: [B] int. With a `window` each query keeps the last
     `window` of its visible keys in position order; `softcap` caps the scores. Returns
-    [B*N, Hq, D] in q's dtype.
+    [B*N, Hq, D] in q's dtype. Each request's prefix is cut into at most num_splits pieces
+    (default tree_verify_meta's, from req_to_token's width and B * Hq) of at least
+    `split_min` keys, attended in parallel, then merged, as decode_attention does.
     """
     batch, num_draft, _ = tree_mask.shape
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -397,16 +460,24 @@ def tree_verify_attention(
     device = q.device
     mask = tree_mask.to(device=device, dtype=torch.int8).contiguous()
     window_value, softcap_value = _runtime(window, softcap)
+    meta = tree_verify_meta(
+        num_draft, head_dim, k_pool.dtype, window=window, softcap=softcap,
+        max_context=req_to_token.shape[1], num_programs=batch * num_q_heads,
+        num_splits=num_splits, split_min=split_min,
+    )  # fmt: skip
+    mid_out, mid_lse = _split_buffers(q.shape[0], num_q_heads, head_dim, meta, device)
     k_arg, v_arg, ks_arg, vs_arg, stride_scale = _kv_args(k_pool, v_pool, k_scale, v_scale)
-    tk.tree_verify_kernel[(batch, num_q_heads)](
-        q, k_arg, v_arg, ks_arg, vs_arg, out, req_to_token, req_pool_indices.to(device),
-        prefix_lens.to(device), mask,
+    tk.tree_verify_kernel[(batch, num_q_heads, meta["NUM_SPLITS"])](
+        q, k_arg, v_arg, ks_arg, vs_arg, out, mid_out, mid_lse, req_to_token,
+        req_pool_indices.to(device), prefix_lens.to(device), mask,
         sm_scale, window_value, softcap_value,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), stride_scale, req_to_token.stride(0),
-        num_draft, num_q_heads // num_kv_heads, head_dim,
-        **tree_verify_meta(num_draft, head_dim, k_pool.dtype, window=window, softcap=softcap),
+        num_draft, num_q_heads, num_q_heads // num_kv_heads, head_dim,
+        **_kernel_meta(meta),
     )  # fmt: skip
+    if meta["NUM_SPLITS"] > 1:
+        _reduce_splits(mid_out, mid_lse, out, meta)
     return _output_for(out, k_pool)
 
 
@@ -424,11 +495,14 @@ def masked_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     positional: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    split_min: int = _SPLIT_TOKENS,
 ) -> torch.Tensor:
     """Attention under a mask of its own per request (reference.masked_attention: ragged
     draft trees, verifies beside extends). The masks' shapes give the grid and every offset
     on the host, so a launch reads nothing back; the masks (host or device) go to the device
-    as one int8 buffer, with the offsets in one copy."""
+    as one int8 buffer, with the offsets in one copy. Prefixes are split as
+    tree_verify_attention's (num_splits default: masked_meta's)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0 and k_pool.stride() == v_pool.stride()
@@ -457,18 +531,26 @@ def masked_attention(
     flat = torch.cat([m.reshape(-1).to(torch.int8) for m in masks])
     flat = flat.to(device) if flat.numel() else torch.zeros(1, dtype=torch.int8, device=device)
     window_value, softcap_value = _runtime(window, softcap)
-    meta = masked_meta(head_dim, k_pool.dtype, window=window, softcap=softcap)
-    grid = (batch, num_q_heads, triton.cdiv(max(rows), meta["BLOCK_M"]))
+    row_blocks = triton.cdiv(max(rows), extend_meta(head_dim, k_pool.dtype)["BLOCK_M"])
+    meta = masked_meta(
+        head_dim, k_pool.dtype, window=window, softcap=softcap,
+        max_context=req_to_token.shape[1], num_programs=batch * num_q_heads * row_blocks,
+        num_splits=num_splits, split_min=split_min,
+    )  # fmt: skip
+    mid_out, mid_lse = _split_buffers(q.shape[0], num_q_heads, head_dim, meta, device)
+    grid = (batch, num_q_heads, row_blocks * meta["NUM_SPLITS"])
     k_arg, v_arg, ks_arg, vs_arg, stride_scale = _kv_args(k_pool, v_pool, k_scale, v_scale)
     tk.masked_kernel[grid](
-        q, k_arg, v_arg, ks_arg, vs_arg, out, req_to_token, req_pool_indices.to(device),
-        prefix_lens.to(device), mask_meta, flat,
+        q, k_arg, v_arg, ks_arg, vs_arg, out, mid_out, mid_lse, req_to_token,
+        req_pool_indices.to(device), prefix_lens.to(device), mask_meta, flat,
         sm_scale, window_value, softcap_value,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), stride_scale, req_to_token.stride(0), batch,
-        num_q_heads // num_kv_heads, head_dim,
-        **meta,
+        num_q_heads, num_q_heads // num_kv_heads, head_dim,
+        **_kernel_meta(meta),
     )  # fmt: skip
+    if meta["NUM_SPLITS"] > 1:
+        _reduce_splits(mid_out, mid_lse, out, meta)
     return _output_for(out, k_pool)
 
 

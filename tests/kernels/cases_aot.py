@@ -106,10 +106,11 @@ def _decode_split(dtype, head_dim, group, window=None, softcap=None):
     return tk.decode_split_kernel, _attention_pointers(dtype), meta
 
 
-def _decode_reduce(dtype, head_dim, group):
+def _split_reduce(dtype, head_dim, group):
+    # decode's 16 splits, the most any launcher asks for (verify and masked use it too)
     meta = triton_ops.decode_meta(group * 2, 2, head_dim, 4096, dtype, interpret=False)
     consts = {k: meta[k] for k in ("NUM_SPLITS", "BLOCK_S", "BLOCK_D")}
-    return tk.decode_reduce_kernel, _attention_pointers(dtype), consts
+    return tk.split_reduce_kernel, _attention_pointers(dtype), consts
 
 
 def _extend(dtype, head_dim, group, window=None, softcap=None):
@@ -118,16 +119,35 @@ def _extend(dtype, head_dim, group, window=None, softcap=None):
     return tk.extend_kernel, _attention_pointers(dtype), meta
 
 
-def _tree_verify(dtype, head_dim, group, window=None, softcap=None):
+def _split(meta: dict[str, object], split: bool) -> dict[str, object]:
+    """A prefix-splitting kernel's constexprs (less the reduce's BLOCK_S): the many-split
+    kind (partials) or the one-split kind (writes the output), as asked."""
+    assert (meta["NUM_SPLITS"] > 1) == split
+    return {k: v for k, v in meta.items() if k != "BLOCK_S"}
+
+
+# A verify batch of 1 over a 32k table splits its prefix 16 ways; one of 64 (2048 programs
+# of B * Hq) is not split.
+def _tree_verify(dtype, head_dim, group, window=None, softcap=None, batch=1):
     meta = triton_ops.tree_verify_meta(12, head_dim, dtype, interpret=False, window=window,
-                                       softcap=softcap)
-    return tk.tree_verify_kernel, _attention_pointers(dtype), meta
+                                       softcap=softcap, max_context=32768,
+                                       num_programs=batch * group * 8)
+    return tk.tree_verify_kernel, _attention_pointers(dtype), _split(meta, batch == 1)
 
 
-def _masked(dtype, head_dim, group, window=None, softcap=None):
+def _tree_verify_one_split(dtype, head_dim, group):
+    return _tree_verify(dtype, head_dim, group, batch=64)
+
+
+def _masked(dtype, head_dim, group, window=None, softcap=None, batch=1):
     meta = triton_ops.masked_meta(head_dim, dtype, interpret=False, window=window,
-                                  softcap=softcap)
-    return tk.masked_kernel, _attention_pointers(dtype), meta
+                                  softcap=softcap, max_context=32768,
+                                  num_programs=batch * group * 8)
+    return tk.masked_kernel, _attention_pointers(dtype), _split(meta, batch == 1)
+
+
+def _masked_one_split(dtype, head_dim, group):
+    return _masked(dtype, head_dim, group, batch=64)
 
 
 def _store_kv(dtype, head_dim, group):
@@ -176,8 +196,9 @@ def _moe_down(dtype, head_dim, group):
                                                                     "MUL_ROUTING_WEIGHT": True}
 
 
-BUILDERS = [_decode_split, _decode_reduce, _extend, _tree_verify, _masked, _store_kv, _bitmask,
-            _lora_shrink, _lora_expand, _moe_gate_up, _moe_down]
+BUILDERS = [_decode_split, _split_reduce, _extend, _tree_verify, _tree_verify_one_split, _masked,
+            _masked_one_split, _store_kv, _bitmask, _lora_shrink, _lora_expand, _moe_gate_up,
+            _moe_down]
 # fp16 takes the same code path as bf16; fp32 the exact-dot one with a masked head dim.
 CONFIGS = [(torch.bfloat16, 128, 4), (torch.float32, 80, 3)]
 

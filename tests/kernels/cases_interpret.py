@@ -458,3 +458,128 @@ def test_masked_attention_ragged(dtype, window, softcap):
           **scales}
     _check(triton_ops.masked_attention(*args, **kw), reference.masked_attention(*args, **kw),
            F32 if dtype == torch.int8 else dtype)
+
+
+# Long prefixes split over several programs (tree verify, masked): a small split minimum
+# makes prefixes of a few hundred keys take many splits, each request by its own length.
+SPLIT_VARIANTS = [
+    # pool dtype, window, softcap
+    (F32, None, None),
+    (BF16, None, None),
+    (F32, 300, None),  # a window over several splits: rows start in different ones
+    (F16, None, 30.0),
+    (torch.int8, 300, 30.0),
+    (torch.float8_e4m3fn, None, None),
+    (torch.float8_e5m2, 300, 30.0),
+]
+
+
+def _split_pool(lens: list[int], num_kv_heads: int, dtype: torch.dtype, seed: int):
+    """(pool, k, v, scales, q dtype) over a 1024-wide table (16 default splits at a
+    split_min of 64 or less), quantized where dtype is a quantized pool's."""
+    quantized = dtype in QUANT
+    pool = _Pool(lens, num_kv_heads, 64, F32 if quantized else dtype, seed=seed,
+                 max_context=1024)
+    k, v, scales = _quantized_pool(pool, dtype) if quantized else (pool.k, pool.v, {})
+    return pool, k, v, scales, F32 if quantized else dtype
+
+
+@pytest.mark.parametrize("dtype,window,softcap", SPLIT_VARIANTS)
+def test_tree_verify_splits_long_prefixes(dtype, window, softcap):
+    """Prefixes of 700, 3, 260 and 0 keys in one batch: 11, 1, 5 and 1 splits of the 16
+    (the draft keys in each request's last), merged into the reference's rows."""
+    prefix = [700, 3, 260, 0]
+    num_draft = 6
+    pool, k, v, scales, q_dtype = _split_pool([p + num_draft for p in prefix], 2, dtype,
+                                               seed=21)
+    q = pool.randn(len(prefix) * num_draft, 4, 64, dtype=q_dtype)
+    tree = _random_tree_mask(len(prefix), num_draft, pool.gen)
+    args = (q, k, v, pool.table, pool.rows, torch.tensor(prefix), tree, 0.125)
+    kw = {"window": window, "softcap": softcap, **scales}
+    meta = triton_ops.tree_verify_meta(num_draft, 64, k.dtype, window=window, max_context=1024,
+                                       num_programs=len(prefix) * 4, split_min=16)
+    assert meta["NUM_SPLITS"] == 16
+    _check(triton_ops.tree_verify_attention(*args, split_min=16, **kw),
+           reference.tree_verify_attention(*args, **kw), q_dtype)
+
+
+# the masked kernel's prefix loop is tree verify's (_attend_prefix); fewer variants keep
+# the interpreter's time (the reduce alone is a program per row and head)
+@pytest.mark.parametrize("dtype,window,softcap", [SPLIT_VARIANTS[i] for i in (0, 2, 4, 5)])
+def test_masked_attention_splits_long_prefixes(dtype, window, softcap):
+    """The ragged batch of test_masked_attention_ragged behind prefixes up to 600 keys, two
+    row blocks of the causal extend each split too."""
+    prefix, masks, positional = _ragged_masks(torch.Generator().manual_seed(6))
+    prefix = [600, 290, 0, 7, 300]
+    lens = [p + m.shape[1] for p, m in zip(prefix, masks, strict=True)]
+    pool, k, v, scales, q_dtype = _split_pool(lens, 1, dtype, seed=22)
+    q = pool.randn(sum(m.shape[0] for m in masks), 2, 64, dtype=q_dtype)
+    args = (q, k, v, pool.table, pool.rows, torch.tensor(prefix), masks, 0.125)
+    kw = {"window": window, "softcap": softcap, "positional": torch.tensor(positional),
+          **scales}
+    meta = triton_ops.masked_meta(64, k.dtype, window=window, max_context=1024,
+                                  num_programs=len(masks) * 2 * 2, split_min=16)
+    assert meta["NUM_SPLITS"] == 16
+    _check(triton_ops.masked_attention(*args, split_min=16, **kw),
+           reference.masked_attention(*args, **kw), q_dtype)
+
+
+def test_verify_splits_follow_each_requests_prefix(monkeypatch):
+    """As decode's: each request splits its own prefix in pieces of at least split_min
+    (whole tiles), so a short prefix fills one partial of the NUM_SPLITS, a long one more;
+    the others stay empty (-inf log-sum-exp) and the merge still gives the reference."""
+    lse = []
+
+    def recording_empty(shape, dtype, device):
+        t = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        if tuple(shape) == (16, 4, 8):  # mid_lse [B*N, Hq, NUM_SPLITS]
+            lse.append(t)
+        return t
+
+    monkeypatch.setattr(triton_ops, "_empty", recording_empty)
+    prefix, num_draft = [5, 40, 300, 1000], 4
+    pool = _Pool([p + num_draft for p in prefix], 2, 64, F32, seed=23, max_context=1024)
+    q = pool.randn(len(prefix) * num_draft, 4, 64, dtype=F32)
+    tree = _random_tree_mask(len(prefix), num_draft, pool.gen)
+    args = (q, pool.k, pool.v, pool.table, pool.rows, torch.tensor(prefix), tree, 0.125)
+    out = triton_ops.tree_verify_attention(*args, num_splits=8, split_min=64)
+    _check(out, reference.tree_verify_attention(*args), F32)
+    used = (lse[0] > float("-inf")).sum(-1).view(len(prefix), num_draft, 4)
+    assert triton_ops.tree_verify_meta(num_draft, 64, F32)["BLOCK_N"] == 64
+    # 5, 40: one split; 300: pieces of 64 -> 5; 1000: pieces of 125 -> 128 -> 8
+    for b, n in enumerate((1, 1, 5, 8)):
+        assert (used[b] == n).all(), (b, used[b])
+
+
+@pytest.mark.parametrize("max_context,window,batch,num_q_heads,want", [
+    (200, None, 1, 32, 1),  # a table no longer than a split: one, written directly
+    (4096, None, 1, 32, 16),  # batch 1 long context: every split
+    (32768, 1000, 1, 32, 4),  # a window caps the prefix: cdiv(1000, 256) = 4
+    (32768, None, 16, 32, 2),  # 512 programs already: 1024 // 512
+    (32768, None, 8, 24, 4),  # 1024 // 192 = 5, down to a power of two
+    (32768, None, 64, 32, 1),  # a big batch fills the GPU without splits
+])
+def test_verify_split_count_is_chosen_on_the_host(max_context, window, batch, num_q_heads,
+                                                  want):
+    meta = triton_ops.tree_verify_meta(16, 128, BF16, window=window, max_context=max_context,
+                                       num_programs=batch * num_q_heads)
+    assert meta["NUM_SPLITS"] == want and meta["BLOCK_S"] == want
+
+
+def test_one_split_writes_the_output_without_partials(monkeypatch):
+    """A table no wider than split_min: one split, no partial buffers, no reduce, and the
+    kernel's own rows are the reference's."""
+    shapes = []
+
+    def recording_empty(shape, dtype, device):
+        shapes.append(tuple(shape))
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_ops, "_empty", recording_empty)
+    pool = _Pool([90, 20], 1, 64, F32, seed=24, max_context=128)
+    q = pool.randn(2 * 3, 2, 64, dtype=F32)
+    tree = _random_tree_mask(2, 3, pool.gen)
+    args = (q, pool.k, pool.v, pool.table, pool.rows, torch.tensor([87, 17]), tree, 0.125)
+    _check(triton_ops.tree_verify_attention(*args, split_min=128),
+           reference.tree_verify_attention(*args), F32)
+    assert shapes == [(6, 2, 64), (1,), (1,)]
