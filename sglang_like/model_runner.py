@@ -19,7 +19,7 @@ from sglang_like.multimodal.encoder_cache import EncoderCache
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.tp.comm import TPRankLost
 from sglang_like.tp.parallel import TPShard, shard_weights
-from sglang_like.utils.upload import Packer
+from sglang_like.utils.upload import upload_ints
 
 if TYPE_CHECKING:
     from sglang_like.tp.group import TPGroup
@@ -224,7 +224,7 @@ class ModelRunner:
             positions = [p for pre, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)
                          for p in range(pre, pre + n)]
         (input_ids_t, positions_t, out_slots, pool_rows, prefix_lens, extend_lens,
-         logits_rows) = _upload_ints([input_ids, positions, batch.out_slots,
+         logits_rows) = upload_ints([input_ids, positions, batch.out_slots,
                                       [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
                                       batch.extend_lens, batch.logits_rows], dev)
         return ForwardBatch(
@@ -310,17 +310,6 @@ class ModelRunner:
         """Stop the other tensor-parallel ranks (nothing to do without them)."""
         if self.tp_group is not None:
             self.tp_group.close()
-
-
-def _upload_ints(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Each list as an int64 tensor on `device`: off the CPU views of one copy (`Packer`),
-    not a copy each; on the CPU a tensor each, as they always were."""
-    if device.type == "cpu":
-        return [torch.tensor(p, dtype=torch.long) for p in parts]
-    pack = Packer()
-    for p in parts:
-        pack.add(p)
-    return pack.to(device)
 
 
 def _pool_hidden(batch: ScheduleBatch, hidden: torch.Tensor) -> None:

@@ -500,9 +500,8 @@ def masked_attention(
 ) -> torch.Tensor:
     """Attention under a mask of its own per request (reference.masked_attention: ragged
     draft trees, verifies beside extends). The masks' shapes give the grid and every offset
-    on the host, so a launch reads nothing back; the masks (host or device) go to the device
-    as one int8 buffer, with the offsets in one copy. Prefixes are split as
-    tree_verify_attention's (num_splits default: masked_meta's)."""
+    on the host, so a launch reads nothing back; host masks cross with the offsets in one
+    copy. Prefixes are split as tree_verify_attention's (num_splits default: masked_meta's)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0 and k_pool.stride() == v_pool.stride()
@@ -521,15 +520,22 @@ def masked_attention(
     for b in range(1, batch):
         starts[b] = starts[b - 1] + rows[b - 1]
         mask_starts[b] = mask_starts[b - 1] + sizes[b - 1]
-    meta_rows = torch.tensor([starts, rows, mask_starts, cols], dtype=torch.int64)
-    if positional is None or positional.device.type == "cpu":
+    meta_rows = torch.tensor([starts, rows, mask_starts, cols], dtype=torch.int64).flatten()
+    flat = torch.cat([m.reshape(-1).to(torch.int8) for m in masks])
+    if all(m.device.type == "cpu" for m in masks) and (
+            positional is None or positional.device.type == "cpu"):
+        # offsets, flags and masks in one host buffer: one copy (the masks ride as int64)
         by_position = (torch.zeros(batch, dtype=torch.int64) if positional is None
                        else positional.to(torch.int64))
-        mask_meta = torch.cat([meta_rows.flatten(), by_position]).to(device)
-    else:
-        mask_meta = torch.cat([meta_rows.flatten().to(device), positional.to(torch.int64)])
-    flat = torch.cat([m.reshape(-1).to(torch.int8) for m in masks])
-    flat = flat.to(device) if flat.numel() else torch.zeros(1, dtype=torch.int8, device=device)
+        host = torch.cat([meta_rows, by_position, flat.to(torch.int64),
+                          torch.zeros(1, dtype=torch.int64)])  # never an empty mask buffer
+        on_device = host.to(device)
+        mask_meta, flat = on_device[:5 * batch], on_device[5 * batch:].to(torch.int8)
+    else:  # masks or flags already on the device: nothing of theirs comes back
+        by_position = (torch.zeros(batch, dtype=torch.int64, device=device) if positional is None
+                       else positional.to(device=device, dtype=torch.int64))
+        mask_meta = torch.cat([meta_rows.to(device), by_position])
+        flat = torch.cat([flat.to(device), torch.zeros(1, dtype=torch.int8, device=device)])
     window_value, softcap_value = _runtime(window, softcap)
     row_blocks = triton.cdiv(max(rows), extend_meta(head_dim, k_pool.dtype)["BLOCK_M"])
     meta = masked_meta(

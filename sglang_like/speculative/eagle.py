@@ -41,6 +41,7 @@ from sglang_like.speculative.eagle_native import NativeEagleHead
 from sglang_like.speculative.head_loader import load_draft_head
 from sglang_like.speculative.ngram import NgramDrafter
 from sglang_like.speculative.tree import DraftTree, with_copies
+from sglang_like.utils.upload import upload_ints
 
 if TYPE_CHECKING:
     from sglang_like.model_runner import ModelRunner
@@ -289,13 +290,9 @@ class EagleDrafter:
                     req.spec.eagle_pending = pending
         if not drafting:
             return
-        got = features[torch.tensor(draft_rows, device=features.device)]
-        ids, pos, slots, feats, prefix, lens, reqs = [], [], [], [], [], [], []
-        at = 0
+        ids, pos, slots, prefix, lens = [], [], [], [], []
         for req, first, count, pending in drafting:
-            cur, at = got[at : at + count], at + count
-            if pending is not None:  # catch up
-                cur = torch.cat([*pending.chunks, cur.to(torch.bfloat16)]).float()
+            if pending is not None:  # catch up: the pending positions come first
                 first, count = pending.first, pending.num_rows + count
             new = req.fill_slice(first + 1, first + count + 1)
             if req.images:  # image positions' pad ids: the head embeds them as token 0
@@ -305,21 +302,23 @@ class EagleDrafter:
             pos += range(first, first + count)
             # the pool's host copy off the CPU: no read back from the device's table
             slots += self.runner.req_to_token_pool.read(req.req_pool_idx, first, first + count)
-            feats.append(cur)
             prefix.append(first)
             lens.append(count)
-            reqs.append(req)
-        if not reqs:
-            return
+        reqs = [req for req, *_ in drafting]
         dev = self.runner.device
+        # the rows to gather and the head's batch cross in one copy (a copy each before)
+        rows_on_dev, *meta = upload_ints(
+            [draft_rows, ids, pos, slots, [r.req_pool_idx for r in reqs], prefix, lens], dev)
+        got = features[rows_on_dev]
+        feats, at = [], 0
+        for _, _, count, pending in drafting:
+            cur, at = got[at : at + count], at + count
+            if pending is not None:
+                cur = torch.cat([*pending.chunks, cur.to(torch.bfloat16)]).float()
+            feats.append(cur)
         fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            out_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long,
-                                          device=dev),
-            prefix_lens=torch.tensor(prefix, dtype=torch.long, device=dev),
-            extend_lens=torch.tensor(lens, dtype=torch.long, device=dev),
+            input_ids=meta[0], positions=meta[1], out_slots=meta[2], req_pool_indices=meta[3],
+            prefix_lens=meta[4], extend_lens=meta[5],
             logits_indices=torch.empty(0, dtype=torch.long, device=dev),
             req_to_token=table, is_decode=all(n == 1 for n in lens),
             max_extend_len=max(lens, default=0),
@@ -401,7 +400,7 @@ class EagleDrafter:
     def _draft_step(self, reqs: list[Req], step: list[int], nodes: dict[int, list[_Node]],
                     beams: dict[int, list[int]], slots: list[int], depth: int) -> None:
         """Run the head on each request's current beams (depth `depth`) and expand them."""
-        table = self.runner.req_to_token_pool.req_to_token
+        pool = self.runner.req_to_token_pool
         k = self.spec.eagle_topk
         ids, pos, feats, out_slots, masks = [], [], [], [], []
         taken = 0
@@ -413,8 +412,8 @@ class EagleDrafter:
             # every forwarded node so far, in forward order, after the committed prefix
             done = [j for j, nd in enumerate(ns) if nd.slot]
             base = req.kv_len
-            table[req.req_pool_idx, base : base + len(done)] = torch.tensor(
-                [ns[j].slot for j in done], dtype=table.dtype)
+            # through the pool: off the CPU every request's nodes cross in one copy
+            pool.write(req.req_pool_idx, base, [ns[j].slot for j in done])
             col = {j: c for c, j in enumerate(done)}
             mask = torch.zeros(len(beams[i]), len(done), dtype=torch.bool)
             for r, b in enumerate(beams[i]):
@@ -428,18 +427,13 @@ class EagleDrafter:
                 out_slots.append(ns[b].slot)
             masks.append(mask)
         dev = self.runner.device
+        meta = upload_ints([ids, pos, out_slots, [reqs[i].req_pool_idx for i in step],
+                            [reqs[i].kv_len for i in step], [len(beams[i]) for i in step]], dev)
         fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
-            req_pool_indices=torch.tensor([reqs[i].req_pool_idx for i in step], dtype=torch.long,
-                                          device=dev),
-            prefix_lens=torch.tensor([reqs[i].kv_len for i in step], dtype=torch.long,
-                                     device=dev),
-            extend_lens=torch.tensor([len(beams[i]) for i in step], dtype=torch.long,
-                                     device=dev),
+            input_ids=meta[0], positions=meta[1], out_slots=meta[2], req_pool_indices=meta[3],
+            prefix_lens=meta[4], extend_lens=meta[5],
             logits_indices=torch.empty(0, dtype=torch.long, device=dev),
-            req_to_token=table, custom_masks=masks,
+            req_to_token=pool.req_to_token, custom_masks=masks,
         )
         outs, cand_ids, cand_lp = self._run_head(fb, torch.stack(feats), None)
         cand_ids, cand_lp = _candidates_to_host(cand_ids, cand_lp)

@@ -43,3 +43,14 @@ class Packer:
         else:
             buf = buf.to(device)
         return list(buf.split([p.numel() for p in self._parts]))
+
+
+def upload_ints(parts: list[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """Each list as an int64 tensor on `device`: off the CPU views of one copy (`Packer`),
+    not a copy each; on the CPU a tensor each."""
+    if device.type == "cpu":
+        return [torch.tensor(p, dtype=torch.long) for p in parts]
+    pack = Packer()
+    for p in parts:
+        pack.add(p)
+    return pack.to(device)

@@ -23,6 +23,8 @@ Budgets, and what the syncs beyond one are (to be removed by later work):
 
 Host-to-device copies of a decode step: 3 (the KV rows the scheduler wrote, the batch's
 metadata, the sampler's parameters), whatever the batch size.
+Of an EAGLE-3 verify + draft step: 8 (was 21: the head's batches a tensor each, the draft
+tree's table rows a write each per request, the masks and their offsets apart).
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ def test_verify_steps_stay_within_budget(weights, tokenizer, params, syncs) -> N
 
 
 EAGLE_PREFILL_BUDGET, EAGLE_STEP_BUDGET = 2, 3
+# the verify's 4 (KV rows, the batch, the sampler's parameters, the tree masks), the head's batch
+# after it, and per draft depth (2 here) its batch and the tree's masks with their offsets
+EAGLE_STEP_UPLOADS = 8
 
 
 def test_eagle_steps_stay_within_budget(weights, tokenizer, tmp_path) -> None:
@@ -153,6 +158,7 @@ def test_eagle_steps_stay_within_budget(weights, tokenizer, tmp_path) -> None:
             assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
             assert len(profile.syncs) <= EAGLE_STEP_BUDGET, profile.syncs
             assert profile.triton_calls["masked_attention"] >= 1  # the draft tree's
+            assert len(profile.uploads) == EAGLE_STEP_UPLOADS, profile.uploads
             assert not profile.reference_calls
             assert not profile.native_calls
 
