@@ -528,12 +528,9 @@ class Scheduler:
         return 0 if no_row else None
 
     def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """The batch's logits: left on the model's device for the device sampler, unless a
-        verify's walk samples (it does so on the host, from one copy of the logits, as
-        without it); a walk that only takes argmaxes reads them off the device."""
-        if self.device_sampler is not None and all(
-                takes_argmax(r) for r, t in zip(batch.reqs, batch.trees, strict=True)
-                if t is not None):
+        """The batch's logits: left on the model's device for the device sampler (a verify's
+        walk draws its nodes there, or copies the rows it samples on the host: spec_verify)."""
+        if self.device_sampler is not None:
             return self.runner.forward(batch, to_host=False)
         return self.runner.forward(batch)
 
@@ -605,14 +602,18 @@ class Scheduler:
             accept_trees(self._verify_context(), walks, logits, touched)
 
     def _sample(self, logits: torch.Tensor, index: list[int], reqs: list[Req]) -> SampleOutput:
-        """The tokens of `logits`' rows `index` for `reqs`: on the logits' device when the
+        """The tokens of `logits`' rows `index` for `reqs` (see `_sample_rows`)."""
+        return self._sample_rows(select_rows(logits, index), reqs)
+
+    def _sample_rows(self, rows: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+        """The tokens of `rows` [len(reqs), V] (sampled in place): on their device when the
         device sampler is on and takes every request of them, else on the host."""
         bitmask = self.outputs.grammar_bitmask(reqs)
         if self.device_sampler is not None:
             if self.device_sampler.supports(reqs):
-                return self.device_sampler.sample(select_rows(logits, index), reqs, bitmask)
-            logits = logits.cpu()  # DRY / XTC: the host sampler, on a copy of the logits
-        return self.sampler.sample(select_rows(logits, index), reqs, bitmask)
+                return self.device_sampler.sample(rows, reqs, bitmask)
+            rows = rows.cpu()  # DRY / XTC: the host sampler, on a copy of the rows
+        return self.sampler.sample(rows, reqs, bitmask)
 
     def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         for req in batch.reqs:
@@ -688,8 +689,9 @@ class Scheduler:
                              self.join_running)
 
     def _verify_context(self) -> VerifyContext:
-        return VerifyContext(self.cache, self.sampler, self.outputs, self.spec_controller,
-                             self.spec_accept_lengths, self._count_token, self._end)
+        return VerifyContext(self.cache, self._sample_rows, self.device_sampler, self.outputs,
+                             self.spec_controller, self.spec_accept_lengths, self._count_token,
+                             self._end)
 
     def _count_token(self) -> None:
         self.num_generated_tokens += 1
