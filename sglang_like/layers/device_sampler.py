@@ -48,7 +48,7 @@ _STEP_SALT = 0x9E3779B9
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(6)
 _TOP_K, _SEED, _STEP, _IS_GREEDY, _HAS_GRAMMAR = range(5)
 # _Staged's (row or request, token) index pairs, each [2, N]
-_PAIRS = ("seen", "counted", "ahead", "bias_at", "blocked")
+_PAIRS = ("seen", "counted", "seen_ahead", "counted_ahead", "bias_at", "blocked")
 
 
 class _Staged(NamedTuple):
@@ -62,8 +62,9 @@ class _Staged(NamedTuple):
     seen: torch.Tensor  # [2, S] int64 (request, token): prompt and output, repetition penalty
     counted: torch.Tensor  # [2, C] int64 (request, token): output, frequency / presence
     # [2, A] int64 (row, token): what a row's request will have output past its output_ids
-    # when it draws the row (a tree node's path), for the penalties of both kinds
-    ahead: torch.Tensor
+    # when it draws the row (a tree node's path), for each of the two kinds of penalty
+    seen_ahead: torch.Tensor
+    counted_ahead: torch.Tensor
     bias_at: torch.Tensor  # [2, L] int64 (row, token) of logit bias
     bias: torch.Tensor  # [L] float32
     blocked: torch.Tensor  # [2, E] int64 (row, token) held back by min_new_tokens
@@ -147,8 +148,10 @@ class DeviceSampler:
                        sp.frequency_penalty, sp.presence_penalty]
             seed = r.generator.initial_seed() if r.generator is not None else 0
             ints += [sp.top_k, seed, num_out, int(sp.is_greedy), int(r.grammar is not None)]
-            if path and sp.has_penalties:
-                _extend_pairs(pairs["ahead"], i, path)
+            if path and sp.repetition_penalty != 1.0:
+                _extend_pairs(pairs["seen_ahead"], i, path)
+            if path and (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
+                _extend_pairs(pairs["counted_ahead"], i, path)
             token_bias = sp.token_bias
             _extend_pairs(pairs["bias_at"], i, token_bias)
             bias += token_bias.values()
@@ -196,30 +199,31 @@ def _penalize(logits: torch.Tensor, staged: _Staged) -> None:
     the host sampler applies them, each row's output including the tokens it is drawn ahead
     of; rows without a penalty pass through unchanged (x / 1, x * 1 and x - 0 are exact)."""
     if staged.seen.numel():
-        seen = _tally(logits, staged, staged.seen) > 0
+        seen = _tally(logits, staged, staged.seen, staged.seen_ahead) > 0
         rep = staged.floats[:, _REPETITION:_REPETITION + 1]
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalized, logits))
-    if staged.counted.numel() or staged.ahead.numel():
-        counts = _tally(logits, staged, staged.counted)
+    if staged.counted.numel() or staged.counted_ahead.numel():
+        counts = _tally(logits, staged, staged.counted, staged.counted_ahead)
         freq = staged.floats[:, _FREQUENCY:_FREQUENCY + 1]
         presence = staged.floats[:, _PRESENCE:_PRESENCE + 1]
         logits -= freq * counts + presence * (counts > 0)
 
 
-def _tally(logits: torch.Tensor, staged: _Staged, held: torch.Tensor) -> torch.Tensor:
+def _tally(logits: torch.Tensor, staged: _Staged, held: torch.Tensor, ahead: torch.Tensor
+           ) -> torch.Tensor:
     """[B, V] counts of each row's tokens: its request's `held` (request, token) pairs, then
-    the row's own `ahead` ones. Counted per request and gathered to its rows, so a request's
-    history crosses once however many rows (tree nodes) it has."""
+    the row's own `ahead` (row, token) ones. Counted per request and gathered to its rows, so
+    a request's history crosses once however many rows (tree nodes) it has."""
     counts = logits.new_zeros((staged.num_reqs, logits.shape[-1]))
     if held.numel():
         counts.index_put_(tuple(held), torch.ones_like(held[0], dtype=logits.dtype),
                           accumulate=True)
     if staged.owners is not None:
         counts = counts[staged.owners]
-    if staged.ahead.numel():
-        counts.index_put_(tuple(staged.ahead),
-                          torch.ones_like(staged.ahead[0], dtype=logits.dtype), accumulate=True)
+    if ahead.numel():
+        counts.index_put_(tuple(ahead), torch.ones_like(ahead[0], dtype=logits.dtype),
+                          accumulate=True)
     return counts
 
 
