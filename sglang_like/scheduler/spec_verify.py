@@ -21,8 +21,10 @@ its draw at output index n is a function of (seed, n), and what the request has 
 the walk reaches a node is known (its tokens, then the node's path), so the node gets the
 token the node-by-node walk would sample there. The walk then descends through those tokens
 as through sampled ones, and the logits stay on the device: one copy of the nodes' tokens
-comes back. A grammar's mask needs its matcher advanced along the path, and DRY / XTC are the
-host sampler's: such requests walk node by node, on a host copy of their own rows.
+comes back. A grammar's mask needs its matcher advanced along the path: such a request walks
+node by node, sampled by the device sampler where the logits are (one copy of its token per
+depth, which its matcher takes before the next mask). DRY / XTC are the host sampler's: those
+requests walk node by node on a host copy of their own rows.
 """
 
 from __future__ import annotations
@@ -109,13 +111,19 @@ def accept_trees(ctx: VerifyContext, walks: list[TreeWalk], logits: torch.Tensor
         _take_argmax(walks, logits)
     elif ctx.device_sampler is not None:
         _draw_ahead(ctx.device_sampler, [w for w in walks if draws_ahead(w.req)], logits)
-    by_node = [w for w in walks if w.drawn is None]
-    if by_node and logits.device.type != "cpu":
-        logits = _rows_to_host(by_node, logits)
     for w in walks:
         if w.drawn is not None:
             _walk_drawn(ctx, w, w.drawn)
-    _walk_by_node(ctx, by_node, logits)
+    # the rest node by node: grammars with the device sampler at each depth, where the logits
+    # are; DRY / XTC (or all, device sampling off) with the host sampler
+    by_node = [w for w in walks if w.drawn is None]
+    is_on_device = [ctx.device_sampler is not None and DeviceSampler.supports([w.req])
+                    for w in by_node]
+    on_host = [w for w, on in zip(by_node, is_on_device, strict=True) if not on]
+    _walk_by_node(ctx, [w for w, on in zip(by_node, is_on_device, strict=True) if on], logits)
+    if on_host and logits.device.type != "cpu":
+        logits = _rows_to_host(on_host, logits)
+    _walk_by_node(ctx, on_host, logits)
     for w in walks:
         used = set(w.committed)
         ctx.cache.allocator.free([s for j, s in enumerate(w.slots) if j not in used])
@@ -163,7 +171,7 @@ def _draw_ahead(sampler: DeviceSampler, walks: list[TreeWalk], logits: torch.Ten
 
 def _rows_to_host(walks: list[TreeWalk], logits: torch.Tensor) -> torch.Tensor:
     """The walks' rows of `logits`, in one copy to the host (each walk's `first_row` moved to
-    its rows there): the rows the node-by-node walk samples, not the whole verify's."""
+    its rows there): the rows the host sampler's walk reads, not the whole verify's."""
     index: list[int] = []
     for w in walks:
         start = len(index)

@@ -14,8 +14,10 @@ Budgets, and what the syncs beyond one are (to be removed by later work):
 - verify with sampled requests: 1 as well, the token of every node of every tree, drawn at
   once on the device (`DeviceSampler.sample_ahead`: a node's draw depends on its request's
   seed and output index, and its penalties on the path, all known before the walk), which
-  the walk then descends through; a request walked node by node (a grammar, DRY / XTC) adds
-  1: its own rows copied to the host, where the walk samples them.
+  the walk then descends through; a grammar's request is walked node by node (its matcher
+  takes each token before the next mask), by the device sampler: 1 more per depth it
+  reaches; DRY / XTC requests 1 more: their own rows copied to the host, where the host
+  sampler walks them.
 
 - EAGLE-3 (a random head), a step that verifies and drafts: 3, the budget below (what they
   are: the verify's argmax; the head's top-k candidates, one copy per head run (after the
@@ -141,6 +143,38 @@ def test_verify_steps_stay_within_budget(weights, tokenizer, params, logprobs, s
             assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
             # the host sampler's native argmax runs on the host copy only
             assert set(profile.native_calls) <= ({"argmax_rows"} if DRY in params else set())
+
+
+class _AnyToken:
+    """A grammar that allows every token: its mask still comes from the host at each node."""
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1
+
+    def accept_token(self, token: int) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def jump_forward_string(self) -> str:
+        return ""
+
+
+def test_a_grammar_walks_on_the_device_one_copy_per_depth(weights, tokenizer) -> None:
+    with cuda_profile() as profile:
+        sched = _scheduler(weights, tokenizer, "cuda", _Drafter())
+        drawn, masked = _add(sched, [dict(temperature=0.7, seed=3),
+                                     dict(temperature=0.8, seed=5)])
+        masked.grammar = _AnyToken()
+        _step(sched, profile)  # the prefill
+        for _ in range(3):
+            accepted = masked.spec.accepted_drafts
+            syncs = _step(sched, profile)
+            depths = masked.spec.accepted_drafts - accepted + 1
+            assert syncs == ["cpu"] * (1 + depths)  # the drawn tree, then each depth's token
+            assert profile.triton_calls["apply_token_bitmask_"] == depths
+            assert not profile.native_calls
 
 
 EAGLE_PREFILL_BUDGET, EAGLE_STEP_BUDGET = 2, 3
