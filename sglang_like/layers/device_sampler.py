@@ -21,8 +21,8 @@ Since a draw depends on nothing but (seed, output index) and the request's histo
 nodes, each from its logits row as the request would draw there once the node's path is output
 (the draw for that index, penalties counting the path, min_new_tokens at that index).
 
-What it does not do on the device (DRY, XTC) `supports` turns down: the caller samples that
-batch with the host `Sampler`.
+What it does not do on the device (DRY, XTC) `supports` turns down: the caller samples those
+requests with the host `Sampler` (the scheduler the rest of their batch still here).
 """
 
 from __future__ import annotations
