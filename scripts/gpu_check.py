@@ -30,8 +30,10 @@ one runs:
   each of --accept-lengths (drafting not counted; "-" where accept_len > rows).
 - sampling: the device sampler (sglang_like.layers.device_sampler) against the host sampler:
   greedy tokens equal, one device-to-host sync per sample (torch's CUDA sync debug mode),
-  seeded draws that pass a chi-square test, and its time beside copy + host sampler
-  (scripts/gpu_check_sampling.py). It is what `--device-sampling auto` (on for CUDA) rests on.
+  seeded draws that pass a chi-square test, its time beside copy + host sampler, and a
+  verify's tree drawn ahead (each node's row as drawn later; seeded sampled output with
+  speculation equal to without, one sync a verify step) (scripts/gpu_check_sampling.py). It
+  is what `--device-sampling auto` (on for CUDA) rests on.
 
 --cpu-smoke runs every section on CPU at tiny shapes, the Triton launchers under the
 interpreter (TRITON_INTERPRET=1, SGLANG_LIKE_KERNELS=triton), the torch references as the

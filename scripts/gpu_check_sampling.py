@@ -12,7 +12,12 @@ Checks, each a row of the table:
   copy to the host plus the host sampler (the path before);
 - steps: the scheduler over the runtime's ModelRunner (random weights, a stub tokenizer)
   with device sampling off and on: greedy requests generate the same tokens, and with it on
-  a decode step makes one sync (CUDA; where the others come from is listed if not).
+  a decode step makes one sync (CUDA; where the others come from is listed if not);
+- ahead: a draft tree's rows drawn at once (`sample_ahead`) get the tokens, logprobs and top
+  logprobs `sample` gives each row once its path is output, in one sync;
+- verify: the same scheduler speculating, its drafts each request's own output from a run
+  without speculation: seeded sampled requests output the same tokens (so deep drafts are
+  accepted), and a verify step makes one sync.
 
 Imported lazily by gpu_check.section_sampling (it needs the runtime on sys.path).
 """
@@ -166,7 +171,8 @@ class _StubTokenizer:
         return "".join(chr(65 + i % 26) for i in ids)
 
 
-def _scheduler(ctx: Any, config: Any, weights: Any, device_sampling: bool) -> Any:
+def _scheduler(ctx: Any, config: Any, weights: Any, device_sampling: bool,
+               drafter: Any = None) -> Any:
     import torch
 
     from sglang_like.model_runner import ModelRunner
@@ -176,8 +182,19 @@ def _scheduler(ctx: Any, config: Any, weights: Any, device_sampling: bool) -> An
                          num_kv_slots=1024, context_len=128, max_running_requests=8)
     sched_config = SchedulerConfig(pool_size=1024, context_len=128,
                                    vocab_size=config.vocab_size, max_running_requests=8,
-                                   device_sampling=device_sampling)
-    return Scheduler(sched_config, runner, _StubTokenizer(), frozenset({EOS}))
+                                   device_sampling=device_sampling,
+                                   speculative_auto_disable=False)
+    return Scheduler(sched_config, runner, _StubTokenizer(), frozenset({EOS}), drafter)
+
+
+def _weights(config: Any) -> dict[str, Any]:
+    import torch
+
+    from sglang_like.model_loader.loaded import expected_weight_shapes
+
+    gen = torch.Generator().manual_seed(0)
+    return {n: (torch.randn(s, generator=gen) * 0.2 + (1.0 if "norm" in n else 0.0))
+            for n, s in expected_weight_shapes(config).items()}
 
 
 def _step_syncs(ctx: Any, sched: Any) -> list[str]:
@@ -200,15 +217,10 @@ def _step_syncs(ctx: Any, sched: Any) -> list[str]:
 
 
 def check_steps(ctx: Any, report: Any, config: Any, num_steps: int) -> None:
-    import torch
-
-    from sglang_like.model_loader.loaded import expected_weight_shapes
     from sglang_like.req import Req
     from sglang_like.sampling_params import SamplingParams
 
-    gen = torch.Generator().manual_seed(0)
-    weights = {n: (torch.randn(s, generator=gen) * 0.2 + (1.0 if "norm" in n else 0.0))
-               for n, s in expected_weight_shapes(config).items()}
+    weights = _weights(config)
     kinds = [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3,
                                          logit_bias={"9": 2.0}),
              dict(temperature=0.8, top_k=20, seed=1), dict(top_p=0.9, min_p=0.05, seed=2)]
@@ -240,6 +252,129 @@ def check_steps(ctx: Any, report: Any, config: Any, num_steps: int) -> None:
         report.failures.append(f"steps: {len(worst)} syncs in a decode step: {worst[:6]}")
 
 
+AHEAD_PATHS = [[], [9], [9, 4], [4], [4, 9, 9], [30]]  # a tree's nodes below the root
+
+
+def check_ahead(ctx: Any, report: Any, vocab: int) -> None:
+    import torch
+
+    from sglang_like.layers.device_sampler import DeviceSampler
+
+    kinds = [dict(temperature=0.9, top_k=8, repetition_penalty=1.6),
+             dict(top_p=0.9, frequency_penalty=1.5, presence_penalty=1.0,
+                  logit_bias={"9": 2.0}),
+             dict(min_p=0.05, min_new_tokens=4, stop_token_ids=[3]),
+             dict(temperature=0.0, repetition_penalty=2.0, presence_penalty=3.0)]
+    outputs = [(9, 4), (4,), (9, 9), (7,)]
+    reqs = [_req(i + 1, output=outputs[i], **kw) for i, kw in enumerate(kinds)]
+    for r in reqs[1::2]:
+        r.return_logprob, r.top_logprobs_num = True, 2
+    owners = [k for k in range(len(reqs)) for _ in AHEAD_PATHS]
+    paths = AHEAD_PATHS * len(reqs)
+    logits = torch.randn(len(owners), vocab, device=ctx.device) * 3
+    logits[:, EOS] = logits[:, 3] = 9.0  # min_new_tokens must hold them back
+    logits[:, 9] = logits[:, 4] = 8.0  # penalties over the path must move the choice
+    sampler = DeviceSampler({EOS}, vocab)
+    sampler.sample_ahead(logits.clone(), reqs, owners, paths)  # warm
+    fresh = logits.clone()
+    syncs: list[str] = []
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                ahead = sampler.sample_ahead(fresh, reqs, owners, paths)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    else:
+        ahead = sampler.sample_ahead(fresh, reqs, owners, paths)
+    same = 0
+    for i, k in enumerate(owners):
+        later = _req(k + 1, output=outputs[k] + tuple(paths[i]), **kinds[k])
+        later.return_logprob = reqs[k].return_logprob
+        later.top_logprobs_num = reqs[k].top_logprobs_num
+        want = sampler.sample(logits[i : i + 1].clone(), [later])
+        got_lp, want_lp = ahead.logprobs[i], want.logprobs[0]
+        if (ahead.next_token_ids[i] == want.next_token_ids[0]
+                and (got_lp is None) == (want_lp is None)
+                and (want_lp is None or abs(got_lp - want_lp) < 1e-5)
+                and [t for _, t in ahead.top_logprobs[i] or []]
+                == [t for _, t in want.top_logprobs[0] or []]):
+            same += 1
+    counted = ctx.device.type == "cuda"
+    report.rows.append(["ahead: rows = drawn later", f"{len(owners)} rows V{vocab}",
+                        f"{same}/{len(owners)}", f"{len(syncs)} sync(s)" if counted else "no GPU"])
+    report.figures["ahead_equal"] = same
+    if same != len(owners):
+        report.failures.append(f"ahead: {len(owners) - same} rows differ from sample()")
+    if counted and len(syncs) != 1:
+        report.failures.append(f"ahead: {len(syncs)} syncs, budget 1: {syncs[:4]}")
+
+
+class _OwnOutputDrafter:
+    """Drafts each request's output from `script` (rid -> its tokens without speculation) as
+    a chain past what it has output: deep drafts are accepted only where a verify draws what
+    plain decoding drew."""
+
+    def __init__(self, script: dict[str, list[int]], depth: int) -> None:
+        self.script, self.num_draft_tokens = script, depth + 1
+
+    def propose(self, reqs: list[Any], max_depths: list[int], ctx: Any) -> list[Any]:
+        from sglang_like.speculative.tree import DraftTree
+
+        trees = []
+        for req, cap in zip(reqs, max_depths, strict=True):
+            ahead = self.script[req.rid][len(req.output_ids):]
+            trees.append(DraftTree.chain(req.fill_ids[-1],
+                                         ahead[:min(self.num_draft_tokens - 1, cap)]))
+        return trees
+
+
+def check_verify(ctx: Any, report: Any, config: Any, max_new: int) -> None:
+    from sglang_like.req import Req
+    from sglang_like.sampling_params import SamplingParams
+
+    weights = _weights(config)
+    kinds = [dict(temperature=0.8, top_k=20, repetition_penalty=1.3, seed=1),
+             dict(top_p=0.9, min_p=0.05, frequency_penalty=0.4, logit_bias={"9": 2.0}, seed=2),
+             dict(temperature=1.0, min_new_tokens=max_new - 2, seed=3),
+             dict(temperature=1.0, seed=4)]
+    outputs, worst, accepted = {}, [], 0
+    for drafter in (None, "own"):
+        script = outputs.get(None)
+        sched = _scheduler(ctx, config, weights, True,
+                           None if drafter is None else _OwnOutputDrafter(script, 3))
+        reqs = [Req(f"r{i}", [5 + i, 17, 3, 90, 41, 7], SamplingParams(
+            max_new_tokens=max_new, ignore_eos=True, **kw)) for i, kw in enumerate(kinds)]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()  # the prefill
+        while sched.has_work:
+            syncs = _step_syncs(ctx, sched)
+            if drafter is not None and len(syncs) > len(worst):
+                worst = syncs
+        outputs[drafter] = {r.rid: r.output_ids for r in reqs}
+        if drafter is not None:
+            accepted = sum(n for length, n in sched.spec_accept_lengths.items() if length > 1)
+    same = outputs[None] == outputs["own"]
+    counted = ctx.device.type == "cuda"
+    report.rows.append(["verify: sampled spec = plain", f"{len(kinds)} x {max_new} tokens",
+                        str(same), f"{accepted} verifies took drafts"])
+    report.rows.append(["verify: syncs / step (most)", f"V{config.vocab_size}",
+                        str(len(worst)) if counted else "-",
+                        ", ".join(worst[:4]) if counted else "no GPU"])
+    report.figures["verify_sampled_equal"] = same
+    if counted:
+        report.figures["verify_max_syncs"] = len(worst)
+    if not same or not accepted:
+        report.failures.append(f"verify: sampled outputs equal {same}, {accepted} verifies "
+                               "took drafts")
+    if counted and len(worst) > 1:
+        report.failures.append(f"verify: {len(worst)} syncs in a step: {worst[:6]}")
+
+
 def run_sampling_checks(ctx: Any, report: Any) -> None:
     """Fill `report` (gpu_check.Report: columns check, shape, value, note)."""
     from sglang_like.config import ModelConfig
@@ -250,9 +385,13 @@ def run_sampling_checks(ctx: Any, report: Any) -> None:
         check_draws(ctx, report)
         check_time(ctx, report, 5, 300)
         check_steps(ctx, report, ModelConfig("llama", 97, 64, 192, 2, 4, 2, 16), 3)
+        check_ahead(ctx, report, 300)
+        check_verify(ctx, report, ModelConfig("llama", 97, 64, 192, 2, 4, 2, 16), 8)
     else:
         check_greedy(ctx, report, 64, 128256)
         check_syncs(ctx, report, 64, 128256)
         check_draws(ctx, report)
         check_time(ctx, report, 64, 128256)
         check_steps(ctx, report, ModelConfig("llama", 32000, 256, 512, 2, 4, 2, 64), 6)
+        check_ahead(ctx, report, 128256)
+        check_verify(ctx, report, ModelConfig("llama", 32000, 256, 512, 2, 4, 2, 64), 12)

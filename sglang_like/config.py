@@ -228,10 +228,11 @@ class ServerArgs:
     # "off": the OS places them
     cpu_pinning: str = "auto"  # "auto" | "on" | "off"
     # Where a step's tokens are chosen (sglang_like.layers.device_sampler): "on" keeps the
-    # logits on the model's device and samples there (one device-to-host copy a step; DRY /
-    # XTC batches and speculative verifies still go to the host sampler); "off" copies the
-    # logits to the host and samples there. "auto": "on" on CUDA, "off" on CPU (where the host
-    # sampler is the faster; "on" there is for tests of the device path on CPU tensors)
+    # logits on the model's device and samples there (one device-to-host copy a step, a
+    # speculative verify's trees drawn at once; DRY / XTC requests still go to the host
+    # sampler, on a copy of their rows); "off" copies the logits to the host and samples
+    # there. "auto": "on" on CUDA, "off" on CPU (where the host sampler is the faster; "on"
+    # there is for tests of the device path on CPU tensors)
     device_sampling: str = "auto"  # "auto" | "on" | "off"
     # Scale-out (sglang_like.tp, sglang_like.disaggregation): tensor parallelism over
     # tp_size engine-core ranks (torch.distributed: gloo on CPU, NCCL on CUDA); and SGLang's

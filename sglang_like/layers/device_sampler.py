@@ -16,8 +16,13 @@ generator state, so a seed draws the same tokens whatever else is in the batch, 
 retracted request redraws what it drew before. Draws are not the host sampler's (a different
 uniform), but come from the same distribution; greedy rows take the same first-maximum argmax.
 
-What it does not do on the device (DRY, XTC) `supports` turns down: the caller samples that
-batch with the host `Sampler`.
+Since a draw depends on nothing but (seed, output index) and the request's history,
+`sample_ahead` can draw rows a request reaches only later, all in one call: a verify's tree
+nodes, each from its logits row as the request would draw there once the node's path is output
+(the draw for that index, penalties counting the path, min_new_tokens at that index).
+
+What it does not do on the device (DRY, XTC) `supports` turns down: the caller samples those
+requests with the host `Sampler` (the scheduler the rest of their batch still here).
 """
 
 from __future__ import annotations
@@ -42,15 +47,24 @@ _STEP_SALT = 0x9E3779B9
 # columns of _Staged.floats and _Staged.ints
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(6)
 _TOP_K, _SEED, _STEP, _IS_GREEDY, _HAS_GRAMMAR = range(5)
+# _Staged's (row or request, token) index pairs, each [2, N]
+_PAIRS = ("seen", "counted", "seen_ahead", "counted_ahead", "bias_at", "blocked")
 
 
 class _Staged(NamedTuple):
-    """The step's host-built inputs, on the device."""
+    """The step's host-built inputs, on the device. The B rows belong to R requests: the
+    tokens a request has (`seen`, `counted`) are staged once per request, not per row."""
 
     floats: torch.Tensor  # [B, 6] float32: temperature, top_p, min_p, rep., freq., presence
     ints: torch.Tensor  # [B, 5] int64: top_k, seed, step, is_greedy, has_grammar
-    seen: torch.Tensor  # [2, S] int64 (row, token): prompt and output, repetition penalty
-    counted: torch.Tensor  # [2, C] int64 (row, token): output, frequency / presence
+    num_reqs: int  # R
+    owners: torch.Tensor | None  # [B] int64: each row's request; None: row i is request i's
+    seen: torch.Tensor  # [2, S] int64 (request, token): prompt and output, repetition penalty
+    counted: torch.Tensor  # [2, C] int64 (request, token): output, frequency / presence
+    # [2, A] int64 (row, token): what a row's request will have output past its output_ids
+    # when it draws the row (a tree node's path), for each of the two kinds of penalty
+    seen_ahead: torch.Tensor
+    counted_ahead: torch.Tensor
     bias_at: torch.Tensor  # [2, L] int64 (row, token) of logit bias
     bias: torch.Tensor  # [L] float32
     blocked: torch.Tensor  # [2, E] int64 (row, token) held back by min_new_tokens
@@ -76,11 +90,31 @@ class DeviceSampler:
         """logits [B, V] float32 on the device (modified in place, as the host sampler's);
         bitmask int32 [B, ceil(V/32)] on the host (grammar masks, packed), or None. Costs one
         host-to-device copy and one device-to-host copy."""
+        return self._sample(logits, reqs, None, None, bitmask)
+
+    @torch.inference_mode()
+    def sample_ahead(self, logits: torch.Tensor, reqs: list[Req], owners: list[int],
+                     paths: list[list[int]]) -> SampleOutput:
+        """Rows drawn ahead of their requests, all at once: logits [N, V] float32 on the device
+        (modified in place), row i what reqs[owners[i]] samples from once it has output
+        paths[i] past its output_ids (a draft tree's node: its path below the root). Each row
+        gets the token `sample` would give it then: the draw for output index
+        len(output_ids) + len(paths[i]), penalties counting the path's tokens, min_new_tokens
+        at that index. Not for grammars (a row's mask would need the matcher advanced along
+        its path). Costs one host-to-device copy and one device-to-host copy."""
+        if any(r.grammar is not None for r in reqs):
+            raise ValueError("a grammar's rows are masked one step at a time (use sample())")
+        return self._sample(logits, reqs, owners, paths, None)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], owners: list[int] | None,
+                paths: list[list[int]] | None, bitmask: torch.Tensor | None) -> SampleOutput:
+        """`sample` (`owners` and `paths` None: row i is reqs[i] now) or `sample_ahead`."""
         if not self.supports(reqs):
             raise ValueError("DRY and XTC are sampled on the host (check supports() first)")
-        staged = self._stage(reqs, bitmask, logits.device)
-        want_lp = [r.return_logprob for r in reqs]
-        lp = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
+        rows = reqs if owners is None else [reqs[k] for k in owners]
+        staged = self._stage(reqs, owners, paths, bitmask, logits.device)
+        lp = (torch.log_softmax(logits.float(), dim=-1) if any(r.return_logprob for r in reqs)
+              else None)
         _penalize(logits, staged)
         if staged.bias.numel():
             logits.index_put_(tuple(staged.bias_at), staged.bias, accumulate=True)
@@ -89,63 +123,67 @@ class DeviceSampler:
         if staged.blocked.numel():
             _block_early_stop(logits, staged)
         ids = _choose(logits, staged, reqs)
-        return _read_back(ids, lp, reqs)
+        return _read_back(ids, lp, rows)
 
-    def _stage(self, reqs: list[Req], bitmask: torch.Tensor | None,
-               device: torch.device) -> _Staged:
+    def _stage(self, reqs: list[Req], owners: list[int] | None, paths: list[list[int]] | None,
+               bitmask: torch.Tensor | None, device: torch.device) -> _Staged:
         """The step's inputs (columns as the _TEMPERATURE ... / _TOP_K ... constants say), on
         `device` from one copy."""
         floats: list[float] = []
         ints: list[int] = []
-        seen: tuple[list[int], list[int]] = ([], [])
-        counted: tuple[list[int], list[int]] = ([], [])
-        bias_at: tuple[list[int], list[int]] = ([], [])
         bias: list[float] = []
-        blocked: tuple[list[int], list[int]] = ([], [])
-        for i, r in enumerate(reqs):
+        pairs: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in _PAIRS}
+        for k, r in enumerate(reqs):
             sp = r.sampling_params
+            if sp.repetition_penalty != 1.0:
+                _extend_pairs(pairs["seen"], k, set(r.fill_ids))
+            if r.output_ids and (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
+                _extend_pairs(pairs["counted"], k, r.output_ids)
+        for i, k in enumerate(range(len(reqs)) if owners is None else owners):
+            r = reqs[k]
+            sp = r.sampling_params
+            path = paths[i] if paths is not None else []
+            num_out = len(r.output_ids) + len(path)
             floats += [sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty,
                        sp.frequency_penalty, sp.presence_penalty]
             seed = r.generator.initial_seed() if r.generator is not None else 0
-            ints += [sp.top_k, seed, len(r.output_ids), int(sp.is_greedy),
-                     int(r.grammar is not None)]
-            if sp.repetition_penalty != 1.0:
-                _extend_pairs(seen, i, set(r.fill_ids))
-            if r.output_ids and (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
-                _extend_pairs(counted, i, r.output_ids)
+            ints += [sp.top_k, seed, num_out, int(sp.is_greedy), int(r.grammar is not None)]
+            if path and sp.repetition_penalty != 1.0:
+                _extend_pairs(pairs["seen_ahead"], i, path)
+            if path and (sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
+                _extend_pairs(pairs["counted_ahead"], i, path)
             token_bias = sp.token_bias
-            _extend_pairs(bias_at, i, token_bias)
+            _extend_pairs(pairs["bias_at"], i, token_bias)
             bias += token_bias.values()
-            if len(r.output_ids) < sp.min_new_tokens:
-                _extend_pairs(blocked, i, self.eos_token_ids + list(sp.stop_token_ids or []))
-        return _upload(device, len(reqs), floats, ints, seen, counted, bias_at, bias, blocked,
-                       bitmask)
+            if num_out < sp.min_new_tokens:
+                _extend_pairs(pairs["blocked"], i,
+                              self.eos_token_ids + list(sp.stop_token_ids or []))
+        return _upload(device, len(reqs), owners, floats, ints, bias, pairs, bitmask)
 
 
-def _upload(device: torch.device, batch: int, floats: list[float], ints: list[int],
-            seen: tuple[list[int], list[int]], counted: tuple[list[int], list[int]],
-            bias_at: tuple[list[int], list[int]], bias: list[float],
-            blocked: tuple[list[int], list[int]], bitmask: torch.Tensor | None) -> _Staged:
+def _upload(device: torch.device, num_reqs: int, owners: list[int] | None,
+            floats: list[float], ints: list[int], bias: list[float],
+            pairs: dict[str, tuple[list[int], list[int]]], bitmask: torch.Tensor | None
+            ) -> _Staged:
     pack = Packer()
-    at = {"floats": pack.add(floats, is_float=True), "bias": pack.add(bias, is_float=True)}
-    at |= {name: pack.add(part) for name, part in (
-        ("ints", ints), ("seen", seen), ("counted", counted), ("bias_at", bias_at),
-        ("blocked", blocked))}
+    at = {"floats": pack.add(floats, is_float=True), "bias": pack.add(bias, is_float=True),
+          "ints": pack.add(ints)}
+    at |= {name: pack.add(part) for name, part in pairs.items()}
+    if owners is not None:
+        at["owners"] = pack.add(owners)
     if bitmask is not None:
         at["bitmask"] = pack.add(bitmask)
     on = pack.to(device)
-
-    def pairs(name: str, n: int) -> torch.Tensor:
-        return on[at[name]].view(2, n)
-
+    batch = len(floats) // 6
+    staged_pairs = {name: on[at[name]].view(2, len(part[0])) for name, part in pairs.items()}
     return _Staged(
         floats=on[at["floats"]].view(torch.float64).view(batch, 6).float(),
-        ints=on[at["ints"]].view(batch, 5), seen=pairs("seen", len(seen[0])),
-        counted=pairs("counted", len(counted[0])), bias_at=pairs("bias_at", len(bias)),
+        ints=on[at["ints"]].view(batch, 5), num_reqs=num_reqs,
+        owners=on[at["owners"]] if owners is not None else None,
         bias=on[at["bias"]].view(torch.float64).float(),
-        blocked=pairs("blocked", len(blocked[0])),
         bitmask=None if bitmask is None
-        else on[at["bitmask"]].to(torch.int32).view(bitmask.shape))
+        else on[at["bitmask"]].to(torch.int32).view(bitmask.shape),
+        **staged_pairs)
 
 
 def _extend_pairs(pairs: tuple[list[int], list[int]], row: int, tokens: Iterable[int]
@@ -158,22 +196,35 @@ def _extend_pairs(pairs: tuple[list[int], list[int]], row: int, tokens: Iterable
 
 def _penalize(logits: torch.Tensor, staged: _Staged) -> None:
     """Repetition (over prompt and output), then frequency and presence (over the output), as
-    the host sampler applies them; rows without a penalty pass through unchanged (x / 1,
-    x * 1 and x - 0 are exact)."""
+    the host sampler applies them, each row's output including the tokens it is drawn ahead
+    of; rows without a penalty pass through unchanged (x / 1, x * 1 and x - 0 are exact)."""
     if staged.seen.numel():
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[tuple(staged.seen)] = True
+        seen = _tally(logits, staged, staged.seen, staged.seen_ahead) > 0
         rep = staged.floats[:, _REPETITION:_REPETITION + 1]
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalized, logits))
-    if staged.counted.numel():
-        counts = torch.zeros_like(logits)
-        counts.index_put_(tuple(staged.counted), torch.ones_like(staged.counted[0],
-                                                                 dtype=logits.dtype),
-                          accumulate=True)
+    if staged.counted.numel() or staged.counted_ahead.numel():
+        counts = _tally(logits, staged, staged.counted, staged.counted_ahead)
         freq = staged.floats[:, _FREQUENCY:_FREQUENCY + 1]
         presence = staged.floats[:, _PRESENCE:_PRESENCE + 1]
         logits -= freq * counts + presence * (counts > 0)
+
+
+def _tally(logits: torch.Tensor, staged: _Staged, held: torch.Tensor, ahead: torch.Tensor
+           ) -> torch.Tensor:
+    """[B, V] counts of each row's tokens: its request's `held` (request, token) pairs, then
+    the row's own `ahead` (row, token) ones. Counted per request and gathered to its rows, so
+    a request's history crosses once however many rows (tree nodes) it has."""
+    counts = logits.new_zeros((staged.num_reqs, logits.shape[-1]))
+    if held.numel():
+        counts.index_put_(tuple(held), torch.ones_like(held[0], dtype=logits.dtype),
+                          accumulate=True)
+    if staged.owners is not None:
+        counts = counts[staged.owners]
+    if ahead.numel():
+        counts.index_put_(tuple(ahead), torch.ones_like(ahead[0], dtype=logits.dtype),
+                          accumulate=True)
+    return counts
 
 
 def _block_early_stop(logits: torch.Tensor, staged: _Staged) -> None:

@@ -528,12 +528,9 @@ class Scheduler:
         return 0 if no_row else None
 
     def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """The batch's logits: left on the model's device for the device sampler, unless a
-        verify's walk samples (it does so on the host, from one copy of the logits, as
-        without it); a walk that only takes argmaxes reads them off the device."""
-        if self.device_sampler is not None and all(
-                takes_argmax(r) for r, t in zip(batch.reqs, batch.trees, strict=True)
-                if t is not None):
+        """The batch's logits: left on the model's device for the device sampler (a verify's
+        walk draws its nodes there, or copies the rows it samples on the host: spec_verify)."""
+        if self.device_sampler is not None:
             return self.runner.forward(batch, to_host=False)
         return self.runner.forward(batch)
 
@@ -605,14 +602,30 @@ class Scheduler:
             accept_trees(self._verify_context(), walks, logits, touched)
 
     def _sample(self, logits: torch.Tensor, index: list[int], reqs: list[Req]) -> SampleOutput:
-        """The tokens of `logits`' rows `index` for `reqs`: on the logits' device when the
-        device sampler is on and takes every request of them, else on the host."""
+        """The tokens of `logits`' rows `index` for `reqs` (see `_sample_rows`)."""
+        return self._sample_rows(select_rows(logits, index), reqs)
+
+    def _sample_rows(self, rows: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+        """The tokens of `rows` [len(reqs), V] (sampled in place): with the device sampler on,
+        on their device for the requests it takes and on the host (a copy of their rows) for
+        the others (DRY, XTC). Split rather than all on the host, so that a seed's draws do
+        not depend on what shares its step, and a verify's walk (which splits its requests
+        the same way) draws what plain decoding would."""
         bitmask = self.outputs.grammar_bitmask(reqs)
-        if self.device_sampler is not None:
-            if self.device_sampler.supports(reqs):
-                return self.device_sampler.sample(select_rows(logits, index), reqs, bitmask)
-            logits = logits.cpu()  # DRY / XTC: the host sampler, on a copy of the logits
-        return self.sampler.sample(select_rows(logits, index), reqs, bitmask)
+        if self.device_sampler is None:
+            return self.sampler.sample(rows, reqs, bitmask)
+        on_host = [i for i, r in enumerate(reqs) if not DeviceSampler.supports([r])]
+        if not on_host:
+            return self.device_sampler.sample(rows, reqs, bitmask)
+        if len(on_host) == len(reqs):
+            return self.sampler.sample(rows.cpu(), reqs, bitmask)
+        on_device = sorted(set(range(len(reqs))) - set(on_host))
+        drawn = self.device_sampler.sample(select_rows(rows, on_device),
+                                           [reqs[i] for i in on_device],
+                                           _rows_of(bitmask, on_device))
+        sampled = self.sampler.sample(select_rows(rows, on_host).cpu(),
+                                      [reqs[i] for i in on_host], _rows_of(bitmask, on_host))
+        return _merge([(on_device, drawn), (on_host, sampled)], len(reqs))
 
     def _record_input_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         for req in batch.reqs:
@@ -688,8 +701,9 @@ class Scheduler:
                              self.join_running)
 
     def _verify_context(self) -> VerifyContext:
-        return VerifyContext(self.cache, self.sampler, self.outputs, self.spec_controller,
-                             self.spec_accept_lengths, self._count_token, self._end)
+        return VerifyContext(self.cache, self._sample_rows, self.device_sampler, self.outputs,
+                             self.spec_controller, self.spec_accept_lengths, self._count_token,
+                             self._end)
 
     def _count_token(self) -> None:
         self.num_generated_tokens += 1
@@ -711,6 +725,20 @@ class Scheduler:
     @property
     def cache_hit_rate(self) -> float:
         return self.num_cached_prompt_tokens / max(self.num_prompt_tokens, 1)
+
+
+def _rows_of(bitmask: torch.Tensor | None, index: list[int]) -> torch.Tensor | None:
+    return None if bitmask is None else bitmask[index]
+
+
+def _merge(parts: list[tuple[list[int], SampleOutput]], num_rows: int) -> SampleOutput:
+    """One output of `num_rows` rows from parts, each (the rows it covers, its output)."""
+    ids, logprobs, tops = [0] * num_rows, [None] * num_rows, [None] * num_rows
+    for index, out in parts:
+        for j, i in enumerate(index):
+            ids[i], logprobs[i], tops[i] = (out.next_token_ids[j], out.logprobs[j],
+                                            out.top_logprobs[j])
+    return SampleOutput(ids, logprobs, tops)
 
 
 def whole_images(req: Req, start: int, n: int) -> int:

@@ -62,6 +62,14 @@ class DraftTree:
         """The child of `node` drafted as `token`, if any."""
         return self._children[node].get(token)
 
+    def paths(self) -> list[list[int]]:
+        """Each node's tokens from the root's child down to it (the root's: none): what the
+        request has output past its last token once a walk reaches the node."""
+        out: list[list[int]] = [[]]
+        for j in range(1, self.num_nodes):
+            out.append(out[self.parents[j]] + [self.tokens[j]])
+        return out
+
     def mask(self) -> torch.Tensor:
         """bool [N, N]: node i sees node j iff j is i or an ancestor of i."""
         n = self.num_nodes

@@ -101,6 +101,8 @@ def _figures_present(section: dict) -> None:
             "chi2 top_k 2", "chi2 top_p 0.75", "chi2 min_p 0.3"}
         assert all(figs[k] < 24.3 for k in figs if k.startswith("chi2"))
         assert figs["device_ms"] > 0 and figs["host_ms"] > 0
+        assert figs["ahead_equal"] == 24 and figs["verify_sampled_equal"] is True
+        assert "verify_max_syncs" not in figs
     else:  # pragma: no cover - a new section needs its checks here
         raise AssertionError(f"no figure checks for section {name!r}")
 

@@ -1,10 +1,13 @@
 """Speculation tests' helpers: the speculative step as the scheduler runs it (a batch of
 decoding requests, a drafter, its context, and the plain steps the scheduler would have
-recorded), a random EAGLE-3 head, and the weights the real-model tests pin."""
+recorded), a random EAGLE-3 head, a tiny target whose drafts get accepted, and the weights the
+real-model tests pin."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,6 +33,32 @@ def random_head(folder: str, vocab: int, hidden: int, layers: int) -> str:
     head.t2d[:] = True
     head.save(folder)
     return folder
+
+
+def markov_llama(folder: Path) -> str:
+    """A tiny random llama (hidden 64, 2 layers, the default tokenizer) saved to `folder`,
+    whose attention outputs are zero: its next token depends on the last one only, a Markov
+    chain over tokens, so a prompt holding the likely walks from a token gets n-gram drafts
+    accepted (needs transformers)."""
+    import transformers
+
+    from sglang_like.model_loader import load_tokenizer
+
+    tok = load_tokenizer()
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
+    torch.manual_seed(7)
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(folder, safe_serialization=True)
+    return str(folder)
 
 
 def draft_context(ctl: SpecController) -> DraftContext:

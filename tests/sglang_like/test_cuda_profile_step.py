@@ -11,9 +11,13 @@ Budgets, and what the syncs beyond one are (to be removed by later work):
   `max_extend_len`, known on the host);
 - a step where requests finish: 1 as well;
 - verify, every request greedy (`spec_verify.takes_argmax`): 1, the argmax of every node;
-- verify with sampled requests: 1 as well, but it is the whole verify's logits copied to the
-  host, where the tree walk samples them with the host sampler (node by node: whether a
-  node's child is taken depends on the token drawn at the node).
+- verify with sampled requests: 1 as well, the token of every node of every tree, drawn at
+  once on the device (`DeviceSampler.sample_ahead`: a node's draw depends on its request's
+  seed and output index, and its penalties on the path, all known before the walk), which
+  the walk then descends through; a grammar's request is walked node by node (its matcher
+  takes each token before the next mask), by the device sampler: 1 more per depth it
+  reaches; DRY / XTC requests 1 more: their own rows copied to the host, where the host
+  sampler walks them.
 
 - EAGLE-3 (a random head), a step that verifies and drafts: 3, the budget below (what they
   are: the verify's argmax; the head's top-k candidates, one copy per head run (after the
@@ -119,20 +123,60 @@ def test_prefill_and_decode_steps_stay_within_budget(weights, tokenizer) -> None
     assert all(r.is_finished and len(r.output_ids) == 8 for r in reqs)
 
 
-@pytest.mark.parametrize(("params", "syncs"), [
-    ([dict(temperature=0.0)] * 2, ["tolist"]),  # the nodes' argmax, read off the device
-    ([dict(temperature=0.0), dict(temperature=0.7, seed=3)], ["cpu"]),  # the logits' copy
+DRY = dict(temperature=0.0, dry_multiplier=0.8)
+
+
+@pytest.mark.parametrize(("params", "logprobs", "syncs"), [
+    ([dict(temperature=0.0)] * 2, False, ["tolist"]),  # the nodes' argmax, off the device
+    ([dict(temperature=0.0), dict(temperature=0.7, seed=3)], False, ["cpu"]),  # their draws
+    (PARAMS + [dict(temperature=0.9, min_new_tokens=6, logit_bias={"11": 2.0}, seed=4)], True,
+     ["cpu"]),
+    # the draws, then the DRY request's rows to the host walk
+    ([dict(temperature=0.7, seed=3), DRY], False, ["cpu", "cpu"]),
 ])
-def test_verify_steps_stay_within_budget(weights, tokenizer, params, syncs) -> None:
+def test_verify_steps_stay_within_budget(weights, tokenizer, params, logprobs, syncs) -> None:
     with cuda_profile() as profile:
         sched = _scheduler(weights, tokenizer, "cuda", _Drafter())
-        _add(sched, params)
+        reqs = _add(sched, params)
+        reqs[-1].return_logprob, reqs[-1].top_logprobs_num = logprobs, 2 * logprobs
         _step(sched, profile)  # the prefill
         for _ in range(3):
             assert _step(sched, profile) == syncs
             assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
             # the host sampler's native argmax runs on the host copy only
-            assert set(profile.native_calls) <= ({"argmax_rows"} if syncs == ["cpu"] else set())
+            assert set(profile.native_calls) <= ({"argmax_rows"} if DRY in params else set())
+
+
+class _AnyToken:
+    """A grammar that allows every token: its mask still comes from the host at each node."""
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1
+
+    def accept_token(self, token: int) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def jump_forward_string(self) -> str:
+        return ""
+
+
+def test_a_grammar_walks_on_the_device_one_copy_per_depth(weights, tokenizer) -> None:
+    with cuda_profile() as profile:
+        sched = _scheduler(weights, tokenizer, "cuda", _Drafter())
+        drawn, masked = _add(sched, [dict(temperature=0.7, seed=3),
+                                     dict(temperature=0.8, seed=5)])
+        masked.grammar = _AnyToken()
+        _step(sched, profile)  # the prefill
+        for _ in range(3):
+            accepted = masked.spec.accepted_drafts
+            syncs = _step(sched, profile)
+            depths = masked.spec.accepted_drafts - accepted + 1
+            assert syncs == ["cpu"] * (1 + depths)  # the drawn tree, then each depth's token
+            assert profile.triton_calls["apply_token_bitmask_"] == depths
+            assert not profile.native_calls
 
 
 EAGLE_PREFILL_BUDGET, EAGLE_STEP_BUDGET = 2, 3

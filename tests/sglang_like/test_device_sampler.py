@@ -1,5 +1,6 @@
 """The device sampler: greedy as the host's argmax, draws from the right distribution, seeds
-that do not depend on the batch, and one device-to-host copy a step under the CUDA profile."""
+that do not depend on the batch, rows drawn ahead (a tree's nodes) as they would be drawn
+later, and one device-to-host copy a step under the CUDA profile."""
 
 from __future__ import annotations
 
@@ -163,4 +164,61 @@ def test_one_device_to_host_copy_under_the_cuda_profile() -> None:
     assert profile.syncs == ["cpu"]
     assert profile.triton_calls == {"apply_token_bitmask_": 1}
     assert not profile.reference_calls and not profile.native_calls
+    assert out == expected
+
+
+AHEAD_PARAMS = [  # (seed, output so far, params, logprobs asked)
+    (1, (9, 4), dict(temperature=0.9, top_k=8, repetition_penalty=1.6), False),
+    (2, (4,), dict(top_p=0.9, frequency_penalty=1.5, presence_penalty=1.0,
+                   logit_bias={"9": 2.0, "30": -4.0}), True),
+    (3, (9, 9), dict(min_p=0.05, min_new_tokens=4, stop_token_ids=[3]), False),
+    (4, (7,), dict(temperature=0.0, repetition_penalty=2.0, presence_penalty=3.0), True),
+]
+PATHS = [[], [9], [9, 4], [4], [4, 9, 9], [30]]  # a tree's nodes: root, then paths below
+
+
+def _rows_ahead(seed: int) -> torch.Tensor:
+    logits = _logits(len(AHEAD_PARAMS) * len(PATHS), seed=seed)
+    logits[:, EOS] = logits[:, 3] = 9.0  # min_new_tokens must hold them back
+    logits[:, 9] = logits[:, 4] = 8.0  # penalties over the path must move the choice
+    return logits
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_drawn_ahead_are_the_rows_drawn_later(seed: int) -> None:
+    """Row (request, path) drawn in one `sample_ahead` call gets what `sample` gives the
+    request once it has output the path: the same token, logprob and top logprobs."""
+    sampler = DeviceSampler({EOS}, V)
+    logits = _rows_ahead(seed)
+    reqs = [_req(seed=s, output=out, return_logprob=lp, top_logprobs_num=2 * lp, **params)
+            for s, out, params, lp in AHEAD_PARAMS]
+    owners = [k for k in range(len(reqs)) for _ in PATHS]
+    ahead = sampler.sample_ahead(logits.clone(), reqs, owners, PATHS * len(reqs))
+    for i, k in enumerate(owners):
+        s, out, params, lp = AHEAD_PARAMS[k]
+        later = _req(seed=s, output=out + tuple(PATHS[i % len(PATHS)]), return_logprob=lp,
+                     top_logprobs_num=2 * lp, **params)
+        want = sampler.sample(logits[i : i + 1].clone(), [later])
+        assert ahead.next_token_ids[i] == want.next_token_ids[0], (i, k)
+        assert ahead.logprobs[i] == want.logprobs[0]
+        assert ahead.top_logprobs[i] == want.top_logprobs[0]
+    # the path moved the choice somewhere (penalties, min_new_tokens' index), or this test
+    # would not tell drawing ahead from drawing at the root
+    roots = [ahead.next_token_ids[k * len(PATHS)] for k in range(len(reqs))]
+    assert any(ahead.next_token_ids[i] != roots[k] for i, k in enumerate(owners))
+
+
+def test_drawing_ahead_refuses_grammars_and_costs_one_copy_under_the_cuda_profile() -> None:
+    sampler = DeviceSampler({EOS}, V)
+    with pytest.raises(ValueError, match="grammar"):
+        sampler.sample_ahead(_logits(1), [_req(seed=1, grammar=True)], [0], [[]])
+    reqs = [_req(seed=s, output=out, return_logprob=lp, top_logprobs_num=2 * lp, **params)
+            for s, out, params, lp in AHEAD_PARAMS]
+    owners = [k for k in range(len(reqs)) for _ in PATHS]
+    host_logits = _rows_ahead(0)
+    expected = sampler.sample_ahead(host_logits.clone(), reqs, owners, PATHS * len(reqs))
+    with cuda_profile() as profile:
+        out = sampler.sample_ahead(host_logits.to("cuda"), reqs, owners, PATHS * len(reqs))
+    assert profile.syncs == ["cpu"]
+    assert profile.uploads == ["to", "to"]  # the test's logits, then the sampler's one copy
     assert out == expected

@@ -5,7 +5,8 @@ logits the runner hands back to the tokens appended (sampling, logprobs, grammar
 stop checks, the KV rows it reads back); not the fake runner's forward, which stands for the
 model (its reads of req_to_token are the attention kernel's, on the device). The runner's
 req_to_token lives on the "device" as the real one's does (the scheduler reads its slots back
-from the pool's host copy).
+from the pool's host copy). A verify step is held to the same budget: its sampled requests'
+tree nodes are drawn at once on the device, one copy of their tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sglang_like.sampling_params import SamplingParams
 from sglang_like.scheduler import Scheduler, SchedulerConfig
 
 from .cuda_profile import CudaProfile, cuda_profile
-from .fake_runner import VOCAB, FakeRunner
+from .fake_runner import VOCAB, FakeRunner, ScriptedDrafter
 
 EOS = frozenset({0, 2})
 STEP_BUDGET = 1  # the chosen tokens (and logprobs), one copy, prefill or decode
@@ -35,11 +36,13 @@ class DeviceFakeRunner(FakeRunner):
         self.profile = profile
         self.req_to_token_pool = ReqToTokenPool(max_rows, context_len, "cuda")
         self.device = torch.device("cuda")
+        self.to_host: list[bool] = []  # each forward's: were its logits asked for on the host?
 
     def forward(self, batch, to_host: bool = True) -> torch.Tensor:
+        self.to_host.append(to_host)
         with self.profile.uncounted():
-            logits = super().forward(batch)
-        return logits if to_host else logits.to("cuda")
+            logits = super().forward(batch).to("cuda")
+        return logits.cpu() if to_host else logits  # the logits' copy to the host is a sync
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +64,18 @@ def _requests() -> list[Req]:
     return reqs
 
 
+def _scheduler(profile: CudaProfile, tokenizer, drafter: object = None
+               ) -> tuple[Scheduler, DeviceFakeRunner]:
+    runner = DeviceFakeRunner(profile, 512, 9, 256)
+    config = SchedulerConfig(pool_size=512, context_len=256, vocab_size=VOCAB,
+                             max_running_requests=8, chunked_prefill_size=None,
+                             device_sampling=True, speculative_auto_disable=False)
+    return Scheduler(config, runner, tokenizer, EOS, drafter), runner
+
+
 def test_a_decode_step_syncs_once(tokenizer) -> None:
     with cuda_profile() as profile:
-        runner = DeviceFakeRunner(profile, 512, 9, 256)
-        config = SchedulerConfig(pool_size=512, context_len=256, vocab_size=VOCAB,
-                                 max_running_requests=8, chunked_prefill_size=None,
-                                 device_sampling=True)
-        sched = Scheduler(config, runner, tokenizer, EOS)
+        sched, runner = _scheduler(profile, tokenizer)
         reqs = _requests()
         for r in reqs:
             sched.add_request(r)
@@ -82,3 +90,24 @@ def test_a_decode_step_syncs_once(tokenizer) -> None:
             assert profile.syncs == ["cpu"] * STEP_BUDGET, profile.syncs
     assert all(len(r.output_ids) == 6 and not r.is_finished for r in reqs)
     assert reqs[2].logprobs.output_top[-1] and len(reqs[2].logprobs.output_top[-1]) == 2
+
+
+def test_a_verify_step_with_sampled_requests_syncs_once(tokenizer) -> None:
+    """Every request verifies a tree (two right drafts, a wrong sibling at each depth): greedy,
+    sampled with penalties, logit bias and logprobs, min_new_tokens; one copy of the drawn
+    tokens a step, where the walk used to copy the whole verify's logits to the host."""
+    with cuda_profile() as profile:
+        sched, runner = _scheduler(profile, tokenizer, ScriptedDrafter(depth=3, right=2))
+        reqs = _requests()
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()  # the prompts
+        for _ in range(3):
+            profile.reset()
+            sched.step()
+            assert runner.batches[-1].has_trees
+            assert profile.syncs == ["cpu"] * STEP_BUDGET, profile.syncs
+            # the copy is the drawn tokens': the logits stay, no host sampler runs
+            assert runner.to_host[-1] is False and not profile.native_calls
+    assert all(len(r.output_ids) == 10 for r in reqs)  # 1, then 3 tokens a verify
+    assert len(reqs[2].logprobs.output_top) == 10 and len(reqs[2].logprobs.output_top[-1]) == 2

@@ -17,7 +17,7 @@ import sglang_like_kernels
 import sglang_like_kernels.cpu
 
 from .prompts import PROMPTS
-from .spec_fakes import SPEC_QUANT, random_head
+from .spec_fakes import SPEC_QUANT, markov_llama, random_head
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -524,25 +524,8 @@ def test_pool_accounting_with_speculation_aborts_and_retraction(make_engine) -> 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    from sglang_like.model_loader import load_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-spec")
-    tok = load_tokenizer()
-    tok.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
-    torch.manual_seed(7)
-    config = transformers.AutoConfig.for_model(
-        "llama", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # no attention output: the next token depends on the last one only
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    model.save_pretrained(folder, safe_serialization=True)
-    return str(folder)
+    pytest.importorskip("transformers")
+    return markov_llama(tmp_path_factory.mktemp("tiny-spec"))
 
 
 def _first_tokens(engine, prompt: list[int], seeds: range, k: int) -> list[tuple[int, ...]]:
