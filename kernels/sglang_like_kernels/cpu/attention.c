@@ -429,6 +429,88 @@ static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, flo
     }
 }
 
+// The pieces both int8 kernels below are made of (G <= 4 query heads of one kv head;
+// always inlined, so each kernel's G is a constant in them).
+#define I8_INLINE static inline __attribute__((always_inline))
+
+// the G heads' int32 dots of q16 [G, D] with the codes of keys k0 and k1, as lane vectors:
+// buf[j][p] and buf[j][p + 1] (eight keys' are reduced together by i8_scores8)
+I8_INLINE void i8_dot_pair(int G, const int16_t *q16, int64_t D, const int8_t *k0,
+                           const int8_t *k1, __m256i (*buf)[8], int p) {
+    __m256i a[4][2];
+    for (int j = 0; j < G; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));
+        const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k1 + d)));
+        for (int j = 0; j < G; j++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q16 + j * D + d));
+            a[j][0] = dot16_i8(a[j][0], qv, x0);
+            a[j][1] = dot16_i8(a[j][1], qv, x1);
+        }
+    }
+    for (int j = 0; j < G; j++) {
+        buf[j][p] = a[j][0];
+        buf[j][p + 1] = a[j][1];
+    }
+}
+
+// eight keys' scores of each head from buf: the dot, times mul[j] (the query's scale and
+// sm_scale), times each key's scale ks, at scores[j * KV_CHUNK + t ...]
+I8_INLINE void i8_scores8(int G, __m256i (*buf)[8], const float *mul, __m256 ks, float *scores,
+                          int64_t t) {
+    for (int j = 0; j < G; j++)
+        _mm256_storeu_ps(scores + j * KV_CHUNK + t,
+                         _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_i32(buf[j])),
+                                                     _mm256_set1_ps(mul[j])), ks));
+}
+
+// one key's scores (the keys past the last multiple of 8), in the same arithmetic
+I8_INLINE void i8_scores1(int G, const int16_t *q16, int64_t D, const int8_t *k0,
+                          const float *mul, float ks, float *scores, int64_t t) {
+    __m256i a[4];
+    for (int j = 0; j < G; j++) a[j] = _mm256_setzero_si256();
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));
+        for (int j = 0; j < G; j++)
+            a[j] = dot16_i8(a[j], _mm256_loadu_si256((const __m256i *)(q16 + j * D + d)), x0);
+    }
+    for (int j = 0; j < G; j++) scores[j * KV_CHUNK + t] = ((float)hsum1_i32(a[j]) * mul[j]) * ks;
+}
+
+// each head's softmax over its n scores (max and sum to its part), its weights times the V
+// scales vs [n], then the weighted sum of the V rows vp + rows[t] * D into part + 2 (16
+// columns at a time, so the G heads' accumulators stay in registers)
+I8_INLINE void i8_values(int G, float *scores, int64_t n, const float *vs, const int8_t *vp,
+                         const int64_t *rows, int64_t D, float softcap, float *part,
+                         int64_t part_stride) {
+    for (int j = 0; j < G; j++) {
+        float *sc = scores + j * KV_CHUNK;
+        if (softcap > 0.0f) softcap_row(sc, n, softcap);
+        const float mx = max_row(sc, n);
+        part[j * part_stride] = mx;
+        part[j * part_stride + 1] = exp_shift_sum(sc, n, mx);
+        for (int64_t t = 0; t < n; t++) sc[t] *= vs[t];
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m256 acc[4][2];
+        for (int j = 0; j < G; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t o = rows[t] * D + d0;
+            const __m256 v0 = load8(vp, KV_I8, o), v1 = load8(vp, KV_I8, o + 8);
+            for (int j = 0; j < G; j++) {
+                const __m256 w = _mm256_broadcast_ss(scores + j * KV_CHUNK + t);
+                acc[j][0] = _mm256_fmadd_ps(w, v0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(w, v1, acc[j][1]);
+            }
+        }
+        for (int j = 0; j < G; j++) {
+            _mm256_storeu_ps(part + j * part_stride + 2 + d0, acc[j][0]);
+            _mm256_storeu_ps(part + j * part_stride + 2 + d0 + 8, acc[j][1]);
+        }
+    }
+}
+
+// G query heads of kv head g over keys [t0, t1) of `slots`
 #define ATTEND_I8(G)                                                                            \
     static void attend_i8_##G(                                                                  \
         const int16_t *q16, const float *qs, const int32_t *slots, int64_t t0, int64_t t1,      \
@@ -458,73 +540,15 @@ static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, flo
                         prefetch_row_l2(vp, KV_I8, row0, Hkv * D);                              \
                     }                                                                           \
                 }                                                                               \
-                const int8_t *k0 = kp + rows[t + p] * D, *k1 = kp + rows[t + p + 1] * D;        \
-                __m256i a[G][2];                                                                \
-                for (int j = 0; j < G; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();         \
-                for (int64_t d = 0; d < D; d += 16) {                                           \
-                    const __m256i x0 =                                                          \
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));       \
-                    const __m256i x1 =                                                          \
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k1 + d)));       \
-                    for (int j = 0; j < G; j++) {                                               \
-                        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q16 + j * D + d)); \
-                        a[j][0] = dot16_i8(a[j][0], qv, x0);                                    \
-                        a[j][1] = dot16_i8(a[j][1], qv, x1);                                    \
-                    }                                                                           \
-                }                                                                               \
-                for (int j = 0; j < G; j++) {                                                   \
-                    buf[j][p] = a[j][0];                                                        \
-                    buf[j][p + 1] = a[j][1];                                                    \
-                }                                                                               \
+                i8_dot_pair(G, q16, D, kp + rows[t + p] * D, kp + rows[t + p + 1] * D, buf, p); \
             }                                                                                   \
             for (int i = 0; i < 8; i++) kss[t + i] = ksc[rows[t + i]];                          \
-            const __m256 ks = _mm256_loadu_ps(kss + t);                                         \
-            for (int j = 0; j < G; j++)                                                         \
-                _mm256_storeu_ps(scores + j * KV_CHUNK + t,                                     \
-                                 _mm256_mul_ps(_mm256_mul_ps(                                   \
-                                     _mm256_cvtepi32_ps(hsum8_i32(buf[j])),                     \
-                                     _mm256_set1_ps(mul[j])), ks));                             \
+            i8_scores8(G, buf, mul, _mm256_loadu_ps(kss + t), scores, t);                       \
         }                                                                                       \
-        for (; t < n; t++) {                                                                    \
-            const int8_t *k0 = kp + rows[t] * D;                                                \
-            __m256i a[G];                                                                       \
-            for (int j = 0; j < G; j++) a[j] = _mm256_setzero_si256();                          \
-            for (int64_t d = 0; d < D; d += 16) {                                               \
-                const __m256i x0 =                                                              \
-                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));           \
-                for (int j = 0; j < G; j++)                                                     \
-                    a[j] = dot16_i8(a[j], _mm256_loadu_si256((const __m256i *)(q16 + j * D + d)), \
-                                    x0);                                                        \
-            }                                                                                   \
-            for (int j = 0; j < G; j++)                                                         \
-                scores[j * KV_CHUNK + t] = ((float)hsum1_i32(a[j]) * mul[j]) * ksc[rows[t]];    \
-        }                                                                                       \
+        for (; t < n; t++)                                                                      \
+            i8_scores1(G, q16, D, kp + rows[t] * D, mul, ksc[rows[t]], scores, t);              \
         for (t = 0; t < n; t++) kss[t] = vsc[rows[t]]; /* now the V scales */                   \
-        for (int j = 0; j < G; j++) {                                                           \
-            float *sc = scores + j * KV_CHUNK, mx = -INFINITY;                                  \
-            if (softcap > 0.0f) softcap_row(sc, n, softcap);                                    \
-            mx = max_row(sc, n);                                                                \
-            part[j * part_stride] = mx;                                                         \
-            part[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                               \
-            for (t = 0; t < n; t++) sc[t] *= kss[t];                                            \
-        }                                                                                       \
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {                                                \
-            __m256 acc[G][2];                                                                   \
-            for (int j = 0; j < G; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();            \
-            for (t = 0; t < n; t++) {                                                           \
-                const int64_t o = rows[t] * D + d0;                                             \
-                const __m256 v0 = load8(vp, KV_I8, o), v1 = load8(vp, KV_I8, o + 8);            \
-                for (int j = 0; j < G; j++) {                                                   \
-                    const __m256 w = _mm256_broadcast_ss(scores + j * KV_CHUNK + t);            \
-                    acc[j][0] = _mm256_fmadd_ps(w, v0, acc[j][0]);                              \
-                    acc[j][1] = _mm256_fmadd_ps(w, v1, acc[j][1]);                              \
-                }                                                                               \
-            }                                                                                   \
-            for (int j = 0; j < G; j++) {                                                       \
-                _mm256_storeu_ps(part + j * part_stride + 2 + d0, acc[j][0]);                   \
-                _mm256_storeu_ps(part + j * part_stride + 2 + d0 + 8, acc[j][1]);               \
-            }                                                                                   \
-        }                                                                                       \
+        i8_values(G, scores, n, kss, vp, rows, D, softcap, part, part_stride);                  \
     }
 ATTEND_I8(1)
 ATTEND_I8(2)
@@ -546,7 +570,7 @@ ATTEND_I8(4)
         int64_t D, float sm_scale, float softcap, float *scores, float *part,                   \
         int64_t part_stride, int pf) {                                                          \
         const int64_t n = t1 - t0, row = Hkv * D;                                               \
-        int64_t base[KV_CHUNK]; /* slot * Hkv: head g's row is base + g */                      \
+        int64_t base[KV_CHUNK], rows[KV_CHUNK]; /* slot * Hkv; head g's row is base + g */      \
         float kss[KV_CHUNK];                                                                    \
         __m256i buf[G][8];                                                                      \
         for (int64_t t = 0; t < n; t++) {                                                       \
@@ -562,85 +586,29 @@ ATTEND_I8(4)
                     prefetch_row_l2(vp, KV_I8, base[u] * D, row);                               \
                 }                                                                               \
             for (int64_t g = 0; g < Hkv; g++) {                                                 \
-                const int16_t *qg = q16 + g * G * D;                                            \
-                for (int p = 0; p < 8; p += 2) {                                                \
-                    const int8_t *k0 = kp + (base[t + p] + g) * D;                              \
-                    const int8_t *k1 = kp + (base[t + p + 1] + g) * D;                          \
-                    __m256i a[G][2];                                                            \
-                    for (int j = 0; j < G; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();     \
-                    for (int64_t d = 0; d < D; d += 16) {                                       \
-                        const __m256i x0 =                                                      \
-                            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));   \
-                        const __m256i x1 =                                                      \
-                            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k1 + d)));   \
-                        for (int j = 0; j < G; j++) {                                           \
-                            const __m256i qv =                                                  \
-                                _mm256_loadu_si256((const __m256i *)(qg + j * D + d));          \
-                            a[j][0] = dot16_i8(a[j][0], qv, x0);                                \
-                            a[j][1] = dot16_i8(a[j][1], qv, x1);                                \
-                        }                                                                       \
-                    }                                                                           \
-                    for (int j = 0; j < G; j++) {                                               \
-                        buf[j][p] = a[j][0];                                                    \
-                        buf[j][p + 1] = a[j][1];                                                \
-                    }                                                                           \
-                }                                                                               \
-                float ks8[8];                                                                   \
+                float mul[G], ks8[8];                                                           \
+                for (int j = 0; j < G; j++) mul[j] = qs[g * G + j] * sm_scale;                  \
+                for (int p = 0; p < 8; p += 2)                                                  \
+                    i8_dot_pair(G, q16 + g * G * D, D, kp + (base[t + p] + g) * D,              \
+                                kp + (base[t + p + 1] + g) * D, buf, p);                        \
                 for (int i = 0; i < 8; i++) ks8[i] = ksc[base[t + i] + g];                      \
-                const __m256 ks = _mm256_loadu_ps(ks8);                                         \
-                for (int j = 0; j < G; j++)                                                     \
-                    _mm256_storeu_ps(scores + (g * G + j) * KV_CHUNK + t,                       \
-                                     _mm256_mul_ps(_mm256_mul_ps(                               \
-                                         _mm256_cvtepi32_ps(hsum8_i32(buf[j])),                 \
-                                         _mm256_set1_ps(qs[g * G + j] * sm_scale)), ks));       \
+                i8_scores8(G, buf, mul, _mm256_loadu_ps(ks8), scores + g * G * KV_CHUNK, t);    \
             }                                                                                   \
         }                                                                                       \
         for (; t < n; t++)                                                                      \
             for (int64_t g = 0; g < Hkv; g++) {                                                 \
-                const int8_t *k0 = kp + (base[t] + g) * D;                                      \
-                const int16_t *qg = q16 + g * G * D;                                            \
-                __m256i a[G];                                                                   \
-                for (int j = 0; j < G; j++) a[j] = _mm256_setzero_si256();                      \
-                for (int64_t d = 0; d < D; d += 16) {                                           \
-                    const __m256i x0 =                                                          \
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k0 + d)));       \
-                    for (int j = 0; j < G; j++)                                                 \
-                        a[j] = dot16_i8(a[j], _mm256_loadu_si256((const __m256i *)(qg + j * D + d)), \
-                                        x0);                                                    \
-                }                                                                               \
-                for (int j = 0; j < G; j++)                                                     \
-                    scores[(g * G + j) * KV_CHUNK + t] =                                        \
-                        ((float)hsum1_i32(a[j]) * (qs[g * G + j] * sm_scale)) * ksc[base[t] + g]; \
+                float mul[G];                                                                   \
+                for (int j = 0; j < G; j++) mul[j] = qs[g * G + j] * sm_scale;                  \
+                i8_scores1(G, q16 + g * G * D, D, kp + (base[t] + g) * D, mul,                  \
+                           ksc[base[t] + g], scores + g * G * KV_CHUNK, t);                     \
             }                                                                                   \
         for (int64_t g = 0; g < Hkv; g++) {                                                     \
-            for (t = 0; t < n; t++) kss[t] = vsc[base[t] + g];                                  \
-            float *pg = part + g * G * part_stride;                                             \
-            for (int j = 0; j < G; j++) {                                                       \
-                float *sc = scores + (g * G + j) * KV_CHUNK, mx;                                \
-                if (softcap > 0.0f) softcap_row(sc, n, softcap);                                \
-                mx = max_row(sc, n);                                                            \
-                pg[j * part_stride] = mx;                                                       \
-                pg[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                             \
-                for (t = 0; t < n; t++) sc[t] *= kss[t];                                        \
+            for (t = 0; t < n; t++) {                                                           \
+                rows[t] = base[t] + g;                                                          \
+                kss[t] = vsc[rows[t]];                                                          \
             }                                                                                   \
-            for (int64_t d0 = 0; d0 < D; d0 += 16) {                                            \
-                __m256 acc[G][2];                                                               \
-                for (int j = 0; j < G; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();        \
-                for (t = 0; t < n; t++) {                                                       \
-                    const int64_t o = (base[t] + g) * D + d0;                                   \
-                    const __m256 v0 = load8(vp, KV_I8, o), v1 = load8(vp, KV_I8, o + 8);        \
-                    for (int j = 0; j < G; j++) {                                               \
-                        const __m256 w =                                                        \
-                            _mm256_broadcast_ss(scores + (g * G + j) * KV_CHUNK + t);           \
-                        acc[j][0] = _mm256_fmadd_ps(w, v0, acc[j][0]);                          \
-                        acc[j][1] = _mm256_fmadd_ps(w, v1, acc[j][1]);                          \
-                    }                                                                           \
-                }                                                                               \
-                for (int j = 0; j < G; j++) {                                                   \
-                    _mm256_storeu_ps(pg + j * part_stride + 2 + d0, acc[j][0]);                 \
-                    _mm256_storeu_ps(pg + j * part_stride + 2 + d0 + 8, acc[j][1]);             \
-                }                                                                               \
-            }                                                                                   \
+            i8_values(G, scores + g * G * KV_CHUNK, n, kss, vp, rows, D, softcap,               \
+                      part + g * G * part_stride, part_stride);                                 \
         }                                                                                       \
     }
 ATTEND_I8_ALL(1)
