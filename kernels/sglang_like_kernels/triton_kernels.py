@@ -122,6 +122,20 @@ def _load_kv_block(
 
 
 @triton.jit
+def _query_rows(q, tokens, head, offs_d, m_valid, d_valid, stride_q_t, stride_q_h,
+                DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """Query rows `tokens` [M] of one head as a [M, D] block in DOT_DTYPE (invalid rows and
+    columns 0), and the running (max, sum, acc) of flash attention before any key."""
+    mask = m_valid[:, None] & d_valid[None, :]
+    ptrs = q + tokens[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
+    q_blk = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+    m_i = tl.full(tokens.shape, float("-inf"), tl.float32)
+    l_i = tl.zeros(tokens.shape, tl.float32)
+    acc = tl.zeros([tokens.shape[0], offs_d.shape[0]], tl.float32)
+    return q_blk, m_i, l_i, acc
+
+
+@triton.jit
 def _attend_prefix(
     q_blk, m_i, l_i, acc, m_valid, first_prefix, prefix_start, prefix_len,
     k_pool, v_pool, k_scale, v_scale, token_row, kv_head, offs_d, d_valid,
@@ -316,13 +330,9 @@ def extend_kernel(
     d_valid = offs_d < head_dim
     q_mask = m_valid[:, None] & d_valid[None, :]
     tokens = q_start + offs_m
-    q_ptrs = q + tokens[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
-    q_blk = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+    q_blk, m_i, l_i, acc = _query_rows(q, tokens, head, offs_d, m_valid, d_valid, stride_q_t,
+                                       stride_q_h, DOT_DTYPE)
     q_pos = prefix_len + offs_m
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     token_row = req_to_token + row * stride_table
     # Keys beyond the block's last query are never visible; an empty block loops 0 times.
     key_end = prefix_len + tl.minimum(extend_len, m0 + BLOCK_M)
@@ -388,14 +398,9 @@ def tree_verify_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < num_draft
     d_valid = offs_d < head_dim
-    q_mask = m_valid[:, None] & d_valid[None, :]
     tokens = b * num_draft + offs_m
-    q_ptrs = q + tokens[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
-    q_blk = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_blk, m_i, l_i, acc = _query_rows(q, tokens, head, offs_d, m_valid, d_valid, stride_q_t,
+                                       stride_q_h, DOT_DTYPE)
     token_row = req_to_token + row * stride_table
 
     offs_j = tl.arange(0, BLOCK_M)
@@ -488,14 +493,9 @@ def masked_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < num_rows
     d_valid = offs_d < head_dim
-    q_mask = m_valid[:, None] & d_valid[None, :]
     tokens = q_start + offs_m
-    q_ptrs = q + tokens[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
-    q_blk = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_blk, m_i, l_i, acc = _query_rows(q, tokens, head, offs_d, m_valid, d_valid, stride_q_t,
+                                       stride_q_h, DOT_DTYPE)
     token_row = req_to_token + row * stride_table
     mask_rows = masks + mask_start + offs_m.to(tl.int64)[:, None] * num_cols
     q_pos = prefix_len + offs_m
