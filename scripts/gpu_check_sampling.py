@@ -216,6 +216,18 @@ def _step_syncs(ctx: Any, sched: Any) -> list[str]:
             if "synchroniz" in str(w.message)]
 
 
+def _report_syncs(report: Any, ctx: Any, label: str, figure: str, config: Any,
+                  worst: list[str]) -> bool:
+    """The row (and figure) of the most syncs a step took; False without a GPU to count
+    them on (torch's sync debug mode counts CUDA syncs only)."""
+    counted = ctx.device.type == "cuda"
+    report.rows.append([label, f"V{config.vocab_size}", str(len(worst)) if counted else "-",
+                        ", ".join(worst[:4]) if counted else "no GPU"])
+    if counted:
+        report.figures[figure] = len(worst)
+    return counted
+
+
 def check_steps(ctx: Any, report: Any, config: Any, num_steps: int) -> None:
     from sglang_like.req import Req
     from sglang_like.sampling_params import SamplingParams
@@ -238,14 +250,10 @@ def check_steps(ctx: Any, report: Any, config: Any, num_steps: int) -> None:
                 worst = syncs
         outputs[on] = [r.output_ids for r in reqs[:2]]
     same = outputs[False] == outputs[True]
-    counted = ctx.device.type == "cuda"
     report.rows.append(["steps: greedy off = on", f"{num_steps} decode steps", str(same), ""])
-    report.rows.append(["steps: syncs / decode step (most)", f"V{config.vocab_size}",
-                        str(len(worst)) if counted else "-",
-                        ", ".join(worst[:4]) if counted else "no GPU"])
+    counted = _report_syncs(report, ctx, "steps: syncs / decode step (most)", "steps_max_syncs",
+                            config, worst)
     report.figures["steps_greedy_equal"] = same
-    if counted:
-        report.figures["steps_max_syncs"] = len(worst)
     if not same:
         report.failures.append("steps: greedy tokens differ with device sampling on")
     if counted and len(worst) > 1:
@@ -359,15 +367,11 @@ def check_verify(ctx: Any, report: Any, config: Any, max_new: int) -> None:
         if drafter is not None:
             accepted = sum(n for length, n in sched.spec_accept_lengths.items() if length > 1)
     same = outputs[None] == outputs["own"]
-    counted = ctx.device.type == "cuda"
     report.rows.append(["verify: sampled spec = plain", f"{len(kinds)} x {max_new} tokens",
                         str(same), f"{accepted} verifies took drafts"])
-    report.rows.append(["verify: syncs / step (most)", f"V{config.vocab_size}",
-                        str(len(worst)) if counted else "-",
-                        ", ".join(worst[:4]) if counted else "no GPU"])
+    counted = _report_syncs(report, ctx, "verify: syncs / step (most)", "verify_max_syncs",
+                            config, worst)
     report.figures["verify_sampled_equal"] = same
-    if counted:
-        report.figures["verify_max_syncs"] = len(worst)
     if not same or not accepted:
         report.failures.append(f"verify: sampled outputs equal {same}, {accepted} verifies "
                                "took drafts")

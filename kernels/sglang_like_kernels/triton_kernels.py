@@ -143,8 +143,9 @@ def _attend_prefix(
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, KV_KIND: tl.constexpr,
 ):  # fmt: skip
-    """Fold a verify's fully visible prefix keys [prefix_start, prefix_len) into the running
-    (max, sum, acc); with USE_WINDOW row i sees them from first_prefix[i] on."""
+    """Fold keys [prefix_start, prefix_len) of one req_to_token row, each visible to every
+    valid row (a verify's prefix, a decode split), into the running (max, sum, acc); with
+    USE_WINDOW row i sees them from first_prefix[i] on."""
     for n0 in range(prefix_start, prefix_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < prefix_len
@@ -244,25 +245,17 @@ def decode_split_kernel(
     g_valid = offs_g < group
     d_valid = offs_d < head_dim
     heads = kv_head * group + offs_g
-    q_ptrs = q + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :]
-    q_mask = g_valid[:, None] & d_valid[None, :]
-    q_blk = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # the block's rows are the group's query heads of request b
+    q_blk, m_i, l_i, acc = _query_rows(q + b * stride_q_b, heads, 0, offs_d, g_valid, d_valid,
+                                       stride_q_h, 0, DOT_DTYPE)
     token_row = req_to_token + row * stride_table
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < end
-        k, v = _load_kv_block(
-            k_pool, v_pool, k_scale, v_scale, token_row, offs_n, n_valid, kv_head, offs_d,
-            d_valid, stride_pool_s, stride_pool_h, stride_scale_s, DOT_DTYPE, KV_KIND,
-        )  # fmt: skip
-        allowed = g_valid[:, None] & n_valid[None, :]
-        m_i, l_i, acc = _online_softmax_step(
-            q_blk, k, v, allowed, m_i, l_i, acc, sm_scale, softcap, DOT_DTYPE, USE_SOFTCAP
-        )
+    # the window is in [start, end) already
+    m_i, l_i, acc = _attend_prefix(
+        q_blk, m_i, l_i, acc, g_valid, start, start, end,
+        k_pool, v_pool, k_scale, v_scale, token_row, kv_head, offs_d, d_valid,
+        stride_pool_s, stride_pool_h, stride_scale_s, sm_scale, softcap,
+        BLOCK_N, DOT_DTYPE, False, USE_SOFTCAP, KV_KIND,
+    )  # fmt: skip
 
     mid = (b * num_q_heads + heads) * NUM_SPLITS + split
     _store_partial(mid_out, mid_lse, mid, m_i, l_i, acc, offs_d, g_valid, d_valid, head_dim)
