@@ -86,7 +86,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         **_lora_args(server_args),
     )
     runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype,
-                           pool_slots(sa, loaded.config, kv_dtype, device))
+                           pool_slots(sa, loaded.config, kv_dtype, device, spec))
     num_slots = runner.kv_pool.num_slots
     sa = sa.replace(max_total_tokens=num_slots)
     eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
@@ -232,15 +232,23 @@ def resolve_mem_fraction(fraction: float | None, device: torch.device) -> float:
 
 
 def pool_slots(sa: ServerArgs, config: ModelConfig, kv_dtype: torch.dtype,
-               device: torch.device) -> int | Callable[[int], int]:
+               device: torch.device, spec: SpecConfig | None = None
+               ) -> int | Callable[[int], int]:
     """The KV pool's size: `max_total_tokens` when given; on CUDA a function of the pool's
     bytes per token, which ModelRunner calls once the weights are on the GPU
-    (`cuda_pool_slots`); elsewhere sized now from the host's available memory."""
+    (`cuda_pool_slots`, less what an EAGLE drafter will add: its head and its own pool);
+    elsewhere sized now from the host's available memory."""
     if sa.max_total_tokens:
         return sa.max_total_tokens
     if device.type == "cuda":
+        reserve = (0, 0)
+        if spec is not None and spec.algorithm in ("EAGLE", "EAGLE3"):
+            from sglang_like.speculative.head_loader import draft_head_footprint
+
+            reserve = draft_head_footprint(spec.draft_model_path)
         return functools.partial(cuda_pool_slots, device=device,
-                                 fraction=sa.mem_fraction_static, context_len=sa.context_length)
+                                 fraction=sa.mem_fraction_static, context_len=sa.context_length,
+                                 reserve=reserve)
     return _auto_pool_size(config, kv_dtype, sa.mem_fraction_static)
 
 
@@ -253,26 +261,33 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 
 def cuda_pool_slots(bytes_per_token: int, *, device: torch.device, fraction: float,
-                    context_len: int) -> int:
+                    context_len: int, reserve: tuple[int, int] = (0, 0)) -> int:
     """SGLang's sizing: weights and KV pool together take `fraction` of the GPU's memory.
     Read once the weights are placed, what is in use then (weights, the CUDA context, other
     processes) comes off total x fraction and the pool gets the rest; the other 1 - fraction
-    is left for activations and the allocator. ValueError when that is not one context."""
+    is left for activations and the allocator. `reserve`: (bytes, bytes per slot) placed after
+    the pool and within the fraction (an EAGLE head and its pool, `draft_head_footprint`).
+    ValueError when that is not one context."""
     free, total = device_memory(device)
     used = total - free
-    budget = int(total * fraction) - used
-    num_slots = max(budget, 0) // bytes_per_token
+    fixed, per_slot = reserve
+    budget = int(total * fraction) - used - fixed
+    num_slots = max(budget, 0) // (bytes_per_token + per_slot)
     if num_slots < context_len:
+        draft = (f" (the draft head takes {fixed / _GIB:.2f} GiB and {per_slot} bytes a "
+                 f"token of it)" if fixed or per_slot else "")
         raise ValueError(
             f"no room for a KV pool of one context ({context_len} tokens) on {device}: "
             f"--mem-fraction-static {fraction:g} of its {total / _GIB:.2f} GiB is "
             f"{total * fraction / _GIB:.2f} GiB, and {used / _GIB:.2f} GiB are in use once the "
-            f"weights are placed, leaving {budget / _GIB:.2f} GiB for {num_slots} tokens of "
-            f"{bytes_per_token} bytes; raise --mem-fraction-static, lower --context-length, "
-            f"or set --max-total-tokens")
+            f"weights are placed, leaving {budget / _GIB:.2f} GiB{draft} for {num_slots} tokens "
+            f"of {bytes_per_token + per_slot} bytes; raise --mem-fraction-static, lower "
+            f"--context-length, or set --max-total-tokens")
     logger.info("KV pool: %d tokens (%.2f GiB) = %g of %.2f GiB on %s less %.2f GiB in use "
-                "once the weights are placed", num_slots, num_slots * bytes_per_token / _GIB,
-                fraction, total / _GIB, device, used / _GIB)
+                "once the weights are placed%s", num_slots, num_slots * bytes_per_token / _GIB,
+                fraction, total / _GIB, device, used / _GIB,
+                f" and {(fixed + num_slots * per_slot) / _GIB:.2f} GiB for the draft head"
+                if fixed or per_slot else "")
     return num_slots
 
 

@@ -156,3 +156,45 @@ def test_workers_take_rank_0s_pool_size(tmp_path: object) -> None:
     store.set("tp/num_kv_slots", b"0")  # what a group closed before sizing leaves
     with pytest.raises(RuntimeError, match="before sizing"):
         wait_num_kv_slots(store, lambda: None)
+
+
+def test_cuda_pool_leaves_room_for_the_draft_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EAGLE drafter is built after the pool is sized: its head's weights and its own pool
+    (one slot per target slot) come off the same budget first."""
+    monkeypatch.setattr(setup_mod, "device_memory", FakeMemory(64 * GIB, 80 * GIB))
+    # 0.85 of 80 GiB = 68 GiB, 16 in use, 1 GiB of head: 51 GiB at 131072 + 8192 a token
+    got = setup_mod.cuda_pool_slots(131072, device=CUDA, fraction=0.85, context_len=16,
+                                    reserve=(GIB, 8192))
+    assert got == 51 * GIB // (131072 + 8192)
+    with pytest.raises(ValueError, match="the draft head takes 52.00 GiB"):
+        setup_mod.cuda_pool_slots(131072, device=CUDA, fraction=0.85, context_len=16,
+                                  reserve=(52 * GIB, 8192))
+
+
+def test_draft_head_footprint_is_what_the_drafter_places() -> None:
+    """The footprint read from the head's folder (built on the meta device) is the bytes the
+    loaded head (as a GPU keeps it: float32, no native copy) and the drafter's pool take: the
+    shipped EAGLE-3 head on the default model, and pool_slots hands it to the CUDA sizing."""
+    from sglang_like.engine import Engine
+    from sglang_like.speculative import DEFAULT_HEAD
+    from sglang_like.speculative.head_loader import draft_head_footprint, load_draft_head
+
+    weights, per_token = draft_head_footprint(DEFAULT_HEAD)
+    head = load_draft_head(DEFAULT_HEAD)
+    assert weights == sum(t.numel() * t.element_size()
+                          for t in (*head.parameters(), *head.buffers()))
+    engine = Engine(speculative_algorithm="EAGLE3", max_total_tokens=2048,
+                    engine_in_process=True, log_level="warning")
+    try:
+        assert per_token == engine.scheduler.drafter.pool.bytes_per_slot
+        assert weights > 1 << 20 and per_token > 0
+        spec = setup_mod.resolve_spec_config(_args(speculative_algorithm="EAGLE3"),
+                                             default_model=True)
+        sized = setup_mod.pool_slots(_args(mem_fraction_static=0.85), TINY, torch.bfloat16,
+                                     CUDA, spec)
+        assert sized.keywords["reserve"] == (weights, per_token)
+        plain = setup_mod.pool_slots(_args(mem_fraction_static=0.85), TINY, torch.bfloat16,
+                                     CUDA, None)
+        assert plain.keywords["reserve"] == (0, 0)
+    finally:
+        engine.shutdown()

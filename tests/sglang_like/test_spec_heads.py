@@ -142,7 +142,7 @@ def test_eagle1_head_round_trips_in_sglang_layout(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 
     from sglang_like.speculative.eagle1_head import Eagle1Config, Eagle1Head
-    from sglang_like.speculative.head_loader import load_draft_head
+    from sglang_like.speculative.head_loader import draft_head_footprint, load_draft_head
 
     torch.manual_seed(0)
     head = Eagle1Head(Eagle1Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -158,6 +158,11 @@ def test_eagle1_head_round_trips_in_sglang_layout(tmp_path) -> None:
     assert config["architectures"] == ["LlamaForCausalLMEagle"]
     back = load_draft_head(str(tmp_path))
     assert isinstance(back, Eagle1Head)
+    # what CUDA pool sizing reserves for it, read from the folder alone: the bytes it holds
+    # loaded, and its drafter's one-layer float32 pool (K and V of 2 kv heads of 8 values)
+    assert draft_head_footprint(str(tmp_path)) == (
+        sum(t.numel() * t.element_size() for t in (*back.parameters(), *back.buffers())),
+        2 * 2 * 8 * 4)
     for (n, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3, msg=n)
     tensors = {f"model.{k}": v for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
