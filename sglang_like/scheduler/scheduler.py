@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import random
 import time
@@ -634,23 +635,36 @@ class Scheduler:
                 # nothing predicts the first prompt token: its entry has no logprob
                 record.input_token.append((None, req.origin_input_ids[0]))
                 record.input_top.append(None)
-        if not any(batch.input_logprob_rows):
+        wanted = [(req, rows) for req, rows in zip(batch.reqs, batch.input_logprob_rows,
+                                                   strict=True) if rows]
+        if not wanted:
             return
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        for i, req in enumerate(batch.reqs):
-            rows = batch.input_logprob_rows[i]
-            if not rows:
-                continue
+        # only the rows asked for are normalized, all of them in one gather, and the top
+        # entries in one topk per distinct count: a handful of copies to the host a forward,
+        # not a few per prompt token (on a GPU each is a sync)
+        device = logits.device
+        idx = torch.tensor([r[0] for _, rows in wanted for r in rows], device=device)
+        targets = torch.tensor([r[1] for _, rows in wanted for r in rows], device=device)
+        lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+        values = lp.gather(1, targets[:, None])[:, 0].tolist()
+        starts = list(itertools.accumulate((len(rows) for _, rows in wanted), initial=0))
+        tops: dict[int, list] = {}  # position in `wanted` -> its rows' (values, ids)
+        for k in sorted({req.top_logprobs_num for req, _ in wanted} - {0}):
+            mine = [j for j, (req, _) in enumerate(wanted) if req.top_logprobs_num == k]
+            sel = torch.cat([torch.arange(starts[j], starts[j + 1]) for j in mine])
+            v, ids = torch.topk(lp.index_select(0, sel.to(device)), k)
+            v, ids, at = v.tolist(), ids.tolist(), 0
+            for j in mine:
+                n = starts[j + 1] - starts[j]
+                tops[j] = list(zip(v[at:at + n], ids[at:at + n], strict=True))
+                at += n
+        for j, (req, rows) in enumerate(wanted):
             record = req.logprobs
-            idx = torch.tensor([r[0] for r in rows])
-            targets = torch.tensor([r[1] for r in rows])
-            sub = lp[idx]
-            values = sub[torch.arange(len(rows)), targets].tolist()
             for k, (_, token, _) in enumerate(rows):
-                record.input_token.append((values[k], token))
-                if req.top_logprobs_num > 0:
-                    v, ids = torch.topk(sub[k], req.top_logprobs_num)
-                    record.input_top.append(list(zip(v.tolist(), ids.tolist(), strict=True)))
+                record.input_token.append((values[starts[j] + k], token))
+                if j in tops:
+                    tv, ti = tops[j][k]
+                    record.input_top.append(list(zip(tv, ti, strict=True)))
                 else:
                     record.input_top.append(None)
 

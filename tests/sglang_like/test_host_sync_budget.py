@@ -111,3 +111,30 @@ def test_a_verify_step_with_sampled_requests_syncs_once(tokenizer) -> None:
             assert runner.to_host[-1] is False and not profile.native_calls
     assert all(len(r.output_ids) == 10 for r in reqs)  # 1, then 3 tokens a verify
     assert len(reqs[2].logprobs.output_top) == 10 and len(reqs[2].logprobs.output_top[-1]) == 2
+
+
+def test_input_logprobs_of_a_prefill_sync_a_few_times_not_per_token(tokenizer) -> None:
+    """Prompts scored token by token (echo logprobs, lm-eval's loglikelihood): one copy of
+    every row's logprob and one pair (values, ids) per distinct top count, whatever the
+    prompts' lengths, where it used to be a few copies per prompt token."""
+    with cuda_profile() as profile:
+        sched, _ = _scheduler(profile, tokenizer)
+        reqs = _requests()
+        for r, top in zip(reqs, (0, 2, 3, 2), strict=True):
+            r.return_logprob, r.logprob_start_len, r.top_logprobs_num = True, 0, top
+            sched.add_request(r)
+        profile.reset()
+        sched.step()  # every prompt at once: 20 to 26 rows each
+    assert sorted(profile.syncs) == ["cpu"] * STEP_BUDGET + ["tolist"] * (1 + 2 * 2), (
+        profile.syncs)
+    for r, top in zip(reqs, (0, 2, 3, 2), strict=True):
+        record = r.logprobs
+        assert len(record.input_token) == len(r.origin_input_ids)
+        assert record.input_token[0][0] is None  # nothing predicts the first token
+        assert all(lp <= 0 for lp, _ in record.input_token[1:])
+        assert [t for _, t in record.input_token] == r.origin_input_ids
+        tops = record.input_top[1:]
+        assert all((row is None) if top == 0 else len(row) == top for row in tops)
+        if top:  # the token's own logprob is at most the best one's
+            assert all(row[0][0] >= lp for row, (lp, _) in
+                       zip(tops, record.input_token[1:], strict=True))
