@@ -12,6 +12,9 @@ Per pool dtype, each in a fresh process (`--worker`):
   generated), then the same requests run again, a radix-cache hit whose forward is one new
   token a request followed by `--new-tokens` decode steps, which are timed;
 - the pool's bytes per token (K and V, every layer, scales included) and tokens per GiB;
+- the bytes a batch-1 step reads at that depth (the weights it multiplies, and K and V of
+  every cached token) and their ratio to the bf16 pool's: the most a pool can gain over
+  bf16 there where both steps are bound by memory bandwidth;
 - teacher-forced top-1 agreement with the bf16 pool and perplexity, over the first
   `--accuracy-tokens` (3,000) tokens of a fixed English text (Python's own reference
   manual pages in `pydoc_data`), scored in one prefill through the pool: once as the model
@@ -110,6 +113,7 @@ def worker(kv: str, args: argparse.Namespace) -> dict[str, Any]:
         "bytes_per_token": pool.bytes_per_slot,
         "tokens_per_gib": 2**30 / pool.bytes_per_slot,
         "native_decode": bool(engine.runner.model.native_decode),
+        "weight_bytes_per_step": engine.runner.model.decode_bytes(),
     }
     out[f"b1_d{args.depth}_tok_s"] = _timed_decode(
         engine, [_filler(engine, args.depth, "Context 0.")], args.new_tokens)
@@ -170,10 +174,20 @@ def peer(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _step_reads_mb(row: dict[str, Any], depth: int) -> float | None:
+    """MB one batch-1 decode step reads after `depth` tokens: the weights it multiplies and
+    the K and V of every cached token. Where both pools are bandwidth-bound, one's speed over
+    the other's is at most the inverse ratio of these ("bound vs bf16")."""
+    if "weight_bytes_per_step" not in row or "bytes_per_token" not in row:
+        return None
+    return (row["weight_bytes_per_step"] + row["bytes_per_token"] * depth) / 1e6
+
+
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     b1, bn = f"b1_d{args.depth}_tok_s", f"b{args.batch}_c{args.batch_context}_tok_s"
     base = next(r for r in rows if r["kv_cache_dtype"] == BASE)
     head = (f"| KV | pool | bytes/token | tokens/GiB | b1 @{args.depth} tok/s | vs bf16 | "
+            f"b1 step reads MB | bound vs bf16 | "
             f"b{args.batch} x {args.batch_context} tok/s | vs bf16 | top-1 vs bf16 | "
             f"perplexity (vs bf16) | fp32 act.: top-1 vs bf16 | fp32 act.: perplexity |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -190,12 +204,16 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                if "perplexity" in r else "-")
         size = f"{r['bytes_per_token']:,}" if "bytes_per_token" in r else "-"
         per_gib = f"{r['tokens_per_gib']:,.0f}" if "tokens_per_gib" in r else "-"
+        reads, base_reads = _step_reads_mb(r, args.depth), _step_reads_mb(base, args.depth)
+        bound = f"{base_reads / reads:.2f}x" if reads and base_reads else "-"
+        reads_cell = f"{reads:.1f}" if reads else "-"
         f32 = r.get("fp32_activations", {})
         acc32 = f"{f32['agreement']:.2%}" if "agreement" in f32 else "-"
         ppl32 = (f"{f32['perplexity']:.4f} ({f32['perplexity'] / f32_base - 1:+.2%})"
                  if "perplexity" in f32 and f32_base else "-")
         lines.append(f"| {r['kv_cache_dtype']} | {r.get('pool_dtype', '-')} | {size} | "
-                     f"{per_gib} | {cell(b1)} | {ratio(b1)} | {cell(bn)} | {ratio(bn)} | "
+                     f"{per_gib} | {cell(b1)} | {ratio(b1)} | {reads_cell} | {bound} | "
+                     f"{cell(bn)} | {ratio(bn)} | "
                      f"{acc} | {ppl} | {acc32} | {ppl32} |")
     return "\n".join(lines)
 
