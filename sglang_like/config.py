@@ -227,6 +227,10 @@ class ServerArgs:
     # since pinning with the caller not moved made streaming slower (docs/benchmarks.md).
     # "off": the OS places them
     cpu_pinning: str = "auto"  # "auto" | "on" | "off"
+    # Threads of a native CPU decode step: "auto" follows the cores other processes leave
+    # free, between 1 and torch's thread count (sglang_like.utils.decode_threads says why); N:
+    # always N (llama.cpp's -t beside -tb). Prefill keeps torch's count either way.
+    decode_threads: str = "auto"
     # Where a step's tokens are chosen (sglang_like.layers.device_sampler): "on" keeps the
     # logits on the model's device and samples there (one device-to-host copy a step, a
     # speculative verify's trees drawn at once; DRY / XTC requests still go to the host

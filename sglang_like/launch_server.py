@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "core of its own, which the OpenMP workers and this HTTP process keep "
                         "off (a pipe write would otherwise run the HTTP side on the loop's "
                         "core); off: the OS decides")
+    p.add_argument("--decode-threads", default=d.decode_threads,
+                   help="auto: a CPU decode step runs on the cores other processes leave "
+                        "free (1 up to the prefill's thread count), looked at twice a second; "
+                        "N: always N threads (llama.cpp's -t; prefill keeps all of them)")
     p.add_argument("--device-sampling", default=d.device_sampling,
                    choices=["auto", "on", "off"],
                    help="auto (= on on CUDA): sample on the model's device, with one "

@@ -19,6 +19,7 @@ from sglang_like.multimodal.encoder_cache import EncoderCache
 from sglang_like.schedule_batch import ScheduleBatch
 from sglang_like.tp.comm import TPRankLost
 from sglang_like.tp.parallel import TPShard, shard_weights
+from sglang_like.utils.decode_threads import DecodeThreads
 from sglang_like.utils.upload import upload_ints
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class ModelRunner:
                 tp_group.close()
             raise
         self.tp_group = tp_group
+        self.decode_threads: DecodeThreads | None = None
 
     def _build(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                dtype: torch.dtype, device: torch.device, context_len: int,
@@ -256,6 +258,7 @@ class ModelRunner:
         `aux_layers` set (an EAGLE-3 drafter is on), the target's features of every token row
         are kept in `last_features` [num_tokens, 3 * hidden] for the drafter."""
         fb = self.build_forward_batch(batch)
+        self._set_threads(fb)
         pooled = batch if any(r.pooling for r in batch.reqs) else None
         if self.tp_group is None:
             return self._forward(fb, pooled, to_host)
@@ -268,6 +271,15 @@ class ModelRunner:
             raise TPRankLost(f"rank 0 failed inside a tensor-parallel forward: "
                              f"{type(exc).__name__}: {exc}") from exc
 
+    def _set_threads(self, fb: ForwardBatch) -> None:
+        """The forward's thread count (`decode_threads`, set by the engine's build on CPU):
+        the native step's forwards (decode, verify; every one in deterministic mode) may run
+        on fewer threads than the rest."""
+        if self.decode_threads is not None:
+            runs_native = getattr(self.model, "runs_native", None)
+            self.decode_threads.for_forward(
+                runs_native is not None and runs_native(fb, self.kv_pool))
+
     @property
     def has_greedy_forward(self) -> bool:
         """Whether `forward_greedy` has a path of its own (else it is not to be called)."""
@@ -277,8 +289,9 @@ class ModelRunner:
         """The argmax token of each of `forward(batch)`'s rows, the same ids, the LM head computing
         only the logits that can be the maximum (`has_greedy_forward`); `last_features` kept
         as `forward` keeps them."""
-        ids, features = self.model.forward_argmax(self.build_forward_batch(batch), self.kv_pool,
-                                                  self.aux_layers)
+        fb = self.build_forward_batch(batch)
+        self._set_threads(fb)
+        ids, features = self.model.forward_argmax(fb, self.kv_pool, self.aux_layers)
         if self.aux_layers:
             self.last_features = features
         return ids.tolist()

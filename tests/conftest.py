@@ -9,7 +9,7 @@ import os
 # Two workers on two cores run twice as many OpenMP threads as there are cores. libgomp's
 # default barrier spins for milliseconds before it sleeps, so a thread waiting for a partner
 # that another process has taken the core from burns the core that partner needs: a decode
-# step then crawls (3-60x slower, measured; docs/benchmarks.md#cpu-contention). Threads that
+# step then crawls (3-60x slower, measured; docs/benchmarks.md#bench_contention). Threads that
 # sleep at once share the cores as the scheduler sees fit. Set here, before any test module
 # imports torch (libgomp reads it when it loads); the servers the tests start inherit it.
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_WAIT_POLICY" not in os.environ:

@@ -174,6 +174,9 @@ class EngineCore:
             "model_path": self.model_config.model_path,
             "engine_pid": os.getpid(),  # the engine-core process (this one's pid in-process)
             "loop_cpu": self.info.loop_cpu,  # the core the loop keeps to itself (cpu_pinning)
+            # CPU decode threads now and the prefill's (--decode-threads); None: no policy
+            "cpu_threads": (self.runner.decode_threads.info()
+                            if getattr(self.runner, "decode_threads", None) else None),
             "kv_pool": {**s.kv_pool_info(),
                         "bytes_per_slot": self.runner.kv_pool.bytes_per_slot},
             "cache_hit_rate": s.cache_hit_rate,

@@ -24,6 +24,7 @@ from sglang_like.scheduler import Scheduler, SchedulerConfig
 from sglang_like.scheduler.config import priority_config
 from sglang_like.speculative import SpecConfig, resolve_spec_config
 from sglang_like.tokenizer import Tokenizer
+from sglang_like.utils.decode_threads import DecodeThreads, parse_decode_threads
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     if server_args.cpu_pinning not in ("auto", "on", "off"):
         raise ValueError(f"cpu_pinning must be auto, on or off; got "
                          f"{server_args.cpu_pinning!r}")
+    parse_decode_threads(server_args.decode_threads)  # a bad value fails before the load
     device = _resolve_device(server_args.device)
     device_sampling = resolve_device_sampling(server_args.device_sampling, device)
     dtype = _resolve_dtype(server_args.dtype, device)
@@ -87,6 +89,8 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     )
     runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype,
                            pool_slots(sa, loaded.config, kv_dtype, device, spec))
+    if device.type == "cpu" and sa.tp_size == 1:  # TP ranks split the cores among them
+        runner.decode_threads = DecodeThreads.build(sa.decode_threads, torch.get_num_threads())
     num_slots = runner.kv_pool.num_slots
     sa = sa.replace(max_total_tokens=num_slots)
     eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)

@@ -410,6 +410,23 @@ class LlamaForCausalLM(nn.Module):
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return x, features
 
+    def _native_possible(self, fb: ForwardBatch, pool: KVPool) -> bool:
+        return (self.native_decode and fb.tree_mask is None
+                and fb.input_ids.device.type == "cpu"
+                and pool.k_buffers[0].dtype in native.POOL_DTYPES)
+
+    def runs_native(self, fb: ForwardBatch, pool: KVPool) -> bool:
+        """Whether the native step runs `fb` (`_native_rows` is not None): the forwards whose
+        thread count may change (utils.decode_threads), since the native step sums each
+        output row on one thread whatever their number."""
+        if not self._native_possible(fb, pool):
+            return False
+        if self.quant.deterministic:
+            return True
+        if fb.custom_masks is not None:
+            return fb.positional_masks is None and fb.num_tokens <= native.MAX_MASKED_ROWS
+        return fb.is_decode and fb.num_tokens <= native.MAX_ROWS
+
     def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
         """The key rows of a batch the native path runs; None: the torch path.
 
@@ -419,9 +436,7 @@ class LlamaForCausalLM(nn.Module):
         every batch, prefill chunks and mixed ones included: a token's row is then computed
         by the same per-row sums whatever batch, chunk or verify it is in, which the int4
         path's bf16 activations need for its output not to depend on the schedule."""
-        if (not self.native_decode or fb.tree_mask is not None
-                or fb.input_ids.device.type != "cpu"
-                or pool.k_buffers[0].dtype not in native.POOL_DTYPES):
+        if not self._native_possible(fb, pool):
             return None
         every = self.quant.deterministic
         if fb.custom_masks is not None:
