@@ -86,7 +86,7 @@ def _plot(results: dict[str, Any], path: str) -> None:
 
     names = list(results)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, batch in zip(axes, ("b1", "b32")):
+    for ax, batch in zip(axes, ("b1", "b32"), strict=True):
         quiet = [results[n].get(f"quiet_{batch}", 0) for n in names]
         busy = [results[n].get(f"busy_{batch}", 0) for n in names]
         xs = range(len(names))
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nauto over the fixed {threads} threads, busy: batch 1 "
           f"{auto['busy_b1'] / base['busy_b1']:.2f}x, batch 32 "
           f"{auto['busy_b32'] / base['busy_b32']:.2f}x; quiet: "
-          f"{auto['quiet_b1'] / base['quiet_b1']:.2f}x, {auto['quiet_b32'] / base['quiet_b32']:.2f}x")
+          f"{auto['quiet_b1'] / base['quiet_b1']:.2f}x, "
+          f"{auto['quiet_b32'] / base['quiet_b32']:.2f}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"threads": threads, "busy": args.busy, "rounds": args.rounds,

@@ -6,11 +6,12 @@ pieces, and libgomp's threads spin at a barrier for milliseconds before they sle
 another process takes one of the team's cores, the thread left on it runs only in the
 scheduler's time slices while its partner spins through its own: each barrier then costs a
 slice. Measured on 2 cores with one busy process beside the engine
-(docs/benchmarks.md#bench_contention): 2 threads decode at 0.3-0.4x their quiet speed (0.005x in the chat CLI, where two
-more processes wake per token), one thread at 0.6-0.7x of the two's quiet speed. So `auto` measures, about twice
-a second while decoding, how many cores other processes used (/proc/stat's busy time on the
-cores this process may run on, less this process's own CPU time) and runs decode steps on the
-cores left, between 1 and the prefill's thread count.
+(docs/benchmarks.md#bench_contention): 2 threads decode at 0.3-0.4x their quiet speed (0.005x
+in the chat CLI, where two more processes wake per token), one thread at 0.6-0.7x of the two's
+quiet speed. So `auto` measures, about twice a second while decoding, how many cores other
+processes used (/proc/stat's busy time on the cores this process may run on, less this
+process's own CPU time) and runs decode steps on the cores left, between 1 and the prefill's
+thread count.
 
 Only the forwards of the native step change their thread count (decode, and verify; every
 forward with --enable-deterministic-inference): it partitions every sum by output rows, so a
@@ -22,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +81,6 @@ class DecodeThreads:
         self._cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
         self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last: tuple[float, float, int] | None = None
-        self._current: int | None = None  # what torch was last set to by this object
 
     @classmethod
     def build(cls, spec: str, max_threads: int) -> DecodeThreads | None:
@@ -97,11 +99,8 @@ class DecodeThreads:
         if native and self.fixed is None:
             self._observe()
         n = self.decode if native else self.max_threads
-        if n != self._current:
-            import torch
-
+        if torch.get_num_threads() != n:  # read, not remembered: another engine may set it
             torch.set_num_threads(n)
-            self._current = n
         return n
 
     def _observe(self) -> None:
