@@ -32,6 +32,17 @@ logger = logging.getLogger("sglang_like.launch_server")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+def _decode_threads(value: str) -> str:
+    """`--decode-threads`: auto or a positive integer (argparse's usage error otherwise)."""
+    from sglang_like.utils.decode_threads import parse_decode_threads
+
+    try:
+        parse_decode_threads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerArgs()
     p = argparse.ArgumentParser(
@@ -139,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "core of its own, which the OpenMP workers and this HTTP process keep "
                         "off (a pipe write would otherwise run the HTTP side on the loop's "
                         "core); off: the OS decides")
-    p.add_argument("--decode-threads", default=d.decode_threads,
+    p.add_argument("--decode-threads", default=d.decode_threads, type=_decode_threads,
                    help="auto: a CPU decode step runs on the cores other processes leave "
                         "free (1 up to the prefill's thread count), looked at twice a second; "
                         "N: always N threads (llama.cpp's -t; prefill keeps all of them)")

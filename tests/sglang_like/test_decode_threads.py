@@ -153,3 +153,15 @@ def test_a_busy_process_beside_the_engine_takes_a_decode_thread(make_engine) -> 
         busy.wait()
     assert info["decode"] < cpus and info["prefill"] == cpus, info
     assert info["other_processes_cores"] >= 0.5, info
+
+
+def test_the_server_flag_takes_auto_or_a_count(capsys: pytest.CaptureFixture) -> None:
+    from sglang_like.launch_server import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([]).decode_threads == "auto"
+    assert parser.parse_args(["--decode-threads", "1"]).decode_threads == "1"
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--decode-threads", "two"])
+    assert exit_.value.code == 2
+    assert "decode_threads must be auto or a positive integer" in capsys.readouterr().err
