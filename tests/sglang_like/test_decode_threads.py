@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+import sglang_like
+
 from sglang_like.engine import Engine
 from sglang_like.utils.decode_threads import (
     DecodeThreads,
@@ -20,6 +22,8 @@ from sglang_like.utils.decode_threads import (
 )
 
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(6)] + ["Hi", "The sea is"]
+SHIPPED_ADAPTER = os.path.join(os.path.dirname(sglang_like.__file__), "lora", "adapters",
+                               "smollm2-135m-json-answer")
 
 
 # ---- the policy, on /proc/stat texts written here --------------------------------------------
@@ -94,9 +98,12 @@ def _threads_seen(engine: Any) -> list[tuple[bool, int]]:
     return seen
 
 
-def _run(engine: Any) -> list[tuple[str, list[float], int]]:
+def _run(engine: Any, lora: bool) -> list[tuple[str, list[float], int]]:
+    # with an adapter: every other request through it, so a batch mixes rows with and without
+    extra = {"lora_path": ["json" if i % 2 else None for i in range(len(PROMPTS))]} if lora \
+        else {}
     out = engine.generate(PROMPTS, {"max_new_tokens": 12, "temperature": 0,
-                                    "ignore_eos": True}, return_logprob=True)
+                                    "ignore_eos": True}, return_logprob=True, **extra)
     return [(o["text"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]],
              o["meta_info"].get("spec_verify_ct", 0)) for o in out]
 
@@ -108,7 +115,8 @@ def _run(engine: Any) -> list[tuple[str, list[float], int]]:
     {"kv_cache_dtype": "int8"},
     {"speculative_algorithm": "NGRAM"},  # verify forwards through the native masked rows
     {"enable_deterministic_inference": True},  # every forward native, prefill included
-], ids=["int4", "int8", "int8-kv", "ngram-verify", "deterministic"])
+    {"lora_paths": [f"json={SHIPPED_ADAPTER}"]},  # the adapter's rows in the native step
+], ids=["int4", "int8", "int8-kv", "ngram-verify", "deterministic", "lora"])
 def test_one_thread_gives_the_bits_of_two(make_engine, knobs) -> None:
     if os.cpu_count() < 2:
         pytest.skip("one core: there is no second thread to drop")
@@ -118,7 +126,7 @@ def test_one_thread_gives_the_bits_of_two(make_engine, knobs) -> None:
         engine = make_engine(decode_threads=spec, **knobs)
         if spec == "1":
             seen = _threads_seen(engine)
-        results[spec] = _run(engine)
+        results[spec] = _run(engine, "lora_paths" in knobs)
         engine.shutdown()
     native = [n for is_native, n in seen if is_native]
     assert native and set(native) == {1}, seen
