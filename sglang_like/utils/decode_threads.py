@@ -24,8 +24,6 @@ import logging
 import os
 import time
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 0.5  # how often the cores are looked at while decoding
@@ -72,6 +70,9 @@ class DecodeThreads:
 
     def __init__(self, max_threads: int, fixed: int | None = None,
                  read_stat=None, clock=time.monotonic, cpu_clock=time.process_time) -> None:
+        import torch  # here: the server's HTTP process imports this module, without torch
+
+        self._torch = torch
         self.max_threads = max_threads
         self.fixed = fixed
         self.decode = fixed if fixed is not None else max_threads
@@ -99,8 +100,8 @@ class DecodeThreads:
         if native and self.fixed is None:
             self._observe()
         n = self.decode if native else self.max_threads
-        if torch.get_num_threads() != n:  # read, not remembered: another engine may set it
-            torch.set_num_threads(n)
+        if self._torch.get_num_threads() != n:  # read, not kept: another engine may set it
+            self._torch.set_num_threads(n)
         return n
 
     def _observe(self) -> None:

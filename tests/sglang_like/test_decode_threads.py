@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import sglang_like
-
 from sglang_like.engine import Engine
 from sglang_like.utils.decode_threads import (
     DecodeThreads,
