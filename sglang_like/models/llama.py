@@ -410,25 +410,10 @@ class LlamaForCausalLM(nn.Module):
         features = torch.cat([aux[i] for i in aux_layers], dim=-1) if aux_layers else None
         return x, features
 
-    def _native_possible(self, fb: ForwardBatch, pool: KVPool) -> bool:
-        return (self.native_decode and fb.tree_mask is None
-                and fb.input_ids.device.type == "cpu"
-                and pool.k_buffers[0].dtype in native.POOL_DTYPES)
-
     def runs_native(self, fb: ForwardBatch, pool: KVPool) -> bool:
-        """Whether the native step runs `fb` (`_native_rows` is not None): the forwards whose
+        """Whether the native step runs `fb` (see `_native_rows`): also the forwards whose
         thread count may change (utils.decode_threads), since the native step sums each
-        output row on one thread whatever their number."""
-        if not self._native_possible(fb, pool):
-            return False
-        if self.quant.deterministic:
-            return True
-        if fb.custom_masks is not None:
-            return fb.positional_masks is None and fb.num_tokens <= native.MAX_MASKED_ROWS
-        return fb.is_decode and fb.num_tokens <= native.MAX_ROWS
-
-    def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
-        """The key rows of a batch the native path runs; None: the torch path.
+        output row on one thread whatever their number.
 
         By default: a decode batch of up to native.MAX_ROWS requests, or a masked one such as
         a verify of up to MAX_MASKED_ROWS query rows, so that a verify and the plain decode of
@@ -436,18 +421,26 @@ class LlamaForCausalLM(nn.Module):
         every batch, prefill chunks and mixed ones included: a token's row is then computed
         by the same per-row sums whatever batch, chunk or verify it is in, which the int4
         path's bf16 activations need for its output not to depend on the schedule."""
-        if not self._native_possible(fb, pool):
-            return None
+        if not (self.native_decode and fb.tree_mask is None
+                and fb.input_ids.device.type == "cpu"
+                and pool.k_buffers[0].dtype in native.POOL_DTYPES):
+            return False
         every = self.quant.deterministic
-        if fb.custom_masks is not None:
-            if fb.positional_masks is not None:  # two-way image rows: the torch path
-                return None
-            return native.masked_rows(fb) if every or fb.num_tokens <= native.MAX_MASKED_ROWS \
-                else None
+        if fb.custom_masks is not None:  # two-way image rows: the torch path
+            return fb.positional_masks is None and (every or
+                                                    fb.num_tokens <= native.MAX_MASKED_ROWS)
         if fb.is_decode:
-            return native.decode_rows(fb) if every or fb.num_tokens <= native.MAX_ROWS \
-                else None
-        return native.extend_rows(fb) if every else None
+            return every or fb.num_tokens <= native.MAX_ROWS
+        return every
+
+    def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
+        """The key rows of a batch the native path runs (`runs_native`); None: the torch
+        path."""
+        if not self.runs_native(fb, pool):
+            return None
+        if fb.custom_masks is not None:
+            return native.masked_rows(fb)
+        return native.decode_rows(fb) if fb.is_decode else native.extend_rows(fb)
 
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
                               attn: AttnRows, aux_layers: tuple[int, ...]
