@@ -407,7 +407,10 @@ def test_fused_head_call_is_the_single_ops(make_engine, monkeypatch) -> None:
         assert torch.allclose(got[2], want[2], atol=1e-4), (got[2], want[2])
         cos = torch.nn.functional.cosine_similarity(got[0], want[0], dim=-1)
         assert cos.min() > 0.9999, cos
-        assert torch.equal(k1, pool_k) and torch.equal(v1, pool_v)
+        # by bits: slots nothing wrote hold what torch.empty found, NaN patterns included,
+        # which torch.equal calls unequal to themselves (a flake that followed test order)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in ((k1, pool_k), (v1, pool_v)))
         seen.append((features.shape[1], fb.num_tokens))
         return got
 
