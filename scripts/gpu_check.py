@@ -81,13 +81,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION_NAMES = ("kernels", "greedy", "throughput", "verify", "sampling")
-# seconds per section: on an H100 they sum to 8 minutes with the probe; each is several times
-# what the section was estimated to need there (compiles included)
+SECTION_NAMES = ("kernels", "greedy", "throughput", "verify", "sampling", "graphs")
+# seconds per section, caps that sum to 10 minutes with the probe: each is several times what
+# the section was estimated to need on an H100 (compiles included)
 LIMITS_CUDA = {"probe": 30.0, "kernels": 130.0, "greedy": 100.0, "throughput": 120.0,
-               "verify": 90.0, "sampling": 60.0}
+               "verify": 90.0, "sampling": 60.0, "graphs": 60.0}
 LIMITS_SMOKE = {"probe": 30.0, "kernels": 60.0, "greedy": 60.0, "throughput": 60.0,
-                "verify": 60.0, "sampling": 60.0}
+                "verify": 60.0, "sampling": 60.0, "graphs": 60.0}
 INJECT_ENV = "GPU_CHECK_INJECT"
 KERNEL_TOL = 2e-2  # max error relative to the reference's largest magnitude (bf16 dots)
 # the same, between the fp32 paths' logits: both sum in fp32 (seen: 2e-7 on CPU)
@@ -952,6 +952,54 @@ def _verify_at(ctx: Context, model: Model, report: Report, gen: Any, shape: Shap
     return fig
 
 
+# ---- section: CUDA graphs ----------------------------------------------------------------------
+def section_graphs(ctx: Context) -> Report:
+    """The decode forward replayed as CUDA graphs (`--enable-cuda-graph`, sglang_like.cuda_graph)
+    against the eager forward on the same batches: the capture of every bucket, the logits of
+    each decode batch size, and ms per step both ways (the replay's input copies included)."""
+    import torch
+
+    from sglang_like.cuda_graph import CudaGraphs, EagerGraphs
+
+    plan = ctx.plan
+    report = Report(["shape", "batch", "eager ms", "graph ms", "speed-up", "max rel logit diff"])
+    report.figures["rows"] = []
+    gen = torch.Generator().manual_seed(ctx.seed)
+    shape = plan.bench_shapes[0]
+    biggest, length = max(plan.decode_batches), plan.decode_context
+    ctx.log(f"graphs: building {shape.name}")
+    model = build_bench_model(ctx, shape, biggest, length + 4)
+    with kernel_backend("triton"):
+        t0 = time.perf_counter()
+        model.runner.capture_graphs(biggest, EagerGraphs() if ctx.smoke else CudaGraphs())
+        capture_s = time.perf_counter() - t0
+        graphs = model.runner.graphs
+        ctx.log(f"graphs: captured {graphs.buckets} in {capture_s:.1f} s")
+        # b - 1 rows pad to the bucket of b: both kinds measured
+        for rows in sorted({r for b in plan.decode_batches for r in (b, max(1, b - 1))}):
+            fb = model.batch(list(range(rows)), [length - 1] * rows,
+                             [_random_ids(gen, shape.vocab, 1) for _ in range(rows)])
+            want, t_eager = ctx.run_and_time(lambda fb=fb, m=model: m.forward(fb))
+            got, t_graph = ctx.run_and_time(lambda fb=fb: graphs.run(fb)[0])
+            err = rel_err(got.float().cpu(), want.float().cpu())
+            report.rows.append([shape.name, str(rows), f"{t_eager:.3f}", f"{t_graph:.3f}",
+                                f"{t_eager / t_graph:.2f}x", _sci(err)])
+            report.figures["rows"].append({"shape": shape.name, "batch": rows,
+                                           "eager_ms": t_eager, "graph_ms": t_graph,
+                                           "max_rel_logit_diff": err})
+            if not err <= KERNEL_TOL:
+                report.failures.append(f"batch {rows}: logits {err:.1e} from eager")
+    report.figures.update({"buckets": graphs.buckets, "capture_s": capture_s})
+    del model
+    ctx.free()
+    how = ("EagerGraphs (a replay runs the forward again; no GPU)" if ctx.smoke
+           else "torch.cuda.CUDAGraph")
+    report.notes += [f"bf16, decode after {length} tokens; buckets {graphs.buckets} captured "
+                     f"in {capture_s:.1f} s with {how}; a batch of b - 1 rows replays the "
+                     "bucket of b with a padding row"]
+    return report
+
+
 def section_sampling(ctx: Context) -> Report:
     """The device sampler against the host sampler (scripts/gpu_check_sampling.py says what)."""
     if str(ROOT / "scripts") not in sys.path:
@@ -965,7 +1013,7 @@ def section_sampling(ctx: Context) -> Report:
 
 SECTIONS: dict[str, Callable[[Context], Report]] = {
     "kernels": section_kernels, "greedy": section_greedy, "throughput": section_throughput,
-    "verify": section_verify, "sampling": section_sampling,
+    "verify": section_verify, "sampling": section_sampling, "graphs": section_graphs,
 }
 
 

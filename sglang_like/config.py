@@ -201,6 +201,12 @@ class ServerArgs:
     # and autotunes nothing; they leave no trace. None -> skipped on CPU, where nothing
     # compiles, run on CUDA; False runs it anywhere
     skip_server_warmup: bool | None = None
+    # CUDA graphs of the decode forward, one per batch-size bucket up to cuda_graph_max_bs
+    # (None: max_running_requests, at most 64); sglang_like.cuda_graph says what replays.
+    # Off until scripts/gpu_check.py's `graphs` section has passed on a GPU (SGLang's are on
+    # by default, `--disable-cuda-graph`); a CPU engine refuses it
+    enable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     # Speculative decoding (SGLang's switches; None -> the algorithm's default, see
     # sglang_like.speculative.SpecConfig)
     speculative_algorithm: str | None = None  # "EAGLE" | "EAGLE3" | "NGRAM" | None (off)

@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-server-warmup", action="store_true", default=d.skip_server_warmup,
                    help="start without the warmup requests CUDA servers run first (so the "
                         "first user request compiles nothing); CPU servers skip it anyway")
+    p.add_argument("--enable-cuda-graph", action="store_true", default=d.enable_cuda_graph,
+                   help="CUDA only: replay decode steps as CUDA graphs, one per batch-size "
+                        "bucket (1, 2, 4, 8, 16, ... up to --cuda-graph-max-bs); off until "
+                        "the device check has passed it on a GPU")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="largest decode batch captured (default: --max-running-requests, "
+                        "at most 64); larger batches run eagerly")
     p.add_argument("--engine-in-process", action="store_true", default=d.engine_in_process,
                    help="run the scheduler and model on a thread of the HTTP process instead "
                         "of an engine process of their own (the shape before; for debugging)")

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from sglang_like.config import ModelConfig
+from sglang_like.cuda_graph import DecodeGraphs, GraphBackend
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers.lora import LoraBatch
 from sglang_like.layers.quantization import QuantConfig
@@ -77,6 +78,7 @@ class ModelRunner:
             raise
         self.tp_group = tp_group
         self.decode_threads: DecodeThreads | None = None
+        self.graphs: DecodeGraphs | None = None  # capture_graphs
 
     def _build(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                dtype: torch.dtype, device: torch.device, context_len: int,
@@ -260,6 +262,12 @@ class ModelRunner:
         fb = self.build_forward_batch(batch)
         self._set_threads(fb)
         pooled = batch if any(r.pooling for r in batch.reqs) else None
+        if (self.graphs is not None and pooled is None and self.graphs.takes(fb)
+                and batch.logits_rows == list(range(len(batch.reqs)))):
+            logits, features = self.graphs.run(fb)
+            if self.aux_layers:
+                self.last_features = features
+            return logits.cpu() if to_host else logits
         if self.tp_group is None:
             return self._forward(fb, pooled, to_host)
         self.tp_group.broadcast(fb)
@@ -270,6 +278,16 @@ class ModelRunner:
             # back in step with the next batch, so the group (and the engine) ends
             raise TPRankLost(f"rank 0 failed inside a tensor-parallel forward: "
                              f"{type(exc).__name__}: {exc}") from exc
+
+    def capture_graphs(self, max_batch_size: int, backend: GraphBackend | None = None) -> None:
+        """Capture the decode forward as CUDA graphs (sglang_like.cuda_graph) for batches of
+        up to `max_batch_size` requests, which `forward` then replays; after an EAGLE-3
+        drafter has set `aux_layers` (the graphs keep its features too). `backend`: the
+        graph API (default: CUDA's)."""
+        if self.tp_group is not None:
+            raise ValueError("--enable-cuda-graph does not take tensor parallelism yet (the "
+                             "batch reaches the other ranks through the host)")
+        self.graphs = DecodeGraphs(self, max_batch_size, backend)
 
     def _set_threads(self, fb: ForwardBatch) -> None:
         """The forward's thread count (`decode_threads`, set by the engine's build on CPU):

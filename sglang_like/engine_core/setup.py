@@ -57,6 +57,8 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     parse_decode_threads(server_args.decode_threads)  # a bad value fails before the load
     device = _resolve_device(server_args.device)
     device_sampling = resolve_device_sampling(server_args.device_sampling, device)
+    graph_max_bs = (cuda_graph_max_bs(server_args, device) if server_args.enable_cuda_graph
+                    else None)  # before the load: a CPU engine refuses the flag at once
     dtype = _resolve_dtype(server_args.dtype, device)
     spec = resolve_spec_config(server_args, default_model=server_args.model_path is None)
     # One read of the checkpoint: GGUF blocks stay packed unless dense was asked for, and
@@ -95,6 +97,8 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     sa = sa.replace(max_total_tokens=num_slots)
     eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
     drafter = build_drafter(spec, runner) if spec is not None else None
+    if graph_max_bs is not None:  # after the drafter: its features are part of the forward
+        runner.capture_graphs(graph_max_bs)
     scheduler = Scheduler(
         SchedulerConfig(
             pool_size=num_slots, context_len=context_len, vocab_size=loaded.config.vocab_size,
@@ -113,6 +117,19 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     scheduler.loras = loras
     return EngineParts(sa, device, dtype, loaded.config, tokenizer, runner, scheduler, eos,
                        loras)
+
+
+def cuda_graph_max_bs(sa: ServerArgs, device: torch.device) -> int:
+    """The largest decode batch `--enable-cuda-graph` captures (ValueError off CUDA)."""
+    if device.type != "cuda":
+        raise ValueError(f"--enable-cuda-graph needs a CUDA device; this engine runs on "
+                         f"{device.type}")
+    if sa.cuda_graph_max_bs is not None:
+        if sa.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be at least 1; got "
+                             f"{sa.cuda_graph_max_bs}")
+        return sa.cuda_graph_max_bs
+    return min(sa.max_running_requests, 64)
 
 
 def resolve_device_sampling(value: str, device: torch.device) -> bool:

@@ -103,6 +103,12 @@ def _figures_present(section: dict) -> None:
         assert figs["device_ms"] > 0 and figs["host_ms"] > 0
         assert figs["ahead_equal"] == 24 and figs["verify_sampled_equal"] is True
         assert "verify_max_syncs" not in figs
+    elif name == "graphs":
+        sizes = sorted({r for b in plan.decode_batches for r in (b, max(1, b - 1))})
+        assert [r["batch"] for r in figs["rows"]] == sizes
+        assert figs["buckets"] == [1, 2] and figs["capture_s"] > 0
+        for r in figs["rows"]:  # EagerGraphs replays the same forward: the same logits
+            assert r["max_rel_logit_diff"] == 0.0 and r["eager_ms"] > 0 and r["graph_ms"] > 0
     else:  # pragma: no cover - a new section needs its checks here
         raise AssertionError(f"no figure checks for section {name!r}")
 
