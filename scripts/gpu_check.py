@@ -954,12 +954,13 @@ def _verify_at(ctx: Context, model: Model, report: Report, gen: Any, shape: Shap
 
 # ---- section: CUDA graphs ----------------------------------------------------------------------
 def section_graphs(ctx: Context) -> Report:
-    """The decode forward replayed as CUDA graphs (`--enable-cuda-graph`, sglang_like.cuda_graph)
-    against the eager forward on the same batches: the capture of every bucket, the logits of
-    each decode batch size, and ms per step both ways (the replay's input copies included)."""
+    """The decode forward replayed as CUDA graphs (`--enable-cuda-graph`,
+    sglang_like.model_executor.cuda_graph) against the eager forward on the same batches:
+    the capture of every bucket, the logits of each decode batch size, and ms per step both
+    ways (the replay's input copies included)."""
     import torch
 
-    from sglang_like.cuda_graph import CudaGraphs, EagerGraphs
+    from sglang_like.model_executor.cuda_graph import CudaGraphs, EagerGraphs
 
     plan = ctx.plan
     report = Report(["shape", "batch", "eager ms", "graph ms", "speed-up", "max rel logit diff"])

@@ -202,7 +202,8 @@ class ServerArgs:
     # compiles, run on CUDA; False runs it anywhere
     skip_server_warmup: bool | None = None
     # CUDA graphs of the decode forward, one per batch-size bucket up to cuda_graph_max_bs
-    # (None: max_running_requests, at most 64); sglang_like.cuda_graph says what replays.
+    # (None: max_running_requests, at most 64); sglang_like.model_executor.cuda_graph says
+    # what replays.
     # Off until scripts/gpu_check.py's `graphs` section has passed on a GPU (SGLang's are on
     # by default, `--disable-cuda-graph`); a CPU engine refuses it
     enable_cuda_graph: bool = False

@@ -10,11 +10,11 @@ import numpy as np
 import torch
 
 from sglang_like.config import ModelConfig
-from sglang_like.cuda_graph import DecodeGraphs, GraphBackend
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers.lora import LoraBatch
 from sglang_like.layers.quantization import QuantConfig
 from sglang_like.mem_pool import KVPool, ReqToTokenPool
+from sglang_like.model_executor.cuda_graph import DecodeGraphs, GraphBackend
 from sglang_like.models.registry import model_class, vision_class
 from sglang_like.multimodal.encoder_cache import EncoderCache
 from sglang_like.schedule_batch import ScheduleBatch
@@ -280,10 +280,10 @@ class ModelRunner:
                              f"{type(exc).__name__}: {exc}") from exc
 
     def capture_graphs(self, max_batch_size: int, backend: GraphBackend | None = None) -> None:
-        """Capture the decode forward as CUDA graphs (sglang_like.cuda_graph) for batches of
-        up to `max_batch_size` requests, which `forward` then replays; after an EAGLE-3
-        drafter has set `aux_layers` (the graphs keep its features too). `backend`: the
-        graph API (default: CUDA's)."""
+        """Capture the decode forward as CUDA graphs (sglang_like.model_executor.cuda_graph)
+        for batches of up to `max_batch_size` requests, which `forward` then replays; after
+        an EAGLE-3 drafter has set `aux_layers` (the graphs keep its features too).
+        `backend`: the graph API (default: CUDA's)."""
         if self.tp_group is not None:
             raise ValueError("--enable-cuda-graph does not take tensor parallelism yet (the "
                              "batch reaches the other ranks through the host)")

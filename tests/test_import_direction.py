@@ -187,7 +187,7 @@ SGLANG_LIKE_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) 
     "config sampling_params req schedule_batch tokenizer detokenizer forward_batch mem_pool "
     "utils function_call",
     "layers multimodal",
-    "models tp model_loader lora",
+    "models tp model_loader lora model_executor",
     "model_runner",
     "speculative",
     "scheduler",

@@ -1,7 +1,7 @@
-"""CUDA graphs of the decode forward (sglang_like.cuda_graph) without a GPU: a tiny random
-llama's scheduler steps under the CUDA profile (tests/sglang_like/cuda_profile.py), the graph
-API stood in for by `EagerGraphs` (each replay runs the recorded forward again over the same
-buffers and copies its results into the captured outputs).
+"""CUDA graphs of the decode forward (sglang_like.model_executor.cuda_graph) without a GPU: a
+tiny random llama's scheduler steps under the CUDA profile (tests/sglang_like/cuda_profile.py),
+the graph API stood in for by `EagerGraphs` (each replay runs the recorded forward again over
+the same buffers and copies its results into the captured outputs).
 
 What this can show: a capture makes no device-to-host sync and no host-to-device copy (either
 would fail or be baked in under a real capture); a replayed decode gives the eager path's
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from sglang_like.config import ModelConfig
-from sglang_like.cuda_graph import DecodeGraphs, EagerGraphs, graph_buckets
 from sglang_like.engine import Engine
+from sglang_like.model_executor.cuda_graph import DecodeGraphs, EagerGraphs, graph_buckets
 from sglang_like.model_loader import load_tokenizer
 from sglang_like.model_loader.loaded import expected_weight_shapes
 from sglang_like.model_runner import ModelRunner

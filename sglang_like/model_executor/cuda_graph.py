@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers.moe import SparseMoE
-
-if TYPE_CHECKING:
-    from sglang_like.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +104,10 @@ class DecodeGraphs:
     over input buffers of the largest bucket's size. `run(fb)` replays the smallest bucket
     that holds `fb` (`takes(fb)` first)."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int,
+    def __init__(self, runner: Any, max_batch_size: int,
                  backend: GraphBackend | None = None) -> None:
+        """`runner`: the ModelRunner whose model, pool, table and `aux_layers` the forward
+        reads (a layer below it: typed loosely)."""
         if any(isinstance(layer.mlp, SparseMoE) for layer in runner.model.model.layers):
             raise ValueError("--enable-cuda-graph does not take a MoE model: its routing "
                              "reads each expert's row count on the host, which a graph "

@@ -1,0 +1,1 @@
+"""What runs a model's forwards beside the ModelRunner: CUDA graphs of the decode step."""
