@@ -124,10 +124,12 @@ def _load_kv_block(
 @triton.jit
 def _query_rows(q, tokens, head, offs_d, m_valid, d_valid, stride_q_t, stride_q_h,
                 DOT_DTYPE: tl.constexpr):  # fmt: skip
-    """Query rows `tokens` [M] of one head as a [M, D] block in DOT_DTYPE (invalid rows and
-    columns 0), and the running (max, sum, acc) of flash attention before any key."""
+    """Query rows `tokens` [M] of one head (or of `head` [M], a head per row) as a [M, D]
+    block in DOT_DTYPE (invalid rows and columns 0), and the running (max, sum, acc) of
+    flash attention before any key."""
     mask = m_valid[:, None] & d_valid[None, :]
-    ptrs = q + tokens[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
+    heads = tokens * 0 + head
+    ptrs = q + tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :]
     q_blk = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
     m_i = tl.full(tokens.shape, float("-inf"), tl.float32)
     l_i = tl.zeros(tokens.shape, tl.float32)
@@ -199,14 +201,16 @@ def _write_rows(
     out, mid_out, mid_lse, tokens, head, split, m_i, l_i, acc, offs_d, m_valid, d_valid,
     stride_out_t, stride_out_h, num_q_heads, head_dim, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """Query rows `tokens` of one head: their output when one split saw all their keys, else
-    this split's partial at mid entry (token, head, split) of [rows, Hq, NUM_SPLITS]."""
+    """Query rows `tokens` of one head (or of `head` [M], a head per row): their output when
+    one split saw all their keys, else this split's partial at mid entry (token, head, split)
+    of [rows, Hq, NUM_SPLITS]."""
+    heads = tokens * 0 + head
     if NUM_SPLITS == 1:
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        dst = out + tokens[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]
+        dst = out + tokens[:, None] * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :]
         tl.store(dst, result.to(out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
     else:
-        mid = (tokens.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+        mid = (tokens.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
         _store_partial(mid_out, mid_lse, mid, m_i, l_i, acc, offs_d, m_valid, d_valid, head_dim)
 
 
@@ -362,17 +366,21 @@ def tree_verify_kernel(
     stride_q_t, stride_q_h, stride_out_t, stride_out_h, stride_pool_s, stride_pool_h,
     stride_scale_s, stride_table,
     num_draft, num_q_heads, group, head_dim,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    KV_KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_KIND: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLIT_MIN: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, Hq, NUM_SPLITS): the num_draft draft queries of one request and head over
-    one split of its prefix.
+    """Grid (B, Hq / HEADS, cdiv(num_draft * HEADS, BLOCK_R) * NUM_SPLITS): BLOCK_R of the
+    num_draft x HEADS query rows of one request and set of HEADS query heads of one kv head
+    (draft i of the set's head h at row i * HEADS + h) over one split of its prefix. With
+    HEADS = group each key is read once per kv head and block, not once per query head (as
+    decode_split_kernel groups its heads); HEADS 1 is a program per query head.
 
     Prefix keys 0..prefix_len-1 are all visible; draft key j (position prefix_len + j) is
     visible to draft query i iff tree_mask[b, i, j] (tree_mask: contiguous int8 [B, N, N]).
     With USE_WINDOW a query keeps only the last `window` of those in position order.
-    BLOCK_M >= num_draft.
+    BLOCK_M >= num_draft (the draft keys' block).
 
     The prefix keys the queries see are cut by the request's own length (_split_range, as
     decode's keys are), and the split that ends them also takes the draft keys. With
@@ -381,18 +389,21 @@ def tree_verify_kernel(
     split_reduce_kernel.
     """
     b = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
+    first_head = tl.program_id(1) * HEADS
+    kv_head = first_head // group
+    r0 = (tl.program_id(2) // NUM_SPLITS) * BLOCK_R
+    split = tl.program_id(2) % NUM_SPLITS
     row = tl.load(req_pool_indices + b).to(tl.int64)
     prefix_len = tl.load(prefix_lens + b).to(tl.int32)
-    kv_head = head // group
 
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
-    m_valid = offs_m < num_draft
+    m_valid = offs_r < num_draft * HEADS
     d_valid = offs_d < head_dim
-    tokens = b * num_draft + offs_m
-    q_blk, m_i, l_i, acc = _query_rows(q, tokens, head, offs_d, m_valid, d_valid, stride_q_t,
+    draft = offs_r // HEADS  # each row's draft query, and its query head
+    heads = first_head + offs_r % HEADS
+    tokens = b * num_draft + draft
+    q_blk, m_i, l_i, acc = _query_rows(q, tokens, heads, offs_d, m_valid, d_valid, stride_q_t,
                                        stride_q_h, DOT_DTYPE)
     token_row = req_to_token + row * stride_table
 
@@ -400,7 +411,7 @@ def tree_verify_kernel(
     j_valid = offs_j < num_draft
     pair_mask = m_valid[:, None] & j_valid[None, :]
     mask_row = tree_mask + b * num_draft * num_draft
-    mask_ptrs = mask_row + offs_m[:, None] * num_draft + offs_j[None, :]
+    mask_ptrs = mask_row + draft[:, None] * num_draft + offs_j[None, :]
     draft_allowed = tl.load(mask_ptrs, mask=pair_mask, other=0) != 0
     if USE_WINDOW:
         # query i sees n_i = prefix_len + (its draft keys) keys and keeps the last `window`:
@@ -413,7 +424,7 @@ def tree_verify_kernel(
         draft_allowed = draft_allowed & (at_or_after <= window)
         prefix_start = tl.maximum(tl.min(tl.where(m_valid, first_prefix, prefix_len), 0), 0)
     else:
-        first_prefix = tl.zeros([BLOCK_M], tl.int32)  # unused without a window
+        first_prefix = tl.zeros([BLOCK_R], tl.int32)  # unused without a window
         prefix_start = 0
     start, end, has_draft = _split_range(prefix_start, prefix_len, split, NUM_SPLITS,
                                          SPLIT_MIN, BLOCK_N)  # fmt: skip
@@ -435,7 +446,7 @@ def tree_verify_kernel(
             USE_SOFTCAP,
         )  # fmt: skip
 
-    _write_rows(out, mid_out, mid_lse, tokens, head, split, m_i, l_i, acc, offs_d, m_valid,
+    _write_rows(out, mid_out, mid_lse, tokens, heads, split, m_i, l_i, acc, offs_d, m_valid,
                 d_valid, stride_out_t, stride_out_h, num_q_heads, head_dim, NUM_SPLITS)
 
 

@@ -126,12 +126,15 @@ def _split(meta: dict[str, object], split: bool) -> dict[str, object]:
     return {k: v for k, v in meta.items() if k != "BLOCK_S"}
 
 
-# A verify batch of 1 over a 32k table splits its prefix 16 ways; one of 64 (2048 programs
-# of B * Hq) is not split.
+# A verify batch of 1 over a 32k table splits its prefix 16 ways; one of 64 (1,024 programs of
+# B * Hkv * row blocks) is not split.
 def _tree_verify(dtype, head_dim, group, window=None, softcap=None, batch=1):
+    # 12 drafts x the group's query heads of a kv head: two blocks of 32 rows (fp32 dots: a
+    # program per query head, 16 rows)
     meta = triton_ops.tree_verify_meta(12, head_dim, dtype, interpret=False, window=window,
                                        softcap=softcap, max_context=32768,
-                                       num_programs=batch * group * 8)
+                                       num_programs=batch * 8 * 2, group=group)
+    assert (meta["HEADS"], meta["BLOCK_R"]) == ((1, 16) if dtype == torch.float32 else (group, 32))
     return tk.tree_verify_kernel, _attention_pointers(dtype), _split(meta, batch == 1)
 
 

@@ -497,7 +497,7 @@ def test_tree_verify_splits_long_prefixes(dtype, window, softcap):
     args = (q, k, v, pool.table, pool.rows, torch.tensor(prefix), tree, 0.125)
     kw = {"window": window, "softcap": softcap, **scales}
     meta = triton_ops.tree_verify_meta(num_draft, 64, k.dtype, window=window, max_context=1024,
-                                       num_programs=len(prefix) * 4, split_min=16)
+                                       num_programs=len(prefix) * 2, split_min=16)
     assert meta["NUM_SPLITS"] == 16
     _check(triton_ops.tree_verify_attention(*args, split_min=16, **kw),
            reference.tree_verify_attention(*args, **kw), q_dtype)
@@ -564,6 +564,31 @@ def test_verify_split_count_is_chosen_on_the_host(max_context, window, batch, nu
     meta = triton_ops.tree_verify_meta(16, 128, BF16, window=window, max_context=max_context,
                                        num_programs=batch * num_q_heads)
     assert meta["NUM_SPLITS"] == want and meta["BLOCK_S"] == want
+
+
+def test_a_verify_program_takes_a_kv_heads_whole_group(monkeypatch):
+    """Grouped query heads (8 over 2 kv heads, 6 drafts): a program per request, kv head and
+    block of draft x head rows (24 here: one block of 32), so each kv head's keys are read
+    once, not once per query head; the rows are still the reference's."""
+    launches = []
+    kernel = triton_ops.tk.tree_verify_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs["HEADS"], kwargs["BLOCK_R"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_ops.tk, "tree_verify_kernel", Recording())
+    prefix, num_draft = [30, 7, 90], 6
+    pool = _Pool([p + num_draft for p in prefix], 2, 64, F32, seed=25, max_context=128)
+    q = pool.randn(len(prefix) * num_draft, 8, 64, dtype=F32)
+    tree = _random_tree_mask(len(prefix), num_draft, pool.gen)
+    args = (q, pool.k, pool.v, pool.table, pool.rows, torch.tensor(prefix), tree, 0.125)
+    _check(triton_ops.tree_verify_attention(*args, split_min=128),
+           reference.tree_verify_attention(*args), F32)
+    assert launches == [((3, 2, 1), 4, 32)]
 
 
 def test_one_split_writes_the_output_without_partials(monkeypatch):
