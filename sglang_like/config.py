@@ -201,7 +201,8 @@ class ServerArgs:
     # and autotunes nothing; they leave no trace. None -> skipped on CPU, where nothing
     # compiles, run on CUDA; False runs it anywhere
     skip_server_warmup: bool | None = None
-    # CUDA graphs of the decode forward, one per batch-size bucket up to cuda_graph_max_bs
+    # CUDA graphs of the decode forward (and of the speculative verify of
+    # speculative_num_draft_tokens nodes), one per batch-size bucket up to cuda_graph_max_bs
     # (None: max_running_requests, at most 64); sglang_like.model_executor.cuda_graph says
     # what replays.
     # Off until scripts/gpu_check.py's `graphs` section has passed on a GPU (SGLang's are on

@@ -143,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start without the warmup requests CUDA servers run first (so the "
                         "first user request compiles nothing); CPU servers skip it anyway")
     p.add_argument("--enable-cuda-graph", action="store_true", default=d.enable_cuda_graph,
-                   help="CUDA only: replay decode steps as CUDA graphs, one per batch-size "
-                        "bucket (1, 2, 4, 8, 16, ... up to --cuda-graph-max-bs); off until "
-                        "the device check has passed it on a GPU")
+                   help="CUDA only: replay decode steps (and speculative verifies of "
+                        "--speculative-num-draft-tokens nodes) as CUDA graphs, one per "
+                        "batch-size bucket (1, 2, 4, 8, 16, ... up to --cuda-graph-max-bs); "
+                        "off until the device check has passed it on a GPU")
     p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
                    help="largest decode batch captured (default: --max-running-requests, "
                         "at most 64); larger batches run eagerly")

@@ -14,7 +14,7 @@ from sglang_like.forward_batch import ForwardBatch
 from sglang_like.layers.lora import LoraBatch
 from sglang_like.layers.quantization import QuantConfig
 from sglang_like.mem_pool import KVPool, ReqToTokenPool
-from sglang_like.model_executor.cuda_graph import DecodeGraphs, GraphBackend
+from sglang_like.model_executor.cuda_graph import CudaGraphs, ForwardGraphs, GraphBackend
 from sglang_like.models.registry import model_class, vision_class
 from sglang_like.multimodal.encoder_cache import EncoderCache
 from sglang_like.schedule_batch import ScheduleBatch
@@ -78,7 +78,7 @@ class ModelRunner:
             raise
         self.tp_group = tp_group
         self.decode_threads: DecodeThreads | None = None
-        self.graphs: DecodeGraphs | None = None  # capture_graphs
+        self.graphs: list[ForwardGraphs] = []  # capture_graphs
 
     def _build(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                dtype: torch.dtype, device: torch.device, context_len: int,
@@ -262,9 +262,10 @@ class ModelRunner:
         fb = self.build_forward_batch(batch)
         self._set_threads(fb)
         pooled = batch if any(r.pooling for r in batch.reqs) else None
-        if (self.graphs is not None and pooled is None and self.graphs.takes(fb)
-                and batch.logits_rows == list(range(len(batch.reqs)))):
-            logits, features = self.graphs.run(fb)
+        graphs = next((g for g in self.graphs if g.takes(fb)), None)
+        if (graphs is not None and pooled is None
+                and batch.logits_rows == list(range(fb.num_tokens))):
+            logits, features = graphs.run(fb)
             if self.aux_layers:
                 self.last_features = features
             return logits.cpu() if to_host else logits
@@ -279,15 +280,19 @@ class ModelRunner:
             raise TPRankLost(f"rank 0 failed inside a tensor-parallel forward: "
                              f"{type(exc).__name__}: {exc}") from exc
 
-    def capture_graphs(self, max_batch_size: int, backend: GraphBackend | None = None) -> None:
-        """Capture the decode forward as CUDA graphs (sglang_like.model_executor.cuda_graph)
-        for batches of up to `max_batch_size` requests, which `forward` then replays; after
-        an EAGLE-3 drafter has set `aux_layers` (the graphs keep its features too).
-        `backend`: the graph API (default: CUDA's)."""
+    def capture_graphs(self, max_batch_size: int, backend: GraphBackend | None = None,
+                       verify_tokens: int | None = None) -> None:
+        """Capture the decode forward, and with `verify_tokens` the verify of that many tree
+        nodes a request, as CUDA graphs (sglang_like.model_executor.cuda_graph) for batches
+        of up to `max_batch_size` requests, which `forward` then replays; after an EAGLE-3
+        drafter has set `aux_layers` (the graphs keep its features too). `backend`: the
+        graph API (default: CUDA's, its memory pool shared by every graph)."""
         if self.tp_group is not None:
             raise ValueError("--enable-cuda-graph does not take tensor parallelism yet (the "
                              "batch reaches the other ranks through the host)")
-        self.graphs = DecodeGraphs(self, max_batch_size, backend)
+        backend = backend if backend is not None else CudaGraphs()
+        sizes = [1] + ([verify_tokens] if verify_tokens and verify_tokens > 1 else [])
+        self.graphs = [ForwardGraphs(self, max_batch_size, backend, n) for n in sizes]
 
     def _set_threads(self, fb: ForwardBatch) -> None:
         """The forward's thread count (`decode_threads`, set by the engine's build on CPU):

@@ -98,7 +98,8 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     eos = frozenset(loaded.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
     drafter = build_drafter(spec, runner) if spec is not None else None
     if graph_max_bs is not None:  # after the drafter: its features are part of the forward
-        runner.capture_graphs(graph_max_bs)
+        runner.capture_graphs(graph_max_bs,
+                              verify_tokens=spec.num_draft_tokens if spec is not None else None)
     scheduler = Scheduler(
         SchedulerConfig(
             pool_size=num_slots, context_len=context_len, vocab_size=loaded.config.vocab_size,

@@ -1,5 +1,5 @@
-"""CUDA graphs of the decode forward (sglang_like.model_executor.cuda_graph) without a GPU: a
-tiny random llama's scheduler steps under the CUDA profile (tests/sglang_like/cuda_profile.py),
+"""CUDA graphs of the decode and verify forwards (sglang_like.model_executor.cuda_graph)
+without a GPU: a tiny random llama's scheduler steps under the CUDA profile (tests/sglang_like/cuda_profile.py),
 the graph API stood in for by `EagerGraphs` (each replay runs the recorded forward again over
 the same buffers and copies its results into the captured outputs).
 
@@ -16,7 +16,7 @@ import torch
 
 from sglang_like.config import ModelConfig
 from sglang_like.engine import Engine
-from sglang_like.model_executor.cuda_graph import DecodeGraphs, EagerGraphs, graph_buckets
+from sglang_like.model_executor.cuda_graph import EagerGraphs, ForwardGraphs, graph_buckets
 from sglang_like.model_loader import load_tokenizer
 from sglang_like.model_loader.loaded import expected_weight_shapes
 from sglang_like.model_runner import ModelRunner
@@ -44,22 +44,24 @@ def tokenizer():
 
 
 class _Drafter:
-    """A chain of two fixed drafts for every request: verify steps (which never replay)."""
+    """Two fixed sibling drafts for every request (a tree mask that is not causal), one when
+    a request has room for one token more: verify steps of 3 nodes, and of 2."""
 
     num_draft_tokens = 3
 
     def propose(self, reqs: list[Req], max_depths: list[int], ctx: object) -> list[DraftTree]:
-        return [DraftTree([r.fill_ids[-1], 11, 12][:1 + min(2, cap)], [-1, 0, 1][:1 + min(2, cap)])
+        return [DraftTree([r.fill_ids[-1], 11, 12][:2 + (cap > 1)], [-1, 0, 0][:2 + (cap > 1)])
                 for r, cap in zip(reqs, max_depths, strict=True)]
 
 
 def _scheduler(weights, tokenizer, graphs: bool, drafter: object = None,
-               aux_layers: tuple[int, ...] = ()) -> Scheduler:
+               aux_layers: tuple[int, ...] = (), verify_tokens: int | None = None
+               ) -> Scheduler:
     runner = ModelRunner(TINY, weights, dtype=torch.float32, device=torch.device("cuda"),
                          num_kv_slots=256, context_len=64, max_running_requests=8)
     runner.aux_layers = aux_layers
     if graphs:
-        runner.capture_graphs(MAX_BS, EagerGraphs())
+        runner.capture_graphs(MAX_BS, EagerGraphs(), verify_tokens=verify_tokens)
     config = SchedulerConfig(pool_size=256, context_len=64, vocab_size=TINY.vocab_size,
                              max_running_requests=8, chunked_prefill_size=None,
                              device_sampling=True, speculative_auto_disable=False)
@@ -121,7 +123,7 @@ def test_replayed_decode_is_the_eager_forward(weights, tokenizer) -> None:
                 assert len(profile.syncs) == 1, profile.syncs  # the tokens, graphs or not
                 sizes.append(len(sched.running))
                 step += 1
-            replays.append(sched.runner.graphs.num_replays if graphs else 0)
+            replays.append(sched.runner.graphs[0].num_replays if graphs else 0)
         outputs.append([r.output_ids for r in reqs + late])
         pools.append([b.as_subclass(torch.Tensor).clone() for b in pool.k_buffers + pool.v_buffers])
     assert outputs[0] == outputs[1]
@@ -164,12 +166,64 @@ def test_logits_and_features_of_a_replay(weights, tokenizer) -> None:
             while sched.waiting or sched.running:
                 sched.step()
             if graphs:
-                assert runner.graphs.num_replays == len(seen) == 5
+                assert runner.graphs[0].num_replays == len(seen) == 5
         got.append(seen)
     for (la, fa), (lb, fb) in zip(*got, strict=True):
         assert torch.allclose(la, lb, atol=1e-5, rtol=1e-5)
         assert fa.shape == fb.shape == (3, 2 * TINY.hidden_size)
         assert torch.allclose(fa, fb, atol=1e-5, rtol=1e-5)
+
+
+def test_replayed_verify_is_the_eager_forward(weights, tokenizer) -> None:
+    """With the verify of 3-node trees captured too (`_Drafter`'s, 2 drafts a request), a
+    speculative run of joining requests of mixed sampling: the eager path's tokens, the same
+    slots written (padding requests only slot 0), verifies of 3 nodes replayed and the
+    shorter trees near max_new_tokens run eagerly, the same syncs each step either way."""
+    outputs, pools, replays, syncs, logits = [], [], [], [], []
+    for graphs in (False, True):
+        with cuda_profile() as profile:
+            sched = _scheduler(weights, tokenizer, graphs, drafter=_Drafter(),
+                               verify_tokens=3)
+            runner, seen = sched.runner, []
+            forward = runner.forward
+
+            def recording(batch, to_host=True, forward=forward, seen=seen):
+                logits = forward(batch, to_host=to_host)
+                seen.append(logits.as_subclass(torch.Tensor).clone())
+                return logits
+
+            runner.forward = recording
+            logits.append(seen)
+            pool = sched.runner.kv_pool
+            for buf in pool.k_buffers + pool.v_buffers:
+                buf.zero_()
+            reqs = _requests([9, 6, 12, 7, 10])
+            for r in reqs[:3]:
+                sched.add_request(r)
+            step, counted = 0, []
+            while sched.waiting or sched.running:
+                if step == 2:
+                    for r in reqs[3:]:
+                        sched.add_request(r)
+                profile.reset()
+                sched.step()
+                counted.append(list(profile.syncs))
+                step += 1
+            syncs.append(counted)
+            if graphs:
+                decode, verify = sched.runner.graphs
+                replays.append((decode.num_replays, verify.num_replays))
+        outputs.append([r.output_ids for r in reqs])
+        pools.append([b.as_subclass(torch.Tensor).clone() for b in pool.k_buffers + pool.v_buffers])
+    assert outputs[0] == outputs[1] and syncs[0] == syncs[1]
+    assert replays[0][1] >= 4
+    # every forward's logits, every tree node's row included (the walk reads few of them)
+    for a, b in zip(*logits, strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    for eager, graphed in zip(*pools, strict=True):
+        assert not eager[0].any() and graphed[0].any()
+        assert torch.equal(eager[1:].ne(0).any(dim=(1, 2)), graphed[1:].ne(0).any(dim=(1, 2)))
+        assert torch.allclose(eager[1:], graphed[1:], atol=1e-5, rtol=0)
 
 
 def test_what_cannot_replay_runs_eagerly(weights, tokenizer) -> None:
@@ -180,7 +234,7 @@ def test_what_cannot_replay_runs_eagerly(weights, tokenizer) -> None:
             sched.add_request(r)
         sched.step()  # the prefills
         sched.step()  # a verify
-        assert sched.runner.graphs.num_replays == 0
+        assert sched.runner.graphs[0].num_replays == 0
     with cuda_profile():
         sched = _scheduler(weights, tokenizer, True)
         reqs = _requests([4] * (MAX_BS + 1))
@@ -188,7 +242,7 @@ def test_what_cannot_replay_runs_eagerly(weights, tokenizer) -> None:
             sched.add_request(r)
         while sched.waiting or sched.running:
             sched.step()
-        assert sched.runner.graphs.num_replays == 0
+        assert sched.runner.graphs[0].num_replays == 0
         assert all(len(r.output_ids) == 4 for r in reqs)
 
 
@@ -205,4 +259,4 @@ def test_the_flag_is_refused_where_it_cannot_run(weights) -> None:
     runner = ModelRunner(moe, moe_weights, dtype=torch.float32, device=torch.device("cpu"),
                          num_kv_slots=64, context_len=64, max_running_requests=2)
     with pytest.raises(ValueError, match="MoE"):
-        DecodeGraphs(runner, 2, EagerGraphs())
+        ForwardGraphs(runner, 2, EagerGraphs())
