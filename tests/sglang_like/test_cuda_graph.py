@@ -1,7 +1,8 @@
 """CUDA graphs of the decode and verify forwards (sglang_like.model_executor.cuda_graph)
-without a GPU: a tiny random llama's scheduler steps under the CUDA profile (tests/sglang_like/cuda_profile.py),
-the graph API stood in for by `EagerGraphs` (each replay runs the recorded forward again over
-the same buffers and copies its results into the captured outputs).
+without a GPU: a tiny random llama's scheduler steps under the CUDA profile
+(tests/sglang_like/cuda_profile.py), the graph API stood in for by `EagerGraphs` (each replay
+runs the recorded forward again over the same buffers and copies its results into the
+captured outputs).
 
 What this can show: a capture makes no device-to-host sync and no host-to-device copy (either
 would fail or be baked in under a real capture); a replayed decode gives the eager path's
