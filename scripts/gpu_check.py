@@ -92,6 +92,8 @@ INJECT_ENV = "GPU_CHECK_INJECT"
 KERNEL_TOL = 2e-2  # max error relative to the reference's largest magnitude (bf16 dots)
 # the same, between the fp32 paths' logits: both sum in fp32 (seen: 2e-7 on CPU)
 GREEDY_LOGIT_TOL = 1e-3
+# the tree size the graphs section captures a verify of (a chain: the kernel's mask is a buffer)
+GRAPH_VERIFY_NODES = 4
 
 
 # ---- shapes ---------------------------------------------------------------------------------
@@ -954,50 +956,59 @@ def _verify_at(ctx: Context, model: Model, report: Report, gen: Any, shape: Shap
 
 # ---- section: CUDA graphs ----------------------------------------------------------------------
 def section_graphs(ctx: Context) -> Report:
-    """The decode forward replayed as CUDA graphs (`--enable-cuda-graph`,
-    sglang_like.model_executor.cuda_graph) against the eager forward on the same batches:
-    the capture of every bucket, the logits of each decode batch size, and ms per step both
-    ways (the replay's input copies included)."""
+    """The decode forward and a speculative verify of GRAPH_VERIFY_NODES nodes replayed as
+    CUDA graphs (`--enable-cuda-graph`, sglang_like.model_executor.cuda_graph) against the
+    eager forward on the same batches: the capture of every bucket, the logits of each batch
+    size, and ms per step both ways (the replay's input copies included)."""
     import torch
 
     from sglang_like.model_executor.cuda_graph import CudaGraphs, EagerGraphs
 
     plan = ctx.plan
-    report = Report(["shape", "batch", "eager ms", "graph ms", "speed-up", "max rel logit diff"])
+    report = Report(["shape", "step", "eager ms", "graph ms", "speed-up", "max rel logit diff"])
     report.figures["rows"] = []
     gen = torch.Generator().manual_seed(ctx.seed)
     shape = plan.bench_shapes[0]
     biggest, length = max(plan.decode_batches), plan.decode_context
+    nodes = GRAPH_VERIFY_NODES
     ctx.log(f"graphs: building {shape.name}")
-    model = build_bench_model(ctx, shape, biggest, length + 4)
+    model = build_bench_model(ctx, shape, biggest, length + nodes + 4)
     with kernel_backend("triton"):
         t0 = time.perf_counter()
-        model.runner.capture_graphs(biggest, EagerGraphs() if ctx.smoke else CudaGraphs())
+        model.runner.capture_graphs(biggest, EagerGraphs() if ctx.smoke else CudaGraphs(),
+                                    verify_tokens=nodes)
         capture_s = time.perf_counter() - t0
-        graphs = model.runner.graphs[0]  # the decode batches'
-        ctx.log(f"graphs: captured {graphs.buckets} in {capture_s:.1f} s")
-        # b - 1 rows pad to the bucket of b: both kinds measured
-        for rows in sorted({r for b in plan.decode_batches for r in (b, max(1, b - 1))}):
-            fb = model.batch(list(range(rows)), [length - 1] * rows,
-                             [_random_ids(gen, shape.vocab, 1) for _ in range(rows)])
+        decode, verify = model.runner.graphs
+        ctx.log(f"graphs: captured {decode.buckets} x (decode, verify) in {capture_s:.1f} s")
+        # b - 1 requests pad to the bucket of b: both kinds measured
+        sizes = sorted({r for b in plan.decode_batches for r in (b, max(1, b - 1))})
+        chain = torch.ones(nodes, nodes, dtype=torch.bool, device=ctx.device).tril()
+        steps = [(f"decode B{n}", n, None, 1) for n in sizes]
+        steps += [(f"verify B{n} x {nodes}", n, chain.expand(n, nodes, nodes).contiguous(),
+                   nodes) for n in sizes if n <= 8]
+        for label, n, tree, per in steps:
+            fb = model.batch(list(range(n)), [length - per] * n,
+                             [_random_ids(gen, shape.vocab, per) for _ in range(n)], tree=tree)
+            graphs = decode if tree is None else verify
+            assert graphs.takes(fb)
             want, t_eager = ctx.run_and_time(lambda fb=fb, m=model: m.forward(fb))
-            got, t_graph = ctx.run_and_time(lambda fb=fb: graphs.run(fb)[0])
+            got, t_graph = ctx.run_and_time(lambda fb=fb, g=graphs: g.run(fb)[0])
             err = rel_err(got.float().cpu(), want.float().cpu())
-            report.rows.append([shape.name, str(rows), f"{t_eager:.3f}", f"{t_graph:.3f}",
+            report.rows.append([shape.name, label, f"{t_eager:.3f}", f"{t_graph:.3f}",
                                 f"{t_eager / t_graph:.2f}x", _sci(err)])
-            report.figures["rows"].append({"shape": shape.name, "batch": rows,
-                                           "eager_ms": t_eager, "graph_ms": t_graph,
-                                           "max_rel_logit_diff": err})
+            report.figures["rows"].append({"shape": shape.name, "step": label, "batch": n,
+                                           "nodes": per, "eager_ms": t_eager,
+                                           "graph_ms": t_graph, "max_rel_logit_diff": err})
             if not err <= KERNEL_TOL:
-                report.failures.append(f"batch {rows}: logits {err:.1e} from eager")
-    report.figures.update({"buckets": graphs.buckets, "capture_s": capture_s})
+                report.failures.append(f"{label}: logits {err:.1e} from eager")
+    report.figures.update({"buckets": decode.buckets, "capture_s": capture_s})
     del model
     ctx.free()
     how = ("EagerGraphs (a replay runs the forward again; no GPU)" if ctx.smoke
            else "torch.cuda.CUDAGraph")
-    report.notes += [f"bf16, decode after {length} tokens; buckets {graphs.buckets} captured "
-                     f"in {capture_s:.1f} s with {how}; a batch of b - 1 rows replays the "
-                     "bucket of b with a padding row"]
+    report.notes += [f"bf16 after {length} tokens; buckets {decode.buckets} captured for "
+                     f"decode and a {nodes}-node verify in {capture_s:.1f} s with {how}; "
+                     "b - 1 requests replay the bucket of b with a padding request"]
     return report
 
 

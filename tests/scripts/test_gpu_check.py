@@ -105,7 +105,8 @@ def _figures_present(section: dict) -> None:
         assert "verify_max_syncs" not in figs
     elif name == "graphs":
         sizes = sorted({r for b in plan.decode_batches for r in (b, max(1, b - 1))})
-        assert [r["batch"] for r in figs["rows"]] == sizes
+        assert [(r["batch"], r["nodes"]) for r in figs["rows"]] == (
+            [(n, 1) for n in sizes] + [(n, GC.GRAPH_VERIFY_NODES) for n in sizes if n <= 8])
         assert figs["buckets"] == [1, 2] and figs["capture_s"] > 0
         for r in figs["rows"]:  # EagerGraphs replays the same forward: the same logits
             assert r["max_rel_logit_diff"] == 0.0 and r["eager_ms"] > 0 and r["graph_ms"] > 0
