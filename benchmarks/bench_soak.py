@@ -38,7 +38,7 @@ from benchmarks.common import (
     start_server,
     stop_server,
 )
-from benchmarks.soak_load import LoadMix, Record
+from benchmarks.soak_load import LoadMix, Record, fault_numbers
 from sglang_like.utils.fault_injection import ENV_VAR
 
 DEFAULT_FAULTS = "forward=0.005,sample=0.002,grammar=0.005,seed=1"
@@ -141,7 +141,7 @@ def _summarize(args: argparse.Namespace, records: list[Record], burst: list[Reco
     faults = info.get("injected_faults") or {}
     pool = info["kv_pool"]
     messages = [r.message or "" for r in mix.records]
-    seen = {int(m.rsplit("#", 1)[1]) for m in messages if "InjectedFault" in m and "#" in m}
+    seen = set().union(*(fault_numbers(m) for m in messages))
     growth = (rss_end - rss_start) / rss_start if rss_start else None
     # The KV pool is reserved but committed lazily: pages of slots the radix cache takes for
     # the first time are not a leak (they stop once the cache fills the pool and evicts).

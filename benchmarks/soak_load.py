@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -61,6 +62,13 @@ class Record:
     @property
     def is_injected_fault(self) -> bool:
         return self.is_internal_abort and "InjectedFault" in (self.message or "")
+
+
+def fault_numbers(message: str | None) -> set[int]:
+    """The injected faults (`#N`) a record's message names: one, or one per item that a
+    different fault ended."""
+    return {int(n) for n in re.findall(r"InjectedFault: injected \w+ fault #(\d+)",
+                                        message or "")}
 
 
 def hostile_bodies(context_length: int) -> list[tuple[str, str, Any]]:
@@ -219,9 +227,12 @@ class LoadMix:
             return status, None, (err.get("message") if isinstance(err, dict) else str(data))
         items = data if isinstance(data, list) else [data]
         reasons = [i["meta_info"]["finish_reason"] for i in items]
-        abort = next((r for r in reasons if r["type"] == "abort"), None)
-        if abort is not None:
-            return status, "abort", abort.get("message")
+        # each item's own: the samples of n = 2 are requests of their own, which two faults
+        # in different steps can end
+        aborts = list(dict.fromkeys(r.get("message") or "" for r in reasons
+                                    if r["type"] == "abort"))
+        if aborts:
+            return status, "abort", " | ".join(aborts)
         return status, reasons[0]["type"], None
 
     async def _generate(self, rng: random.Random, seq: int,

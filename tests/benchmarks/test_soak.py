@@ -27,3 +27,20 @@ def test_two_minute_soak(tmp_path) -> None:
     assert summary["num_429"] > 0 and summary["num_4xx"] > 0
     assert summary["pool_clean"] and summary["failures"] == []
     assert (tmp_path / "soak_latency.png").stat().st_size > 0
+
+
+def test_each_samples_fault_is_recorded() -> None:
+    """An n = 2 answer whose two samples two different faults ended (they are requests of
+    their own, in different steps) names both faults: the storm's check that every fault
+    reached a caller failed once when the record kept the first only."""
+    from benchmarks.soak_load import LoadMix, fault_numbers
+
+    def item(message: str) -> dict:
+        return {"meta_info": {"finish_reason": {"type": "abort", "message": message}}}
+
+    fault = "internal error: InjectedFault: injected {} fault #{}"
+    status, finish, message = LoadMix._native_outcome(
+        200, [item(fault.format("forward", 55)), item(fault.format("sample", 56))])
+    assert (status, finish) == (200, "abort") and fault_numbers(message) == {55, 56}
+    _, _, message = LoadMix._native_outcome(200, [item(fault.format("grammar", 7))] * 2)
+    assert message == fault.format("grammar", 7)

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.soak_load import LoadMix
+from benchmarks.soak_load import LoadMix, fault_numbers
 from sglang_like.utils.fault_injection import ENV_VAR
 
 pytestmark = pytest.mark.slow
@@ -64,8 +64,7 @@ def test_storm_through_the_server(server_launcher: Any, monkeypatch: pytest.Monk
     while (info := _server_info(server.url))["num_running_reqs"] and time.monotonic() < deadline:
         time.sleep(0.1)
     faults = info["injected_faults"]
-    seen = {int(r.message.rsplit("#", 1)[1]) for r in records
-            if r.message and "InjectedFault" in r.message}
+    seen = set().union(*(fault_numbers(r.message) for r in records))
     assert faults["total"] > 0 and seen == set(range(1, faults["total"] + 1))
     pool = info["kv_pool"]
     assert info["num_running_reqs"] == 0 and pool["used_slots"] == 0
