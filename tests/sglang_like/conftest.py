@@ -61,3 +61,11 @@ def make_engine():
 
     yield factory
     setup_mod.load_model = original
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Any:
+    """The weights of tiny_llama.TINY (tests that step a real model under the CUDA profile)."""
+    from .tiny_llama import tiny_weights
+
+    return tiny_weights()

@@ -19,7 +19,6 @@ from sglang_like.config import ModelConfig
 from sglang_like.engine import Engine
 from sglang_like.model_executor.cuda_graph import EagerGraphs, ForwardGraphs, graph_buckets
 from sglang_like.model_loader import load_tokenizer
-from sglang_like.model_loader.loaded import expected_weight_shapes
 from sglang_like.model_runner import ModelRunner
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
@@ -27,16 +26,9 @@ from sglang_like.scheduler import Scheduler, SchedulerConfig
 from sglang_like.speculative.tree import DraftTree
 
 from .cuda_profile import cuda_profile
+from .tiny_llama import TINY, tiny_weights
 
-TINY = ModelConfig("llama", 97, 64, 192, 2, 6, 3, 16, max_position_embeddings=64)
 MAX_BS = 6  # buckets 1, 2, 4, 6
-
-
-@pytest.fixture(scope="module")
-def weights() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=gen) * 0.2 + (1.0 if "norm" in name else 0.0)
-            for name, shape in expected_weight_shapes(TINY).items()}
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +47,10 @@ class _Drafter:
                 for r, cap in zip(reqs, max_depths, strict=True)]
 
 
-def _scheduler(weights, tokenizer, graphs: bool, drafter: object = None,
+def _scheduler(tiny_llama, tokenizer, graphs: bool, drafter: object = None,
                aux_layers: tuple[int, ...] = (), verify_tokens: int | None = None
                ) -> Scheduler:
-    runner = ModelRunner(TINY, weights, dtype=torch.float32, device=torch.device("cuda"),
+    runner = ModelRunner(TINY, tiny_llama, dtype=torch.float32, device=torch.device("cuda"),
                          num_kv_slots=256, context_len=64, max_running_requests=8)
     runner.aux_layers = aux_layers
     if graphs:
@@ -90,7 +82,7 @@ def test_buckets() -> None:
         graph_buckets(0)
 
 
-def test_replayed_decode_is_the_eager_forward(weights, tokenizer) -> None:
+def test_replayed_decode_is_the_eager_forward(tiny_llama, tokenizer) -> None:
     """Requests of different lengths and sampling joining and leaving, so the decode batch
     runs in buckets 1 to 6 with 0 to 1 padding rows: the same tokens as the eager path, the
     same K/V in every slot a request owns, nothing but the padding slot written beside them,
@@ -98,7 +90,7 @@ def test_replayed_decode_is_the_eager_forward(weights, tokenizer) -> None:
     outputs, pools, replays = [], [], []
     for graphs in (False, True):
         with cuda_profile() as profile:
-            sched = _scheduler(weights, tokenizer, graphs)
+            sched = _scheduler(tiny_llama, tokenizer, graphs)
             if graphs:
                 # the capture ran at build: rebuild under a fresh count to see it alone
                 profile.reset()
@@ -142,13 +134,13 @@ def test_replayed_decode_is_the_eager_forward(weights, tokenizer) -> None:
     assert {3, 5} & set(sizes)  # batches that a bucket holds with padding rows
 
 
-def test_logits_and_features_of_a_replay(weights, tokenizer) -> None:
+def test_logits_and_features_of_a_replay(tiny_llama, tokenizer) -> None:
     """A replay's logits equal the eager forward's to float rounding and its EAGLE-3
     features (aux_layers set before the capture) are kept as an eager forward keeps them."""
     got = []
     for graphs in (False, True):
         with cuda_profile():
-            sched = _scheduler(weights, tokenizer, graphs, aux_layers=(0, 1))
+            sched = _scheduler(tiny_llama, tokenizer, graphs, aux_layers=(0, 1))
             runner = sched.runner
             seen = []
             forward = runner.forward
@@ -175,7 +167,7 @@ def test_logits_and_features_of_a_replay(weights, tokenizer) -> None:
         assert torch.allclose(fa, fb, atol=1e-5, rtol=1e-5)
 
 
-def test_replayed_verify_is_the_eager_forward(weights, tokenizer) -> None:
+def test_replayed_verify_is_the_eager_forward(tiny_llama, tokenizer) -> None:
     """With the verify of 3-node trees captured too (`_Drafter`'s, 2 drafts a request), a
     speculative run of joining requests of mixed sampling: the eager path's tokens, the same
     slots written (padding requests only slot 0), verifies of 3 nodes replayed and the
@@ -183,7 +175,7 @@ def test_replayed_verify_is_the_eager_forward(weights, tokenizer) -> None:
     outputs, pools, replays, syncs, logits = [], [], [], [], []
     for graphs in (False, True):
         with cuda_profile() as profile:
-            sched = _scheduler(weights, tokenizer, graphs, drafter=_Drafter(),
+            sched = _scheduler(tiny_llama, tokenizer, graphs, drafter=_Drafter(),
                                verify_tokens=3)
             runner, seen = sched.runner, []
             forward = runner.forward
@@ -227,17 +219,17 @@ def test_replayed_verify_is_the_eager_forward(weights, tokenizer) -> None:
         assert torch.allclose(eager[1:], graphed[1:], atol=1e-5, rtol=0)
 
 
-def test_what_cannot_replay_runs_eagerly(weights, tokenizer) -> None:
+def test_what_cannot_replay_runs_eagerly(tiny_llama, tokenizer) -> None:
     """Verify steps (trees) and batches past the largest bucket run the eager forward."""
     with cuda_profile():
-        sched = _scheduler(weights, tokenizer, True, drafter=_Drafter())
+        sched = _scheduler(tiny_llama, tokenizer, True, drafter=_Drafter())
         for r in _requests([5, 5]):
             sched.add_request(r)
         sched.step()  # the prefills
         sched.step()  # a verify
         assert sched.runner.graphs[0].num_replays == 0
     with cuda_profile():
-        sched = _scheduler(weights, tokenizer, True)
+        sched = _scheduler(tiny_llama, tokenizer, True)
         reqs = _requests([4] * (MAX_BS + 1))
         for r in reqs:
             sched.add_request(r)
@@ -247,17 +239,14 @@ def test_what_cannot_replay_runs_eagerly(weights, tokenizer) -> None:
         assert all(len(r.output_ids) == 4 for r in reqs)
 
 
-def test_the_flag_is_refused_where_it_cannot_run(weights) -> None:
+def test_the_flag_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         Engine(enable_cuda_graph=True, engine_in_process=True)
     moe = ModelConfig(architecture="qwen3_moe", vocab_size=97, hidden_size=64,
                       intermediate_size=192, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    gen = torch.Generator().manual_seed(0)
-    moe_weights = {n: torch.randn(s, generator=gen) * 0.2
-                   for n, s in expected_weight_shapes(moe).items()}
-    runner = ModelRunner(moe, moe_weights, dtype=torch.float32, device=torch.device("cpu"),
+    runner = ModelRunner(moe, tiny_weights(moe), dtype=torch.float32, device=torch.device("cpu"),
                          num_kv_slots=64, context_len=64, max_running_requests=2)
     with pytest.raises(ValueError, match="MoE"):
         ForwardGraphs(runner, 2, EagerGraphs())

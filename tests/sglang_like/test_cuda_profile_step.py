@@ -38,9 +38,7 @@ import contextlib
 import pytest
 import torch
 
-from sglang_like.config import ModelConfig
 from sglang_like.model_loader import load_tokenizer
-from sglang_like.model_loader.loaded import expected_weight_shapes
 from sglang_like.model_runner import ModelRunner
 from sglang_like.req import Req
 from sglang_like.sampling_params import SamplingParams
@@ -51,17 +49,10 @@ from sglang_like.speculative.tree import DraftTree
 
 from .cuda_profile import CudaProfile, cuda_profile
 from .spec_fakes import random_head
+from .tiny_llama import TINY
 
-TINY = ModelConfig("llama", 97, 64, 192, 2, 6, 3, 16, max_position_embeddings=64)
 PARAMS = [dict(temperature=0.0), dict(temperature=0.8, top_k=5, seed=1),
           dict(top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.2, seed=2)]
-
-
-@pytest.fixture(scope="module")
-def weights() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=gen) * 0.2 + (1.0 if "norm" in name else 0.0)
-            for name, shape in expected_weight_shapes(TINY).items()}
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +73,8 @@ class _Drafter:
         return trees
 
 
-def _scheduler(weights, tokenizer, device: str, drafter: object = None) -> Scheduler:
-    runner = ModelRunner(TINY, weights, dtype=torch.float32, device=torch.device(device),
+def _scheduler(tiny_llama, tokenizer, device: str, drafter: object = None) -> Scheduler:
+    runner = ModelRunner(TINY, tiny_llama, dtype=torch.float32, device=torch.device(device),
                          num_kv_slots=256, context_len=64, max_running_requests=8)
     config = SchedulerConfig(pool_size=256, context_len=64, vocab_size=TINY.vocab_size,
                              max_running_requests=8, chunked_prefill_size=None,
@@ -107,9 +98,9 @@ def _step(sched: Scheduler, profile: CudaProfile) -> list[str]:
     return list(profile.syncs)
 
 
-def test_prefill_and_decode_steps_stay_within_budget(weights, tokenizer) -> None:
+def test_prefill_and_decode_steps_stay_within_budget(tiny_llama, tokenizer) -> None:
     with cuda_profile() as profile:
-        sched = _scheduler(weights, tokenizer, "cuda")
+        sched = _scheduler(tiny_llama, tokenizer, "cuda")
         reqs = _add(sched, PARAMS)
         assert _step(sched, profile) == ["cpu"]
         assert profile.triton_calls["extend_attention"] == TINY.num_hidden_layers
@@ -134,9 +125,9 @@ DRY = dict(temperature=0.0, dry_multiplier=0.8)
     # the draws, then the DRY request's rows to the host walk
     ([dict(temperature=0.7, seed=3), DRY], False, ["cpu", "cpu"]),
 ])
-def test_verify_steps_stay_within_budget(weights, tokenizer, params, logprobs, syncs) -> None:
+def test_verify_steps_stay_within_budget(tiny_llama, tokenizer, params, logprobs, syncs) -> None:
     with cuda_profile() as profile:
-        sched = _scheduler(weights, tokenizer, "cuda", _Drafter())
+        sched = _scheduler(tiny_llama, tokenizer, "cuda", _Drafter())
         reqs = _add(sched, params)
         reqs[-1].return_logprob, reqs[-1].top_logprobs_num = logprobs, 2 * logprobs
         _step(sched, profile)  # the prefill
@@ -163,9 +154,9 @@ class _AnyToken:
         return ""
 
 
-def test_a_grammar_walks_on_the_device_one_copy_per_depth(weights, tokenizer) -> None:
+def test_a_grammar_walks_on_the_device_one_copy_per_depth(tiny_llama, tokenizer) -> None:
     with cuda_profile() as profile:
-        sched = _scheduler(weights, tokenizer, "cuda", _Drafter())
+        sched = _scheduler(tiny_llama, tokenizer, "cuda", _Drafter())
         drawn, masked = _add(sched, [dict(temperature=0.7, seed=3),
                                      dict(temperature=0.8, seed=5)])
         masked.grammar = _AnyToken()
@@ -185,14 +176,14 @@ EAGLE_PREFILL_BUDGET, EAGLE_STEP_BUDGET = 2, 3
 EAGLE_STEP_UPLOADS = 8
 
 
-def test_eagle_steps_stay_within_budget(weights, tokenizer, tmp_path) -> None:
+def test_eagle_steps_stay_within_budget(tiny_llama, tokenizer, tmp_path) -> None:
     head = random_head(str(tmp_path / "head"), TINY.vocab_size, TINY.hidden_size,
                        TINY.num_hidden_layers)
     spec = SpecConfig("EAGLE3", num_steps=2, eagle_topk=2, num_draft_tokens=4,
                       draft_model_path=head, ngram_min_window=1, ngram_max_window=4,
                       ngram_breadth=1, auto_disable=False)
     with cuda_profile() as profile:
-        sched = _scheduler(weights, tokenizer, "cuda")
+        sched = _scheduler(tiny_llama, tokenizer, "cuda")
         sched.drafter = EagleDrafter(spec, sched.runner)
         _add(sched, [dict(temperature=0.0)] * 2)
         assert len(_step(sched, profile)) <= EAGLE_PREFILL_BUDGET, profile.syncs
@@ -208,12 +199,12 @@ def test_eagle_steps_stay_within_budget(weights, tokenizer, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_greedy_output_under_the_profile_is_the_cpu_paths(weights, tokenizer,
+def test_greedy_output_under_the_profile_is_the_cpu_paths(tiny_llama, tokenizer,
                                                           speculative: bool) -> None:
     outputs = []
     for device in ("cpu", "cuda"):
         with cuda_profile() if device == "cuda" else contextlib.nullcontext():
-            sched = _scheduler(weights, tokenizer, device, _Drafter() if speculative else None)
+            sched = _scheduler(tiny_llama, tokenizer, device, _Drafter() if speculative else None)
             reqs = _add(sched, [dict(temperature=0.0), dict(temperature=0.0,
                                                             presence_penalty=0.7)])
             for _ in range(6):
