@@ -89,11 +89,17 @@ def _decode_warps(dot: tl.dtype) -> int:
     return 4 if dot == tl.float32 else _ATTENTION_WARPS
 
 
-def verify_heads(group: int, dot: tl.dtype, interpret: bool | None = None) -> int:
+def _verify_heads(group: int, dot: tl.dtype, interpret: bool | None = None) -> int:
     """Query heads a tree-verify program takes: a kv head's whole group, whose keys it then
     reads once; one for exact fp32 dots, which run on CUDA cores and spilled registers with
     the group's rows (tests/kernels/cases_aot.py)."""
     return 1 if dot == tl.float32 and not _resolve(interpret) else group
+
+
+def _verify_rows(num_draft: int, heads: int, interpret: bool | None = None) -> int:
+    """A tree-verify program's query rows (BLOCK_R): the drafts x its heads, at most 32 on a
+    GPU (register room), 64 in the interpreter."""
+    return min(_block(num_draft * heads), 64 if _resolve(interpret) else 32)
 
 
 def _block(n: int) -> int:
@@ -212,16 +218,16 @@ def tree_verify_meta(
 ) -> dict[str, object]:
     """Constexprs of tree_verify_kernel (split_reduce_kernel takes NUM_SPLITS, BLOCK_S,
     BLOCK_D). A program's BLOCK_R rows are draft queries x HEADS query heads of a kv head
-    (`verify_heads`), at most 32 of them on a GPU (register room: a verify of 12 drafts at
+    (`_verify_heads`), at most 32 of them on a GPU (register room: a verify of 12 drafts at
     group 4 is two blocks). NUM_SPLITS (default _prefix_splits) follows the table's width
     `max_context` and the launch's programs `num_programs` (B * Hq / HEADS * row blocks);
     each request then splits its own prefix in pieces of at least `split_min` keys, so a
     short one uses one split."""
     dtype = dot_dtype(pool_dtype, interpret)
-    heads = verify_heads(group, dtype, interpret)
+    heads = _verify_heads(group, dtype, interpret)
     return {
         "HEADS": heads,
-        "BLOCK_R": min(_block(num_draft * heads), 64 if _resolve(interpret) else 32),
+        "BLOCK_R": _verify_rows(num_draft, heads, interpret),
         "BLOCK_M": _block(num_draft),
         # 32 keys on a GPU, as extend's tiles (64 beside 32 rows spilled)
         "BLOCK_N": 64 if _resolve(interpret) else 32,
@@ -476,17 +482,14 @@ def tree_verify_attention(
     mask = tree_mask.to(device=device, dtype=torch.int8).contiguous()
     window_value, softcap_value = _runtime(window, softcap)
     group = num_q_heads // num_kv_heads
-    heads = verify_heads(group, dot_dtype(k_pool.dtype))
-    # a program's rows: a verify's drafts x its heads, in blocks of 32 on a GPU (64 here)
-    row_blocks = triton.cdiv(num_draft * heads, min(_block(num_draft * heads),
-                                                    64 if _interpreting() else 32))
+    heads = _verify_heads(group, dot_dtype(k_pool.dtype))
+    row_blocks = triton.cdiv(num_draft * heads, _verify_rows(num_draft, heads))
     meta = tree_verify_meta(
         num_draft, head_dim, k_pool.dtype, window=window, softcap=softcap,
         max_context=req_to_token.shape[1],
         num_programs=batch * (num_q_heads // heads) * row_blocks,
         num_splits=num_splits, split_min=split_min, group=group,
     )  # fmt: skip
-    assert meta["HEADS"] == heads and triton.cdiv(num_draft * heads, meta["BLOCK_R"]) == row_blocks
     mid_out, mid_lse = _split_buffers(q.shape[0], num_q_heads, head_dim, meta, device)
     k_arg, v_arg, ks_arg, vs_arg, stride_scale = _kv_args(k_pool, v_pool, k_scale, v_scale)
     tk.tree_verify_kernel[(batch, num_q_heads // heads, row_blocks * meta["NUM_SPLITS"])](

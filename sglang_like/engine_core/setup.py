@@ -18,6 +18,7 @@ from sglang_like.layers.quantization import (
     resolve_quantization,
 )
 from sglang_like.mem_pool import KVPool, resolve_kv_cache_dtype
+from sglang_like.model_executor.cuda_graph import graph_buckets
 from sglang_like.model_loader import load_model
 from sglang_like.model_runner import ModelRunner
 from sglang_like.scheduler import Scheduler, SchedulerConfig
@@ -125,12 +126,10 @@ def cuda_graph_max_bs(sa: ServerArgs, device: torch.device) -> int:
     if device.type != "cuda":
         raise ValueError(f"--enable-cuda-graph needs a CUDA device; this engine runs on "
                          f"{device.type}")
-    if sa.cuda_graph_max_bs is not None:
-        if sa.cuda_graph_max_bs < 1:
-            raise ValueError(f"cuda_graph_max_bs must be at least 1; got "
-                             f"{sa.cuda_graph_max_bs}")
-        return sa.cuda_graph_max_bs
-    return min(sa.max_running_requests, 64)
+    if sa.cuda_graph_max_bs is None:
+        return min(sa.max_running_requests, 64)
+    graph_buckets(sa.cuda_graph_max_bs)  # ValueError for a bad one
+    return sa.cuda_graph_max_bs
 
 
 def resolve_device_sampling(value: str, device: torch.device) -> bool:

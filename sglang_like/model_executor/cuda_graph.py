@@ -88,15 +88,11 @@ class EagerGraphs:
     """Stands for CUDA graphs where there are none: replay runs the recorded function again
     over the same buffers and copies its results into the outputs the capture returned."""
 
-    def __init__(self) -> None:
-        self.replays = 0
-
     def capture(self, fn: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
         out = fn()
 
         @torch.inference_mode()  # the outputs are the model's inference tensors
         def replay() -> None:
-            self.replays += 1
             logits, features = fn()
             out[0].copy_(logits)
             if features is not None:
@@ -112,10 +108,11 @@ class ForwardGraphs:
     request `draft_tokens` nodes under its own tree mask: the Triton tree kernel's uniform
     batch). `run(fb)` replays the smallest bucket that holds `fb` (`takes(fb)` first)."""
 
-    def __init__(self, runner: Any, max_batch_size: int, backend: GraphBackend | None = None,
+    def __init__(self, runner: Any, max_batch_size: int, backend: GraphBackend,
                  draft_tokens: int = 1) -> None:
         """`runner`: the ModelRunner whose model, pool, table and `aux_layers` the forward
-        reads (a layer below it: typed loosely)."""
+        reads (a layer below it: typed loosely); `backend`: the graph API (CudaGraphs, whose
+        memory pool every graph of a runner shares)."""
         if any(isinstance(layer.mlp, SparseMoE) for layer in runner.model.model.layers):
             raise ValueError("--enable-cuda-graph does not take a MoE model: its routing "
                              "reads each expert's row count on the host, which a graph "
@@ -123,7 +120,7 @@ class ForwardGraphs:
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens must be at least 1; got {draft_tokens}")
         self.runner = runner
-        self.backend = backend if backend is not None else CudaGraphs()
+        self.backend = backend
         self.buckets = graph_buckets(max_batch_size)
         self.draft_tokens = n = draft_tokens
         self.features = bool(runner.aux_layers)  # an EAGLE-3 drafter's capture, if any
