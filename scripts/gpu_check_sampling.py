@@ -18,6 +18,8 @@ Checks, each a row of the table:
 - verify: the same scheduler speculating, its drafts each request's own output from a run
   without speculation: seeded sampled requests output the same tokens (so deep drafts are
   accepted), and a verify step makes one sync.
+- eagle: EAGLE-3 with a random head (drafting on the device on CUDA: the beams stay there
+  between depths): greedy output is the plain run's, and a step syncs at most 3 times.
 
 Imported lazily by gpu_check.section_sampling (it needs the runtime on sys.path).
 """
@@ -28,6 +30,7 @@ import warnings
 from typing import Any
 
 EOS = 2
+EAGLE_DEPTHS = 3  # the eagle check's draft steps a tree (EAGLE's --speculative-num-steps - 1)
 CHI2_LIMIT = 24.3  # p < 0.001 at 7 degrees of freedom
 
 
@@ -379,6 +382,62 @@ def check_verify(ctx: Any, report: Any, config: Any, max_new: int) -> None:
         report.failures.append(f"verify: {len(worst)} syncs in a step: {worst[:6]}")
 
 
+def check_eagle(ctx: Any, report: Any, config: Any, max_new: int) -> None:
+    """EAGLE-3 with a seeded random head (saved to a temporary folder and loaded as a user's
+    would be): greedy requests output what they output without speculation, and a step that
+    verifies and drafts EAGLE_DEPTHS depths syncs at most 3 times on CUDA (the verify's
+    argmax, the head's candidates after it, every draft depth's at once)."""
+    import tempfile
+
+    import torch
+
+    from sglang_like.req import Req
+    from sglang_like.sampling_params import SamplingParams
+    from sglang_like.speculative import SpecConfig
+    from sglang_like.speculative.eagle import EagleDrafter
+    from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head
+
+    weights = _weights(config)
+    outputs, worst, drafted = {}, [], 0
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        Eagle3Head(Eagle3Config(
+            hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=config.vocab_size,
+            draft_vocab_size=config.vocab_size, target_hidden_size=config.hidden_size,
+            aux_layer_ids=[0, config.num_hidden_layers // 2, config.num_hidden_layers - 1],
+        )).save(folder)
+        spec = SpecConfig("EAGLE3", num_steps=EAGLE_DEPTHS + 1, eagle_topk=2,
+                          num_draft_tokens=6, draft_model_path=folder, ngram_min_window=1,
+                          ngram_max_window=4, ngram_breadth=1, auto_disable=False)
+        for eagle in (False, True):
+            sched = _scheduler(ctx, config, weights, True)
+            if eagle:
+                sched.drafter = EagleDrafter(spec, sched.runner)
+            reqs = [Req(f"r{i}", [5 + i, 17, 3, 90, 41, 7], SamplingParams(
+                max_new_tokens=max_new, ignore_eos=True, temperature=0.0)) for i in range(3)]
+            for r in reqs:
+                sched.add_request(r)
+            sched.step()  # the prefill
+            while sched.has_work:
+                syncs = _step_syncs(ctx, sched)
+                if eagle and len(syncs) > len(worst):
+                    worst = syncs
+            outputs[eagle] = {r.rid: r.output_ids for r in reqs}
+            if eagle:
+                drafted = sched.drafter.num_forwards
+    same = outputs[False] == outputs[True]
+    report.rows.append(["eagle: greedy spec = plain", f"3 x {max_new} tokens", str(same),
+                        f"{drafted} head forwards, {EAGLE_DEPTHS} draft depths"])
+    counted = _report_syncs(report, ctx, "eagle: syncs / step (most)", "eagle_max_syncs",
+                            config, worst)
+    report.figures["eagle_greedy_equal"] = same
+    if not same or not drafted:
+        report.failures.append(f"eagle: greedy outputs equal {same}, {drafted} head forwards")
+    if counted and len(worst) > 3:
+        report.failures.append(f"eagle: {len(worst)} syncs in a step: {worst[:6]}")
+
+
 def run_sampling_checks(ctx: Any, report: Any) -> None:
     """Fill `report` (gpu_check.Report: columns check, shape, value, note)."""
     from sglang_like.config import ModelConfig
@@ -391,6 +450,7 @@ def run_sampling_checks(ctx: Any, report: Any) -> None:
         check_steps(ctx, report, ModelConfig("llama", 97, 64, 192, 2, 4, 2, 16), 3)
         check_ahead(ctx, report, 300)
         check_verify(ctx, report, ModelConfig("llama", 97, 64, 192, 2, 4, 2, 16), 8)
+        check_eagle(ctx, report, ModelConfig("llama", 97, 64, 192, 2, 4, 2, 16), 8)
     else:
         check_greedy(ctx, report, 64, 128256)
         check_syncs(ctx, report, 64, 128256)
@@ -399,3 +459,4 @@ def run_sampling_checks(ctx: Any, report: Any) -> None:
         check_steps(ctx, report, ModelConfig("llama", 32000, 256, 512, 2, 4, 2, 64), 6)
         check_ahead(ctx, report, 128256)
         check_verify(ctx, report, ModelConfig("llama", 32000, 256, 512, 2, 4, 2, 64), 12)
+        check_eagle(ctx, report, ModelConfig("llama", 32000, 256, 512, 2, 4, 2, 64), 12)

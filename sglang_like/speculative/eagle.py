@@ -41,7 +41,7 @@ from sglang_like.speculative.eagle_native import NativeEagleHead
 from sglang_like.speculative.head_loader import load_draft_head
 from sglang_like.speculative.ngram import NgramDrafter
 from sglang_like.speculative.tree import DraftTree, with_copies
-from sglang_like.utils.upload import upload_ints
+from sglang_like.utils.upload import Packer, upload_ints
 
 if TYPE_CHECKING:
     from sglang_like.model_runner import ModelRunner
@@ -353,7 +353,11 @@ class EagleDrafter:
             # a request copying surely gets the head's next-token candidates (drafted by
             # its extend) without the head's draft steps beyond them
             sure = {i for i in live if i in copied and copied[i][1][1] >= _COPY_SURE}
-            self._draft_trees(reqs, max_depths, ctx, live, trees, sure)
+            k = self.spec.eagle_topk
+            on_device = (self.runner.device.type != "cpu"
+                         and all(len(reqs[i].spec.eagle.cand_ids) == k for i in live))
+            draft = self._draft_trees_on_device if on_device else self._draft_trees
+            draft(reqs, max_depths, ctx, live, trees, sure)
         if copied:
             calibration = ctx.controller.draft_calibration
             for i, (copies, probs) in copied.items():
@@ -396,6 +400,114 @@ class EagleDrafter:
             trees[i] = self._select(reqs[i], nodes[i], min(spec.num_draft_tokens,
                                                            1 + spec.eagle_topk * depth_cap[i]),
                                     depth_cap[i])
+
+    def _draft_trees_on_device(self, reqs: list[Req], max_depths: list[int],
+                               ctx: DraftContext, live: list[int],
+                               trees: list[DraftTree | None],
+                               shallow: set[int] = frozenset()) -> None:
+        """`_draft_trees` with the beams kept on the device from one draft step to the next,
+        for a GPU: the host version reads each depth's top-k back to prune and pick the next
+        beams, a sync a depth; here they come back once, every depth's at the end.
+
+        So that each step's shapes are known on the host, a stepped request forwards exactly
+        `eagle_topk` rows a depth: its beams, the best children of the last depth's (a top-k
+        on the device), a beam under the controller's log-prob floor (or a child of one)
+        computed but dead, parenting no node. Its attention masks (each row sees its
+        ancestors), features and tokens are gathered on the device from the beams' parents.
+        The trees are the host version's, nodes and order: only a tie in the top-k may pick
+        another equal beam. The scores are the same Python sums of log-probs, which are the
+        same bits where the same rows run (the host version forwards no dead beam, and a
+        matmul over another row count may round otherwise). A request whose beams all died
+        keeps stepping (the host version drops it); its slots count in each depth's
+        scratch."""
+        spec, k = self.spec, self.spec.eagle_topk
+        dev = self.runner.device
+        table = self.runner.req_to_token_pool
+        min_lp = ctx.controller.min_draft_logprob()
+        depth_cap = {i: 1 if i in shallow else min(spec.num_steps, max_depths[i]) for i in live}
+        # a request none of whose candidates clears the floor has no beam from the start
+        stepping = [i for i in live
+                    if any(lp >= min_lp for lp in reqs[i].spec.eagle.cand_logprobs)]
+        records: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        scratch: list[int] = []
+        step: list[int] = []
+        try:
+            for depth in range(1, spec.num_steps):
+                prev, step = step, [i for i in stepping if depth < depth_cap[i]]
+                if not step:
+                    break
+                n = len(step)
+                got = ctx.alloc_slots(n * k)
+                if got is None:
+                    break  # the pool is short: draft no deeper
+                scratch += got
+                for r, i in enumerate(step):  # the rows' slots after the forwarded ones
+                    req = reqs[i]
+                    table.write(req.req_pool_idx, req.kv_len + (depth - 1) * k,
+                                got[r * k:(r + 1) * k])
+                packer = Packer()  # the step's host data: one copy
+                for part in ([reqs[i].kv_len - 1 + depth for i in step for _ in range(k)], got,
+                             [reqs[i].req_pool_idx for i in step],
+                             [reqs[i].kv_len for i in step], [k] * n):
+                    packer.add(part)
+                if depth == 1:
+                    packer.add([t for i in step for t in reqs[i].spec.eagle.cand_ids])
+                    packer.add([lp for i in step for lp in reqs[i].spec.eagle.cand_logprobs],
+                               is_float=True)
+                elif len(step) < len(prev):  # the requests at their depth cap leave
+                    packer.add([prev.index(i) for i in step])
+                meta = packer.to(dev)
+                if depth == 1:
+                    tokens = meta[5].view(n, k)
+                    scores = meta[6].view(torch.float64).view(n, k)
+                    alive = torch.ones(n, k, dtype=torch.bool, device=dev)
+                    feats = torch.stack([reqs[i].spec.eagle.hidden for i in step])
+                    feats = feats.repeat_interleave(k, dim=0)
+                    masks = torch.eye(k, dtype=torch.bool, device=dev).expand(n, k, k)
+                elif len(step) < len(prev):
+                    sub = meta[5]
+                    tokens, scores, alive = tokens[sub], scores[sub], alive[sub]
+                    feats = feats.view(len(prev), k, -1)[sub].reshape(n * k, -1)
+                    masks = masks[sub]
+                fb = ForwardBatch(
+                    input_ids=tokens.reshape(-1), positions=meta[0], out_slots=meta[1],
+                    req_pool_indices=meta[2], prefix_lens=meta[3], extend_lens=meta[4],
+                    logits_indices=torch.empty(0, dtype=torch.long, device=dev),
+                    req_to_token=table.req_to_token, custom_masks=list(masks),
+                    max_extend_len=k)
+                outs, cand_ids, cand_lp = self._run_head(fb, feats, None)
+                cand_ids, cand_lp = cand_ids.view(n, k, k), cand_lp.view(n, k, k)
+                pick, tokens, scores, alive = _next_beams(scores, alive, cand_ids, cand_lp,
+                                                          min_lp)
+                records.append((step, cand_ids, cand_lp, pick))
+                parent = pick // k
+                feats = outs.view(n, k, -1).gather(
+                    1, parent.unsqueeze(-1).expand(n, k, outs.shape[-1])).view(n * k, -1)
+                masks = torch.cat([masks.gather(1, parent.unsqueeze(-1).expand(
+                    n, k, masks.shape[-1])), torch.eye(k, dtype=torch.bool, device=dev).expand(
+                    n, k, k)], dim=2)
+        finally:
+            ctx.free_slots(scratch)
+        host = _records_to_host(records)
+        for i in live:
+            st = reqs[i].spec.eagle
+            ns = [_Node(t, -1, s, None) for t, s in zip(st.cand_ids, st.cand_logprobs,
+                                                        strict=True)]
+            beams = list(range(len(ns)))  # the node of each beam slot; -1: a dead one
+            for (step_i, ids, lps, pick) in host:
+                if i not in step_i:
+                    break
+                r = step_i.index(i)
+                child = {}
+                for b, j in enumerate(beams):
+                    if j < 0 or ns[j].score < min_lp:
+                        continue
+                    for c in range(k):
+                        ns.append(_Node(ids[r][b][c], j, ns[j].score + lps[r][b][c], None))
+                        child[b * k + c] = len(ns) - 1
+                beams = [child.get(p, -1) for p in pick[r]]
+            trees[i] = self._select(reqs[i], ns, min(spec.num_draft_tokens,
+                                                     1 + k * depth_cap[i]), depth_cap[i])
 
     def _draft_step(self, reqs: list[Req], step: list[int], nodes: dict[int, list[_Node]],
                     beams: dict[int, list[int]], slots: list[int], depth: int) -> None:
@@ -473,6 +585,45 @@ class EagleDrafter:
             parents.append(0 if p < 0 else picked[p])
             probs.append(math.exp(ns[j].score))
         return DraftTree(tokens, parents, probs=probs)
+
+
+def _next_beams(scores: torch.Tensor, alive: torch.Tensor, cand_ids: torch.Tensor,
+                cand_lp: torch.Tensor, min_lp: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draft depth's beam choice on the device, for n requests of k beams each: beams
+    [n, k] (scores float64, alive), their children's target ids and log-probs [n, k, k].
+    The children of the beams alive and at or above the floor live; the best k of every
+    request's children (live ones first) are the next beams: (picks [n, k], child index
+    b * k + c, best first; their tokens, scores, alive)."""
+    n, k = scores.shape
+    passing = alive & (scores >= min_lp)
+    child_scores = (scores.unsqueeze(-1) + cand_lp.double()).view(n, k * k)
+    child_alive = passing.unsqueeze(-1).expand(n, k, k).reshape(n, k * k)
+    pick = torch.where(child_alive, child_scores, -math.inf).topk(k, dim=1).indices
+    return (pick, cand_ids.reshape(n, k * k).gather(1, pick), child_scores.gather(1, pick),
+            child_alive.gather(1, pick))
+
+
+def _records_to_host(records: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]
+                     ) -> list[tuple[list[int], list, list, list]]:
+    """Each draft depth's (requests, children's ids [n, k, k], log-probs [n, k, k], picks
+    [n, k]) as lists, in one copy (float64: exact for the ids, picks and float32
+    log-probs)."""
+    if not records:
+        return []
+    parts = [t.reshape(-1).to(torch.float64) for _, ids, lps, pick in records
+             for t in (ids, lps, pick)]
+    flat = torch.cat(parts).cpu()
+    out, at = [], 0
+    for step, ids, lps, pick in records:
+        got = []
+        for t in (ids, lps, pick):
+            got.append(flat[at:at + t.numel()].view(t.shape).tolist())
+            at += t.numel()
+        got[0] = [[[int(v) for v in beam] for beam in row] for row in got[0]]
+        got[2] = [[int(v) for v in row] for row in got[2]]
+        out.append((step, *got))
+    return out
 
 
 def _candidates_to_host(ids: torch.Tensor, logprobs: torch.Tensor

@@ -1,0 +1,195 @@
+"""EAGLE drafting with the beams on the device (`EagleDrafter._draft_trees_on_device`, what a
+GPU runs): the same trees as the host version's depth-by-depth walk, and one sync for all of
+a step's draft depths under the CUDA profile (the host version makes one a depth).
+
+The two versions run on the same drafter state (the head's candidates after a real prefill
+and steps of a tiny random llama with a random EAGLE-3 head), so any difference is theirs:
+the beams picked, the dead ones (under the controller's log-prob floor) left out, the depth
+caps, the masks (a wrong mask changes the head's outputs and so the next depth's tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_like.model_loader import load_tokenizer
+from sglang_like.model_runner import ModelRunner
+from sglang_like.req import Req
+from sglang_like.sampling_params import SamplingParams
+from sglang_like.scheduler import Scheduler, SchedulerConfig
+from sglang_like.speculative import SpecConfig
+from sglang_like.speculative.eagle import EagleDrafter, _next_beams
+
+from .cuda_profile import cuda_profile
+from .spec_fakes import random_head
+from .tiny_llama import TINY
+
+NUM_STEPS, TOPK = 4, 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory) -> str:
+    return random_head(str(tmp_path_factory.mktemp("head")), TINY.vocab_size, TINY.hidden_size,
+                       TINY.num_hidden_layers)
+
+
+def _scheduler(tiny_llama, tokenizer, head: str, device: str) -> Scheduler:
+    runner = ModelRunner(TINY, tiny_llama, dtype=torch.float32, device=torch.device(device),
+                         num_kv_slots=512, context_len=96, max_running_requests=8)
+    config = SchedulerConfig(pool_size=512, context_len=96, vocab_size=TINY.vocab_size,
+                             max_running_requests=8, chunked_prefill_size=None,
+                             device_sampling=device == "cuda", speculative_auto_disable=False)
+    sched = Scheduler(config, runner, tokenizer, frozenset({0}))
+    spec = SpecConfig("EAGLE3", num_steps=NUM_STEPS, eagle_topk=TOPK, num_draft_tokens=10,
+                      draft_model_path=head, ngram_min_window=1, ngram_max_window=4,
+                      ngram_breadth=1, ngram_branch=False, auto_disable=False)
+    sched.drafter = EagleDrafter(spec, runner)
+    return sched
+
+
+def _add(sched: Scheduler, n: int) -> list[Req]:
+    reqs = [Req(f"r{i}", [5 + i, 17, 3 + 2 * i, 90, 41, 7 * i + 1],
+                SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.0))
+            for i in range(n)]
+    for r in reqs:
+        sched.add_request(r)
+    return reqs
+
+
+def _both(sched: Scheduler, reqs: list[Req], max_depths: list[int], shallow: set[int],
+          monkeypatch, min_lp: float | None = None):
+    """Each version's trees and every node it drafted (token, parent, score), per request."""
+    drafter, ctx = sched.drafter, sched._draft_context()
+    if min_lp is not None:
+        monkeypatch.setattr(ctx.controller, "min_draft_logprob", lambda: min_lp)
+    nodes: list = []
+    select = EagleDrafter._select
+
+    def recording(req, ns, num_nodes, max_depth):
+        nodes.append([(nd.token, nd.parent, nd.score) for nd in ns])
+        return select(req, ns, num_nodes, max_depth)
+
+    monkeypatch.setattr(EagleDrafter, "_select", staticmethod(recording))
+    live = [i for i, r in enumerate(reqs) if r.spec.eagle is not None]
+    assert live, "no request has the head's candidates"
+    free = sched.cache.allocator.num_free_slots
+    host: list = [None] * len(reqs)
+    drafter._draft_trees(reqs, max_depths, ctx, live, host, shallow)
+    host_nodes, nodes[:] = list(nodes), []
+    dev: list = [None] * len(reqs)
+    drafter._draft_trees_on_device(reqs, max_depths, ctx, live, dev, shallow)
+    assert sched.cache.allocator.num_free_slots == free  # every scratch slot back
+    return (host, host_nodes), (dev, nodes)
+
+
+def _same(host, dev) -> None:
+    """The same nodes and trees; scores to float32 rounding: where the floor leaves beams
+    out, the host version's head runs over fewer rows, and a CPU matmul's sums may round
+    otherwise for another row count (the device version forwards the dead beams too)."""
+    (host_trees, host_nodes), (dev_trees, dev_nodes) = host, dev
+    assert [[n[:2] for n in ns] for ns in host_nodes] == [[n[:2] for n in ns] for ns in dev_nodes]
+    for a, b in zip(host_nodes, dev_nodes, strict=True):
+        assert [n[2] for n in a] == pytest.approx([n[2] for n in b], abs=1e-5)
+    for a, b in zip(host_trees, dev_trees, strict=True):
+        if a is None:
+            assert b is None
+            continue
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+        assert a.probs == pytest.approx(b.probs, rel=1e-5)
+
+
+# the log-prob floor: off; between the head's depth-1 candidates here (about -3.2 to -3.7),
+# so some requests forward fewer beams at depth 1 or none; between its depth-2 children
+# (about -6.5 to -7.2)
+@pytest.mark.parametrize("floor", [None, -3.55, -6.9])
+def test_device_drafting_makes_the_host_versions_trees(tiny_llama, tokenizer, head, floor,
+                                                       monkeypatch) -> None:
+    sched = _scheduler(tiny_llama, tokenizer, head, "cpu")
+    reqs = _add(sched, 4)
+    for _ in range(3):
+        sched.step()
+    max_depths = [NUM_STEPS, 2, NUM_STEPS, NUM_STEPS]  # one capped (near its max tokens)
+    host, dev = _both(sched, reqs, max_depths, {3}, monkeypatch, floor)
+    _same(host, dev)
+    if floor is None:  # the same rows forwarded: the same floats
+        assert host[1] == dev[1]
+    sizes = [len(ns) for ns in host[1]]
+    full = TOPK + TOPK * TOPK * (NUM_STEPS - 1)  # every beam of every depth forwarded
+    if floor is None:
+        assert sizes == [full, TOPK + TOPK * TOPK, full, TOPK]
+    else:  # the floor left beams out
+        assert TOPK in sizes[:3] or any(TOPK < n < full for n in sizes[:3]), sizes
+
+
+def test_next_beams_leave_the_floors_dead_out() -> None:
+    """Two beams: beam 1 under the floor (-2.5 < -2) has the best children, beam 0's are
+    worse; then one request whose only live beam has fewer children than k."""
+    scores = torch.tensor([[-1.0, -2.5]], dtype=torch.float64)
+    alive = torch.tensor([[True, True]])
+    ids = torch.tensor([[[10, 11], [20, 21]]])
+    lps = torch.tensor([[[-3.0, -4.0], [-0.1, -0.2]]])
+    pick, tokens, new_scores, new_alive = _next_beams(scores, alive, ids, lps, -2.0)
+    assert pick.tolist() == [[0, 1]] and tokens.tolist() == [[10, 11]]
+    assert new_scores.tolist() == [[-4.0, -5.0]] and new_alive.tolist() == [[True, True]]
+    # no floor: beam 1's children are the best
+    pick, tokens, new_scores, _ = _next_beams(scores, alive, ids, lps, -float("inf"))
+    assert tokens.tolist() == [[20, 21]]
+    assert new_scores.tolist()[0] == pytest.approx([-2.6, -2.7])
+    # beam 1 dead already: its children are dead too, picked only after the live ones
+    k3 = torch.tensor([[-1.0, -1.5, -9.0]], dtype=torch.float64)
+    ids3 = torch.arange(9).view(1, 3, 3)
+    lps3 = torch.tensor([[[-5.0, -6.0, -7.0], [-0.1, -0.2, -0.3], [-0.1, -0.1, -0.1]]])
+    pick, tokens, _, new_alive = _next_beams(k3, torch.tensor([[True, False, True]]), ids3,
+                                             lps3, -2.0)
+    assert tokens.tolist()[0] == [0, 1, 2] and new_alive.tolist() == [[True, True, True]]
+    pick, tokens, _, new_alive = _next_beams(torch.tensor([[-1.0, -3.0, -4.0]],
+                                                          dtype=torch.float64),
+                                             torch.tensor([[True, True, True]]),
+                                             ids3, lps3, -2.0)
+    assert tokens.tolist()[0] == [0, 1, 2]  # only beam 0 passes: its three children
+
+
+def test_device_drafting_masks_matter(tiny_llama, tokenizer, head, monkeypatch) -> None:
+    """A row that sees a sibling's key (the mask's diagonal block all True) drafts other
+    tokens: the comparison above would catch masks built wrong."""
+    sched = _scheduler(tiny_llama, tokenizer, head, "cpu")
+    reqs = _add(sched, 2)
+    for _ in range(3):
+        sched.step()
+    eye = torch.eye
+
+    def all_true(n, *args, **kw):
+        return torch.ones_like(eye(n, *args, **kw))
+
+    monkeypatch.setattr(torch, "eye", all_true)
+    host, dev = _both(sched, reqs, [NUM_STEPS] * 2, set(), monkeypatch)
+    assert host[1][0][:TOPK] == dev[1][0][:TOPK]  # the candidates: no mask yet
+    assert host[1] != dev[1]
+
+
+def test_eagle_draft_depths_cost_one_sync(tiny_llama, tokenizer, head) -> None:
+    """Under the CUDA profile a step that verifies and drafts NUM_STEPS - 1 = 3 depths syncs
+    3 times (the verify's argmax, the head's candidates after it, the draft's depths at
+    once), where the host walk made 2 + 3; its draft tree's attention is the Triton masked
+    kernel's."""
+    with cuda_profile() as profile:
+        sched = _scheduler(tiny_llama, tokenizer, head, "cuda")
+        _add(sched, 2)
+        sched.step()  # the prefill
+        for _ in range(3):
+            profile.reset()
+            sched.step()
+            assert profile.triton_calls["tree_verify_attention"] == TINY.num_hidden_layers
+            assert profile.triton_calls["masked_attention"] == NUM_STEPS - 1
+            assert len(profile.syncs) <= 3, profile.syncs
+            # the verify's 4, the head's batch after it, and per depth its batch, the table
+            # rows of its slots and the masks' offsets
+            assert len(profile.uploads) == 5 + 3 * (NUM_STEPS - 1), profile.uploads
+            assert not profile.reference_calls
+            assert not profile.native_calls
