@@ -19,7 +19,9 @@ Checks, each a row of the table:
   without speculation: seeded sampled requests output the same tokens (so deep drafts are
   accepted), and a verify step makes one sync.
 - eagle: EAGLE-3 with a random head (drafting on the device on CUDA: the beams stay there
-  between depths): greedy output is the plain run's, and a step syncs at most 3 times.
+  between depths), eager and with every graph captured (the draft depths, the target's
+  decode and verify): greedy output is the plain run's, a step syncs at most 3 times, and
+  the ms a step both ways.
 
 Imported lazily by gpu_check.section_sampling (it needs the runtime on sys.path).
 """
@@ -384,13 +386,17 @@ def check_verify(ctx: Any, report: Any, config: Any, max_new: int) -> None:
 
 def check_eagle(ctx: Any, report: Any, config: Any, max_new: int) -> None:
     """EAGLE-3 with a seeded random head (saved to a temporary folder and loaded as a user's
-    would be): greedy requests output what they output without speculation, and a step that
-    verifies and drafts EAGLE_DEPTHS depths syncs at most 3 times on CUDA (the verify's
-    argmax, the head's candidates after it, every draft depth's at once)."""
+    would be), its draft depths eager and then replayed as graphs (`--enable-cuda-graph`:
+    CUDA graphs, the target's decode and verify too; EagerGraphs in --cpu-smoke): greedy
+    requests output what they output without speculation, a step that verifies and drafts
+    EAGLE_DEPTHS depths syncs at most 3 times on CUDA (the verify's argmax, the head's
+    candidates after it, every draft depth's at once), and the ms a step both ways."""
     import tempfile
+    import time
 
     import torch
 
+    from sglang_like.model_executor.cuda_graph import CudaGraphs, EagerGraphs
     from sglang_like.req import Req
     from sglang_like.sampling_params import SamplingParams
     from sglang_like.speculative import SpecConfig
@@ -398,7 +404,7 @@ def check_eagle(ctx: Any, report: Any, config: Any, max_new: int) -> None:
     from sglang_like.speculative.eagle_head import Eagle3Config, Eagle3Head
 
     weights = _weights(config)
-    outputs, worst, drafted = {}, [], 0
+    outputs, worst, drafted, step_ms, replays = {}, [], 0, {}, 0
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
         Eagle3Head(Eagle3Config(
@@ -410,30 +416,45 @@ def check_eagle(ctx: Any, report: Any, config: Any, max_new: int) -> None:
         spec = SpecConfig("EAGLE3", num_steps=EAGLE_DEPTHS + 1, eagle_topk=2,
                           num_draft_tokens=6, draft_model_path=folder, ngram_min_window=1,
                           ngram_max_window=4, ngram_breadth=1, auto_disable=False)
-        for eagle in (False, True):
+        for mode in ("plain", "eagle", "eagle+graphs"):
             sched = _scheduler(ctx, config, weights, True)
-            if eagle:
+            if mode != "plain":
                 sched.drafter = EagleDrafter(spec, sched.runner)
+                sched.drafter.on_device = True  # what CUDA runs (the CPU's own: the host walk)
+            if mode == "eagle+graphs":
+                backend = EagerGraphs() if ctx.smoke else CudaGraphs()
+                sched.runner.capture_graphs(4, backend, verify_tokens=spec.num_draft_tokens)
+                sched.drafter.capture_graphs(4, sched.runner.graph_backend)
             reqs = [Req(f"r{i}", [5 + i, 17, 3, 90, 41, 7], SamplingParams(
                 max_new_tokens=max_new, ignore_eos=True, temperature=0.0)) for i in range(3)]
             for r in reqs:
                 sched.add_request(r)
             sched.step()  # the prefill
+            steps, t0 = 0, time.perf_counter()
             while sched.has_work:
                 syncs = _step_syncs(ctx, sched)
-                if eagle and len(syncs) > len(worst):
+                steps += 1
+                if mode != "plain" and len(syncs) > len(worst):
                     worst = syncs
-            outputs[eagle] = {r.rid: r.output_ids for r in reqs}
-            if eagle:
+            step_ms[mode] = (time.perf_counter() - t0) * 1e3 / max(steps, 1)
+            outputs[mode] = {r.rid: r.output_ids for r in reqs}
+            if mode == "eagle":
                 drafted = sched.drafter.num_forwards
-    same = outputs[False] == outputs[True]
+            if mode == "eagle+graphs":
+                replays = sched.drafter.graphs.num_replays
+    same = outputs["plain"] == outputs["eagle"] == outputs["eagle+graphs"]
     report.rows.append(["eagle: greedy spec = plain", f"3 x {max_new} tokens", str(same),
                         f"{drafted} head forwards, {EAGLE_DEPTHS} draft depths"])
+    report.rows.append(["eagle: ms / step eager, graphs (syncs counted)", f"V{config.vocab_size}",
+                        f"{step_ms['eagle']:.2f}, {step_ms['eagle+graphs']:.2f}",
+                        f"{replays} draft replays; plain {step_ms['plain']:.2f}"])
     counted = _report_syncs(report, ctx, "eagle: syncs / step (most)", "eagle_max_syncs",
                             config, worst)
-    report.figures["eagle_greedy_equal"] = same
-    if not same or not drafted:
-        report.failures.append(f"eagle: greedy outputs equal {same}, {drafted} head forwards")
+    report.figures.update({"eagle_greedy_equal": same, "eagle_step_ms": step_ms,
+                           "eagle_draft_replays": replays})
+    if not same or not drafted or not replays:
+        report.failures.append(f"eagle: greedy outputs equal {same}, {drafted} head forwards, "
+                               f"{replays} draft replays")
     if counted and len(worst) > 3:
         report.failures.append(f"eagle: {len(worst)} syncs in a step: {worst[:6]}")
 

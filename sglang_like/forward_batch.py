@@ -35,6 +35,9 @@ class ForwardBatch:
     # per request of custom_masks: True for an extend whose mask lets rows see later keys (an
     # image's rows both ways, Gemma 3), windowed by position; None: no such request
     positional_masks: torch.Tensor | None = None  # bool [B]
+    # custom_masks' offsets already on the device (triton_ops.masked_offsets): a CUDA graph's
+    # draft step, which cannot copy them from the host at each replay; None: built per call
+    custom_mask_meta: torch.Tensor | None = None
     is_decode: bool = False  # every extend_len == 1 and no tree mask
     # called with i once layer i has stored this batch's K/V (prefill/decode disaggregation
     # streams each layer's KV out while the next layers compute); None: no hook

@@ -79,6 +79,7 @@ class ModelRunner:
         self.tp_group = tp_group
         self.decode_threads: DecodeThreads | None = None
         self.graphs: list[ForwardGraphs] = []  # capture_graphs
+        self.graph_backend: GraphBackend | None = None
 
     def _build(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                dtype: torch.dtype, device: torch.device, context_len: int,
@@ -291,6 +292,7 @@ class ModelRunner:
             raise ValueError("--enable-cuda-graph does not take tensor parallelism yet (the "
                              "batch reaches the other ranks through the host)")
         backend = backend if backend is not None else CudaGraphs()
+        self.graph_backend = backend  # the drafter's graphs share it (and its memory pool)
         sizes = [1] + ([verify_tokens] if verify_tokens and verify_tokens > 1 else [])
         self.graphs = [ForwardGraphs(self, max_batch_size, backend, n) for n in sizes]
 

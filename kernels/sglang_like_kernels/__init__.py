@@ -186,16 +186,19 @@ def masked_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     positional: torch.Tensor | None = None,
+    mask_meta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention under a per-request mask (ragged trees mixed with extends): request b's
     masks[b].shape[0] packed queries see its first prefix_lens[b] keys and key
     prefix_lens[b] + j iff masks[b][i, j]; `positional` (reference.masked_attention): extends
     whose masks see later keys, windowed by position. On CUDA the Triton kernel takes the
-    masks ragged, as they come (a uniform verify batch goes through `tree_verify_attention`)."""
+    masks ragged, as they come (a uniform verify batch goes through `tree_verify_attention`);
+    `mask_meta` (`triton_ops.masked_offsets` of the masks' shapes) spares it the offsets'
+    copy from the host, which a CUDA graph cannot replay (the reference reads the masks)."""
     return _backend(q).masked_attention(
         q, k_pool, v_pool, req_to_token, req_pool_indices, prefix_lens, masks, sm_scale,
         window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
-        positional=positional,
+        positional=positional, mask_meta=mask_meta,
     )
 
 

@@ -639,6 +639,7 @@ def masked_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     positional: torch.Tensor | None = None,
+    mask_meta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries under a per-request mask over the keys after a fully visible prefix.
 
@@ -647,7 +648,8 @@ def masked_attention(
     first prefix_lens[b] keys and key prefix_lens[b] + j iff masks[b][i, j]. A causal mask is
     an extend, a tree mask a speculative verify (or a draft step over the nodes so far).
     `window`: each query keeps the last `window` of its visible keys in order (as
-    `tree_verify_attention`); `softcap`: scores -> cap * tanh(scores / cap).
+    `tree_verify_attention`); `softcap`: scores -> cap * tanh(scores / cap). `mask_meta`:
+    the Triton launcher's offsets of the masks (unused here: the masks are read).
     `positional[b]` (bool [B]): request b's mask is an extend's (row i at position prefix + i,
     column j at prefix + j) that may let a query see later keys (an image's rows both ways,
     Gemma 3); its window then keeps the keys less than `window` positions before the query,

@@ -506,6 +506,24 @@ def tree_verify_attention(
     return _output_for(out, k_pool)
 
 
+def _mask_offsets(rows: list[int], cols: list[int]) -> torch.Tensor:
+    """The masked kernel's per-request offsets: row starts, rows, mask starts, columns
+    (int64 [4 * B], host)."""
+    batch = len(rows)
+    starts, mask_starts = [0] * batch, [0] * batch
+    for b in range(1, batch):
+        starts[b] = starts[b - 1] + rows[b - 1]
+        mask_starts[b] = mask_starts[b - 1] + rows[b - 1] * cols[b - 1]
+    return torch.tensor([starts, rows, mask_starts, cols], dtype=torch.int64).flatten()
+
+
+def masked_offsets(rows: list[int], cols: list[int], device: torch.device) -> torch.Tensor:
+    """`masked_attention`'s `mask_meta` for masks of these shapes (no positional rows), on
+    `device`."""
+    return torch.cat([_mask_offsets(rows, cols), torch.zeros(len(rows), dtype=torch.int64)]
+                     ).to(device)
+
+
 def masked_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -522,11 +540,14 @@ def masked_attention(
     positional: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_min: int = _SPLIT_TOKENS,
+    mask_meta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention under a mask of its own per request (reference.masked_attention: ragged
     draft trees, verifies beside extends). The masks' shapes give the grid and every offset
     on the host, so a launch reads nothing back; host masks cross with the offsets in one
-    copy. Prefixes are split as tree_verify_attention's (num_splits default: masked_meta's)."""
+    copy. Prefixes are split as tree_verify_attention's (num_splits default: masked_meta's).
+    `mask_meta`: the offsets already on the device (`masked_offsets`, for these shapes and
+    no `positional`), so that the call copies nothing from the host (a CUDA graph's)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0 and k_pool.stride() == v_pool.stride()
@@ -539,15 +560,12 @@ def masked_attention(
         return out
     q = _query_for(q, k_pool)
     device = q.device
-    sizes = [r * c for r, c in zip(rows, cols, strict=True)]
-    starts = [0] * batch
-    mask_starts = [0] * batch
-    for b in range(1, batch):
-        starts[b] = starts[b - 1] + rows[b - 1]
-        mask_starts[b] = mask_starts[b - 1] + sizes[b - 1]
-    meta_rows = torch.tensor([starts, rows, mask_starts, cols], dtype=torch.int64).flatten()
+    meta_rows = _mask_offsets(rows, cols)
     flat = torch.cat([m.reshape(-1).to(torch.int8) for m in masks])
-    if all(m.device.type == "cpu" for m in masks) and (
+    if mask_meta is not None:  # the caller's copy of the offsets (a CUDA graph's buffer)
+        assert positional is None and mask_meta.shape == (5 * batch,)
+        flat = torch.cat([flat.to(device), torch.zeros(1, dtype=torch.int8, device=device)])
+    elif all(m.device.type == "cpu" for m in masks) and (
             positional is None or positional.device.type == "cpu"):
         # offsets, flags and masks in one host buffer: one copy (the masks ride as int64)
         by_position = (torch.zeros(batch, dtype=torch.int64) if positional is None

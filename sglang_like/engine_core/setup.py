@@ -101,6 +101,8 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
     if graph_max_bs is not None:  # after the drafter: its features are part of the forward
         runner.capture_graphs(graph_max_bs,
                               verify_tokens=spec.num_draft_tokens if spec is not None else None)
+        if spec is not None and spec.algorithm != "NGRAM" and spec.num_steps > 1:
+            drafter.capture_graphs(graph_max_bs, runner.graph_backend)  # its draft depths
     scheduler = Scheduler(
         SchedulerConfig(
             pool_size=num_slots, context_len=context_len, vocab_size=loaded.config.vocab_size,

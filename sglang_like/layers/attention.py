@@ -33,7 +33,8 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fb: Forw
     if fb.custom_masks is not None:
         return sglang_like_kernels.masked_attention(
             q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,
-            fb.custom_masks, sm_scale, positional=fb.positional_masks, **kw)
+            fb.custom_masks, sm_scale, positional=fb.positional_masks,
+            mask_meta=fb.custom_mask_meta, **kw)
     if fb.tree_mask is not None:
         return sglang_like_kernels.tree_verify_attention(
             q, k_pool, v_pool, fb.req_to_token, fb.req_pool_indices, fb.prefix_lens,

@@ -16,8 +16,9 @@ size (`--speculative-num-draft-tokens` nodes a request, each under its own tree 
 is a buffer too); a padding request's rows all write slot 0 under a causal mask. A prefill,
 a verify of other tree sizes (a tree cut short near max_new_tokens, NGRAM's ragged ones),
 LoRA rows, images, a per-layer hook (prefill/decode disaggregation) or a tensor-parallel
-group run eagerly, as does a batch past the largest bucket. The drafter's own head steps are
-not captured. A MoE model is refused (its routing reads the expert counts on the host, which
+group run eagerly, as does a batch past the largest bucket. EAGLE's draft depths are graphs
+of their own (`speculative.eagle.EagleDraftGraphs`, sharing the backend). A MoE model is
+refused (its routing reads the expert counts on the host, which
 a capture cannot do).
 
 The switch is off by default until `scripts/gpu_check.py`'s `graphs` section has passed on a

@@ -22,9 +22,10 @@ drafts on from a copied span as from its own.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from sglang_like.speculative import SpecConfig
     from sglang_like.speculative.context import DraftContext
 
+logger = logging.getLogger(__name__)
 
 # Target features a request keeps while its drafting is paused or held, in bf16 (the head's
 # int linears round its input to 8-bit blocks anyway): 3.5 kB a row, at most 3.5 MB a request.
@@ -150,6 +152,11 @@ class EagleDrafter:
                        and runner.device.type == "cpu" else None)
         if self.native is not None:
             self.head.drop_float_weights()
+        self.graphs: EagleDraftGraphs | None = None  # capture_graphs
+        # the beams stay on the device between draft depths (_draft_trees_on_device) off the
+        # CPU; on it, where a sync costs nothing, the host walk drafts (gpu_check's
+        # --cpu-smoke turns this on to run the device path there)
+        self.on_device = runner.device.type != "cpu"
         # the fused head embeds its tokens from the target's int8 rows itself
         emb = runner.model.model.embed_tokens
         self._int8_embedding = (
@@ -354,7 +361,7 @@ class EagleDrafter:
             # its extend) without the head's draft steps beyond them
             sure = {i for i in live if i in copied and copied[i][1][1] >= _COPY_SURE}
             k = self.spec.eagle_topk
-            on_device = (self.runner.device.type != "cpu"
+            on_device = (self.on_device
                          and all(len(reqs[i].spec.eagle.cand_ids) == k for i in live))
             draft = self._draft_trees_on_device if on_device else self._draft_trees
             draft(reqs, max_depths, ctx, live, trees, sure)
@@ -415,77 +422,30 @@ class EagleDrafter:
         computed but dead, parenting no node. Its attention masks (each row sees its
         ancestors), features and tokens are gathered on the device from the beams' parents.
         The trees are the host version's, nodes and order: only a tie in the top-k may pick
-        another equal beam. The scores are the same Python sums of log-probs, which are the
-        same bits where the same rows run (the host version forwards no dead beam, and a
-        matmul over another row count may round otherwise). A request whose beams all died
+        another equal beam. The scores are the same Python sums of log-probs, to the float32
+        rounding of the head's matmuls (the host version forwards no dead beam, and a CPU
+        matmul over other rows may round otherwise). A request whose beams all died
         keeps stepping (the host version drops it); its slots count in each depth's
-        scratch."""
+        scratch. With `capture_graphs`, a batch whose requests all draft every depth replays
+        the captured depths (`EagleDraftGraphs`)."""
         spec, k = self.spec, self.spec.eagle_topk
-        dev = self.runner.device
-        table = self.runner.req_to_token_pool
         min_lp = ctx.controller.min_draft_logprob()
         depth_cap = {i: 1 if i in shallow else min(spec.num_steps, max_depths[i]) for i in live}
         # a request none of whose candidates clears the floor has no beam from the start
         stepping = [i for i in live
                     if any(lp >= min_lp for lp in reqs[i].spec.eagle.cand_logprobs)]
-        records: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
         scratch: list[int] = []
-        step: list[int] = []
         try:
-            for depth in range(1, spec.num_steps):
-                prev, step = step, [i for i in stepping if depth < depth_cap[i]]
-                if not step:
-                    break
-                n = len(step)
-                got = ctx.alloc_slots(n * k)
-                if got is None:
-                    break  # the pool is short: draft no deeper
-                scratch += got
-                for r, i in enumerate(step):  # the rows' slots after the forwarded ones
-                    req = reqs[i]
-                    table.write(req.req_pool_idx, req.kv_len + (depth - 1) * k,
-                                got[r * k:(r + 1) * k])
-                packer = Packer()  # the step's host data: one copy
-                for part in ([reqs[i].kv_len - 1 + depth for i in step for _ in range(k)], got,
-                             [reqs[i].req_pool_idx for i in step],
-                             [reqs[i].kv_len for i in step], [k] * n):
-                    packer.add(part)
-                if depth == 1:
-                    packer.add([t for i in step for t in reqs[i].spec.eagle.cand_ids])
-                    packer.add([lp for i in step for lp in reqs[i].spec.eagle.cand_logprobs],
-                               is_float=True)
-                elif len(step) < len(prev):  # the requests at their depth cap leave
-                    packer.add([prev.index(i) for i in step])
-                meta = packer.to(dev)
-                if depth == 1:
-                    tokens = meta[5].view(n, k)
-                    scores = meta[6].view(torch.float64).view(n, k)
-                    alive = torch.ones(n, k, dtype=torch.bool, device=dev)
-                    feats = torch.stack([reqs[i].spec.eagle.hidden for i in step])
-                    feats = feats.repeat_interleave(k, dim=0)
-                    masks = torch.eye(k, dtype=torch.bool, device=dev).expand(n, k, k)
-                elif len(step) < len(prev):
-                    sub = meta[5]
-                    tokens, scores, alive = tokens[sub], scores[sub], alive[sub]
-                    feats = feats.view(len(prev), k, -1)[sub].reshape(n * k, -1)
-                    masks = masks[sub]
-                fb = ForwardBatch(
-                    input_ids=tokens.reshape(-1), positions=meta[0], out_slots=meta[1],
-                    req_pool_indices=meta[2], prefix_lens=meta[3], extend_lens=meta[4],
-                    logits_indices=torch.empty(0, dtype=torch.long, device=dev),
-                    req_to_token=table.req_to_token, custom_masks=list(masks),
-                    max_extend_len=k)
-                outs, cand_ids, cand_lp = self._run_head(fb, feats, None)
-                cand_ids, cand_lp = cand_ids.view(n, k, k), cand_lp.view(n, k, k)
-                pick, tokens, scores, alive = _next_beams(scores, alive, cand_ids, cand_lp,
-                                                          min_lp)
-                records.append((step, cand_ids, cand_lp, pick))
-                parent = pick // k
-                feats = outs.view(n, k, -1).gather(
-                    1, parent.unsqueeze(-1).expand(n, k, outs.shape[-1])).view(n * k, -1)
-                masks = torch.cat([masks.gather(1, parent.unsqueeze(-1).expand(
-                    n, k, masks.shape[-1])), torch.eye(k, dtype=torch.bool, device=dev).expand(
-                    n, k, k)], dim=2)
+            graphs = self.graphs
+            if (graphs is not None and stepping == live and spec.num_steps > 1
+                    and all(depth_cap[i] == spec.num_steps for i in live)
+                    and len(live) <= graphs.buckets[-1]):
+                scratch = ctx.alloc_slots(len(live) * k * (spec.num_steps - 1)) or []
+            if scratch:
+                records = graphs.run([reqs[i] for i in live], scratch, min_lp)
+                records = [(live, *r) for r in records]
+            else:
+                records = self._draft_depths(reqs, stepping, depth_cap, ctx, scratch, min_lp)
         finally:
             ctx.free_slots(scratch)
         host = _records_to_host(records)
@@ -508,6 +468,89 @@ class EagleDrafter:
                 beams = [child.get(p, -1) for p in pick[r]]
             trees[i] = self._select(reqs[i], ns, min(spec.num_draft_tokens,
                                                      1 + k * depth_cap[i]), depth_cap[i])
+
+    def _draft_depths(self, reqs: list[Req], stepping: list[int], depth_cap: dict[int, int],
+                      ctx: DraftContext, scratch: list[int], min_lp: float
+                      ) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The draft depths of `stepping` requests, each while under its depth cap, eagerly;
+        the slots each takes appended to `scratch`. Per depth: (its requests, children's ids,
+        log-probs, picks), on the device."""
+        k, dev = self.spec.eagle_topk, self.runner.device
+        table = self.runner.req_to_token_pool
+        records: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        step: list[int] = []
+        for depth in range(1, self.spec.num_steps):
+            prev, step = step, [i for i in stepping if depth < depth_cap[i]]
+            if not step:
+                break
+            n = len(step)
+            got = ctx.alloc_slots(n * k)
+            if got is None:
+                break  # the pool is short: draft no deeper
+            scratch += got
+            for r, i in enumerate(step):  # the rows' slots after the forwarded ones
+                req = reqs[i]
+                table.write(req.req_pool_idx, req.kv_len + (depth - 1) * k,
+                            got[r * k:(r + 1) * k])
+            packer = Packer()  # the step's host data: one copy
+            for part in ([reqs[i].kv_len - 1 + depth for i in step for _ in range(k)], got,
+                         [reqs[i].req_pool_idx for i in step], [reqs[i].kv_len for i in step]):
+                packer.add(part)
+            if depth == 1:
+                packer.add([t for i in step for t in reqs[i].spec.eagle.cand_ids])
+                packer.add([lp for i in step for lp in reqs[i].spec.eagle.cand_logprobs],
+                           is_float=True)
+            elif len(step) < len(prev):  # the requests at their depth cap leave
+                packer.add([prev.index(i) for i in step])
+            meta = packer.to(dev)
+            if depth == 1:
+                beams = _Beams.first(meta[4].view(n, k), meta[5].view(torch.float64).view(n, k),
+                                     torch.stack([reqs[i].spec.eagle.hidden for i in step]))
+            elif len(step) < len(prev):
+                beams = beams.subset(meta[4])
+            rec, beams = self._depth_on_device(beams, meta[0], meta[1], meta[2], meta[3],
+                                               min_lp)
+            records.append((step, *rec))
+        return records
+
+    def _depth_on_device(self, beams: _Beams, positions: torch.Tensor, out_slots: torch.Tensor,
+                         req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                         min_lp: float | torch.Tensor, mask_meta: torch.Tensor | None = None
+                         ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], _Beams]:
+        """One draft depth of n requests' k beams each on the device, reading nothing back
+        (rows request-major; their slots already in the table after the forwarded ones):
+        ((children's ids [n, k, k], log-probs [n, k, k], picks [n, k]), the next beams)."""
+        n, k = beams.tokens.shape
+        dev = beams.tokens.device
+        fb = ForwardBatch(
+            input_ids=beams.tokens.reshape(-1), positions=positions, out_slots=out_slots,
+            req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+            extend_lens=torch.full((n,), k, dtype=torch.long, device=dev),
+            logits_indices=torch.empty(0, dtype=torch.long, device=dev),
+            req_to_token=self.runner.req_to_token_pool.req_to_token,
+            custom_masks=list(beams.masks), max_extend_len=k, custom_mask_meta=mask_meta)
+        outs, cand_ids, cand_lp = self._run_head(fb, beams.feats, None)
+        cand_ids, cand_lp = cand_ids.view(n, k, k), cand_lp.view(n, k, k)
+        pick, tokens, scores, alive = _next_beams(beams.scores, beams.alive, cand_ids, cand_lp,
+                                                  min_lp)
+        parent = pick // k
+        feats = outs.view(n, k, -1).gather(
+            1, parent.unsqueeze(-1).expand(n, k, outs.shape[-1])).view(n * k, -1)
+        masks = torch.cat([beams.masks.gather(1, parent.unsqueeze(-1).expand(
+            n, k, beams.masks.shape[-1])), _eye(n, k, dev)], dim=2)
+        return (cand_ids, cand_lp, pick), _Beams(tokens, scores, alive, feats, masks)
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_batch_size: int, backend: Any = None) -> None:
+        """Capture the draft depths (`--speculative-num-steps` - 1 of them, each request
+        forwarding `eagle_topk` beams) as CUDA graphs for batches of up to `max_batch_size`
+        requests (`EagleDraftGraphs`); `backend`: the graph API (default: CUDA's)."""
+        from sglang_like.model_executor.cuda_graph import CudaGraphs
+
+        if self.native is not None:
+            raise ValueError("the native CPU head has no CUDA graphs")
+        self.graphs = EagleDraftGraphs(self, max_batch_size,
+                                       backend if backend is not None else CudaGraphs())
 
     def _draft_step(self, reqs: list[Req], step: list[int], nodes: dict[int, list[_Node]],
                     beams: dict[int, list[int]], slots: list[int], depth: int) -> None:
@@ -587,8 +630,148 @@ class EagleDrafter:
         return DraftTree(tokens, parents, probs=probs)
 
 
+@dataclass
+class _Beams:
+    """n requests' k beams each on the device, at one draft depth: tokens [n, k], scores
+    [n, k] float64, alive [n, k] bool, input features [n * k, H] (the head's output at each
+    beam's parent; the candidates': the output they came from), masks [n, k, C] over the
+    C rows forwarded so far (each beam's ancestors, itself last)."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    alive: torch.Tensor
+    feats: torch.Tensor
+    masks: torch.Tensor
+
+    @staticmethod
+    def first(tokens: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor) -> _Beams:
+        """Depth 1: each request's candidates (`hidden` [n, H]: the output they came from)."""
+        n, k = tokens.shape
+        return _Beams(tokens, scores, torch.ones(n, k, dtype=torch.bool, device=tokens.device),
+                      hidden.repeat_interleave(k, dim=0), _eye(n, k, tokens.device))
+
+    def subset(self, rows: torch.Tensor) -> _Beams:
+        """The beams of requests `rows` (an index on the device)."""
+        n, k = self.tokens.shape
+        return _Beams(self.tokens[rows], self.scores[rows], self.alive[rows],
+                      self.feats.view(n, k, -1)[rows].reshape(len(rows) * k, -1),
+                      self.masks[rows])
+
+
+def _eye(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """n identity masks [n, k, k] (a beam sees itself)."""
+    return torch.eye(k, dtype=torch.bool, device=device).expand(n, k, k)
+
+
+class EagleDraftGraphs:
+    """`EagleDrafter`'s draft depths as CUDA graphs, one per bucket of requests
+    (`graph_buckets`), all depths of a bucket in one graph: every request forwards
+    `eagle_topk` beams at each of the `num_steps - 1` depths, so every shape is the bucket's.
+    Inputs live in fixed buffers (the candidates, their scores and features, each depth's
+    slots, the requests' table rows and lengths, the floor); a padding request reads row 0
+    of the table with no prefix and writes its K/V to the padding slot 0. The masks'
+    offsets are on the device from the capture on (`masked_offsets`). The output: every
+    depth's (ids, log-probs, picks) in one float64 buffer, copied to the host once."""
+
+    def __init__(self, drafter: EagleDrafter, max_batch_size: int, backend: Any) -> None:
+        from sglang_like.model_executor.cuda_graph import graph_buckets
+        from sglang_like_kernels.triton_ops import masked_offsets
+
+        self.drafter = drafter
+        self.k = k = drafter.spec.eagle_topk
+        self.depths = depths = drafter.spec.num_steps - 1
+        if depths < 1:
+            raise ValueError("EAGLE's draft graphs need --speculative-num-steps of at least 2")
+        self.buckets = graph_buckets(max_batch_size)
+        reqs, dev = self.buckets[-1], drafter.runner.device
+        hidden = drafter.head.config.hidden_size
+        self.tokens = torch.zeros(reqs, k, dtype=torch.long, device=dev)
+        self.scores = torch.zeros(reqs, k, dtype=torch.float64, device=dev)
+        self.hidden = torch.zeros(reqs, hidden, dtype=torch.float32, device=dev)
+        self.slots = torch.zeros(depths, reqs * k, dtype=torch.long, device=dev)
+        self.req_pool_indices = torch.zeros(reqs, dtype=torch.long, device=dev)
+        self.kv_lens = torch.zeros(reqs, dtype=torch.long, device=dev)
+        self.min_lp = torch.zeros((), dtype=torch.float64, device=dev)
+        # every (bucket, depth)'s mask offsets, views of one copy
+        keys = [(bs, d) for bs in self.buckets for d in range(1, depths + 1)]
+        host = [masked_offsets([k] * bs, [d * k] * bs, torch.device("cpu")) for bs, d in keys]
+        self._mask_meta = dict(zip(keys, torch.cat(host).to(dev).split(
+            [len(h) for h in host]), strict=True))
+        self._table = drafter.runner.req_to_token_pool.req_to_token
+        self._replay: dict[int, Any] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+        for bs in reversed(self.buckets):
+            self._replay[bs], (self._outputs[bs], _) = backend.capture(
+                lambda bs=bs: (self._depths(bs), None))
+        logger.info("CUDA graphs captured for EAGLE's %d draft depths of %s requests", depths,
+                    ", ".join(map(str, self.buckets)))
+
+    def _depths(self, bs: int) -> torch.Tensor:
+        k = self.k
+        kv = self.kv_lens[:bs]
+        beams = _Beams.first(self.tokens[:bs], self.scores[:bs], self.hidden[:bs])
+        parts = []
+        for d in range(1, self.depths + 1):
+            positions = (kv - 1 + d).repeat_interleave(k)
+            rec, beams = self.drafter._depth_on_device(
+                beams, positions, self.slots[d - 1, :bs * k], self.req_pool_indices[:bs], kv,
+                self.min_lp, self._mask_meta[(bs, d)])
+            parts += [t.reshape(-1).to(torch.float64) for t in rec]
+        return torch.cat(parts)
+
+    @torch.inference_mode()  # the buffers are inference tensors (captured in that mode)
+    def run(self, reqs: list[Req], slots: list[int], min_lp: float
+            ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The draft depths of `reqs` (each with k candidates; `slots`: depths x requests x k
+        scratch slots, depth-major) by the smallest bucket's replay: per depth (ids [n, k, k],
+        log-probs, picks [n, k]) as float64 views of one buffer."""
+        k, n, drafter = self.k, len(reqs), self.drafter
+        bs = next(b for b in self.buckets if b >= n)
+        table = drafter.runner.req_to_token_pool
+        per = n * k
+        for d in range(self.depths):
+            for r, req in enumerate(reqs):
+                table.write(req.req_pool_idx, req.kv_len + d * k,
+                            slots[d * per + r * k:d * per + (r + 1) * k])
+        packer = Packer()
+        packer.add([t for req in reqs for t in req.spec.eagle.cand_ids])
+        packer.add([lp for req in reqs for lp in req.spec.eagle.cand_logprobs], is_float=True)
+        packer.add(slots)
+        packer.add([req.req_pool_idx for req in reqs])
+        packer.add([req.kv_len for req in reqs])
+        packer.add([min_lp], is_float=True)
+        ids, lps, got, rows, kv, floor = packer.to(drafter.runner.device)
+        self.tokens[:n].copy_(ids.view(n, k))
+        self.scores[:n].copy_(lps.view(torch.float64).view(n, k))
+        self.slots[:, :per].copy_(got.view(self.depths, per))
+        self.req_pool_indices[:n].copy_(rows)
+        self.kv_lens[:n].copy_(kv)
+        self.min_lp.copy_(floor.view(torch.float64)[0])
+        self.hidden[:n].copy_(torch.stack([req.spec.eagle.hidden for req in reqs]))
+        if bs > n:  # padding: row 0, no prefix, K/V into slot 0 (its beams' scores -inf)
+            self.tokens[n:bs].zero_()
+            self.scores[n:bs].fill_(-math.inf)
+            self.slots[:, per:bs * k].zero_()
+            self.req_pool_indices[n:bs].zero_()
+            self.kv_lens[n:bs].zero_()
+        table_now = table.req_to_token  # the property uploads the rows' pending writes
+        assert table_now is self._table  # the tensor the capture read
+        self._replay[bs]()
+        self.num_replays += 1
+        drafter.num_forwards += self.depths
+        out, at, records = self._outputs[bs], 0, []
+        for _ in range(self.depths):
+            got_ids = out[at:at + bs * k * k].view(bs, k, k)[:n]
+            got_lps = out[at + bs * k * k:at + 2 * bs * k * k].view(bs, k, k)[:n]
+            got_pick = out[at + 2 * bs * k * k:at + 2 * bs * k * k + bs * k].view(bs, k)[:n]
+            records.append((got_ids, got_lps, got_pick))
+            at += 2 * bs * k * k + bs * k
+        return records
+
+
 def _next_beams(scores: torch.Tensor, alive: torch.Tensor, cand_ids: torch.Tensor,
-                cand_lp: torch.Tensor, min_lp: float
+                cand_lp: torch.Tensor, min_lp: float | torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One draft depth's beam choice on the device, for n requests of k beams each: beams
     [n, k] (scores float64, alive), their children's target ids and log-probs [n, k, k].

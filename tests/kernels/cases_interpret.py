@@ -460,6 +460,29 @@ def test_masked_attention_ragged(dtype, window, softcap):
            F32 if dtype == torch.int8 else dtype)
 
 
+def test_masked_attention_takes_its_offsets_from_the_device():
+    """A draft step's batch (every request k rows over d * k nodes, no positional rows) with
+    its offsets precomputed (`masked_offsets`, what a CUDA graph of the draft depths passes)
+    gives the rows it gives without them; offsets of another shape move every request's
+    rows (a wrong depth's columns) and do not."""
+    gen = torch.Generator().manual_seed(11)
+    k, depth, prefix = 3, 2, [17, 0, 40]
+    masks = [torch.cat([_random_tree_mask(1, 3, gen)[0], torch.eye(k, dtype=torch.bool)], 1)
+             for _ in prefix]
+    pool = _Pool([p + depth * k for p in prefix], 2, 64, F32, seed=4)
+    q = pool.randn(len(prefix) * k, 4, 64, dtype=F32)
+    args = (q, pool.k, pool.v, pool.table, pool.rows, torch.tensor(prefix), masks, 0.125)
+    want = reference.masked_attention(*args)
+    shapes = ([k] * len(prefix), [depth * k] * len(prefix))
+    got = triton_ops.masked_attention(
+        *args, mask_meta=triton_ops.masked_offsets(*shapes, torch.device("cpu")))
+    _check(got, want, F32)
+    assert torch.equal(got, triton_ops.masked_attention(*args))
+    wrong = triton_ops.masked_offsets([k] * 3, [(depth - 1) * k] * 3, torch.device("cpu"))
+    assert not torch.allclose(triton_ops.masked_attention(*args, mask_meta=wrong), want,
+                              atol=1e-3)
+
+
 # Long prefixes split over several programs (tree verify, masked): a small split minimum
 # makes prefixes of a few hundred keys take many splits, each request by its own length.
 SPLIT_VARIANTS = [

@@ -21,9 +21,10 @@ Budgets, and what the syncs beyond one are (to be removed by later work):
 
 - EAGLE-3 (a random head), a step that verifies and drafts: 3, the budget below (what they
   are: the verify's argmax; the head's top-k candidates after the verify; every draft
-  depth's candidates and beams at once, whatever the depth: test_spec_device_draft.py). The draft tree's attention runs the Triton masked kernel,
-  which takes the ragged masks from the host in one copy (it was the torch reference and 2
-  reads of its masks, 5 syncs a step). Its prefill: 2 (the token, the head's candidates).
+  depth's candidates and beams at once, whatever the depth: test_spec_device_draft.py).
+  The draft tree's attention runs the Triton masked kernel over masks built on the device
+  (it was the torch reference and 2 reads of its masks, 5 syncs a step). Its prefill: 2
+  (the token, the head's candidates).
 
 Host-to-device copies of a decode step: 3 (the KV rows the scheduler wrote, the batch's
 metadata, the sampler's parameters), whatever the batch size.
