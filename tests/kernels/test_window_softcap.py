@@ -327,8 +327,8 @@ def test_refuses_empty_window_and_non_positive_cap():
 
 
 def _fb(**fields) -> SimpleNamespace:
-    base = dict(custom_masks=None, positional_masks=None, tree_mask=None, is_decode=False,
-                max_extend_len=None)
+    base = dict(custom_masks=None, positional_masks=None, custom_mask_meta=None, tree_mask=None,
+                is_decode=False, max_extend_len=None)
     return SimpleNamespace(**{**base, **fields})
 
 
