@@ -91,7 +91,7 @@ def build_engine_parts(server_args: ServerArgs) -> EngineParts:
         **_lora_args(server_args),
     )
     runner = _build_runner(sa, loaded.config, loaded.weights, device, dtype, quant, kv_dtype,
-                           pool_slots(sa, loaded.config, kv_dtype, device, spec))
+                           pool_slots(sa, loaded.config, kv_dtype, device, spec, dtype))
     if device.type == "cpu" and sa.tp_size == 1:  # TP ranks split the cores among them
         runner.decode_threads = DecodeThreads.build(sa.decode_threads, torch.get_num_threads())
     num_slots = runner.kv_pool.num_slots
@@ -255,8 +255,8 @@ def resolve_mem_fraction(fraction: float | None, device: torch.device) -> float:
 
 
 def pool_slots(sa: ServerArgs, config: ModelConfig, kv_dtype: torch.dtype,
-               device: torch.device, spec: SpecConfig | None = None
-               ) -> int | Callable[[int], int]:
+               device: torch.device, spec: SpecConfig | None = None,
+               dtype: torch.dtype = torch.float32) -> int | Callable[[int], int]:
     """The KV pool's size: `max_total_tokens` when given; on CUDA a function of the pool's
     bytes per token, which ModelRunner calls once the weights are on the GPU
     (`cuda_pool_slots`, less what an EAGLE drafter will add: its head and its own pool);
@@ -266,9 +266,11 @@ def pool_slots(sa: ServerArgs, config: ModelConfig, kv_dtype: torch.dtype,
     if device.type == "cuda":
         reserve = (0, 0)
         if spec is not None and spec.algorithm in ("EAGLE", "EAGLE3"):
+            from sglang_like.speculative.eagle import head_dtype
             from sglang_like.speculative.head_loader import draft_head_footprint
 
-            reserve = draft_head_footprint(spec.draft_model_path)
+            # the head in the model's dtype (`dtype`), as the drafter will place it
+            reserve = draft_head_footprint(spec.draft_model_path, head_dtype(dtype, device))
         return functools.partial(cuda_pool_slots, device=device,
                                  fraction=sa.mem_fraction_static, context_len=sa.context_length,
                                  reserve=reserve)

@@ -135,8 +135,13 @@ class EagleDrafter:
                     f"{list(aux)} (as layer inputs) are not three layers of this "
                     f"{tc.num_hidden_layers}-layer target")
         runner.aux_layers = aux
+        # off the CPU the head runs in the model's dtype (its LM head alone reads
+        # draft_vocab x hidden weights a forward: half the bytes in bf16), its KV too; on it
+        # in float32, which the native head packs from
+        self.dtype = head_dtype(runner.dtype, runner.device)
+        self.head.to(self.dtype)
         self.pool = KVPool(runner.kv_pool.num_slots, 1, hc.num_key_value_heads, hc.head_dim,
-                           torch.float32, runner.device)
+                           self.dtype, runner.device)
         context = runner.req_to_token_pool.req_to_token.shape[1]
         self.rope = RotaryEmbedding(hc.head_dim, context + 1, hc.rope_theta, hc.rope_scaling,
                                     runner.device)
@@ -177,7 +182,7 @@ class EagleDrafter:
     # ---- the head over the pool ----------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         emb = self.runner.model.model.embed_tokens
-        return emb.method.embed(emb, ids).float()
+        return emb.method.embed(emb, ids).to(self.dtype)
 
     @torch.inference_mode()
     def _forward(self, fb: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
@@ -195,8 +200,8 @@ class EagleDrafter:
         tables = self.rope.tables(fb.positions)
         q, k = tables.rotate(q), tables.rotate(k)
         sglang_like_kernels.store_kv(k_pool, v_pool, fb.out_slots, k, v)
-        out = attend(q, k_pool, v_pool, fb, self.sm_scale)
-        return head.finish(out.reshape(out.shape[0], -1), residual)
+        out = attend(q, k_pool, v_pool, fb, self.sm_scale)  # float32 (rotate's dtype)
+        return head.finish(out.reshape(out.shape[0], -1).to(self.dtype), residual)
 
     @torch.inference_mode()
     def _run_head(self, fb: ForwardBatch, features: torch.Tensor,
@@ -687,7 +692,7 @@ class EagleDraftGraphs:
         hidden = drafter.head.config.hidden_size
         self.tokens = torch.zeros(reqs, k, dtype=torch.long, device=dev)
         self.scores = torch.zeros(reqs, k, dtype=torch.float64, device=dev)
-        self.hidden = torch.zeros(reqs, hidden, dtype=torch.float32, device=dev)
+        self.hidden = torch.zeros(reqs, hidden, dtype=drafter.dtype, device=dev)
         self.slots = torch.zeros(depths, reqs * k, dtype=torch.long, device=dev)
         self.req_pool_indices = torch.zeros(reqs, dtype=torch.long, device=dev)
         self.kv_lens = torch.zeros(reqs, dtype=torch.long, device=dev)
@@ -768,6 +773,11 @@ class EagleDraftGraphs:
             records.append((got_ids, got_lps, got_pick))
             at += 2 * bs * k * k + bs * k
         return records
+
+
+def head_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The draft head's dtype (weights and KV): the model's off the CPU, float32 on it."""
+    return torch.float32 if device.type == "cpu" else model_dtype
 
 
 def _next_beams(scores: torch.Tensor, alive: torch.Tensor, cand_ids: torch.Tensor,

@@ -137,14 +137,16 @@ class Eagle1Head(nn.Module):
         self.target_lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's last hidden state is already the head's width."""
-        return features.float()
+        """The target's last hidden state is already the head's width (in the head's
+        dtype)."""
+        return features.to(self.fc.weight.dtype)
 
     def attention_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [T, Hq, D], k, v [T, Hkv, D] before RoPE, the layer's residual [T, H])."""
         c, attn = self.config, self.layers[0].self_attn
-        x = self.fc(torch.cat([embeds.float(), hidden.float()], dim=-1))
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([embeds.to(dtype), hidden.to(dtype)], dim=-1))
         t = x.shape[0]
         return (attn.q_proj(x).view(t, c.num_attention_heads, c.head_dim),
                 attn.k_proj(x).view(t, c.num_key_value_heads, c.head_dim),

@@ -133,7 +133,9 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
+        # float32 sums whatever the head's dtype; the result in its dtype
+        w = self.weight
+        return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.eps).to(w.dtype)
 
 
 class _Attention(nn.Module):
@@ -185,10 +187,11 @@ class Eagle3Head(nn.Module):
 
     # ---- the math, in the order a forward runs it ---------------------------------------
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features [T, 3H_target] -> [T, H]; the head's own outputs pass through."""
+        """Target features [T, 3H_target] -> [T, H]; the head's own outputs pass through (in
+        the head's dtype)."""
         if features.shape[-1] == self.config.hidden_size:
-            return features.float()
-        return self.fc(features.float())
+            return features.to(self.fc.weight.dtype)
+        return self.fc(features.to(self.fc.weight.dtype))
 
     def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

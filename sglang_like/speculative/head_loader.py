@@ -38,11 +38,11 @@ def load_draft_head(folder: str, device: torch.device | str = "cpu"
     return eagle_head.load_eagle3_head(folder, device)
 
 
-def draft_head_footprint(folder: str) -> tuple[int, int]:
+def draft_head_footprint(folder: str, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """(bytes, bytes per token) the head at `folder` will hold on its device, read without
-    loading it: its weights as loaded (float32, from the module built on the meta device)
-    and its drafter's one-layer float32 KV pool (eagle.EagleDrafter's). On CUDA the target's
-    pool is sized before the drafter exists, so these come off its budget first."""
+    loading it: its weights in `dtype` (the drafter's, eagle.head_dtype; from the module
+    built on the meta device) and its drafter's one-layer KV pool in it. On CUDA the
+    target's pool is sized before the drafter exists, so these come off its budget first."""
     from sglang_like.mem_pool import KVPool
 
     arch, raw = _head_kind(folder)
@@ -52,8 +52,8 @@ def draft_head_footprint(folder: str) -> tuple[int, int]:
     else:
         config, cls = eagle_head.Eagle3Config.from_json(raw), eagle_head.Eagle3Head
     with torch.device("meta"):
-        head = cls(config)
+        head = cls(config).to(dtype)
     weights = sum(t.numel() * t.element_size()
                   for t in (*head.parameters(), *head.buffers()))
     return weights, KVPool.bytes_per_token(1, config.num_key_value_heads, config.head_dim,
-                                           torch.float32)
+                                           dtype)

@@ -173,8 +173,9 @@ def test_cuda_pool_leaves_room_for_the_draft_head(monkeypatch: pytest.MonkeyPatc
 
 def test_draft_head_footprint_is_what_the_drafter_places() -> None:
     """The footprint read from the head's folder (built on the meta device) is the bytes the
-    loaded head (as a GPU keeps it: float32, no native copy) and the drafter's pool take: the
-    shipped EAGLE-3 head on the default model, and pool_slots hands it to the CUDA sizing."""
+    loaded head (float32, no native copy) and the drafter's pool take: the shipped EAGLE-3
+    head on the default model, and pool_slots hands it to the CUDA sizing, in bf16 for a
+    bf16 model."""
     from sglang_like.engine import Engine
     from sglang_like.speculative import DEFAULT_HEAD
     from sglang_like.speculative.head_loader import draft_head_footprint, load_draft_head
@@ -193,6 +194,12 @@ def test_draft_head_footprint_is_what_the_drafter_places() -> None:
         sized = setup_mod.pool_slots(_args(mem_fraction_static=0.85), TINY, torch.bfloat16,
                                      CUDA, spec)
         assert sized.keywords["reserve"] == (weights, per_token)
+        # a bf16 model's head and its pool are bf16 on CUDA (eagle.head_dtype): half of it
+        low = setup_mod.pool_slots(_args(mem_fraction_static=0.85), TINY, torch.bfloat16,
+                                   CUDA, spec, torch.bfloat16)
+        w16, t16 = draft_head_footprint(DEFAULT_HEAD, torch.bfloat16)
+        assert low.keywords["reserve"] == (w16, t16)
+        assert t16 * 2 == per_token and weights * 0.45 < w16 < weights * 0.55
         plain = setup_mod.pool_slots(_args(mem_fraction_static=0.85), TINY, torch.bfloat16,
                                      CUDA, None)
         assert plain.keywords["reserve"] == (0, 0)

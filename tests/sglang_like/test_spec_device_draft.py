@@ -285,3 +285,65 @@ def test_greedy_output_with_draft_graphs_is_without(tiny_llama, tokenizer, head)
             if graphs:
                 assert sched.drafter.graphs.num_replays >= 5
     assert outputs[0] == outputs[1]
+
+
+def test_the_head_runs_in_the_models_dtype_off_the_cpu(tiny_llama, tokenizer, head) -> None:
+    """On "cuda" (the profile) a bf16 model's drafter holds its head's weights and its KV in
+    bf16 (half the bytes its LM head reads a forward), and EAGLE steps draft (on the device),
+    verify and finish the requests; on the CPU the head stays float32 (the native head packs
+    from it)."""
+    with cuda_profile():
+        runner = ModelRunner(TINY, tiny_llama, dtype=torch.bfloat16,
+                             device=torch.device("cuda"), num_kv_slots=512, context_len=96,
+                             max_running_requests=8)
+        config = SchedulerConfig(pool_size=512, context_len=96, vocab_size=TINY.vocab_size,
+                                 max_running_requests=8, chunked_prefill_size=None,
+                                 device_sampling=True, speculative_auto_disable=False)
+        sched = Scheduler(config, runner, tokenizer, frozenset({0}))
+        spec = SpecConfig("EAGLE3", num_steps=NUM_STEPS, eagle_topk=TOPK, num_draft_tokens=10,
+                          draft_model_path=head, ngram_min_window=1, ngram_max_window=4,
+                          ngram_breadth=1, ngram_branch=False, auto_disable=False)
+        drafter = sched.drafter = EagleDrafter(spec, runner)
+        assert drafter.dtype == torch.bfloat16
+        assert drafter.pool.k_buffers[0].dtype == torch.bfloat16
+        assert {p.dtype for p in drafter.head.parameters()} == {torch.bfloat16}
+        reqs = _add(sched, 2)
+        while sched.has_work:
+            sched.step()
+        assert drafter.num_forwards > 2 and all(len(r.output_ids) == 24 for r in reqs)
+        assert sum(sched.spec_accept_lengths.values()) > 0  # verifies ran
+    cpu = _scheduler(tiny_llama, tokenizer, head, "cpu")  # a float32 model: float32 anyway
+    bf16 = ModelRunner(TINY, tiny_llama, dtype=torch.bfloat16, device=torch.device("cpu"),
+                       num_kv_slots=64, context_len=32, max_running_requests=2)
+    assert cpu.drafter.dtype == EagleDrafter(spec, bf16).dtype == torch.float32
+
+
+def test_a_bf16_head_computes_the_float32_heads_math(head) -> None:
+    """Each piece of the head's math in bf16 (what a GPU's drafter runs) against the same
+    head in float32 on the same inputs: within bf16's rounding, in bf16 (logits float32)."""
+    from sglang_like.speculative.head_loader import load_draft_head
+
+    ref, low = load_draft_head(head), load_draft_head(head).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    h = TINY.hidden_size
+    feats, embeds = torch.randn(5, 3 * h, generator=gen), torch.randn(5, h, generator=gen)
+    attn = torch.randn(5, ref.config.num_attention_heads * ref.config.head_dim, generator=gen)
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        err = (got.float() - want).abs().max() / want.abs().max()
+        assert err < 3e-2, float(err)
+
+    hidden_ref, hidden_low = ref.project(feats), low.project(feats)
+    assert hidden_low.dtype == torch.bfloat16
+    close(hidden_low, hidden_ref)
+    for got, want in zip(low.attention_inputs(embeds, hidden_ref.to(torch.bfloat16)),
+                         ref.attention_inputs(embeds, hidden_ref), strict=True):
+        assert got.dtype == torch.bfloat16
+        close(got, want)
+    out_ref = ref.finish(attn, hidden_ref)
+    out_low = low.finish(attn.to(torch.bfloat16), hidden_ref.to(torch.bfloat16))
+    assert out_low.dtype == torch.bfloat16
+    close(out_low, out_ref)
+    logits = low.logits(out_ref.to(torch.bfloat16))
+    assert logits.dtype == torch.float32
+    close(logits, ref.logits(out_ref))
