@@ -560,24 +560,24 @@ def masked_attention(
         return out
     q = _query_for(q, k_pool)
     device = q.device
-    meta_rows = _mask_offsets(rows, cols)
     flat = torch.cat([m.reshape(-1).to(torch.int8) for m in masks])
-    if mask_meta is not None:  # the caller's copy of the offsets (a CUDA graph's buffer)
-        assert positional is None and mask_meta.shape == (5 * batch,)
-        flat = torch.cat([flat.to(device), torch.zeros(1, dtype=torch.int8, device=device)])
-    elif all(m.device.type == "cpu" for m in masks) and (
+    if mask_meta is None and all(m.device.type == "cpu" for m in masks) and (
             positional is None or positional.device.type == "cpu"):
         # offsets, flags and masks in one host buffer: one copy (the masks ride as int64)
         by_position = (torch.zeros(batch, dtype=torch.int64) if positional is None
                        else positional.to(torch.int64))
-        host = torch.cat([meta_rows, by_position, flat.to(torch.int64),
+        host = torch.cat([_mask_offsets(rows, cols), by_position, flat.to(torch.int64),
                           torch.zeros(1, dtype=torch.int64)])  # never an empty mask buffer
         on_device = host.to(device)
         mask_meta, flat = on_device[:5 * batch], on_device[5 * batch:].to(torch.int8)
     else:  # masks or flags already on the device: nothing of theirs comes back
-        by_position = (torch.zeros(batch, dtype=torch.int64, device=device) if positional is None
-                       else positional.to(device=device, dtype=torch.int64))
-        mask_meta = torch.cat([meta_rows.to(device), by_position])
+        if mask_meta is None:
+            by_position = (torch.zeros(batch, dtype=torch.int64, device=device)
+                           if positional is None
+                           else positional.to(device=device, dtype=torch.int64))
+            mask_meta = torch.cat([_mask_offsets(rows, cols).to(device), by_position])
+        else:  # the caller's copy of the offsets (a CUDA graph's buffer)
+            assert positional is None and mask_meta.shape == (5 * batch,)
         flat = torch.cat([flat.to(device), torch.zeros(1, dtype=torch.int8, device=device)])
     window_value, softcap_value = _runtime(window, softcap)
     row_blocks = triton.cdiv(max(rows), extend_meta(head_dim, k_pool.dtype)["BLOCK_M"])

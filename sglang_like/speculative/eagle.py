@@ -442,7 +442,7 @@ class EagleDrafter:
         scratch: list[int] = []
         try:
             graphs = self.graphs
-            if (graphs is not None and stepping == live and spec.num_steps > 1
+            if (graphs is not None and stepping == live
                     and all(depth_cap[i] == spec.num_steps for i in live)
                     and len(live) <= graphs.buckets[-1]):
                 scratch = ctx.alloc_slots(len(live) * k * (spec.num_steps - 1)) or []
@@ -765,14 +765,9 @@ class EagleDraftGraphs:
         self._replay[bs]()
         self.num_replays += 1
         drafter.num_forwards += self.depths
-        out, at, records = self._outputs[bs], 0, []
-        for _ in range(self.depths):
-            got_ids = out[at:at + bs * k * k].view(bs, k, k)[:n]
-            got_lps = out[at + bs * k * k:at + 2 * bs * k * k].view(bs, k, k)[:n]
-            got_pick = out[at + 2 * bs * k * k:at + 2 * bs * k * k + bs * k].view(bs, k)[:n]
-            records.append((got_ids, got_lps, got_pick))
-            at += 2 * bs * k * k + bs * k
-        return records
+        parts = self._outputs[bs].split([bs * k * k, bs * k * k, bs * k] * self.depths)
+        return [(ids.view(bs, k, k)[:n], lps.view(bs, k, k)[:n], pick.view(bs, k)[:n])
+                for ids, lps, pick in zip(parts[0::3], parts[1::3], parts[2::3], strict=True)]
 
 
 def head_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
