@@ -81,17 +81,28 @@ def supports(description: DecoderLayerDescription) -> bool:
             and (d.attn_logit_softcap is None or d.attn_logit_softcap > 0))
 
 
+# A decode batch's requests whose rows begin with at least this many equal slots (a cached
+# prefix they share) read those keys once together (attention.c's cascade); below it the
+# rows alone cost about as much.
+SHARED_PREFIX_MIN = 64
+
+
 class AttnRows(NamedTuple):
-    """Which keys each query row attends to: the first seq_lens[t] slots of table[rows[t]]."""
+    """Which keys each query row attends to: the first seq_lens[t] slots of table[rows[t]];
+    rows sharing at least `shared_min` leading slots read them together (0: never)."""
 
     table: torch.Tensor  # int32 [*, width], contiguous
     rows: torch.Tensor  # int64 [T]
     seq_lens: torch.Tensor  # int64 [T]
+    shared_min: int = 0
 
 
-def decode_rows(fb: ForwardBatch) -> AttnRows:
-    """A decode batch reads its requests' own rows of the slot table."""
-    return AttnRows(fb.req_to_token, fb.req_pool_indices, fb.seq_lens)
+def decode_rows(fb: ForwardBatch, shared: bool = False) -> AttnRows:
+    """A decode batch reads its requests' own rows of the slot table; `shared`: requests on
+    one cached prefix read it together, which makes a row's float sums depend on the batch
+    (so not in deterministic mode)."""
+    return AttnRows(fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                    SHARED_PREFIX_MIN if shared else 0)
 
 
 def extend_rows(fb: ForwardBatch) -> AttnRows:
@@ -310,7 +321,7 @@ class NativeDecodePlan:
             y = f(x)
             return y if lb is None else apply_lora(y, x, key, lb)
 
-        table, rows, seq_lens = attn
+        table, rows, seq_lens = attn.table, attn.rows, attn.seq_lens
         k_buffers, v_buffers = pool.k_buffers, pool.v_buffers
         k_scales, v_scales = pool.k_scales, pool.v_scales  # None: a float pool
         layers = self.layers
@@ -326,7 +337,8 @@ class NativeDecodePlan:
                        p.sin, positions, k_buffers[p.layer_id], v_buffers[p.layer_id], out_slots,
                        table, rows, seq_lens, p.sm_scale, p.o_in_dtype, **p.attn_kw,
                        k_scale=None if k_scales is None else k_scales[p.layer_id],
-                       v_scale=None if v_scales is None else v_scales[p.layer_id])
+                       v_scale=None if v_scales is None else v_scales[p.layer_id],
+                       shared_min=attn.shared_min)
             x, h = residual_norm(x, lin(p.o_proj, a, keys[1]), *p.mlp_in, *p.attn_out)
             if p.moe is not None:
                 down = p.moe(h)
@@ -544,12 +556,12 @@ class _FusedX16:
         t, h = x.shape
         features = torch.empty(t, len(aux_layers) * h) if aux_layers else None
         num_layers, hq, hkv, d, inter = self.shape
-        table, rows, seq_lens = attn
+        table, rows, seq_lens = attn.table, attn.rows, attn.seq_lens
         ops.decode_step_x16(num_layers, x, self.ptrs, self.eps, pool.k_buffers[0].dtype,
                             self.cos, self.sin, fb.positions, fb.out_slots, table, rows,
                             seq_lens, hq, hkv, d, inter, self.sm_scale,
                             self._aux_slot(aux_layers), features, runs=self.runs, cfg=self.cfg,
                             fcfg=self.fcfg, local_tables=self.local, kv_scales=self.kv_scales,
                             lora=None if fb.lora is None else self._lora_args(fb.lora, t),
-                            moe=self.moe)
+                            moe=self.moe, shared_min=attn.shared_min)
         return x, features

@@ -440,7 +440,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         if fb.custom_masks is not None:
             return native.masked_rows(fb)
-        return native.decode_rows(fb) if fb.is_decode else native.extend_rows(fb)
+        if fb.is_decode:
+            return native.decode_rows(fb, shared=not self.quant.deterministic)
+        return native.extend_rows(fb)
 
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
                               attn: AttnRows, aux_layers: tuple[int, ...]

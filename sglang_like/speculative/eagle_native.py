@@ -102,7 +102,7 @@ class NativeEagleHead:
         x = torch.cat([ops.rmsnorm(embeds.float().contiguous(), self.w_input, self.eps,
                                    self.qkv_in),
                        ops.rmsnorm(hidden, self.w_hidden, self.eps, self.qkv_in)], dim=-1)
-        table, rows, seq_lens = attn
+        table, rows, seq_lens = attn.table, attn.rows, attn.seq_lens
         a = ops.decode_attention_rope(self.qkv(x), self.num_heads, self.num_kv_heads,
                                       self.head_dim, self.cos, self.sin, positions, k_pool,
                                       v_pool, out_slots, table, rows, seq_lens, self.sm_scale,
@@ -123,7 +123,7 @@ class NativeEagleHead:
         assert self.fused_ptrs is not None
         # the head's own outputs (a draft step's input) skip fc
         ptrs = self.fused_ptrs[features.shape[-1] == self.hidden_size]
-        table, rows, seq_lens = attn
+        table, rows, seq_lens = attn.table, attn.rows, attn.seq_lens
         return ops.eagle_head_x16(
             embeds, features.float().contiguous(), ptrs, self.eps, self.cos, self.sin,
             positions, out_slots, k_pool, v_pool, table, rows, seq_lens, self.num_heads,

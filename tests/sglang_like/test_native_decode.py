@@ -10,6 +10,8 @@ agree to float rounding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import sglang_like_kernels.cpu as kc
@@ -94,6 +96,49 @@ def test_native_decode_of_a_large_batch(make_engine):
 
     got, want, calls, _ = _native_then_torch(engine.runner.model, run)
     assert 16 in calls
+    _assert_same(got, want)
+
+
+def test_requests_on_a_cached_prefix_read_it_together(make_engine):
+    """Requests sharing a cached system prompt (over native_decode.SHARED_PREFIX_MIN slots)
+    decode natively with the shared keys read once for all of them (attention.c's cascade):
+    the torch path's tokens, logprobs to float rounding; deterministic mode turns it off."""
+    from sglang_like.layers import native_decode
+
+    engine = make_engine(quantization=PATH_QUANT)
+    model = engine.runner.model
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    prompts = [system + p for p in PROMPTS[:5]]
+    seen = []
+    run_plan = native_decode.NativeDecodePlan.run
+
+    def watched(self, x, fb, pool, attn, aux_layers):
+        if fb.batch_size == 5:
+            # rows whose first SHARED_PREFIX_MIN slots are the same: the whole batch
+            first = attn.table[attn.rows, : native_decode.SHARED_PREFIX_MIN]
+            seen.append((attn.shared_min, bool((first == first[:1]).all())))
+        return run_plan(self, x, fb, pool, attn, aux_layers)
+
+    def run():
+        engine.flush_cache()
+        engine.generate(system, {"max_new_tokens": 1})  # the prefix cached first
+        return engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+
+    native_decode.NativeDecodePlan.run = watched
+    try:
+        got, want, calls, _ = _native_then_torch(model, run)
+        assert 5 in calls
+        assert seen and all(s == (native_decode.SHARED_PREFIX_MIN, True) for s in seen)
+        seen.clear()
+        quant = model.quant
+        model.quant = dataclasses.replace(quant, deterministic=True)
+        try:
+            run()
+        finally:
+            model.quant = quant
+        assert seen and all(s == (0, True) for s in seen)
+    finally:
+        native_decode.NativeDecodePlan.run = run_plan
     _assert_same(got, want)
 
 

@@ -162,13 +162,14 @@ class _Library:
         lib.act_mul.restype = None
         lib.decode_attention_rope.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
                                               ptr, i32, ptr, ptr, i64, ptr, ptr, f32, ptr, i32,
-                                              i64, f32, i32, ptr, ptr, f32, ptr, ptr]
+                                              i64, f32, i32, ptr, ptr, f32, ptr, ptr, i64]
         lib.decode_attention_rope.restype = ctypes.c_int
         lib.kv_quantize_rows.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr]
         lib.kv_quantize_rows.restype = ctypes.c_int
         lib.decode_step_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, i32,
                                         ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                                        ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
+                                        ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
+                                        i64]
         lib.decode_step_x16.restype = ctypes.c_int
         lib.eagle_head_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                        i32, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, ptr, i32,

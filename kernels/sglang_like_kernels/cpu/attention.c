@@ -236,6 +236,18 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 #define KV_CHUNK 256  // keys per work item: a long context is split across the threads
 
+// the largest of v[0, n) (-inf for none), 8 lanes at a time
+static inline float max_row(const float *v, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(v + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    for (; i < n; i++) mx = v[i] > mx ? v[i] : mx;
+    return mx;
+}
+
 // Attention of the G query heads that read kv head g (GQA) over keys [t0, t1): for each head,
 // its chunk's max score, sum of exp(score - max) and acc [D] = sum exp(score - max) * v, with
 // each key and value row loaded (and widened to float) once for the G heads. Every head's
@@ -310,9 +322,9 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
                 scores[j * KV_CHUNK + t] = _mm_cvtss_f32(hsum4(a[j], a[j], a[j], a[j])) * mul;  \
         }                                                                                       \
         for (int j = 0; j < G; j++) {                                                           \
-            float *sc = scores + j * KV_CHUNK, mx = -INFINITY;                                  \
+            float *sc = scores + j * KV_CHUNK;                                                  \
             if (softcap > 0.0f) softcap_row(sc, n, softcap);                                    \
-            for (t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;                               \
+            const float mx = max_row(sc, n);                                                    \
             part[j * part_stride] = mx;                                                         \
             part[j * part_stride + 1] = exp_shift_sum(sc, n, mx);                               \
         }                                                                                       \
@@ -405,17 +417,6 @@ static inline int32_t hsum1_i32(__m256i a) {
     return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
 }
 
-// the largest of v[0, n) (-inf for none), 8 lanes at a time
-static inline float max_row(const float *v, int64_t n) {
-    __m256 m = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(v + i));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    for (; i < n; i++) mx = v[i] > mx ? v[i] : mx;
-    return mx;
-}
 
 // one query row's G heads as int16 (q [G, D] float) -> q16 [G, D], qs [G]
 static void quantize_q16(const float *q, int64_t G, int64_t D, int16_t *q16, float *qs) {
@@ -665,6 +666,190 @@ static inline void rope_head(const float *x, const float *cos_row, const float *
     }
 }
 
+// Cascade: decode rows whose key rows begin with the same slots (requests on one cached
+// prefix: a shared system prompt, n > 1 samples of a prompt) read those shared keys once,
+// together. Per kv head and chunk of shared keys, the chunk's K rows are widened to float
+// once (times their scales for a quantized pool) and transposed, and every query head of
+// every row of the group (its rows x G) takes its scores from them in one register-blocked
+// product; likewise the V rows for the weighted sums. A row alone widens each key for its own
+// G heads and sums each dot across lanes: at 32 rows on a 900-key prefix that was half of a
+// decode step (perf, AMX Xeon). The result is one (max, sum, acc) partial per row, head and
+// shared chunk, merged with the row's own chunks as any others: other float sums than the
+// row alone (the dot's order), so attn_plan_init's caller turns it off where a row's bits
+// must not depend on its batch (deterministic mode, verifies).
+#define SHARED_QB 6   // query heads a register block of the products serves
+#define SHARED_KB 16  // keys (two vectors) of a score block
+
+// 8 rows of 8 floats -> their 8 columns
+static inline void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// keys [t0, t0 + n) of kv head g -> kt [D, nk] (key-minor; nk = n rounded up to
+// SHARED_KB, zeros past n) and vf [n, D], as floats times their scales
+static inline __attribute__((always_inline)) void shared_widen(
+    int kind, const int32_t *slots, int64_t t0, int64_t n, int64_t nk, const void *k_pool,
+    const void *v_pool, const float *ksc, const float *vsc, int64_t Hkv, int64_t g, int64_t D,
+    float *kt, float *vf) {
+    const int quant = kind >= KV_I8;
+    for (int64_t t = 0; t < nk; t += 8) {
+        int64_t off[8];
+        __m256 s = _mm256_set1_ps(1.0f);
+        float sv[8];
+        for (int i = 0; i < 8; i++) {
+            const int64_t r = t + i < n ? (int64_t)slots[t0 + t + i] * Hkv + g : -1;
+            off[i] = r < 0 ? -1 : r * D;
+            sv[i] = quant && r >= 0 ? ksc[r] : 1.0f;
+        }
+        if (quant) s = _mm256_loadu_ps(sv);
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = off[i] < 0 ? _mm256_setzero_ps() : load8(k_pool, kind, off[i] + d);
+            transpose8(r);
+            for (int i = 0; i < 8; i++)  // column d + i holds the 8 keys: times their scales
+                _mm256_storeu_ps(kt + (d + i) * nk + t, quant ? _mm256_mul_ps(r[i], s) : r[i]);
+        }
+        for (int i = 0; i < 8 && t + i < n; i++) {
+            const int64_t r = (int64_t)slots[t0 + t + i] * Hkv + g;
+            const __m256 vs = _mm256_set1_ps(quant ? vsc[r] : 1.0f);
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 v = load8(v_pool, kind, r * D + d);
+                _mm256_storeu_ps(vf + (t + i) * D + d, quant ? _mm256_mul_ps(v, vs) : v);
+            }
+        }
+    }
+}
+
+// scores [nq, nk] (row stride nk) = sm_scale * q_j . k_t for the nq query rows qp[j] [D]
+static void shared_scores(const float *const *qp, int64_t nq, const float *kt, int64_t nk,
+                          int64_t D, float sm_scale, float *scores) {
+    static const float zero[256] = {0};
+    const __m256 mul = _mm256_set1_ps(sm_scale);
+    for (int64_t j0 = 0; j0 < nq; j0 += SHARED_QB) {
+        const float *q[SHARED_QB];
+        for (int j = 0; j < SHARED_QB; j++) q[j] = j0 + j < nq ? qp[j0 + j] : zero;
+        for (int64_t t = 0; t < nk; t += SHARED_KB) {
+            __m256 a[SHARED_QB][2];
+            for (int j = 0; j < SHARED_QB; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const __m256 k0 = _mm256_loadu_ps(kt + d * nk + t);
+                const __m256 k1 = _mm256_loadu_ps(kt + d * nk + t + 8);
+                for (int j = 0; j < SHARED_QB; j++) {
+                    const __m256 qv = _mm256_broadcast_ss(q[j] + d);
+                    a[j][0] = _mm256_fmadd_ps(qv, k0, a[j][0]);
+                    a[j][1] = _mm256_fmadd_ps(qv, k1, a[j][1]);
+                }
+            }
+            for (int j = 0; j < SHARED_QB && j0 + j < nq; j++) {
+                _mm256_storeu_ps(scores + (j0 + j) * nk + t, _mm256_mul_ps(a[j][0], mul));
+                _mm256_storeu_ps(scores + (j0 + j) * nk + t + 8, _mm256_mul_ps(a[j][1], mul));
+            }
+        }
+    }
+}
+
+// out_j [16 columns from d] (at parts[j] + 2 + d) = sum_t w[j, t] * vf[t, d ..] for M
+// (a constant once inlined) query rows of weights w [*, nk]
+static inline __attribute__((always_inline)) void shared_values_block(
+    int M, const float *w, int64_t nk, int64_t n, const float *vf, int64_t D, int64_t d,
+    float *const *parts) {
+    __m256 a[SHARED_QB][2];
+    for (int j = 0; j < M; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const __m256 v0 = _mm256_loadu_ps(vf + t * D + d);
+        const __m256 v1 = _mm256_loadu_ps(vf + t * D + d + 8);
+        for (int j = 0; j < M; j++) {
+            const __m256 p = _mm256_broadcast_ss(w + j * nk + t);
+            a[j][0] = _mm256_fmadd_ps(p, v0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(p, v1, a[j][1]);
+        }
+    }
+    for (int j = 0; j < M; j++) {
+        _mm256_storeu_ps(parts[j] + 2 + d, a[j][0]);
+        _mm256_storeu_ps(parts[j] + 2 + d + 8, a[j][1]);
+    }
+}
+
+// the weighted V sums of the nq rows of weights w [nq, nk] (keys [0, n)) into their partials
+static void shared_values(const float *w, int64_t nq, int64_t nk, int64_t n, const float *vf,
+                          int64_t D, float *const *parts) {
+    for (int64_t j0 = 0; j0 < nq; j0 += SHARED_QB) {
+        const float *wj = w + j0 * nk;
+        for (int64_t d = 0; d < D; d += 16) {
+            switch (nq - j0 < SHARED_QB ? nq - j0 : SHARED_QB) {
+            case 1: shared_values_block(1, wj, nk, n, vf, D, d, parts + j0); break;
+            case 2: shared_values_block(2, wj, nk, n, vf, D, d, parts + j0); break;
+            case 3: shared_values_block(3, wj, nk, n, vf, D, d, parts + j0); break;
+            case 4: shared_values_block(4, wj, nk, n, vf, D, d, parts + j0); break;
+            case 5: shared_values_block(5, wj, nk, n, vf, D, d, parts + j0); break;
+            default: shared_values_block(SHARED_QB, wj, nk, n, vf, D, d, parts + j0); break;
+            }
+        }
+    }
+}
+
+// Floats of thread scratch one shared item takes (kt, vf and the scores)
+static inline size_t shared_floats(int64_t D, int64_t nq) {
+    const int64_t nk = (KV_CHUNK + SHARED_KB - 1) / SHARED_KB * SHARED_KB;
+    return (size_t)(2 * D * nk + nq * nk);
+}
+
+// Shared group s's chunk c of its shared keys, kv head g: every row's G heads' partials
+static void attend_shared(const attn_plan *p, int64_t s, int64_t g, int64_t c,
+                          const int32_t *table, int64_t ld_table, const int64_t *rows,
+                          const void *k_pool, const void *v_pool, int kind, const float *ksc,
+                          const float *vsc, float sm_scale, float softcap, float *buf) {
+    const int64_t D = p->D, Hq = p->Hq, G = p->group;
+    const int64_t r0 = p->shared_start[s], nr = p->shared_start[s + 1] - r0;
+    const int64_t t0 = c * KV_CHUNK, len = p->shared_len[s];
+    const int64_t n = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
+    const int64_t nk = (n + SHARED_KB - 1) / SHARED_KB * SHARED_KB, nq = nr * G;
+    float *kt = buf, *vf = kt + D * nk, *scores = vf + D * nk;
+    const float *qp[nq];  // each row's G heads: query, partial
+    float *parts[nq];
+    for (int64_t i = 0; i < nr; i++) {
+        const int64_t b = p->shared_rows[r0 + i], nch = p->num_chunks[b];
+        for (int64_t j = 0; j < G; j++) {
+            const int64_t h = g * G + j;
+            qp[i * G + j] = p->q_all + (b * Hq + h) * D;
+            parts[i * G + j] = p->partials + (p->item_start[b] + h * nch + c) * (D + 2);
+        }
+    }
+    const int32_t *slots = table + rows[p->shared_rows[r0]] * ld_table;
+    switch (kind) {  // the widening compiled once per kind
+    case KV_F32: shared_widen(KV_F32, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
+    case KV_BF16: shared_widen(KV_BF16, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
+    case KV_I8: shared_widen(KV_I8, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
+    case KV_E4M3: shared_widen(KV_E4M3, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
+    default: shared_widen(KV_E5M2, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
+    }
+    shared_scores(qp, nq, kt, nk, D, sm_scale, scores);
+    for (int64_t j = 0; j < nq; j++) {
+        float *sc = scores + j * nk;
+        if (softcap > 0.0f) softcap_row(sc, n, softcap);
+        const float mx = max_row(sc, n);
+        parts[j][0] = mx;
+        parts[j][1] = exp_shift_sum(sc, n, mx);
+    }
+    shared_values(scores, nq, nk, n, vf, D, parts);
+}
+
 // By chunk (below), query rows that read the same keys are grouped: a verify's rows of one
 // request (its prefix, then a few tree nodes), or requests sharing a cached prefix. A work item
 // is then (group, chunk) and runs every row of its group, so the keys its rows share come from
@@ -691,9 +876,54 @@ static int64_t group_rows(const int32_t *table, int64_t ld_table, const int64_t 
 
 // The shape of one step's attention (ops.h): groups, work items and partials. The same for
 // every layer of a step, so the fused step (decode_step.c) builds it once.
+// Shared groups (the cascade above): rows whose key rows hold the same slot at index
+// shared_min - 1 (in the radix cache, the same slot means the same path up to it), with at
+// least two rows; their shared length is the longest run of equal slots from 0 that every
+// row of the group holds, short of each row's last key. Returns -1 out of memory.
+static int find_shared(attn_plan *p, const int32_t *table, int64_t ld_table,
+                       const int64_t *rows, const int64_t *seq_lens, int64_t shared_min) {
+    const int64_t B = p->B;
+    p->shared_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    p->shared_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    p->shared_len = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    char *taken = (char *)calloc((size_t)(B > 0 ? B : 1), 1);
+    if (!p->shared_start || !p->shared_rows || !p->shared_len || !taken) {
+        free(taken);
+        return -1;
+    }
+    int64_t n = 0, used = 0;
+    p->shared_start[0] = 0;
+    for (int64_t b = 0; b < B && shared_min > 0; b++) {
+        if (taken[b] || seq_lens[b] <= shared_min) continue;
+        const int32_t *first = table + rows[b] * ld_table;
+        int64_t len = seq_lens[b] - 1, members = 1;
+        p->shared_rows[used] = b;
+        for (int64_t o = b + 1; o < B; o++) {
+            if (taken[o] || seq_lens[o] <= shared_min) continue;
+            const int32_t *row = table + rows[o] * ld_table;
+            if (row[shared_min - 1] != first[shared_min - 1]) continue;
+            int64_t same = 0;
+            const int64_t most = len < seq_lens[o] - 1 ? len : seq_lens[o] - 1;
+            while (same < most && row[same] == first[same]) same++;
+            if (same < shared_min) continue;
+            len = same;
+            taken[o] = 1;
+            p->shared_rows[used + members++] = o;
+        }
+        if (members < 2) continue;
+        taken[b] = 1;
+        p->shared_len[n] = len;
+        used += members;
+        p->shared_start[++n] = used;
+    }
+    free(taken);
+    p->num_shared = n;
+    return 0;
+}
+
 int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                    const int32_t *table, int64_t ld_table, const int64_t *rows,
-                   const int64_t *seq_lens, int64_t window) {
+                   const int64_t *seq_lens, int64_t window, int64_t shared_min) {
     memset(p, 0, sizeof(*p));
     p->B = B; p->Hq = Hq; p->Hkv = Hkv; p->D = D;
     p->group = Hq / Hkv;
@@ -709,14 +939,33 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
     // per head stays: with a chunk or two per row, whole chunks balance worse across the
     // threads. Measured with `python -m benchmarks.bench_decode_attention`; docs/cpu-kernels.md.
     p->lo = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
-    if (!p->lo) {
+    p->own_from = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    p->chunk0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    // a window starts rows at different keys; the products need D a multiple of 16
+    const int cascade = shared_min > 0 && window == 0 && D % 16 == 0 && D <= 256;
+    if (!p->lo || !p->own_from || !p->chunk0 ||
+        find_shared(p, table, ld_table, rows, seq_lens, cascade ? shared_min : 0) != 0) {
         attn_plan_free(p);
         return -1;
     }
-    int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) {
         p->lo[b] = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
-        const int64_t keys = seq_lens[b] - p->lo[b];
+        p->own_from[b] = p->lo[b];
+        p->chunk0[b] = 0;
+    }
+    for (int64_t s = 0; s < p->num_shared; s++) {
+        const int64_t nr = p->shared_start[s + 1] - p->shared_start[s];
+        const int64_t chunks = (p->shared_len[s] + KV_CHUNK - 1) / KV_CHUNK;
+        p->most_shared = nr > p->most_shared ? nr : p->most_shared;
+        p->total_shared_items += Hkv * chunks;
+        for (int64_t i = p->shared_start[s]; i < p->shared_start[s + 1]; i++) {
+            p->own_from[p->shared_rows[i]] = p->shared_len[s];
+            p->chunk0[p->shared_rows[i]] = chunks;
+        }
+    }
+    int64_t longest = 0;  // of the keys a row reads by itself
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t keys = seq_lens[b] - p->own_from[b];
         longest = keys > longest ? keys : longest;
     }
     p->by_chunk = longest >= 2 * threads * KV_CHUNK;
@@ -735,19 +984,23 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
         return -1;
     }
     int64_t total_items = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t keys = seq_lens[b] - p->lo[b];
-        p->num_chunks[b] = keys > 0 ? (keys + KV_CHUNK - 1) / KV_CHUNK : 1;
+    for (int64_t b = 0; b < B; b++) {  // a row's partials: its shared chunks, then its own
+        const int64_t keys = seq_lens[b] - p->own_from[b];
+        const int64_t own = keys > 0 ? (keys + KV_CHUNK - 1) / KV_CHUNK : p->chunk0[b] ? 0 : 1;
+        p->num_chunks[b] = p->chunk0[b] + own;
         p->item_start[b] = total_items;  // partials: (row, query head, chunk)
         total_items += Hq * p->num_chunks[b];
     }
     p->item_start[B] = total_items;
     const int64_t cap = p->by_chunk ? (B + threads - 1) / threads : 1;  // rows a group
-    p->num_groups = group_rows(table, ld_table, rows, seq_lens, p->lo, B, cap, p->group_start);
+    p->num_groups = group_rows(table, ld_table, rows, seq_lens, p->own_from, B, cap,
+                               p->group_start);
     for (int64_t gi = 0; gi < p->num_groups; gi++) {
-        int64_t most = 0;
-        for (int64_t b = p->group_start[gi]; b < p->group_start[gi + 1]; b++)
-            most = p->num_chunks[b] > most ? p->num_chunks[b] : most;
+        int64_t most = 0;  // of the rows' own chunks
+        for (int64_t b = p->group_start[gi]; b < p->group_start[gi + 1]; b++) {
+            const int64_t own = p->num_chunks[b] - p->chunk0[b];
+            most = own > most ? own : most;
+        }
         p->group_chunks[gi] = most;
         // work: by chunk (group, chunk), else (row, head set, chunk)
         p->kv_item_start[gi] = p->total_kv_items;
@@ -766,12 +1019,19 @@ void attn_plan_free(attn_plan *p) {
     free(p->q_all); free(p->q16); free(p->q16_scale); free(p->num_chunks); free(p->item_start);
     free(p->group_start);
     free(p->group_chunks); free(p->kv_item_start); free(p->partials); free(p->lo);
+    free(p->own_from); free(p->chunk0); free(p->shared_start); free(p->shared_rows);
+    free(p->shared_len);
     memset(p, 0, sizeof(*p));
 }
 
 size_t attn_thread_floats(const attn_plan *p) {
     const int64_t row = (p->Hq + 2 * p->Hkv) * p->D;
-    return (size_t)(row + 2 * p->D) + (size_t)KV_CHUNK * (size_t)p->Hq;  // scores: all heads
+    size_t scores = (size_t)KV_CHUNK * (size_t)p->Hq;  // all heads
+    if (p->num_shared) {
+        const size_t shared = shared_floats(p->D, p->most_shared * p->group);
+        scores = shared > scores ? shared : scores;
+    }
+    return (size_t)(row + 2 * p->D) + scores;
 }
 
 // RoPE on each row's q and k heads, k/v stored at its slot (`omp for`; ends at its barrier,
@@ -836,8 +1096,22 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
     const int64_t Hq = p->Hq, Hkv = p->Hkv, D = p->D, row = (Hq + 2 * Hkv) * D;
     const int64_t group = p->group, sub = p->sub, subs = p->subs, sets = Hkv * subs;
     float *scores = tmp + row + 2 * D;
+    const int64_t first_own = p->total_shared_items;  // the shared items first: the largest
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < p->total_kv_items; item++) {
+    for (int64_t it = 0; it < first_own + p->total_kv_items; it++) {
+        if (it < first_own) {  // (shared group, shared chunk, kv head)
+            int64_t s = 0, at = 0;
+            for (;; s++) {
+                const int64_t n = Hkv * ((p->shared_len[s] + KV_CHUNK - 1) / KV_CHUNK);
+                if (it < at + n) break;
+                at += n;
+            }
+            attend_shared(p, s, (it - at) % Hkv, (it - at) / Hkv, table, ld_table, rows,
+                          k_pool, v_pool, pool_kind, k_scale, v_scale, sm_scale, softcap,
+                          scores);
+            continue;
+        }
+        const int64_t item = it - first_own;
         int64_t gi = 0;
         while (item >= p->kv_item_start[gi + 1]) gi++;
         const int64_t within = item - p->kv_item_start[gi], nch = p->group_chunks[gi];
@@ -847,9 +1121,9 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
         const int64_t gs0 = p->by_chunk ? 0 : within / nch, gs1 = p->by_chunk ? sets : gs0 + 1;
         int32_t fetched = -1;  // the first slot of the chunk the last prefetch was for
         for (int64_t b = p->group_start[gi]; b < p->group_start[gi + 1]; b++) {
-            const int64_t nchb = p->num_chunks[b], len = seq_lens[b];
-            if (c >= nchb) continue;
-            const int64_t t0 = p->lo[b] + c * KV_CHUNK;
+            const int64_t nchb = p->num_chunks[b], len = seq_lens[b], c0 = p->chunk0[b];
+            if (c >= nchb - c0) continue;
+            const int64_t t0 = p->own_from[b] + c * KV_CHUNK, cc = c0 + c;
             const int64_t t1 = t0 + KV_CHUNK < len ? t0 + KV_CHUNK : len;
             const int32_t *slots = table + rows[b] * ld_table;
             // the whole slot rows, unless the row before read this chunk's keys (prefetched)
@@ -859,14 +1133,14 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
                 I8_ALL_FNS[group - 1](p->q16 + b * Hq * D, p->q16_scale + b * Hq, slots, t0, t1,
                                       (const int8_t *)k_pool, (const int8_t *)v_pool, k_scale,
                                       v_scale, Hkv, D, sm_scale, softcap, scores,
-                                      p->partials + (p->item_start[b] + c) * (D + 2),
+                                      p->partials + (p->item_start[b] + cc) * (D + 2),
                                       nchb * (D + 2), prefetch);
                 continue;
             }
             for (int64_t gs = gs0; gs < gs1; gs++) {
                 const int64_t g = gs / subs, h0 = g * group + (gs % subs) * sub;
                 const int64_t nh = h0 + sub <= (g + 1) * group ? sub : (g + 1) * group - h0;
-                float *part = p->partials + (p->item_start[b] + h0 * nchb + c) * (D + 2);
+                float *part = p->partials + (p->item_start[b] + h0 * nchb + cc) * (D + 2);
                 const float *q = p->q_all + (b * Hq + h0) * D;
                 attend_group((int)nh, q, p->q16 + (b * Hq + h0) * D, p->q16_scale + b * Hq + h0,
                              slots, t0, t1, k_pool, v_pool, pool_kind, k_scale, v_scale, Hkv, g,
@@ -917,12 +1191,12 @@ int decode_attention_rope(const void *qkv, int qkv_bf16, int64_t B, int64_t Hq, 
                           const int64_t *req_pool_indices, const int64_t *seq_lens,
                           float sm_scale, void *out, int out_bf16, int64_t window,
                           float softcap, int qk_norm, const float *q_norm, const float *k_norm,
-                          float qk_eps, float *k_scale, float *v_scale) {
+                          float qk_eps, float *k_scale, float *v_scale, int64_t shared_min) {
     if (pool_kind < 0 || pool_kind >= KV_KINDS || (pool_kind >= KV_I8 && (!k_scale || !v_scale)))
         return -2;
     attn_plan plan;
     if (attn_plan_init(&plan, B, Hq, Hkv, D, req_to_token, ld_r2t, req_pool_indices, seq_lens,
-                       window) != 0)
+                       window, shared_min) != 0)
         return -1;
     const attn_qk qk = {cos_tab, sin_tab, qk_norm, q_norm, k_norm, qk_eps};
     const int threads = omp_get_max_threads();

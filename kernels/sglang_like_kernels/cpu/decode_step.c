@@ -171,7 +171,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
                     const float *fcfg, const int64_t *aux_slot, int64_t n_aux, float *features,
                     const int64_t *runs, const int64_t *kv_scales, const int64_t *lora_rows,
                     const int64_t *lora_tab, int64_t n_lora, int64_t lora_rmax,
-                    const int64_t *moe_tab) {
+                    const int64_t *moe_tab, int64_t shared_min) {
     const int64_t nqkv = (Hq + 2 * Hkv) * D, hqd = Hq * D;
     if (T <= 0 || L <= 0 || H % XQK || hqd % XQK || I % XQK || nqkv % 16 || H % 16 ||
         (2 * I) % 16 || Hkv <= 0 || Hq % Hkv || D % 8 || pool_kind < 0 ||
@@ -227,7 +227,7 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     attn_plan plans[DS_PLANS];
     for (int j = 0; j < n_plans; j++) {
         if (attn_plan_init(&plans[j], T, Hq, Hkv, D, table, ld_table, rows, seq_lens,
-                           windows[j]) != 0) {
+                           windows[j], shared_min) != 0) {
             for (int i = 0; i < j; i++) attn_plan_free(&plans[i]);
             free(plan_of);
             moe_scratch_free(&ms);
@@ -237,8 +237,11 @@ int decode_step_x16(int64_t L, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, in
     int64_t kmax = H > hqd ? H : hqd;
     kmax = kmax > I ? kmax : I;
     const int threads = omp_get_max_threads();
-    size_t per_thread = attn_thread_floats(&plans[0]);
-    per_thread = per_thread > (size_t)H ? per_thread : (size_t)H;
+    size_t per_thread = (size_t)H;
+    for (int j = 0; j < n_plans; j++) {
+        const size_t need = attn_thread_floats(&plans[j]);
+        per_thread = need > per_thread ? need : per_thread;
+    }
     // h [T, H] | qkv [T, nqkv] | att [T, hqd] | proj [T, H] | gu [T, 2I] | e, S [T, kmax/32]
     // | per-thread scratch
     const size_t shared = (size_t)(T * (2 * H + nqkv + hqd + 2 * I + 2 * (kmax / XQK)));

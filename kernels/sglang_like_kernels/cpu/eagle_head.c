@@ -111,7 +111,7 @@ int eagle_head_x16(int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int
         n_logits < 0 || n_logits > T || topk < 1 || topk > V || (!embeds && !embed_codes))
         return -2;
     attn_plan plan;
-    if (attn_plan_init(&plan, T, Hq, Hkv, D, table, ld_table, rows, seq_lens, 0) != 0)
+    if (attn_plan_init(&plan, T, Hq, Hkv, D, table, ld_table, rows, seq_lens, 0, 0) != 0)
         return -1;
     const attn_qk qk = {cos_tab, sin_tab, QK_NORM_NONE, NULL, NULL, 0.0f};
     int64_t kmax = 2 * H;

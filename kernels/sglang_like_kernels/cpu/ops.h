@@ -105,12 +105,25 @@ typedef struct {
     int64_t total_kv_items;
     float *partials;           // per (row, head, chunk): max, sum, acc [D]
     int64_t *lo;               // [B] first key of a row's window (0 without one)
+    // rows that share a prefix of keys (attention.c's cascade): each shared group's keys
+    // [0, shared_len) read once for all its rows, their own keys from own_from[b]
+    int64_t num_shared;        // shared groups
+    int64_t *shared_start;     // [num_shared + 1] into shared_rows
+    int64_t *shared_rows;      // [B] the groups' rows
+    int64_t *shared_len;       // [num_shared] keys every row of the group shares
+    int64_t *own_from;         // [B] first key a row reads by itself (lo, or shared_len)
+    int64_t *chunk0;           // [B] the row's partials before its own: its shared chunks
+    int64_t total_shared_items; // (group, kv head, shared chunk)
+    int64_t most_shared;       // the largest group's rows
 } attn_plan;
 
-// window: a row sees only the last `window` of its seq_len keys (0: all of them)
+// window: a row sees only the last `window` of its seq_len keys (0: all of them).
+// shared_min > 0 (and no window): rows whose key rows begin with at least shared_min equal
+// slots read those keys once together (attention.c's cascade: other float sums than a row
+// alone, so callers that need a row's bits independent of its batch pass 0).
 int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                    const int32_t *table, int64_t ld_table, const int64_t *rows,
-                   const int64_t *seq_lens, int64_t window);
+                   const int64_t *seq_lens, int64_t window, int64_t shared_min);
 void attn_plan_free(attn_plan *p);
 size_t attn_thread_floats(const attn_plan *p);  // scratch floats each thread brings
 

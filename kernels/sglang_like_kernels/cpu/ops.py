@@ -173,7 +173,8 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
                           qk_norm: str | None = None, q_norm: torch.Tensor | None = None,
                           k_norm: torch.Tensor | None = None,
                           qk_eps: float = 0.0, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          v_scale: torch.Tensor | None = None,
+                          shared_min: int = 0) -> torch.Tensor:
     """One decode step's attention from the fused qkv [B, (Hq + 2 Hkv) * D]: RoPE on q and k
     (tables [P, D]: [cos, cos] and [-sin, sin] rows; None: no rotation), k/v stored at
     `out_slots`, then each query over its request's first seq_len slots. Returns [B, Hq * D]
@@ -182,7 +183,10 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
     weights q_norm / k_norm ([D], or [Hq D] / [Hkv D]) and eps `qk_eps`: q and k RMS-normed
     before RoPE (per head, or over all of a token's q / k rows). A quantized pool (int8 /
     fp8 codes) comes with its scales `k_scale` / `v_scale` [S, Hkv] float32: the new rows are
-    quantized as kv_quant.quantize does, bit for bit, and every key read as code * scale."""
+    quantized as kv_quant.quantize does, bit for bit, and every key read as code * scale.
+    `shared_min` > 0 (no window): rows whose key rows begin with at least that many equal
+    slots read those keys once for all of them (a cascade: a shared cached prefix costs one
+    read, but a row's float sums then depend on which rows share it; 0: each row alone)."""
     qkv = qkv.contiguous()
     b = qkv.shape[0]
     out = torch.empty(b, num_heads * head_dim, dtype=out_dtype)
@@ -210,7 +214,7 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
         seq_lens.data_ptr(), sm_scale, out.data_ptr(), _flag(out_dtype), window_value,
         softcap_value, qk_code, None if q_norm is None or not qk_code else q_norm.data_ptr(),
         None if k_norm is None or not qk_code else k_norm.data_ptr(), qk_eps, k_scale_ptr,
-        v_scale_ptr)
+        v_scale_ptr, max(0, int(shared_min)))
     if rc != 0:
         raise MemoryError("decode_attention_rope could not allocate its scratch memory")
     return out
@@ -249,7 +253,7 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
                     local_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
                     kv_scales: torch.Tensor | None = None,
                     lora: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                    moe: torch.Tensor | None = None) -> None:
+                    moe: torch.Tensor | None = None, shared_min: int = 0) -> None:
     """Every layer of a decode or verify step (decode_step.c), x float32 [T, H] updated in
     place from the embedded rows to the residual stream after the last layer. `ptrs` int64
     [L, DECODE_STEP_PTRS]: addresses of each layer's x16 qkv, o, gate_up and down weights,
@@ -272,7 +276,8 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
     for layer l's qkv, o, gate_up, down, A 0 where it has none; the largest R): each row
     adds its adapter's float32 B @ (A @ x) to those linears' outputs. `moe` int64
     [L, MOE_FIELDS] (None: every layer dense): a row with experts (`moe_layer`'s fields) makes
-    that layer's MLP its mixture of experts."""
+    that layer's MLP its mixture of experts. `shared_min`: `decode_attention_rope`'s, for
+    every layer without a window."""
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError("x must be a contiguous float32 tensor")
     if table.dtype != torch.int32 or table.stride(-1) != 1:
@@ -318,7 +323,7 @@ def decode_step_x16(num_layers: int, x: torch.Tensor, ptrs: torch.Tensor, eps: f
         None if kind < 2 else _int64("kv_scales", kv_scales),
         None if lora_rows is None else _int64("lora_rows", lora_rows),
         None if lora_tab is None else _int64("lora_tab", lora_tab), n_lora, rmax,
-        None if moe is None else _int64("moe", moe))
+        None if moe is None else _int64("moe", moe), max(0, int(shared_min)))
     if rc == -2:
         raise ValueError(f"decode_step_x16 cannot take these shapes or settings (H={h}, heads "
                          f"{num_heads}/{num_kv_heads}x{head_dim}, intermediate {intermediate}; "

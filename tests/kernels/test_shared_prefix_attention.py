@@ -1,0 +1,137 @@
+"""The native decode attention's cascade (attention.c, `shared_min`): rows whose key rows
+begin with the same slots read those keys once together. Held to a float64 attention over the
+same pool, and to the rows-alone path: rows outside every shared group keep its bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_like_kernels import cpu as kc
+from sglang_like_kernels import kv_quant
+from sglang_like_kernels.cpu import ops
+
+pytestmark = pytest.mark.skipif(not kc.available(), reason="needs a C compiler and AVX2")
+
+HQ, HKV, D = 9, 3, 64
+SHARED = 64  # native_decode.SHARED_PREFIX_MIN
+
+
+def _case(pool_dtype, gen):
+    """A pool and a key table of 10 rows, in this order: four rows on a 700-key prefix
+    (rows 0, 2, 5, 9: own keys 1 to 40), two on another 90-key prefix (1, 6), one on the
+    first prefix's first 20 keys only (3: under SHARED), two alone (4, 7) and row 8 on the
+    first prefix's 300 keys (in the group: the group then shares 300)."""
+    slots = 3000
+    x_k = torch.randn(slots, HKV, D, generator=gen)
+    x_v = torch.randn(slots, HKV, D, generator=gen)
+    if kv_quant.is_quantized(pool_dtype):
+        k, ks = kv_quant.quantize(x_k, pool_dtype)
+        v, vs = kv_quant.quantize(x_v, pool_dtype)
+    else:
+        k, v, ks, vs = x_k.to(pool_dtype), x_v.to(pool_dtype), None, None
+    perm = (torch.randperm(slots - 1, generator=gen) + 1).int()
+    first, second = perm[:700], perm[700:790]
+    fresh = iter(perm[800:].tolist())
+    layout = {0: (first, 700, 5), 2: (first, 700, 40), 5: (first, 700, 1), 9: (first, 700, 17),
+              1: (second, 90, 3), 6: (second, 90, 30), 3: (first, 20, 50), 4: (None, 0, 120),
+              7: (None, 0, 64), 8: (first, 300, 9)}
+    table = torch.zeros(11, 760, dtype=torch.int32)
+    lens = []
+    for r in range(10):
+        prefix, n, own = layout[r]
+        if n:
+            table[r + 1, :n] = prefix[:n]
+        table[r + 1, n:n + own] = torch.tensor([next(fresh) for _ in range(own)],
+                                               dtype=torch.int32)
+        lens.append(n + own)
+    return k, v, ks, vs, table, torch.arange(1, 11), torch.tensor(lens)
+
+
+def _attend(qkv, k, v, ks, vs, table, rows, lens, **kw):
+    """No RoPE; each row's new k/v goes to its last slot."""
+    out_slots = table[rows, lens - 1].long()
+    return ops.decode_attention_rope(qkv, HQ, HKV, D, None, None, lens - 1, k, v, out_slots,
+                                     table, rows, lens, D**-0.5, torch.float32, k_scale=ks,
+                                     v_scale=vs, **kw)
+
+
+def _float64(qkv, k, v, ks, vs, table, rows, lens, softcap=None):
+    """Each row's attention in float64 over the pool as stored (its rows read as floats)."""
+    kf = kv_quant.dequantize(k, ks) if ks is not None else k.float()
+    vf = kv_quant.dequantize(v, vs) if vs is not None else v.float()
+    out = []
+    for b in range(rows.shape[0]):
+        s = table[rows[b], : lens[b]].long()
+        q = qkv[b, : HQ * D].double().view(HKV, HQ // HKV, D)
+        kk, vv = kf[s].double().transpose(0, 1), vf[s].double().transpose(0, 1)  # [Hkv, n, D]
+        scores = torch.einsum("hgd,hnd->hgn", q, kk) * D**-0.5
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out.append(torch.einsum("hgn,hnd->hgd", scores.softmax(-1), vv).reshape(-1))
+    return torch.stack(out)
+
+
+GROUPED = [0, 2, 5, 9, 8, 1, 6]
+ALONE = [3, 4, 7]
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.int8,
+                                        torch.float8_e4m3fn])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_rows_on_a_shared_prefix_read_it_together(pool_dtype, softcap):
+    gen = torch.Generator().manual_seed(3)
+    k, v, ks, vs, table, rows, lens = _case(pool_dtype, gen)
+    qkv = torch.randn(10, (HQ + 2 * HKV) * D, generator=gen)
+    alone = _attend(qkv, k, v, ks, vs, table, rows, lens, softcap=softcap)
+    shared = _attend(qkv, k, v, ks, vs, table, rows, lens, softcap=softcap, shared_min=SHARED)
+    want = _float64(qkv, k, v, ks, vs, table, rows, lens, softcap).float()
+    # float32 sums of up to 745 keys in another order; a quantized pool's rows are read back
+    # as code * scale, the same values in both
+    scale = want.abs().max().item()
+    # an int8 pool's rows read their own keys (after the shared ones) with the query rounded
+    # to int16 (about 5 digits): its bound is that rounding's
+    atol = (1e-5 if pool_dtype == torch.int8 else 2e-6) * scale
+    torch.testing.assert_close(shared[GROUPED], want[GROUPED], rtol=1e-5, atol=atol)
+    # the rows no group took run the rows-alone code: the same bits
+    for r in ALONE:
+        assert torch.equal(shared[r], alone[r]), r
+    # the grouped rows took the other sums (the cascade ran): not one of them the same bits
+    assert all(not torch.equal(shared[r], alone[r]) for r in GROUPED)
+    if pool_dtype != torch.int8:  # int8's rows alone round the query to int16 first
+        torch.testing.assert_close(alone, want, rtol=1e-5, atol=2e-6 * scale)
+
+
+def test_a_window_or_a_short_prefix_keeps_every_row_alone():
+    gen = torch.Generator().manual_seed(4)
+    k, v, ks, vs, table, rows, lens = _case(torch.bfloat16, gen)
+    qkv = torch.randn(10, (HQ + 2 * HKV) * D, generator=gen)
+    for kw in ({"window": 500}, {}):
+        alone = _attend(qkv, k, v, ks, vs, table, rows, lens, **kw)
+        # a window: rows start at different keys, no cascade; a bar above every shared run
+        shared_min = SHARED if kw else 701
+        shared = _attend(qkv, k, v, ks, vs, table, rows, lens, shared_min=shared_min, **kw)
+        assert torch.equal(shared, alone)
+
+
+def test_a_group_of_many_rows_and_head_sizes():
+    """33 rows on one prefix (six query blocks and a rest of three heads) at D = 128, and the
+    same rows at D = 72 (not a multiple of 16: every row alone)."""
+    gen = torch.Generator().manual_seed(5)
+    for d, cascades in ((128, True), (72, False)):
+        k = torch.randn(2000, 2, d, generator=gen).bfloat16()
+        v = torch.randn(2000, 2, d, generator=gen).bfloat16()
+        perm = (torch.randperm(1999, generator=gen) + 1).int()
+        n = 33
+        table = torch.zeros(n + 1, 400, dtype=torch.int32)
+        table[1:, :300] = perm[:300]
+        table[1:, 300] = perm[300:300 + n]
+        rows, lens = torch.arange(1, n + 1), torch.full((n,), 301)
+        qkv = torch.randn(n, 8 * d, generator=gen)
+        out_slots = table[rows, 300].long()
+        args = (4, 2, d, None, None, lens - 1, k, v, out_slots, table, rows, lens, d**-0.5,
+                torch.float32)
+        alone = ops.decode_attention_rope(qkv, *args)
+        shared = ops.decode_attention_rope(qkv, *args, shared_min=SHARED)
+        assert torch.equal(alone, shared) != cascades
+        torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-6)
