@@ -135,3 +135,14 @@ def test_a_group_of_many_rows_and_head_sizes():
         shared = ops.decode_attention_rope(qkv, *args, shared_min=SHARED)
         assert torch.equal(alone, shared) != cascades
         torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(len(kc.supported_isas()) < 2, reason="needs both kernel builds")
+def test_the_cascade_is_the_same_bits_in_both_builds():
+    """Each shared score and output is one FMA chain in order, at 8 or 16 lanes alike."""
+    gen = torch.Generator().manual_seed(6)
+    k, v, ks, vs, table, rows, lens = _case(torch.bfloat16, gen)
+    qkv = torch.randn(10, (HQ + 2 * HKV) * D, generator=gen)
+    got = [_attend(qkv, k, v, ks, vs, table, rows, lens, shared_min=SHARED, variant=variant)
+           for variant in kc.supported_isas()]
+    assert torch.equal(got[0], got[1])

@@ -678,7 +678,8 @@ static inline void rope_head(const float *x, const float *cos_row, const float *
 // row alone (the dot's order), so attn_plan_init's caller turns it off where a row's bits
 // must not depend on its batch (deterministic mode, verifies).
 #define SHARED_QB 6   // query heads a register block of the products serves
-#define SHARED_KB 16  // keys (two vectors) of a score block
+#define SHARED_KB 32  // keys a score block (the AVX-512 build's two vectors; AVX2 takes two
+                      // blocks of 16): the keys are padded to it
 
 // 8 rows of 8 floats -> their 8 columns
 static inline void transpose8(__m256 r[8]) {
@@ -708,6 +709,12 @@ static inline __attribute__((always_inline)) void shared_widen(
     float *kt, float *vf) {
     const int quant = kind >= KV_I8;
     for (int64_t t = 0; t < nk; t += 8) {
+        // the next 8 keys' rows, gathered by slot: no hardware prefetcher sees them coming
+        for (int64_t u = t + 8; u < t + 16 && u < n; u++) {
+            const int64_t ru = (int64_t)slots[t0 + u] * Hkv + g;
+            prefetch_row(k_pool, kind, ru * D, D);
+            prefetch_row(v_pool, kind, ru * D, D);
+        }
         int64_t off[8];
         __m256 s = _mm256_set1_ps(1.0f);
         float sv[8];
@@ -736,15 +743,37 @@ static inline __attribute__((always_inline)) void shared_widen(
     }
 }
 
-// scores [nq, nk] (row stride nk) = sm_scale * q_j . k_t for the nq query rows qp[j] [D]
+// scores [nq, nk] (row stride nk) = sm_scale * q_j . k_t for the nq query rows qp[j] [D].
+// Each score is one FMA chain over d in order, in either build: the same bits at any width.
 static void shared_scores(const float *const *qp, int64_t nq, const float *kt, int64_t nk,
                           int64_t D, float sm_scale, float *scores) {
     static const float zero[256] = {0};
-    const __m256 mul = _mm256_set1_ps(sm_scale);
     for (int64_t j0 = 0; j0 < nq; j0 += SHARED_QB) {
         const float *q[SHARED_QB];
         for (int j = 0; j < SHARED_QB; j++) q[j] = j0 + j < nq ? qp[j0 + j] : zero;
-        for (int64_t t = 0; t < nk; t += SHARED_KB) {
+        const int m = nq - j0 < SHARED_QB ? (int)(nq - j0) : SHARED_QB;
+#ifdef __AVX512F__
+        const __m512 mul = _mm512_set1_ps(sm_scale);
+        for (int64_t t = 0; t < nk; t += 32) {
+            __m512 a[SHARED_QB][2];
+            for (int j = 0; j < SHARED_QB; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const __m512 k0 = _mm512_loadu_ps(kt + d * nk + t);
+                const __m512 k1 = _mm512_loadu_ps(kt + d * nk + t + 16);
+                for (int j = 0; j < SHARED_QB; j++) {
+                    const __m512 qv = _mm512_set1_ps(q[j][d]);
+                    a[j][0] = _mm512_fmadd_ps(qv, k0, a[j][0]);
+                    a[j][1] = _mm512_fmadd_ps(qv, k1, a[j][1]);
+                }
+            }
+            for (int j = 0; j < m; j++) {
+                _mm512_storeu_ps(scores + (j0 + j) * nk + t, _mm512_mul_ps(a[j][0], mul));
+                _mm512_storeu_ps(scores + (j0 + j) * nk + t + 16, _mm512_mul_ps(a[j][1], mul));
+            }
+        }
+#else
+        const __m256 mul = _mm256_set1_ps(sm_scale);
+        for (int64_t t = 0; t < nk; t += 16) {
             __m256 a[SHARED_QB][2];
             for (int j = 0; j < SHARED_QB; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d++) {
@@ -756,19 +785,30 @@ static void shared_scores(const float *const *qp, int64_t nq, const float *kt, i
                     a[j][1] = _mm256_fmadd_ps(qv, k1, a[j][1]);
                 }
             }
-            for (int j = 0; j < SHARED_QB && j0 + j < nq; j++) {
+            for (int j = 0; j < m; j++) {
                 _mm256_storeu_ps(scores + (j0 + j) * nk + t, _mm256_mul_ps(a[j][0], mul));
                 _mm256_storeu_ps(scores + (j0 + j) * nk + t + 8, _mm256_mul_ps(a[j][1], mul));
             }
         }
+#endif
     }
 }
 
 // out_j [16 columns from d] (at parts[j] + 2 + d) = sum_t w[j, t] * vf[t, d ..] for M
-// (a constant once inlined) query rows of weights w [*, nk]
+// (a constant once inlined) query rows of weights w [*, nk]: one FMA chain over t in order
+// for each output, in either build
 static inline __attribute__((always_inline)) void shared_values_block(
     int M, const float *w, int64_t nk, int64_t n, const float *vf, int64_t D, int64_t d,
     float *const *parts) {
+#ifdef __AVX512F__
+    __m512 a[SHARED_QB];
+    for (int j = 0; j < M; j++) a[j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const __m512 v = _mm512_loadu_ps(vf + t * D + d);
+        for (int j = 0; j < M; j++) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * nk + t]), v, a[j]);
+    }
+    for (int j = 0; j < M; j++) _mm512_storeu_ps(parts[j] + 2 + d, a[j]);
+#else
     __m256 a[SHARED_QB][2];
     for (int j = 0; j < M; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
@@ -784,6 +824,7 @@ static inline __attribute__((always_inline)) void shared_values_block(
         _mm256_storeu_ps(parts[j] + 2 + d, a[j][0]);
         _mm256_storeu_ps(parts[j] + 2 + d + 8, a[j][1]);
     }
+#endif
 }
 
 // the weighted V sums of the nq rows of weights w [nq, nk] (keys [0, n)) into their partials

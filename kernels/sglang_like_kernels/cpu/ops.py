@@ -174,7 +174,7 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
                           k_norm: torch.Tensor | None = None,
                           qk_eps: float = 0.0, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None,
-                          shared_min: int = 0) -> torch.Tensor:
+                          shared_min: int = 0, variant: str | None = None) -> torch.Tensor:
     """One decode step's attention from the fused qkv [B, (Hq + 2 Hkv) * D]: RoPE on q and k
     (tables [P, D]: [cos, cos] and [-sin, sin] rows; None: no rotation), k/v stored at
     `out_slots`, then each query over its request's first seq_len slots. Returns [B, Hq * D]
@@ -186,7 +186,8 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
     quantized as kv_quant.quantize does, bit for bit, and every key read as code * scale.
     `shared_min` > 0 (no window): rows whose key rows begin with at least that many equal
     slots read those keys once for all of them (a cascade: a shared cached prefix costs one
-    read, but a row's float sums then depend on which rows share it; 0: each row alone)."""
+    read, but a row's float sums then depend on which rows share it; 0: each row alone).
+    `variant`: the build to run (default: this CPU's)."""
     qkv = qkv.contiguous()
     b = qkv.shape[0]
     out = torch.empty(b, num_heads * head_dim, dtype=out_dtype)
@@ -205,7 +206,7 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
     if (cos_table is None) != (sin_table is None):
         raise ValueError("RoPE takes both tables or neither")
     k_scale_ptr, v_scale_ptr = _scales(k_pool, k_scale, v_scale)
-    rc = _lib(None).decode_attention_rope(
+    rc = _lib(variant).decode_attention_rope(
         qkv.data_ptr(), _flag(qkv.dtype), b, num_heads, num_kv_heads, head_dim,
         None if cos_table is None else cos_table.data_ptr(),
         None if sin_table is None else sin_table.data_ptr(), positions.data_ptr(),
