@@ -794,13 +794,31 @@ static void shared_scores(const float *const *qp, int64_t nq, const float *kt, i
     }
 }
 
-// out_j [16 columns from d] (at parts[j] + 2 + d) = sum_t w[j, t] * vf[t, d ..] for M
+// out_j [16 or (AVX-512) 32 columns from d] (at parts[j] + 2 + d) = sum_t w[j, t] * vf[t, d ..] for M
 // (a constant once inlined) query rows of weights w [*, nk]: one FMA chain over t in order
 // for each output, in either build
 static inline __attribute__((always_inline)) void shared_values_block(
     int M, const float *w, int64_t nk, int64_t n, const float *vf, int64_t D, int64_t d,
     float *const *parts) {
 #ifdef __AVX512F__
+    if (d + 32 <= D) {  // 32 columns: twice the independent chains, one weight load for both
+        __m512 a[SHARED_QB][2];
+        for (int j = 0; j < M; j++) a[j][0] = a[j][1] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 v0 = _mm512_loadu_ps(vf + t * D + d);
+            const __m512 v1 = _mm512_loadu_ps(vf + t * D + d + 16);
+            for (int j = 0; j < M; j++) {
+                const __m512 p = _mm512_set1_ps(w[j * nk + t]);
+                a[j][0] = _mm512_fmadd_ps(p, v0, a[j][0]);
+                a[j][1] = _mm512_fmadd_ps(p, v1, a[j][1]);
+            }
+        }
+        for (int j = 0; j < M; j++) {
+            _mm512_storeu_ps(parts[j] + 2 + d, a[j][0]);
+            _mm512_storeu_ps(parts[j] + 2 + d + 16, a[j][1]);
+        }
+        return;
+    }
     __m512 a[SHARED_QB];
     for (int j = 0; j < M; j++) a[j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
@@ -832,7 +850,11 @@ static void shared_values(const float *w, int64_t nq, int64_t nk, int64_t n, con
                           int64_t D, float *const *parts) {
     for (int64_t j0 = 0; j0 < nq; j0 += SHARED_QB) {
         const float *wj = w + j0 * nk;
+#ifdef __AVX512F__
+        for (int64_t d = 0; d < D; d += d + 32 <= D ? 32 : 16) {
+#else
         for (int64_t d = 0; d < D; d += 16) {
+#endif
             switch (nq - j0 < SHARED_QB ? nq - j0 : SHARED_QB) {
             case 1: shared_values_block(1, wj, nk, n, vf, D, d, parts + j0); break;
             case 2: shared_values_block(2, wj, nk, n, vf, D, d, parts + j0); break;
