@@ -794,9 +794,9 @@ static void shared_scores(const float *const *qp, int64_t nq, const float *kt, i
     }
 }
 
-// out_j [16 or (AVX-512) 32 columns from d] (at parts[j] + 2 + d) = sum_t w[j, t] * vf[t, d ..] for M
-// (a constant once inlined) query rows of weights w [*, nk]: one FMA chain over t in order
-// for each output, in either build
+// out_j [16, or on AVX-512 32, columns from d] (at parts[j] + 2 + d) = sum_t w[j, t] *
+// vf[t, d ..] for M (a constant once inlined) query rows of weights w [*, nk]: one FMA chain
+// over t in order for each output, in either build
 static inline __attribute__((always_inline)) void shared_values_block(
     int M, const float *w, int64_t nk, int64_t n, const float *vf, int64_t D, int64_t d,
     float *const *parts) {
