@@ -895,13 +895,16 @@ static void attend_shared(const attn_plan *p, int64_t s, int64_t g, int64_t c,
         }
     }
     const int32_t *slots = table + rows[p->shared_rows[r0]] * ld_table;
+#define WIDEN(KIND) \
+    shared_widen(KIND, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf)
     switch (kind) {  // the widening compiled once per kind
-    case KV_F32: shared_widen(KV_F32, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
-    case KV_BF16: shared_widen(KV_BF16, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
-    case KV_I8: shared_widen(KV_I8, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
-    case KV_E4M3: shared_widen(KV_E4M3, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
-    default: shared_widen(KV_E5M2, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf); break;
+    case KV_F32: WIDEN(KV_F32); break;
+    case KV_BF16: WIDEN(KV_BF16); break;
+    case KV_I8: WIDEN(KV_I8); break;
+    case KV_E4M3: WIDEN(KV_E4M3); break;
+    default: WIDEN(KV_E5M2); break;
     }
+#undef WIDEN
     shared_scores(qp, nq, kt, nk, D, sm_scale, scores);
     for (int64_t j = 0; j < nq; j++) {
         float *sc = scores + j * nk;
