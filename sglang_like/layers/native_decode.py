@@ -13,7 +13,7 @@ per-layer arguments are gathered once into plain tuples (`NativeDecodePlan`), so
 no nn.Module attribute lookups or module calls (a large part of a batch-1 step).
 
 A batch under per-request masks (a speculative verify: trees, beside plain decode rows) of up
-to `MAX_ROWS` token rows runs the same calls: the attention kernel reads, for each
+to `MAX_MASKED_ROWS` token rows runs the same calls: the attention kernel reads, for each
 query row, one row of a key table, so `masked_rows` builds a table with one row per query
 (the request's prefix slots, then the slots of the tree nodes its mask lets it see) once per
 forward, and every layer reads it.
@@ -47,9 +47,10 @@ if TYPE_CHECKING:
     from sglang_like.mem_pool import KVPool
 
 # Query rows up to which a decode batch runs natively; larger ones, and plain extends (prefill
-# chunks without masks), keep the torch path, whose cascade attention reads a shared prefix's
-# keys once (docs/cpu-kernels.md has the measurements behind 64).
-MAX_ROWS = 64
+# chunks without masks), keep the torch path. 256 since the native attention reads a shared
+# prefix once too (its cascade): before, 64, where the torch path's cascade then won;
+# docs/cpu-kernels.md has the measurements.
+MAX_ROWS = 256
 # A masked batch (a speculative verify) runs natively up to this many rows, so that its rows
 # keep the float sums of the plain decode of the same requests (on the torch path, greedy
 # speculation and plain decode can part at a near-tie). 256: where the int4 linears keep one
