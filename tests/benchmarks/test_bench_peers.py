@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.common import llama_batched_bench, llama_bench, llama_bench_depths
+from benchmarks.common import _run_tool, llama_batched_bench, llama_bench, llama_bench_depths
 
 
 def _fake_tool(folder: Path, name: str, body: str) -> None:
@@ -116,3 +117,18 @@ def test_bench_offline_ratio_is_the_median_of_each_rounds_own():
               {"b1_tok_s": 100.0, "b32_tok_s": 400.0}]
     got = round_ratios(ours, theirs)
     assert got == {"b1_tok_s": 2.0, "b32_tok_s": 4.0}  # the ratio of the medians: b1 1.5x
+
+
+def test_a_tools_peak_rss_is_its_own():
+    """A child's peak RSS is the child's own, not the benchmark's: wait4's ru_maxrss also
+    counted the memory map a child replaces at exec (this process's), so after a benchmark
+    had built a 1B model every llama.cpp run read 2.4 GB."""
+    grown = bytearray(400 * 2**20)  # this process's peak at least 400 MB
+    grown[:: 4096] = b"x" * len(grown[:: 4096])
+    _, small = _run_tool([sys.executable, "-c", "import time; time.sleep(0.3)"], 60)
+    _, large = _run_tool([sys.executable, "-c",
+                          "import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * "
+                          "len(b[::4096]); time.sleep(0.3)"], 60)
+    assert small < 100, small
+    assert 200 <= large < 300, large
+    del grown
