@@ -952,8 +952,10 @@ static int find_shared(attn_plan *p, const int32_t *table, int64_t ld_table,
     p->shared_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
     p->shared_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
     p->shared_len = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    p->shared_item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
     char *taken = (char *)calloc((size_t)(B > 0 ? B : 1), 1);
-    if (!p->shared_start || !p->shared_rows || !p->shared_len || !taken) {
+    if (!p->shared_start || !p->shared_rows || !p->shared_len || !p->shared_item_start ||
+        !taken) {
         free(taken);
         return -1;
     }
@@ -1019,11 +1021,12 @@ int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
         p->own_from[b] = p->lo[b];
         p->chunk0[b] = 0;
     }
+    p->shared_item_start[0] = 0;
     for (int64_t s = 0; s < p->num_shared; s++) {
         const int64_t nr = p->shared_start[s + 1] - p->shared_start[s];
         const int64_t chunks = (p->shared_len[s] + KV_CHUNK - 1) / KV_CHUNK;
         p->most_shared = nr > p->most_shared ? nr : p->most_shared;
-        p->total_shared_items += Hkv * chunks;
+        p->shared_item_start[s + 1] = p->shared_item_start[s] + Hkv * chunks;
         for (int64_t i = p->shared_start[s]; i < p->shared_start[s + 1]; i++) {
             p->own_from[p->shared_rows[i]] = p->shared_len[s];
             p->chunk0[p->shared_rows[i]] = chunks;
@@ -1086,7 +1089,7 @@ void attn_plan_free(attn_plan *p) {
     free(p->group_start);
     free(p->group_chunks); free(p->kv_item_start); free(p->partials); free(p->lo);
     free(p->own_from); free(p->chunk0); free(p->shared_start); free(p->shared_rows);
-    free(p->shared_len);
+    free(p->shared_len); free(p->shared_item_start);
     memset(p, 0, sizeof(*p));
 }
 
@@ -1162,19 +1165,16 @@ void attn_attend_team(const attn_plan *p, const void *k_pool, const void *v_pool
     const int64_t Hq = p->Hq, Hkv = p->Hkv, D = p->D, row = (Hq + 2 * Hkv) * D;
     const int64_t group = p->group, sub = p->sub, subs = p->subs, sets = Hkv * subs;
     float *scores = tmp + row + 2 * D;
-    const int64_t first_own = p->total_shared_items;  // the shared items first: the largest
+    // the shared items first: the largest
+    const int64_t first_own = p->shared_item_start[p->num_shared];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < first_own + p->total_kv_items; it++) {
         if (it < first_own) {  // (shared group, shared chunk, kv head)
-            int64_t s = 0, at = 0;
-            for (;; s++) {
-                const int64_t n = Hkv * ((p->shared_len[s] + KV_CHUNK - 1) / KV_CHUNK);
-                if (it < at + n) break;
-                at += n;
-            }
-            attend_shared(p, s, (it - at) % Hkv, (it - at) / Hkv, table, ld_table, rows,
-                          k_pool, v_pool, pool_kind, k_scale, v_scale, sm_scale, softcap,
-                          scores);
+            int64_t s = 0;
+            while (it >= p->shared_item_start[s + 1]) s++;
+            const int64_t within = it - p->shared_item_start[s];
+            attend_shared(p, s, within % Hkv, within / Hkv, table, ld_table, rows, k_pool,
+                          v_pool, pool_kind, k_scale, v_scale, sm_scale, softcap, scores);
             continue;
         }
         const int64_t item = it - first_own;

@@ -113,7 +113,8 @@ typedef struct {
     int64_t *shared_len;       // [num_shared] keys every row of the group shares
     int64_t *own_from;         // [B] first key a row reads by itself (lo, or shared_len)
     int64_t *chunk0;           // [B] the row's partials before its own: its shared chunks
-    int64_t total_shared_items; // (group, kv head, shared chunk)
+    int64_t *shared_item_start; // [num_shared + 1] first work item of each shared group
+                               // (its shared chunks x kv heads); the rows' own items follow
     int64_t most_shared;       // the largest group's rows
 } attn_plan;
 
