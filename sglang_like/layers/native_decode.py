@@ -39,7 +39,7 @@ from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerPart
 from sglang_like.layers.lora import LoraBatch, apply_lora
 from sglang_like.layers.quantization.gguf_native import GGUFNativeMethod
 from sglang_like.layers.quantization.q4_native import Q4X16Method
-from sglang_like_kernels.cpu import KQ_KINDS, ops
+from sglang_like_kernels.cpu import KQ_KINDS, amx, ops
 
 if TYPE_CHECKING:
     from sglang_like.forward_batch import ForwardBatch
@@ -276,6 +276,9 @@ class NativeDecodePlan:
         unsupported = [p.layer_id for p in layers if not supports(p.description)]
         if unsupported:
             raise ValueError(f"layers {unsupported[:4]} are not what the native step computes")
+        # on AMX CPUs the AMX library lends the attention's cascade its tile kernel as it
+        # loads; a model with no quantized layer has not loaded it yet
+        amx.available()
         tables = _rope_tables(rope_tables, sin_table)
         missing = sorted({p.description.rope for p in layers} - set(tables) - {"none"})
         if missing:

@@ -1,6 +1,7 @@
 """The native decode attention's cascade (attention.c, `shared_min`): rows whose key rows
 begin with the same slots read those keys once together. Held to a float64 attention over the
-same pool, and to the rows-alone path: rows outside every shared group keep its bits."""
+same pool, and to the rows-alone path: rows outside every shared group keep its bits. On AMX
+CPUs a bf16 pool's cascade runs on tiles (amx_attn.c), held to float64 by its own bound."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ import torch
 
 from sglang_like_kernels import cpu as kc
 from sglang_like_kernels import kv_quant
-from sglang_like_kernels.cpu import ops
+from sglang_like_kernels.cpu import amx, ops
 
 pytestmark = pytest.mark.skipif(not kc.available(), reason="needs a C compiler and AVX2")
+
+
+@pytest.fixture(autouse=True)
+def vector_cascade():
+    """The vector unit's cascade for every test here but those that ask for the tiles: whether
+    the AMX library (which lends the tiles) was loaded by an earlier test must not matter."""
+    previous = kc.shared_attention_tiles(False)
+    yield
+    kc.shared_attention_tiles(previous)
 
 HQ, HKV, D = 9, 3, 64
 SHARED = 64  # native_decode.SHARED_PREFIX_MIN
@@ -146,3 +156,71 @@ def test_the_cascade_is_the_same_bits_in_both_builds():
     got = [_attend(qkv, k, v, ks, vs, table, rows, lens, shared_min=SHARED, variant=variant)
            for variant in kc.supported_isas()]
     assert torch.equal(got[0], got[1])
+
+
+needs_amx = pytest.mark.skipif(not amx.available(), reason="this CPU has no AMX tiles")
+
+
+def _tiles_bound(want):
+    """The tiles carry each query (times the softmax scale) and each softmax weight as two
+    bf16 parts, 16 significant bits (2^-17 relative) against float32's 24: on these cases
+    the output is off float64 by 4e-6 of its scale (the vector cascade: 7e-7); the bound
+    is 2e-5 of it."""
+    return {"rtol": 1e-5, "atol": 2e-5 * want.abs().max().item()}
+
+
+@needs_amx
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_the_tiles_cascade_over_a_bf16_pool(softcap):
+    """Groups of 15 and 6 query rows (a partial tile each), shared runs of 700 and 90 keys
+    (chunks that end inside a block of 32), loners and a row under the bar."""
+    gen = torch.Generator().manual_seed(7)
+    k, v, ks, vs, table, rows, lens = _case(torch.bfloat16, gen)
+    qkv = torch.randn(10, (HQ + 2 * HKV) * D, generator=gen)
+    alone = _attend(qkv, k, v, ks, vs, table, rows, lens, softcap=softcap)
+    vector = _attend(qkv, k, v, ks, vs, table, rows, lens, softcap=softcap, shared_min=SHARED)
+    kc.shared_attention_tiles(True)
+    tiles = _attend(qkv, k, v, ks, vs, table, rows, lens, softcap=softcap, shared_min=SHARED)
+    want = _float64(qkv, k, v, ks, vs, table, rows, lens, softcap).float()
+    torch.testing.assert_close(tiles[GROUPED], want[GROUPED], **_tiles_bound(want))
+    for r in ALONE:
+        assert torch.equal(tiles[r], alone[r]), r
+    # the tiles ran: none of the grouped rows has the vector cascade's bits
+    assert all(not torch.equal(tiles[r], vector[r]) for r in GROUPED)
+
+
+@needs_amx
+def test_the_tiles_cascade_at_other_head_sizes_and_pools():
+    """33 rows on one prefix: at D = 128 and 96 (66 query rows: four full tiles and one of 2;
+    96 = 64 + a last pass of 32 dims) the tiles run; at D = 80 (not a multiple of 32) and on a
+    float32 pool the vector cascade does, with its bits."""
+    gen = torch.Generator().manual_seed(8)
+    for d, dtype, on_tiles in ((128, torch.bfloat16, True), (96, torch.bfloat16, True),
+                               (80, torch.bfloat16, False), (64, torch.float32, False)):
+        k = torch.randn(2000, 2, d, generator=gen).to(dtype)
+        v = torch.randn(2000, 2, d, generator=gen).to(dtype)
+        perm = (torch.randperm(1999, generator=gen) + 1).int()
+        n = 33
+        table = torch.zeros(n + 1, 400, dtype=torch.int32)
+        table[1:, :300] = perm[:300]
+        table[1:, 300] = perm[300:300 + n]
+        rows, lens = torch.arange(1, n + 1), torch.full((n,), 301)
+        qkv = torch.randn(n, 8 * d, generator=gen)
+        out_slots = table[rows, 300].long()
+        args = (4, 2, d, None, None, lens - 1, k, v, out_slots, table, rows, lens, d**-0.5,
+                torch.float32)
+        kc.shared_attention_tiles(False)
+        vector = ops.decode_attention_rope(qkv, *args, shared_min=SHARED)
+        kc.shared_attention_tiles(True)
+        tiles = ops.decode_attention_rope(qkv, *args, shared_min=SHARED)
+        assert torch.equal(tiles, vector) != on_tiles, d
+        kf, vf = k.double(), v.double()
+        want = []
+        for b in range(n):
+            s = table[rows[b], :301].long()
+            q = qkv[b, : 4 * d].double().view(2, 2, d)
+            scores = torch.einsum("hgd,hnd->hgn", q, kf[s].transpose(0, 1)) * d**-0.5
+            want.append(torch.einsum("hgn,hnd->hgd", scores.softmax(-1),
+                                     vf[s].transpose(0, 1)).reshape(-1))
+        want = torch.stack(want).float()
+        torch.testing.assert_close(tiles, want, **_tiles_bound(want))

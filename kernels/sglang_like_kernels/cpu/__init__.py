@@ -192,6 +192,8 @@ class _Library:
         lib.kq_any_matmul.restype = ctypes.c_int
         lib.kq_set_tiles.argtypes = [ptr, i64]
         lib.kq_set_tiles.restype = None
+        lib.attn_set_tiles.argtypes = [ptr]
+        lib.attn_set_tiles.restype = None
         built = lib.q4_1_isa().decode()
         if built != variant:
             raise RuntimeError(f"{path} is the {built} build, not {variant}")
@@ -218,6 +220,7 @@ class _Library:
         self.kq_record_bytes = lib.kq_record_bytes
         self.moe_forward = lib.moe_forward
         self.set_tiles = lib.kq_set_tiles
+        self.attn_set_tiles = lib.attn_set_tiles
         self.kq_any_matmul = lib.kq_any_matmul
 
 
@@ -235,20 +238,39 @@ def _library(variant: str) -> _Library | None:
         logger.warning("native CPU kernels (%s) unavailable, using torch's: %s", variant, exc)
         return None
     if variant == "avx512_vnni" and _tiles_lent:  # the tiles give the VNNI build's bits only
-        lib.set_tiles(_tiles_lent[0], KQ_TILE_MIN_ROWS)
+        _lend(lib)
     return lib
 
 
+# amx.py's kernels lent to the VNNI build: amx_kq.c's group kernel, amx_attn.c's cascade;
+# and whether the latter is lent (shared_attention_tiles)
 _tiles_lent: list[int] = []
+_attention_tiles = [True]
 
 
-def lend_tiles(group_address: int) -> None:
-    """amx.py, once its library loads, lends amx_kq.c's group kernel to the VNNI build (now
-    or when it loads): quantized layers load the AMX library while creating their weights,
-    before any decode step runs."""
-    _tiles_lent[:] = [group_address]
+def _lend(lib: _Library) -> None:
+    group, shared = _tiles_lent
+    lib.set_tiles(group, KQ_TILE_MIN_ROWS)
+    lib.attn_set_tiles(shared if _attention_tiles[0] else None)
+
+
+def lend_tiles(group_address: int, shared_address: int) -> None:
+    """amx.py, once its library loads, lends amx_kq.c's group kernel and amx_attn.c's cascade
+    to the VNNI build (now or when it loads): quantized layers load the AMX library
+    while creating their weights, before any decode step runs."""
+    _tiles_lent[:] = [group_address, shared_address]
     if _default_isa() == "avx512_vnni":  # else _library gives them if it is ever loaded
-        _library("avx512_vnni").set_tiles(group_address, KQ_TILE_MIN_ROWS)
+        _lend(_library("avx512_vnni"))
+
+
+def shared_attention_tiles(enabled: bool) -> bool:
+    """Whether the VNNI build's cascade (decode attention over a shared prefix, bf16 pool)
+    runs its products on AMX tiles where the AMX library is loaded (default) or on the vector
+    unit, whose bits the AVX2 build shares. Returns the previous setting."""
+    previous, _attention_tiles[0] = _attention_tiles[0], enabled
+    if _tiles_lent:  # lent only where the VNNI build runs
+        _lend(_library("avx512_vnni"))
+    return previous
 
 
 def isa(variant: str | None = None) -> str | None:

@@ -29,7 +29,7 @@ __all__ = ["available", "kq_matmul", "q4_matmul", "q4_x16_matmul",
 
 # q4_1.c for its activation quantizer: amx_kq.c rounds activations exactly as the x16 kernel
 _SOURCES = ("amx.c", "amx_q4.c", "amx_q4_codes.c", "amx_q8.c", "amx_q8x16.c", "amx_kq.c",
-            "q4_1.c")
+            "amx_attn.c", "q4_1.c")
 _HEADERS = ("amx.h", "simd.h", "kquants.h")
 _FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
           "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
@@ -72,7 +72,8 @@ def _library() -> ctypes.CDLL | None:
     lib.q8_x16_amx_matmul.restype = ctypes.c_int
     lib.kq_amx_matmul.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, i64]
     lib.kq_amx_matmul.restype = ctypes.c_int
-    lend_tiles(ctypes.cast(lib.kq_amx_group, ctypes.c_void_p).value)
+    lend_tiles(*(ctypes.cast(fn, ctypes.c_void_p).value
+                 for fn in (lib.kq_amx_group, lib.attn_amx_shared)))
     return lib
 
 

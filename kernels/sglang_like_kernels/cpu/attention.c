@@ -873,6 +873,23 @@ static inline size_t shared_floats(int64_t D, int64_t nq) {
     return (size_t)(2 * D * nk + nq * nk);
 }
 
+// amx_attn.c's cascade over a bf16 pool on AMX tiles, lent by the AMX library once it loads
+// (it is built apart, with flags this build must not assume); NULL: the vector products
+// here. Its sums are in the tiles' order: other bits than these, as the cascade's already
+// are other bits than a row alone.
+typedef int (*amx_shared_fn)(const float *const *, int64_t, const uint16_t *, const uint16_t *,
+                             const int32_t *, int64_t, int64_t, int64_t, int64_t, float, float,
+                             float *const *);
+static amx_shared_fn amx_shared;
+
+void attn_set_tiles(void *fn) {
+#ifdef __AVX512F__
+    amx_shared = (amx_shared_fn)fn;
+#else  // the AVX2 build stays what an AVX2 machine runs
+    (void)fn;
+#endif
+}
+
 // Shared group s's chunk c of its shared keys, kv head g: every row's G heads' partials
 static void attend_shared(const attn_plan *p, int64_t s, int64_t g, int64_t c,
                           const int32_t *table, int64_t ld_table, const int64_t *rows,
@@ -895,6 +912,10 @@ static void attend_shared(const attn_plan *p, int64_t s, int64_t g, int64_t c,
         }
     }
     const int32_t *slots = table + rows[p->shared_rows[r0]] * ld_table;
+    if (kind == KV_BF16 && amx_shared && D % 32 == 0 &&
+        amx_shared(qp, nq, (const uint16_t *)k_pool, (const uint16_t *)v_pool, slots + t0, n,
+                   p->Hkv, g, D, sm_scale, softcap, parts) == 0)
+        return;
 #define WIDEN(KIND) \
     shared_widen(KIND, slots, t0, n, nk, k_pool, v_pool, ksc, vsc, p->Hkv, g, D, kt, vf)
     switch (kind) {  // the widening compiled once per kind
