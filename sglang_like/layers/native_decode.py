@@ -106,15 +106,37 @@ def decode_rows(fb: ForwardBatch, shared: bool = False) -> AttnRows:
                     SHARED_PREFIX_MIN if shared else 0)
 
 
-def extend_rows(fb: ForwardBatch) -> AttnRows:
+def extend_rows(fb: ForwardBatch, shared: bool = False) -> AttnRows:
     """A causal extend whose new tokens' slots are already in the table (a decode is an
     extend of one): new token i of request b reads the first prefix_len + i + 1 slots of its
-    request's row."""
+    request's row. `shared`: as decode_rows'."""
     lens = fb.extend_lens
     rows = fb.req_pool_indices.repeat_interleave(lens)
     starts = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
     within = torch.arange(fb.num_tokens) - starts
-    return AttnRows(fb.req_to_token, rows, fb.prefix_lens.repeat_interleave(lens) + within + 1)
+    return AttnRows(fb.req_to_token, rows, fb.prefix_lens.repeat_interleave(lens) + within + 1,
+                    SHARED_PREFIX_MIN if shared else 0)
+
+
+def extends_cached_prefixes(fb: ForwardBatch) -> bool:
+    """Whether every request of an extend batch continues a cached prefix of at least
+    SHARED_PREFIX_MIN tokens and at least as long as its new ones: new requests on a cached
+    system prompt, the next turn of a conversation, a long prompt's later chunks. Every new
+    token's row then reads the prefix, and the cascade reads it once for all of them: on the
+    2-core AMX Xeon 32 new requests (~18 new tokens each) on a cached 781-token prompt
+    prefilled in 0.36 s natively against 0.70 s on the torch path (attention per request), and
+    390 new tokens on a 3.9k-token prefix in 0.58 s against 1.02 s. A prompt with no prefix is
+    the other way round (1k fresh tokens: 0.95 s natively, each row alone, against 0.85 s).
+
+    A forward that scores prompt tokens (input logprobs: lm-eval's loglikelihood compares the
+    continuations of one context, cached after the first) keeps the torch path a cold prompt
+    takes, so that a score does not depend on what the cache held: under int4 the two paths'
+    roundings put a token's logprob up to 0.26 nats apart and swap near-tied candidates."""
+    prefix = fb.prefix_lens
+    if not bool(((prefix >= SHARED_PREFIX_MIN) & (prefix >= fb.extend_lens)).all()):
+        return False
+    last_rows = torch.cumsum(fb.extend_lens, 0) - 1
+    return bool(torch.isin(fb.logits_indices, last_rows).all())
 
 
 def lora_columns(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -417,7 +417,9 @@ class LlamaForCausalLM(nn.Module):
 
         By default: a decode batch of up to native.MAX_ROWS requests, or a masked one such as
         a verify of up to MAX_MASKED_ROWS query rows, so that a verify and the plain decode of
-        the same requests share their float sums. With `--enable-deterministic-inference`
+        the same requests share their float sums; and an extend batch whose requests all
+        continue cached prefixes (`native.extends_cached_prefixes`), whose rows read them
+        together (the cascade). With `--enable-deterministic-inference`
         every batch, prefill chunks and mixed ones included: a token's row is then computed
         by the same per-row sums whatever batch, chunk or verify it is in, which the int4
         path's bf16 activations need for its output not to depend on the schedule."""
@@ -431,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
                                                     fb.num_tokens <= native.MAX_MASKED_ROWS)
         if fb.is_decode:
             return every or fb.num_tokens <= native.MAX_ROWS
-        return every
+        return every or native.extends_cached_prefixes(fb)
 
     def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
         """The key rows of a batch the native path runs (`runs_native`); None: the torch
@@ -442,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
             return native.masked_rows(fb)
         if fb.is_decode:
             return native.decode_rows(fb, shared=not self.quant.deterministic)
-        return native.extend_rows(fb)
+        return native.extend_rows(fb, shared=not self.quant.deterministic)
 
     def _decode_layers_native(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool,
                               attn: AttnRows, aux_layers: tuple[int, ...]

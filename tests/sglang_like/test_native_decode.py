@@ -142,6 +142,59 @@ def test_requests_on_a_cached_prefix_read_it_together(make_engine):
     _assert_same(got, want)
 
 
+def test_prompts_on_a_cached_prefix_prefill_natively(make_engine):
+    """New requests on a cached system prompt are prefilled by the native step, their rows
+    reading the cached prefix together (native_decode.extends_cached_prefixes); the prompt
+    with nothing cached, and one whose prompt tokens are scored, run the torch path. The
+    tokens and logprobs are the torch path's; deterministic mode prefills them natively
+    without the cascade."""
+    from sglang_like.layers import native_decode
+
+    engine = make_engine(quantization=PATH_QUANT)
+    model = engine.runner.model
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    prompts = [system + p for p in PROMPTS[:5]]
+    seen = []  # (new tokens, shared_min, prefix lengths) of each native extend
+    run_plan = native_decode.NativeDecodePlan.run
+
+    def watched(self, x, fb, pool, attn, aux_layers):
+        if not fb.is_decode:
+            seen.append((fb.num_tokens, attn.shared_min, fb.prefix_lens.tolist()))
+        return run_plan(self, x, fb, pool, attn, aux_layers)
+
+    def run():
+        engine.flush_cache()
+        engine.generate(system, {"max_new_tokens": 1})  # the torch path: nothing cached
+        return engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+
+    native_decode.NativeDecodePlan.run = watched
+    try:
+        got, want, _, _ = _native_then_torch(model, run)
+        system_len = len(engine.tokenizer.encode(system))
+        new_tokens = sum(o["meta_info"]["prompt_tokens"] - o["meta_info"]["cached_tokens"]
+                         for o in got)
+        assert sum(n for n, _, _ in seen) == new_tokens > 5  # every prompt's new tokens
+        assert all(sm == native_decode.SHARED_PREFIX_MIN for _, sm, _ in seen)
+        assert all(system_len - 2 <= p <= system_len for *_, lens in seen for p in lens)
+        # scoring prompt tokens on the same cached prefix: the torch path, as a cold prompt
+        seen.clear()
+        scored = engine.generate(system + PROMPTS[6], {"max_new_tokens": 0},
+                                 return_logprob=True, logprob_start_len=system_len + 1)
+        assert scored["meta_info"]["cached_tokens"] >= system_len - 2
+        assert seen == []
+        seen.clear()
+        quant = model.quant
+        model.quant = dataclasses.replace(quant, deterministic=True)
+        try:
+            run()
+        finally:
+            model.quant = quant
+        assert seen and all(sm == 0 for _, sm, _ in seen)
+    finally:
+        native_decode.NativeDecodePlan.run = run_plan
+    _assert_same(got, want)
+
+
 @pytest.mark.parametrize("kernel", ["x16", "native"])
 def test_native_q4_kernel_end_to_end(make_engine, monkeypatch, kernel):
     """`int4` through this project's Q4_1 kernels (x16: `auto`'s choice off AMX; native: the
