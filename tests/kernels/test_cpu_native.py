@@ -473,3 +473,41 @@ def test_q8_x16_argmax_is_the_argmax_of_the_full_logits(variant):
     ids, _ = kc.q8_x16_argmax(x[:3], packed, pscales, bounds, variant)
     assert ids.tolist() == ops.argmax_rows(kc.q8_x16_matmul(x[:3], packed, pscales, variant))
     assert ids.tolist() == [37, 37, 37]
+
+
+@pytest.mark.skipif("avx512_vnni" not in VARIANTS, reason="the argmax is AVX-512 VNNI's")
+def test_q8_x16_argmax_first_pass_on_the_tiles():
+    """On AMX CPUs the greedy head's first pass (every logit's first part, bounding which
+    groups can hold the maximum) runs on the tiles from 8 rows: the same integer dots and
+    float steps, so the same bounds: the same groups computed in full and the same ids, over
+    66 rows (four full tiles and one of 2), 17 and 8, with near ties and a NaN row."""
+    from sglang_like_kernels.cpu import amx
+
+    if not amx.available():
+        pytest.skip("this CPU has no AMX tiles")
+    gen = torch.Generator().manual_seed(8)
+    n = 1024
+    w = torch.randn(n, 576, generator=gen) * 0.05
+    for r in range(340, 1000, 40):  # near copies of row 300 in other groups
+        w[r] = w[300] + 0.002 * torch.randn(576, generator=gen)
+    codes, scales = quantize_blocks_int8(w)
+    x = torch.cat([torch.randn(40, 576, generator=gen) * torch.logspace(-3, 2, 40).unsqueeze(1),
+                   w[300] * 40 + torch.randn(26, 576, generator=gen)])
+    for nan in (False, True):
+        if nan:
+            scales[37, 3] = float("nan")
+        packed, pscales = kc.q8_x16_pack(codes, scales)
+        bounds = kc.q8_x16_row_bounds(packed, pscales)
+        previous = kc.lent_tiles("argmax", False)
+        try:
+            for rows in (x, x[:17], x[:8]):
+                kc.lent_tiles("argmax", False)
+                ids, exact = kc.q8_x16_argmax(rows, packed, pscales, bounds, "avx512_vnni")
+                kc.lent_tiles("argmax", True)
+                tiled = kc.q8_x16_argmax(rows, packed, pscales, bounds, "avx512_vnni")
+                assert torch.equal(tiled[0], ids) and tiled[1] == exact
+                full = kc.q8_x16_matmul(rows, packed, pscales, "avx512_vnni")
+                assert ids.tolist() == ops.argmax_rows(full)
+                assert exact < rows.shape[0] * n // 16 or nan
+        finally:
+            kc.lent_tiles("argmax", previous)

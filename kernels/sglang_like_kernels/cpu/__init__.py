@@ -194,6 +194,8 @@ class _Library:
         lib.kq_set_tiles.restype = None
         lib.attn_set_tiles.argtypes = [ptr]
         lib.attn_set_tiles.restype = None
+        lib.q8x_set_tiles.argtypes = [ptr, i64]
+        lib.q8x_set_tiles.restype = None
         built = lib.q4_1_isa().decode()
         if built != variant:
             raise RuntimeError(f"{path} is the {built} build, not {variant}")
@@ -221,6 +223,7 @@ class _Library:
         self.moe_forward = lib.moe_forward
         self.set_tiles = lib.kq_set_tiles
         self.attn_set_tiles = lib.attn_set_tiles
+        self.q8x_set_tiles = lib.q8x_set_tiles
         self.kq_any_matmul = lib.kq_any_matmul
 
 
@@ -228,6 +231,10 @@ class _Library:
 # their x16 and GGUF-kind linears on AMX tiles (amx_kq.c, the same bits as the VNNI kernel);
 # below it the tiles' fixed cost per block loses to VNNI (docs/cpu-kernels.md)
 KQ_TILE_MIN_ROWS = 32
+# From this many greedy rows q8_x16_argmax's first pass (every logit's first part, to bound
+# which groups can hold the maximum) runs on the tiles, with the same bounds: 1.2-1.5x the
+# vector pass from 8 rows, equal below (docs/cpu-kernels.md)
+Q8X_ARGMAX_TILE_MIN_ROWS = 8
 
 
 @functools.cache
@@ -242,32 +249,38 @@ def _library(variant: str) -> _Library | None:
     return lib
 
 
-# amx.py's kernels lent to the VNNI build: amx_kq.c's group kernel, amx_attn.c's cascade;
-# and whether the latter is lent (shared_attention_tiles)
+# amx.py's kernels lent to the VNNI build: amx_kq.c's group kernel, amx_attn.c's cascade,
+# amx_q8x16.c's first pass of the greedy head; and which of the last two are lent
+# (lent_tiles)
 _tiles_lent: list[int] = []
-_attention_tiles = [True]
+_tiles_on = {"cascade": True, "argmax": True}
 
 
 def _lend(lib: _Library) -> None:
-    group, shared = _tiles_lent
+    group, shared, head = _tiles_lent
     lib.set_tiles(group, KQ_TILE_MIN_ROWS)
-    lib.attn_set_tiles(shared if _attention_tiles[0] else None)
+    lib.attn_set_tiles(shared if _tiles_on["cascade"] else None)
+    lib.q8x_set_tiles(head if _tiles_on["argmax"] else None, Q8X_ARGMAX_TILE_MIN_ROWS)
 
 
-def lend_tiles(group_address: int, shared_address: int) -> None:
-    """amx.py, once its library loads, lends amx_kq.c's group kernel and amx_attn.c's cascade
-    to the VNNI build (now or when it loads): quantized layers load the AMX library
-    while creating their weights, before any decode step runs."""
-    _tiles_lent[:] = [group_address, shared_address]
+def lend_tiles(group_address: int, shared_address: int, head_address: int) -> None:
+    """amx.py, once its library loads, lends amx_kq.c's group kernel, amx_attn.c's cascade
+    and amx_q8x16.c's greedy head pass to the VNNI build (now or when it loads): quantized
+    layers and the native decode plan load the AMX library before any decode step runs."""
+    _tiles_lent[:] = [group_address, shared_address, head_address]
     if _default_isa() == "avx512_vnni":  # else _library gives them if it is ever loaded
         _lend(_library("avx512_vnni"))
 
 
-def shared_attention_tiles(enabled: bool) -> bool:
-    """Whether the VNNI build's cascade (decode attention over a shared prefix, bf16 pool)
-    runs its products on AMX tiles where the AMX library is loaded (default) or on the vector
-    unit, whose bits the AVX2 build shares. Returns the previous setting."""
-    previous, _attention_tiles[0] = _attention_tiles[0], enabled
+def lent_tiles(kernel: str, enabled: bool) -> bool:
+    """Whether the VNNI build runs `kernel` on the AMX tiles the AMX library lends it (where
+    it is loaded; default on), or on the vector unit. "cascade": the decode attention over a
+    shared prefix (bf16 pool), whose vector bits the AVX2 build shares and the tiles' differ
+    from; "argmax": the greedy head's first pass (q8_x16_argmax), the same result either way.
+    Returns the previous setting."""
+    if kernel not in _tiles_on:
+        raise ValueError(f"kernel={kernel!r}: expected one of {sorted(_tiles_on)}")
+    previous, _tiles_on[kernel] = _tiles_on[kernel], enabled
     if _tiles_lent:  # lent only where the VNNI build runs
         _lend(_library("avx512_vnni"))
     return previous

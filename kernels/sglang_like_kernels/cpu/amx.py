@@ -73,7 +73,8 @@ def _library() -> ctypes.CDLL | None:
     lib.kq_amx_matmul.argtypes = [ctypes.c_int, p, i64, i64, p, i64, i64, p, i64]
     lib.kq_amx_matmul.restype = ctypes.c_int
     lend_tiles(*(ctypes.cast(fn, ctypes.c_void_p).value
-                 for fn in (lib.kq_amx_group, lib.attn_amx_shared)))
+                 for fn in (lib.kq_amx_group, lib.attn_amx_shared,
+                           lib.q8_x16_amx_hi_pass)))
     return lib
 
 

@@ -122,3 +122,75 @@ int q8_x16_amx_matmul(const int8_t *codes, const float *scales, int64_t N, int64
     amx_scratch_put(q1);
     return 0;
 }
+
+// q8_rows.c's greedy argmax first pass (q8x_hi_pass_*) on the tiles: for groups [g0, g1) and
+// the M activation rows' first parts q1 (row stride K; e1 = 254 e, per row and block), each
+// row's one-part logits of the group, y = sum_b dot(c, q1) * (d * e1), reduced to lo = max_j
+// (y_j - B_j) and up = max_j (y_j + B_j), B_j = w1[j] * ab[row] (both NaN when a logit is),
+// into lo / up [M, ld] at column g. `tdpbssd` gives dot(c, q1) exactly as the vector pass's
+// `vpdpbusd` on the flipped codes less its correction does, and the float steps are its own in
+// its order: the same bounds, so the same groups computed in full. Returns -1 for a bad shape.
+int q8_x16_amx_hi_pass(const int8_t *codes, const float *scales, const float *w1, int64_t nb,
+                       int64_t K, const int8_t *q1, const float *e1, const float *ab, int64_t M,
+                       int64_t g0, int64_t g1, float *lo, float *up, int64_t ld) {
+    if (K != nb * Q8X_QK || M <= 0) return -1;
+    int32_t c[2][256] __attribute__((aligned(64)));
+    int configured = -1;
+    for (int64_t g = g0; g < g1; g++) {
+        const int8_t *gc = codes + g * nb * 512;
+        const float *gs = scales + g * nb * Q8X_ROWS;
+        const __m512 w = _mm512_loadu_ps(w1 + g * Q8X_ROWS);
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+            if (rows != configured) {
+                configure_q8x16(rows);
+                configured = rows;
+            }
+            const int8_t *q = q1 + m0 * K;
+            const float *e = e1 + m0 * nb;
+            __m512 sum[16];
+            for (int i = 0; i < rows; i++) sum[i] = _mm512_setzero_ps();
+            for (int64_t b = 0; b <= nb; b++) {
+                if (b < nb) {  // block b's dots, issued before block b - 1's scaling
+                    if (b & 1) {
+                        _tile_zero(2);
+                        _tile_loadd(4, q + b * Q8X_QK, K);
+                        _tile_loadd(6, gc + b * 512, 64);
+                        _tile_dpbssd(2, 4, 6);
+                    } else {
+                        _tile_zero(0);
+                        _tile_loadd(4, q + b * Q8X_QK, K);
+                        _tile_loadd(6, gc + b * 512, 64);
+                        _tile_dpbssd(0, 4, 6);
+                    }
+                }
+                if (b > 0) {
+                    const int64_t bp = b - 1;
+                    const __m512 d = _mm512_loadu_ps(gs + bp * Q8X_ROWS);
+                    const int32_t *cp = c[bp & 1];
+                    for (int i = 0; i < rows; i++)
+                        sum[i] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_load_si512(cp + 16 * i)),
+                            _mm512_mul_ps(d, _mm512_set1_ps(e[i * nb + bp])), sum[i]);
+                }
+                if (b < nb) {
+                    if (b & 1)
+                        _tile_stored(2, c[1], 64);
+                    else
+                        _tile_stored(0, c[0], 64);
+                }
+            }
+            for (int i = 0; i < rows; i++) {
+                float *l = lo + (m0 + i) * ld + g, *u = up + (m0 + i) * ld + g;
+                if (_mm512_cmp_ps_mask(sum[i], sum[i], _CMP_UNORD_Q)) {
+                    *l = *u = NAN;
+                    continue;
+                }
+                const __m512 bnd = _mm512_mul_ps(w, _mm512_set1_ps(ab[m0 + i]));
+                *l = _mm512_reduce_max_ps(_mm512_sub_ps(sum[i], bnd));
+                *u = _mm512_reduce_max_ps(_mm512_add_ps(sum[i], bnd));
+            }
+        }
+    }
+    return 0;
+}

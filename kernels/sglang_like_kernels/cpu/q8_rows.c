@@ -19,6 +19,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -254,6 +255,25 @@ static int64_t q8x_argmax_full(const int8_t *codes, const float *scales, int nb,
 }
 #endif
 
+// amx_q8x16.c's q8_x16_amx_hi_pass, lent by the AMX library once it loads (built apart, with
+// flags this build must not assume), and the row count from which it runs the first pass:
+// the same bounds as the vector pass, so the same result.
+typedef int (*q8x_hi_tiles_fn)(const int8_t *, const float *, const float *, int64_t, int64_t,
+                               const int8_t *, const float *, const float *, int64_t, int64_t,
+                               int64_t, float *, float *, int64_t);
+static q8x_hi_tiles_fn q8x_hi_tiles;
+static int64_t q8x_hi_tiles_min_rows;
+
+void q8x_set_tiles(void *fn, int64_t min_rows) {
+#ifdef Q4_VNNI
+    q8x_hi_tiles = (q8x_hi_tiles_fn)fn;
+    q8x_hi_tiles_min_rows = min_rows;
+#else
+    (void)fn;
+    (void)min_rows;
+#endif
+}
+
 // ids [M] = the argmax of each row of x [M, K] @ W.T as q8_x16_matmul computes it (the first
 // index among equal maxima, a NaN counted as the maximum), w1 [N] as above; *exact_groups
 // (if not NULL) gets how many 16-row groups were computed with both parts. Returns 0; -1 for
@@ -294,18 +314,25 @@ int q8_x16_argmax(const int8_t *codes, const float *scales, const float *w1, int
         ab[r] = 1.02f * 127.0f * esum;
     }
     int64_t exact = 0;
+    const int tiles = q8x_hi_tiles && M >= q8x_hi_tiles_min_rows;
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            for (int64_t r = 0; r < M; r += Q8X_MAX_ACT) {
-                const int rows = (int)(M - r < Q8X_MAX_ACT ? M - r : Q8X_MAX_ACT);
-                Q8X_HI_PASSES[rows](codes + g * nb * 512, scales + g * nb * Q8X_ROWS,
-                                    w1 + g * Q8X_ROWS, nb, q1 + r * K, e1 + r * nb,
-                                    corr1 + r * nb, ab + r, (int)K, lo + r * groups + g,
-                                    up + r * groups + g, groups);
+        // the first pass: each thread a static share of the groups (tiles: one call for it)
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        if (!tiles || q8x_hi_tiles(codes, scales, w1, nb, K, q1, e1, ab, M, g0, g1, lo, up,
+                                   groups) != 0) {
+            for (int64_t g = g0; g < g1; g++) {
+                for (int64_t r = 0; r < M; r += Q8X_MAX_ACT) {
+                    const int rows = (int)(M - r < Q8X_MAX_ACT ? M - r : Q8X_MAX_ACT);
+                    Q8X_HI_PASSES[rows](codes + g * nb * 512, scales + g * nb * Q8X_ROWS,
+                                        w1 + g * Q8X_ROWS, nb, q1 + r * K, e1 + r * nb,
+                                        corr1 + r * nb, ab + r, (int)K, lo + r * groups + g,
+                                        up + r * groups + g, groups);
+                }
             }
         }
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1) reduction(+ : exact)
         for (int64_t r = 0; r < M; r++) {
             const float *rlo = lo + r * groups, *rup = up + r * groups;
