@@ -124,23 +124,29 @@ def test_a_window_or_a_short_prefix_keeps_every_row_alone():
         assert torch.equal(shared, alone)
 
 
+def _many_rows(gen, d, dtype):
+    """33 rows (4 query heads, 2 KV heads of size d) on one 300-key prefix, one key each of
+    their own: (qkv, the other arguments of ops.decode_attention_rope)."""
+    k = torch.randn(2000, 2, d, generator=gen).to(dtype)
+    v = torch.randn(2000, 2, d, generator=gen).to(dtype)
+    perm = (torch.randperm(1999, generator=gen) + 1).int()
+    n = 33
+    table = torch.zeros(n + 1, 400, dtype=torch.int32)
+    table[1:, :300] = perm[:300]
+    table[1:, 300] = perm[300:300 + n]
+    rows, lens = torch.arange(1, n + 1), torch.full((n,), 301)
+    qkv = torch.randn(n, 8 * d, generator=gen)
+    out_slots = table[rows, 300].long()
+    return qkv, (4, 2, d, None, None, lens - 1, k, v, out_slots, table, rows, lens, d**-0.5,
+                 torch.float32)
+
+
 def test_a_group_of_many_rows_and_head_sizes():
     """33 rows on one prefix (six query blocks and a rest of three heads) at D = 128, and the
     same rows at D = 72 (not a multiple of 16: every row alone)."""
     gen = torch.Generator().manual_seed(5)
     for d, cascades in ((128, True), (72, False)):
-        k = torch.randn(2000, 2, d, generator=gen).bfloat16()
-        v = torch.randn(2000, 2, d, generator=gen).bfloat16()
-        perm = (torch.randperm(1999, generator=gen) + 1).int()
-        n = 33
-        table = torch.zeros(n + 1, 400, dtype=torch.int32)
-        table[1:, :300] = perm[:300]
-        table[1:, 300] = perm[300:300 + n]
-        rows, lens = torch.arange(1, n + 1), torch.full((n,), 301)
-        qkv = torch.randn(n, 8 * d, generator=gen)
-        out_slots = table[rows, 300].long()
-        args = (4, 2, d, None, None, lens - 1, k, v, out_slots, table, rows, lens, d**-0.5,
-                torch.float32)
+        qkv, args = _many_rows(gen, d, torch.bfloat16)
         alone = ops.decode_attention_rope(qkv, *args)
         shared = ops.decode_attention_rope(qkv, *args, shared_min=SHARED)
         assert torch.equal(alone, shared) != cascades
@@ -197,18 +203,8 @@ def test_the_tiles_cascade_at_other_head_sizes_and_pools():
     gen = torch.Generator().manual_seed(8)
     for d, dtype, on_tiles in ((128, torch.bfloat16, True), (96, torch.bfloat16, True),
                                (80, torch.bfloat16, False), (64, torch.float32, False)):
-        k = torch.randn(2000, 2, d, generator=gen).to(dtype)
-        v = torch.randn(2000, 2, d, generator=gen).to(dtype)
-        perm = (torch.randperm(1999, generator=gen) + 1).int()
-        n = 33
-        table = torch.zeros(n + 1, 400, dtype=torch.int32)
-        table[1:, :300] = perm[:300]
-        table[1:, 300] = perm[300:300 + n]
-        rows, lens = torch.arange(1, n + 1), torch.full((n,), 301)
-        qkv = torch.randn(n, 8 * d, generator=gen)
-        out_slots = table[rows, 300].long()
-        args = (4, 2, d, None, None, lens - 1, k, v, out_slots, table, rows, lens, d**-0.5,
-                torch.float32)
+        qkv, args = _many_rows(gen, d, dtype)
+        k, v, table, rows = args[6], args[7], args[9], args[10]
         kc.lent_tiles("cascade", False)
         vector = ops.decode_attention_rope(qkv, *args, shared_min=SHARED)
         kc.lent_tiles("cascade", True)
@@ -216,7 +212,7 @@ def test_the_tiles_cascade_at_other_head_sizes_and_pools():
         assert torch.equal(tiles, vector) != on_tiles, d
         kf, vf = k.double(), v.double()
         want = []
-        for b in range(n):
+        for b in range(rows.shape[0]):
             s = table[rows[b], :301].long()
             q = qkv[b, : 4 * d].double().view(2, 2, d)
             scores = torch.einsum("hgd,hnd->hgn", q, kf[s].transpose(0, 1)) * d**-0.5

@@ -75,6 +75,16 @@ def _native_then_torch(model, run):
     return got, want, native_calls, len(calls) - len(native_calls)
 
 
+def _deterministic(model, run):
+    """run() with the model in deterministic mode."""
+    quant = model.quant
+    model.quant = dataclasses.replace(quant, deterministic=True)
+    try:
+        return run()
+    finally:
+        model.quant = quant
+
+
 def test_native_decode_matches_the_torch_path(make_engine):
     engine = make_engine(quantization=PATH_QUANT)
     model = engine.runner.model
@@ -130,12 +140,7 @@ def test_requests_on_a_cached_prefix_read_it_together(make_engine):
         assert 5 in calls
         assert seen and all(s == (native_decode.SHARED_PREFIX_MIN, True) for s in seen)
         seen.clear()
-        quant = model.quant
-        model.quant = dataclasses.replace(quant, deterministic=True)
-        try:
-            run()
-        finally:
-            model.quant = quant
+        _deterministic(model, run)
         assert seen and all(s == (0, True) for s in seen)
     finally:
         native_decode.NativeDecodePlan.run = run_plan
@@ -183,12 +188,7 @@ def test_prompts_on_a_cached_prefix_prefill_natively(make_engine):
         assert scored["meta_info"]["cached_tokens"] >= system_len - 2
         assert seen == []
         seen.clear()
-        quant = model.quant
-        model.quant = dataclasses.replace(quant, deterministic=True)
-        try:
-            run()
-        finally:
-            model.quant = quant
+        _deterministic(model, run)
         assert seen and all(sm == 0 for _, sm, _ in seen)
     finally:
         native_decode.NativeDecodePlan.run = run_plan
