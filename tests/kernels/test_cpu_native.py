@@ -498,16 +498,16 @@ def test_q8_x16_argmax_first_pass_on_the_tiles():
             scales[37, 3] = float("nan")
         packed, pscales = kc.q8_x16_pack(codes, scales)
         bounds = kc.q8_x16_row_bounds(packed, pscales)
-        previous = kc.lent_tiles("argmax", False)
+        previous = kc.use_tiles("argmax", False)
         try:
             for rows in (x, x[:17], x[:8]):
-                kc.lent_tiles("argmax", False)
+                kc.use_tiles("argmax", False)
                 ids, exact = kc.q8_x16_argmax(rows, packed, pscales, bounds, "avx512_vnni")
-                kc.lent_tiles("argmax", True)
+                kc.use_tiles("argmax", True)
                 tiled = kc.q8_x16_argmax(rows, packed, pscales, bounds, "avx512_vnni")
                 assert torch.equal(tiled[0], ids) and tiled[1] == exact
                 full = kc.q8_x16_matmul(rows, packed, pscales, "avx512_vnni")
                 assert ids.tolist() == ops.argmax_rows(full)
                 assert exact < rows.shape[0] * n // 16 or nan
         finally:
-            kc.lent_tiles("argmax", previous)
+            kc.use_tiles("argmax", previous)

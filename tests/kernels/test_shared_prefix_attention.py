@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skipif(not kc.available(), reason="needs a C compiler a
 def vector_cascade():
     """The vector unit's cascade for every test here but those that ask for the tiles: whether
     the AMX library (which lends the tiles) was loaded by an earlier test must not matter."""
-    previous = kc.lent_tiles("cascade", False)
+    previous = kc.use_tiles("cascade", False)
     yield
-    kc.lent_tiles("cascade", previous)
+    kc.use_tiles("cascade", previous)
 
 HQ, HKV, D = 9, 3, 64
 SHARED = 64  # native_decode.SHARED_PREFIX_MIN
@@ -185,7 +185,7 @@ def test_the_tiles_cascade_over_a_bf16_pool(softcap):
     qkv = torch.randn(10, (HQ + 2 * HKV) * D, generator=gen)
     alone = _attend(qkv, k, v, ks, vs, table, rows, lens, softcap=softcap)
     vector = _attend(qkv, k, v, ks, vs, table, rows, lens, softcap=softcap, shared_min=SHARED)
-    kc.lent_tiles("cascade", True)
+    kc.use_tiles("cascade", True)
     tiles = _attend(qkv, k, v, ks, vs, table, rows, lens, softcap=softcap, shared_min=SHARED)
     want = _float64(qkv, k, v, ks, vs, table, rows, lens, softcap).float()
     torch.testing.assert_close(tiles[GROUPED], want[GROUPED], **_tiles_bound(want))
@@ -205,9 +205,9 @@ def test_the_tiles_cascade_at_other_head_sizes_and_pools():
                                (80, torch.bfloat16, False), (64, torch.float32, False)):
         qkv, args = _many_rows(gen, d, dtype)
         k, v, table, rows = args[6], args[7], args[9], args[10]
-        kc.lent_tiles("cascade", False)
+        kc.use_tiles("cascade", False)
         vector = ops.decode_attention_rope(qkv, *args, shared_min=SHARED)
-        kc.lent_tiles("cascade", True)
+        kc.use_tiles("cascade", True)
         tiles = ops.decode_attention_rope(qkv, *args, shared_min=SHARED)
         assert torch.equal(tiles, vector) != on_tiles, d
         kf, vf = k.double(), v.double()

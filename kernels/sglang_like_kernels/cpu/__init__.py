@@ -251,7 +251,7 @@ def _library(variant: str) -> _Library | None:
 
 # amx.py's kernels lent to the VNNI build: amx_kq.c's group kernel, amx_attn.c's cascade,
 # amx_q8x16.c's first pass of the greedy head; and which of the last two are lent
-# (lent_tiles)
+# (use_tiles)
 _tiles_lent: list[int] = []
 _tiles_on = {"cascade": True, "argmax": True}
 
@@ -272,7 +272,7 @@ def lend_tiles(group_address: int, shared_address: int, head_address: int) -> No
         _lend(_library("avx512_vnni"))
 
 
-def lent_tiles(kernel: str, enabled: bool) -> bool:
+def use_tiles(kernel: str, enabled: bool) -> bool:
     """Whether the VNNI build runs `kernel` on the AMX tiles the AMX library lends it (where
     it is loaded; default on), or on the vector unit. "cascade": the decode attention over a
     shared prefix (bf16 pool), whose vector bits the AVX2 build shares and the tiles' differ

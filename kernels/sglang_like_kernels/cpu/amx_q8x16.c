@@ -31,31 +31,35 @@ static void configure_q8x16(int rows) {
     amx_configure(r, colsb);
 }
 
-#define Q8X16_BLOCK_DOTS(c1, c2, q1, q2, K, codes) \
-    do {                                           \
-        _tile_zero(c1);                            \
-        _tile_zero(c2);                            \
-        _tile_loadd(4, q1, K);                     \
-        _tile_loadd(5, q2, K);                     \
-        _tile_loadd(6, codes, 64);                 \
-        _tile_dpbssd(c1, 4, 6);                    \
-        _tile_dpbssd(c2, 5, 6);                    \
+#define Q8X16_BLOCK_DOTS(c1, c2, q1, q2, two, K, codes) \
+    do {                                                \
+        _tile_zero(c1);                                 \
+        _tile_loadd(4, q1, K);                          \
+        _tile_loadd(6, codes, 64);                      \
+        _tile_dpbssd(c1, 4, 6);                         \
+        if (two) {                                      \
+            _tile_zero(c2);                             \
+            _tile_loadd(5, q2, K);                      \
+            _tile_dpbssd(c2, 5, 6);                     \
+        }                                               \
     } while (0)
 
-// y[0 .. rows, 16 outputs of one group] for <= 16 activation rows (q1, q2 at row stride K)
-static void chunk_rows(const int8_t *codes, const float *scales, int64_t nb, int64_t K,
-                       const int8_t *q1, const int8_t *q2, const float *e, int rows, float *y,
-                       int64_t ldy) {
+// sum[0 .. rows) = one group's 16 outputs for <= 16 activation rows (q1, q2 at row stride K):
+// sum_b (254 dot(c, q1) + dot(c, q2)) * (d * e), blocks in order; `two` 0 (a constant once
+// inlined), the first part alone, sum_b dot(c, q1) * (d * e) (the argmax's first pass, whose
+// e is 254 e)
+static inline __attribute__((always_inline)) void group_sums(
+    const int8_t *codes, const float *scales, int64_t nb, int64_t K, const int8_t *q1,
+    const int8_t *q2, int two, const float *e, int rows, __m512 *sum) {
     int32_t c[2][2][256] __attribute__((aligned(64)));
-    __m512 sum[16];
     for (int i = 0; i < rows; i++) sum[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b <= nb; b++) {
-        if (b < nb) {
-            const int8_t *blk = codes + b * 512;
+        if (b < nb) {  // block b's dots, issued before block b - 1's scaling
+            const int8_t *blk = codes + b * 512, *b2 = two ? q2 + b * Q8X_QK : NULL;
             if (b & 1)
-                Q8X16_BLOCK_DOTS(2, 3, q1 + b * Q8X_QK, q2 + b * Q8X_QK, K, blk);
+                Q8X16_BLOCK_DOTS(2, 3, q1 + b * Q8X_QK, b2, two, K, blk);
             else
-                Q8X16_BLOCK_DOTS(0, 1, q1 + b * Q8X_QK, q2 + b * Q8X_QK, K, blk);
+                Q8X16_BLOCK_DOTS(0, 1, q1 + b * Q8X_QK, b2, two, K, blk);
         }
         if (b > 0) {
             const int64_t bp = b - 1;
@@ -63,9 +67,11 @@ static void chunk_rows(const int8_t *codes, const float *scales, int64_t nb, int
             const int32_t *c1 = c[bp & 1][0], *c2 = c[bp & 1][1];
             for (int i = 0; i < rows; i++) {
                 const __m512i a1 = _mm512_load_si512(c1 + 16 * i);
-                const __m512i a = _mm512_add_epi32(
-                    _mm512_sub_epi32(_mm512_slli_epi32(a1, 8), _mm512_slli_epi32(a1, 1)),
-                    _mm512_load_si512(c2 + 16 * i));
+                const __m512i a =
+                    two ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(a1, 8),
+                                                           _mm512_slli_epi32(a1, 1)),
+                                          _mm512_load_si512(c2 + 16 * i))
+                       : a1;
                 sum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a),
                                          _mm512_mul_ps(d, _mm512_set1_ps(e[i * nb + bp])), sum[i]);
             }
@@ -73,13 +79,21 @@ static void chunk_rows(const int8_t *codes, const float *scales, int64_t nb, int
         if (b < nb) {  // stored after the scaling above: its loads need not wait for these
             if (b & 1) {
                 _tile_stored(2, c[1][0], 64);
-                _tile_stored(3, c[1][1], 64);
+                if (two) _tile_stored(3, c[1][1], 64);
             } else {
                 _tile_stored(0, c[0][0], 64);
-                _tile_stored(1, c[0][1], 64);
+                if (two) _tile_stored(1, c[0][1], 64);
             }
         }
     }
+}
+
+// y[0 .. rows, 16 outputs of one group] for <= 16 activation rows (q1, q2 at row stride K)
+static void chunk_rows(const int8_t *codes, const float *scales, int64_t nb, int64_t K,
+                       const int8_t *q1, const int8_t *q2, const float *e, int rows, float *y,
+                       int64_t ldy) {
+    __m512 sum[16];
+    group_sums(codes, scales, nb, K, q1, q2, 1, e, rows, sum);
     for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + i * ldy, sum[i]);
 }
 
@@ -134,11 +148,8 @@ int q8_x16_amx_hi_pass(const int8_t *codes, const float *scales, const float *w1
                        int64_t K, const int8_t *q1, const float *e1, const float *ab, int64_t M,
                        int64_t g0, int64_t g1, float *lo, float *up, int64_t ld) {
     if (K != nb * Q8X_QK || M <= 0) return -1;
-    int32_t c[2][256] __attribute__((aligned(64)));
     int configured = -1;
     for (int64_t g = g0; g < g1; g++) {
-        const int8_t *gc = codes + g * nb * 512;
-        const float *gs = scales + g * nb * Q8X_ROWS;
         const __m512 w = _mm512_loadu_ps(w1 + g * Q8X_ROWS);
         for (int64_t m0 = 0; m0 < M; m0 += 16) {
             const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
@@ -146,40 +157,9 @@ int q8_x16_amx_hi_pass(const int8_t *codes, const float *scales, const float *w1
                 configure_q8x16(rows);
                 configured = rows;
             }
-            const int8_t *q = q1 + m0 * K;
-            const float *e = e1 + m0 * nb;
             __m512 sum[16];
-            for (int i = 0; i < rows; i++) sum[i] = _mm512_setzero_ps();
-            for (int64_t b = 0; b <= nb; b++) {
-                if (b < nb) {  // block b's dots, issued before block b - 1's scaling
-                    if (b & 1) {
-                        _tile_zero(2);
-                        _tile_loadd(4, q + b * Q8X_QK, K);
-                        _tile_loadd(6, gc + b * 512, 64);
-                        _tile_dpbssd(2, 4, 6);
-                    } else {
-                        _tile_zero(0);
-                        _tile_loadd(4, q + b * Q8X_QK, K);
-                        _tile_loadd(6, gc + b * 512, 64);
-                        _tile_dpbssd(0, 4, 6);
-                    }
-                }
-                if (b > 0) {
-                    const int64_t bp = b - 1;
-                    const __m512 d = _mm512_loadu_ps(gs + bp * Q8X_ROWS);
-                    const int32_t *cp = c[bp & 1];
-                    for (int i = 0; i < rows; i++)
-                        sum[i] = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(_mm512_load_si512(cp + 16 * i)),
-                            _mm512_mul_ps(d, _mm512_set1_ps(e[i * nb + bp])), sum[i]);
-                }
-                if (b < nb) {
-                    if (b & 1)
-                        _tile_stored(2, c[1], 64);
-                    else
-                        _tile_stored(0, c[0], 64);
-                }
-            }
+            group_sums(codes + g * nb * 512, scales + g * nb * Q8X_ROWS, nb, K, q1 + m0 * K,
+                       NULL, 0, e1 + m0 * nb, rows, sum);
             for (int i = 0; i < rows; i++) {
                 float *l = lo + (m0 + i) * ld + g, *u = up + (m0 + i) * ld + g;
                 if (_mm512_cmp_ps_mask(sum[i], sum[i], _CMP_UNORD_Q)) {
