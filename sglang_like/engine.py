@@ -133,7 +133,7 @@ class Engine:
         except ValueError as exc:
             self._refuse_pd_rooms((bootstrap_host, bootstrap_port, bootstrap_room), exc)
             raise
-        handles = [self._submit(r, return_text_in_logprobs, None) for r in reqs]
+        handles = self._submit(reqs, return_text_in_logprobs, None)
         if stream:
             return self._stream_sync(handles[0], is_batch)
         results = [_raise_bad_input(h.wait_final(), is_batch) for h in handles]
@@ -177,7 +177,7 @@ class Engine:
             await loop.run_in_executor(None, self._refuse_pd_rooms,
                                        (bootstrap_host, bootstrap_port, bootstrap_room), exc)
             raise
-        handles = [self._submit(r, return_text_in_logprobs, loop) for r in reqs]
+        handles = self._submit(reqs, return_text_in_logprobs, loop)
         if stream:
             return self._stream_async(handles[0], is_batch)
         try:
@@ -595,13 +595,15 @@ class Engine:
         return self._client.grammar_backend
 
     # ---- the loop --------------------------------------------------------------------------
-    def _submit(self, req: GenerateReqInput, text_in_logprobs: bool,
-                loop: asyncio.AbstractEventLoop | None) -> RequestHandle:
-        handle = RequestHandle(req.rid, req.stream, loop)
+    def _submit(self, reqs: list[GenerateReqInput], text_in_logprobs: bool,
+                loop: asyncio.AbstractEventLoop | None) -> list[RequestHandle]:
+        """One call's requests, submitted together (the core schedules them as one arrival)."""
+        handles = [RequestHandle(req.rid, req.stream, loop) for req in reqs]
         if text_in_logprobs:
-            handle.logprob_tokenizer = self.tokenizer
-        self._client.submit(req, handle)
-        return handle
+            for handle in handles:
+                handle.logprob_tokenizer = self.tokenizer
+        self._client.submit(reqs, handles)
+        return handles
 
     def _stream_sync(self, handle: RequestHandle, is_batch: bool) -> Iterator[dict]:
         try:

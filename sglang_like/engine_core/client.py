@@ -49,6 +49,13 @@ class EngineProcessError(RuntimeError):
     """The engine-core process could not start, or died."""
 
 
+def _encode_requests(msgs: list[m.GenerateReqInput]) -> bytes:
+    try:
+        return m.encode(msgs[0] if len(msgs) == 1 else m.GenerateBatch(msgs))
+    except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits
+        raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
+
+
 class ProcessCoreClient:
     def __init__(self, server_args: ServerArgs) -> None:
         self._dir = tempfile.mkdtemp(prefix="sglang_like-core-")
@@ -124,21 +131,28 @@ class ProcessCoreClient:
                                          f"{_READY_TIMEOUT_S:g} s")
 
     # ---- calls from any thread --------------------------------------------------------------
-    def submit(self, msg: m.GenerateReqInput, handle: RequestHandle) -> None:
-        try:
-            data = m.encode(msg)
-        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits
-            raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
+    def submit(self, msgs: list[m.GenerateReqInput], handles: list[RequestHandle]) -> None:
+        """Send one call's requests in one message (see GenerateBatch); a request refused here
+        (a rid in use, the core gone) is answered with the reason and the others go."""
+        data = _encode_requests(msgs)  # one that cannot be sent stops them all, before any goes
+        sent, refused = [], []
         with self._lock:
-            message = self._dead
-            if message is None and msg.rid in self._handles:
-                message = f"rid {msg.rid!r} is already in use"
-            if message is None:
-                self._handles[msg.rid] = handle
-        if message is not None:
-            handle.put(error_output(msg.rid, message))
+            for msg, handle in zip(msgs, handles, strict=True):
+                message = self._dead
+                if message is None and msg.rid in self._handles:
+                    message = f"rid {msg.rid!r} is already in use"
+                if message is None:
+                    self._handles[msg.rid] = handle
+                    sent.append(msg)
+                else:
+                    refused.append((handle, error_output(msg.rid, message)))
+        for handle, output in refused:
+            handle.put(output)
+        if not sent:
             return
-        if handle.loop is None and self._receiver.on_loop_thread:
+        if len(sent) < len(msgs):
+            data = _encode_requests(sent)
+        if any(h.loop is None for h in handles) and self._receiver.on_loop_thread:
             # a blocking caller on the loop that reads the outputs would wait for itself
             logger.warning("a blocking generate on the event loop the engine's outputs are "
                            "read on; reading them on a thread again")

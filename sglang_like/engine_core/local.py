@@ -52,8 +52,9 @@ class ThreadCoreClient:
     def grammar_backend(self) -> Any:
         return self.core.grammar_backend
 
-    def submit(self, msg: GenerateReqInput, handle: RequestHandle) -> None:
-        self.core.loop.submit(make_req(msg), handle)
+    def submit(self, msgs: list[GenerateReqInput], handles: list[RequestHandle]) -> None:
+        reqs = [make_req(msg) for msg in msgs]
+        self.core.loop.submit_all(list(zip(reqs, handles, strict=True)))
 
     def abort(self, rid: str | None) -> None:
         if rid is None:

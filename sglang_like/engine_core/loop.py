@@ -92,14 +92,21 @@ class EngineLoop:
 
     # ---- other threads ---------------------------------------------------------------------
     def submit(self, req: Req, handle: RequestHandle) -> None:
-        """Queue a request; once the loop has stopped, answer it at once with the reason."""
+        self.submit_all([(req, handle)])
+
+    def submit_all(self, items: list[tuple[Req, RequestHandle]]) -> None:
+        """Queue the requests of one call (a batch of prompts, n samples) as one arrival: the
+        loop takes them in the same iteration, so such a call is scheduled the same way every
+        time, not split by when the loop woke. Once the loop has stopped, answer them at once
+        with the reason."""
         with self._lock:
             message = self._closed_message
             if message is None:
-                self._inbox.put(("add", (req, handle)))
+                self._inbox.put(("add", items))
                 return
-        req.finish(FinishReason("abort", message=message))
-        handle.put(self._output(req))
+        for req, handle in items:
+            req.finish(FinishReason("abort", message=message))
+            handle.put(self._output(req))
 
     def put_command(self, name: str, arg: Any = None) -> None:
         """Queue a command; once the loop has stopped, a `call` fails at once (others drop)."""
@@ -189,10 +196,16 @@ class EngineLoop:
         return None
 
     def _command(self, name: str, arg: Any) -> None:
+        if name == "add":
+            for req, handle in arg:
+                try:
+                    self._add(req, handle)
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    logger.exception("adding request %s failed", req.rid)
+                    self._fail(req, internal_error_message(exc))
+            return
         try:
-            if name == "add":
-                self._add(*arg)
-            elif name == "abort":
+            if name == "abort":
                 self._abort(arg)
             elif name == "abort_all":
                 for req in self._end_compiling("aborted") + self.scheduler.abort_all("aborted"):
@@ -205,10 +218,8 @@ class EngineLoop:
                     done.put((True, fn()))
                 except Exception as exc:  # noqa: BLE001 - handed back to the caller
                     done.put((False, exc))
-        except Exception as exc:  # noqa: BLE001 - a bug here must not end the loop
+        except Exception:  # noqa: BLE001 - a bug here must not end the loop
             logger.exception("engine command %r failed", name)
-            if name == "add":
-                self._fail(arg[0], internal_error_message(exc))
 
     def _add(self, req: Req, handle: RequestHandle) -> None:
         if req.rid in self._handles:  # its outputs would go to the other request's caller
@@ -327,12 +338,12 @@ class EngineLoop:
             except queue.Empty:
                 break
             if name == "add":
-                req, handle = arg
-                req.finish(FinishReason("abort", message=message))
-                try:
-                    handle.put(self._output(req))
-                except Exception:  # noqa: BLE001
-                    handle.put(error_output(req.rid, message))
+                for req, handle in arg:
+                    req.finish(FinishReason("abort", message=message))
+                    try:
+                        handle.put(self._output(req))
+                    except Exception:  # noqa: BLE001
+                        handle.put(error_output(req.rid, message))
             elif name == "call":
                 arg[1].put((False, RuntimeError(message)))
         sched = self.scheduler

@@ -1,8 +1,9 @@
 """The messages between an Engine and its engine-core process, as msgspec structs.
 
-Requests go in one PUSH/PULL pipe, one message per frame; outputs come back the other way,
-several per frame (everything one loop iteration produced). Output dicts are the engine's own
-result dicts (`engine_io.build_output`): plain lists, numbers and strings.
+Requests go in one PUSH/PULL pipe, one message per frame (a batch call's requests in one);
+outputs come back the other way, several per frame (everything one loop iteration produced).
+Output dicts are the engine's own result dicts (`engine_io.build_output`): plain lists, numbers
+and strings.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ class GenerateReqInput(msgspec.Struct, tag="generate", frozen=True):
     priority: int = 0
 
 
+class GenerateBatch(msgspec.Struct, tag="generate_batch", frozen=True):
+    """The requests of one generate call (a batch of prompts, n > 1) in one frame: the core's
+    loop takes them in one iteration, so the call is scheduled alike every time."""
+
+    reqs: list[GenerateReqInput]
+
+
 class AbortReq(msgspec.Struct, tag="abort", frozen=True):
     """Abort `rid` and the rids derived from it; `rid=None` aborts everything."""
 
@@ -96,7 +104,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     error: str = ""
 
 
-InMessage = GenerateReqInput | AbortReq | RpcReq | StopReq
+InMessage = GenerateReqInput | GenerateBatch | AbortReq | RpcReq | StopReq
 OutMessage = ReqOutput | RpcReply | Ready
 
 _encoder = msgspec.msgpack.Encoder()

@@ -119,16 +119,8 @@ def _receive(core: EngineCore, sock: zmq.Socket, outbox: Outbox, parent_pid: int
                 return
             continue
         msg = m.decode_in(sock.recv())
-        if isinstance(msg, m.GenerateReqInput):
-            try:
-                req = make_req(msg)
-            except Exception as exc:  # noqa: BLE001 - a message the Engine should not send
-                logger.exception("bad request message %s", msg.rid)
-                outbox.add(m.ReqOutput(msg.rid, error_output(msg.rid,
-                                                             internal_error_message(exc))))
-                outbox.flush()
-                continue
-            loop.submit(req, RemoteHandle(msg.rid, outbox, msg.stream))
+        if isinstance(msg, m.GenerateReqInput | m.GenerateBatch):
+            loop.submit_all(_requests(msg, outbox))
         elif isinstance(msg, m.AbortReq):
             if msg.rid is None:
                 loop.put_command("abort_all")
@@ -144,6 +136,23 @@ def _receive(core: EngineCore, sock: zmq.Socket, outbox: Outbox, parent_pid: int
         elif isinstance(msg, m.StopReq):
             loop.put_command("stop")
             return
+
+
+def _requests(msg: m.GenerateReqInput | m.GenerateBatch,
+              outbox: Outbox) -> list[tuple[Any, RemoteHandle]]:
+    """The scheduler's requests for one message; one that cannot be built is answered with
+    an error, the others go on."""
+    items = []
+    for one in msg.reqs if isinstance(msg, m.GenerateBatch) else [msg]:
+        try:
+            req = make_req(one)
+        except Exception as exc:  # noqa: BLE001 - a message the Engine should not send
+            logger.exception("bad request message %s", one.rid)
+            outbox.add(m.ReqOutput(one.rid, error_output(one.rid, internal_error_message(exc))))
+            outbox.flush()
+            continue
+        items.append((req, RemoteHandle(one.rid, outbox, one.stream)))
+    return items
 
 
 def _pin_loop(core: EngineCore) -> int | None:

@@ -76,6 +76,57 @@ def test_same_answers_as_in_process(proc_engine: Any, thread_engine: Any) -> Non
             == [o["output_ids"] for o in thread_engine.generate(PROMPTS[1], sampled)])
 
 
+def _steps(engine: Any) -> int:
+    return engine.get_stats()["num_forward_steps"]
+
+
+def test_a_batch_call_is_scheduled_as_one_arrival(proc_engine: Any) -> None:
+    """The prompts of one call reach the core in one message: one prefill step takes them
+    all, then one decode step per token. Sent one by one, the loop could wake on the first
+    and prefill the rest a step later, and a batch's greedy text then depended on timing."""
+    prompts = [f"Item {i}: the color of the sky is" for i in range(24)]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    for _ in range(3):
+        proc_engine.flush_cache()
+        before = _steps(proc_engine)
+        proc_engine.generate(prompts, params)
+        assert _steps(proc_engine) - before == 6
+    proc_engine.flush_cache()
+    before = _steps(proc_engine)
+    out = proc_engine.generate("Three colors:", {**params, "n": 8, "temperature": 0.8})
+    assert len(out) == 8 and _steps(proc_engine) - before == 6
+
+
+def test_the_loop_takes_a_call_whole_however_late_it_wakes(thread_engine: Any,
+                                                           monkeypatch: Any) -> None:
+    """In-process: the loop is made to run a step between any two puts into its inbox; the
+    batch still arrives in one put, so its first step prefills every prompt."""
+    loop = thread_engine._client.core.loop
+    sched = thread_engine._client.core.scheduler
+    stepped = threading.Event()
+    rows: list[int] = []
+    original_step, original_put = sched.step, loop._inbox.put
+
+    def step() -> Any:
+        rows.append(len(sched.waiting) + len(sched.running))
+        try:
+            return original_step()
+        finally:
+            stepped.set()
+
+    def put(item: Any, *args: Any, **kwargs: Any) -> None:
+        stepped.clear()
+        original_put(item, *args, **kwargs)
+        if item[0] == "add":
+            assert stepped.wait(30), "the loop did not step after a request arrived"
+
+    monkeypatch.setattr(sched, "step", step)
+    monkeypatch.setattr(loop._inbox, "put", put)
+    thread_engine.flush_cache()
+    out = thread_engine.generate(PROMPTS * 4, {"temperature": 0, "max_new_tokens": 4})
+    assert len(out) == 12 and rows[0] == 12
+
+
 def test_async_generate_and_streams(proc_engine: Any) -> None:
     async def run() -> tuple[dict, str]:
         out = await proc_engine.async_generate(PROMPTS[2], GREEDY)
