@@ -162,21 +162,11 @@ class Engine:
         """The asyncio form of `generate`; with stream=True, an async iterator of increments.
         A text prompt is tokenized on a thread of the engine's, not on the event loop, which
         streams every other request's tokens meanwhile."""
-        make = functools.partial(
-            self._make_reqs, prompt, sampling_params, input_ids, return_logprob,
-            logprob_start_len, top_logprobs_num, stream, rid,
-            (bootstrap_host, bootstrap_port, bootstrap_room), cache_salt, lora_path, image_data,
-            pooling, priority)
         loop = asyncio.get_running_loop()
-        try:
-            if prompt is None:
-                reqs, is_batch = make()
-            else:
-                reqs, is_batch = await loop.run_in_executor(self._tokenize_pool(), make)
-        except ValueError as exc:
-            await loop.run_in_executor(None, self._refuse_pd_rooms,
-                                       (bootstrap_host, bootstrap_port, bootstrap_room), exc)
-            raise
+        reqs, is_batch = await self._async_reqs(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+            top_logprobs_num, stream, rid, bootstrap_host, bootstrap_port, bootstrap_room,
+            cache_salt, lora_path, image_data, pooling, priority)
         handles = self._submit(reqs, return_text_in_logprobs, loop)
         if stream:
             return self._stream_async(handles[0], is_batch)
@@ -187,6 +177,58 @@ class Engine:
                 self.abort(h.rid)
             raise
         return results if is_batch else results[0]
+
+    async def async_generate_calls(self, calls: list[dict[str, Any]]) -> list[dict | list[dict]]:
+        """Several non-streamed `async_generate` calls, each a dict of its keyword arguments,
+        whose requests reach the core together as one call's prompts do (the OpenAI server's
+        list of prompts, or its n choices): one result per call. A call refused as bad input
+        raises before any is submitted; a failure after that aborts every call's requests."""
+        loop = asyncio.get_running_loop()
+        made = []
+        for call in calls:
+            call = dict(call)
+            text = call.pop("return_text_in_logprobs", False)
+            if call.get("stream"):
+                raise ValueError("async_generate_calls takes non-streamed calls")
+            reqs, is_batch = await self._async_reqs(**call)
+            made.append((reqs, is_batch, self._new_handles(reqs, text, loop)))
+        self._client.submit([r for reqs, _, _ in made for r in reqs],
+                            [h for _, _, handles in made for h in handles])
+        results = []
+        try:
+            for _, is_batch, handles in made:
+                outs = [_raise_bad_input(await h.async_final(), is_batch) for h in handles]
+                results.append(outs if is_batch else outs[0])
+        except BaseException:  # a cancelled caller, or one call's bad input: end them all
+            for _, _, handles in made:
+                for h in handles:
+                    self.abort(h.rid)
+            raise
+        return results
+
+    async def _async_reqs(self, prompt: Any = None, sampling_params: Any = None,
+                          input_ids: Any = None, return_logprob: bool = False,
+                          logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                          stream: bool = False, rid: Any = None, bootstrap_host: Any = None,
+                          bootstrap_port: Any = None, bootstrap_room: Any = None,
+                          cache_salt: str | None = None, lora_path: Any = None,
+                          image_data: Any = None, pooling: str | None = None,
+                          priority: int | None = None) -> tuple[list[GenerateReqInput], bool]:
+        """async_generate's requests: a text prompt tokenized on the engine's threads; a
+        refused call's PD rooms are refused too before the ValueError is raised."""
+        bootstrap = (bootstrap_host, bootstrap_port, bootstrap_room)
+        make = functools.partial(
+            self._make_reqs, prompt, sampling_params, input_ids, return_logprob,
+            logprob_start_len, top_logprobs_num, stream, rid, bootstrap, cache_salt, lora_path,
+            image_data, pooling, priority)
+        loop = asyncio.get_running_loop()
+        try:
+            if prompt is None:
+                return make()
+            return await loop.run_in_executor(self._tokenize_pool(), make)
+        except ValueError as exc:
+            await loop.run_in_executor(None, self._refuse_pd_rooms, bootstrap, exc)
+            raise
 
     def encode(self, prompt: str | list[str] | None = None,
                input_ids: list[int] | list[list[int]] | None = None,
@@ -598,11 +640,16 @@ class Engine:
     def _submit(self, reqs: list[GenerateReqInput], text_in_logprobs: bool,
                 loop: asyncio.AbstractEventLoop | None) -> list[RequestHandle]:
         """One call's requests, submitted together (the core schedules them as one arrival)."""
+        handles = self._new_handles(reqs, text_in_logprobs, loop)
+        self._client.submit(reqs, handles)
+        return handles
+
+    def _new_handles(self, reqs: list[GenerateReqInput], text_in_logprobs: bool,
+                     loop: asyncio.AbstractEventLoop | None) -> list[RequestHandle]:
         handles = [RequestHandle(req.rid, req.stream, loop) for req in reqs]
         if text_in_logprobs:
             for handle in handles:
                 handle.logprob_tokenizer = self.tokenizer
-        self._client.submit(reqs, handles)
         return handles
 
     def _stream_sync(self, handle: RequestHandle, is_batch: bool) -> Iterator[dict]:

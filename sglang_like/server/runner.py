@@ -240,31 +240,26 @@ class EngineRunner:
             rids += call["rid"] if isinstance(call["rid"], list) else [call["rid"]]
         self.claim(rids, owner, given)
         self.num_inflight += num_requests
-        # a call that fails (a bad prompt of a batch) ends the others at once: the batch
-        # fails whole, and nothing it started runs on for nobody
-        tasks = [asyncio.ensure_future(self.engine.async_generate(stream=False, **call))
-                 for call in calls]
+        # the calls' requests reach the scheduler together (a list of prompts, n choices:
+        # prefilled in one batch however the loop is timed); a call that fails (a bad prompt
+        # of a batch) ends the others at once: the batch fails whole, and nothing it started
+        # runs on for nobody
+        task = asyncio.ensure_future(self.engine.async_generate_calls(
+            [{**call, "stream": False} for call in calls]))
         watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
-            pending = set(tasks)
-            while pending:
-                done, _ = await asyncio.wait({*pending, watcher},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                pending -= done
-                failed = [t for t in done if t is not watcher and t.exception() is not None]
-                if failed or watcher in done:
-                    self._cancel(tasks, calls)
-                    if failed:
-                        raise failed[0].exception()
-                    raise ClientGone()
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:
+                self._cancel(task, calls)
+                raise ClientGone()
+            results = task.result()  # the engine aborted every call if one failed
         except asyncio.CancelledError:
-            self._cancel(tasks, calls)
+            self._cancel(task, calls)
             raise
         finally:
             watcher.cancel()
             self.num_inflight -= num_requests
             self.release(rids)
-        results = [t.result() for t in tasks]
         items = [item for result in results
                  for item in (result if isinstance(result, list) else [result])]
         refusal = next((r for item in items if (r := queue_refusal(item)) is not None), None)
@@ -276,10 +271,10 @@ class EngineRunner:
             observe_output(item)
         return results
 
-    def _cancel(self, tasks: list[asyncio.Future], calls: list[dict[str, Any]]) -> None:
-        for task, call in zip(tasks, calls, strict=True):
-            if not task.done():
-                task.cancel()
+    def _cancel(self, task: asyncio.Future, calls: list[dict[str, Any]]) -> None:
+        if not task.done():
+            task.cancel()
+            for call in calls:
                 self.abort(call["rid"])
 
     async def open_stream(self, owner: str | None = None, **kwargs: Any) -> EngineStream:

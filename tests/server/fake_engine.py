@@ -147,6 +147,19 @@ class FakeEngine:
             outs.append(got if sp.n > 1 else got[0])
         return outs if is_batch else outs[0]
 
+    async def async_generate_calls(self, calls: list[dict[str, Any]]) -> list[Any]:
+        """Engine.async_generate_calls: the calls run together, one result each; a call that
+        fails ends the others (the fake checks a prompt only once its call runs)."""
+        tasks = [asyncio.ensure_future(self.async_generate(**call)) for call in calls]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task, call in zip(tasks, calls, strict=True):
+                if not task.done():
+                    task.cancel()
+                    self.abort(call["rid"])
+            raise
+
     # ---- internals ----------------------------------------------------------------------
     async def _collect(self, ids: list[int], sp: SamplingParams, opts: tuple, rid: str,
                        cache_salt: str | None) -> dict:

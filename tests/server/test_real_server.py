@@ -94,6 +94,32 @@ def test_openai_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> 
     assert cached >= first.usage.prompt_tokens // 2, (cached, first.usage)
 
 
+def test_a_list_of_prompts_and_n_choices_prefill_together(real_server: Any,
+                                                          client: openai.OpenAI) -> None:
+    """The prompts of one /v1/completions request, and a chat's n choices, reach the scheduler
+    together: one step prefills them all, then one decode step a token (sent one by one, part
+    of them could be prefilled a step later, and their text depended on timing)."""
+    def steps() -> int:
+        return httpx.get(real_server.url + "/get_server_info").json()["num_forward_steps"]
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
+    for trial in range(4):  # 12 new prompts of ~110 tokens (a split was seen 1 in 3 before)
+        prompts = [f"{trial}.{i}: " + " ".join(words[(i + j) % 14] for j in range(100))
+                   for i in range(12)]
+        before = steps()
+        out = client.completions.create(model="m", prompt=prompts, max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert [c.finish_reason for c in out.choices] == ["length"] * 12
+        assert steps() - before == 3
+    # n choices share their whole prompt: one prefills it, the other five wait a step to reuse
+    # its KV (IN_BATCH_SHARE_THRESHOLD) and join as decode rows, so one step more
+    before = steps()
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Name a colour."}], n=6, max_tokens=5,
+        temperature=0.8, extra_body={"ignore_eos": True})
+    assert len(chat.choices) == 6 and steps() - before == 6
+
+
 # ---- native protocol ----------------------------------------------------------------------
 def test_native_select_shape(real_server: Any) -> None:
     """What SGLang's select() sends: cache the prefix, then score each choice by logprobs."""
