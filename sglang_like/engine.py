@@ -194,17 +194,21 @@ class Engine:
             made.append((reqs, is_batch, self._new_handles(reqs, text, loop)))
         self._client.submit([r for reqs, _, _ in made for r in reqs],
                             [h for _, _, handles in made for h in handles])
-        results = []
+
+        async def final(is_batch: bool, handles: list[RequestHandle]) -> dict | list[dict]:
+            outs = [_raise_bad_input(await h.async_final(), is_batch) for h in handles]
+            return outs if is_batch else outs[0]
+
+        waits = [asyncio.ensure_future(final(is_batch, handles)) for _, is_batch, handles in made]
         try:
-            for _, is_batch, handles in made:
-                outs = [_raise_bad_input(await h.async_final(), is_batch) for h in handles]
-                results.append(outs if is_batch else outs[0])
-        except BaseException:  # a cancelled caller, or one call's bad input: end them all
+            return list(await asyncio.gather(*waits))
+        except BaseException:  # a cancelled caller, or one call's bad input: end them all now
+            for wait in waits:
+                wait.cancel()
             for _, _, handles in made:
                 for h in handles:
                     self.abort(h.rid)
             raise
-        return results
 
     async def _async_reqs(self, prompt: Any = None, sampling_params: Any = None,
                           input_ids: Any = None, return_logprob: bool = False,

@@ -111,8 +111,10 @@ def test_a_list_of_prompts_and_n_choices_prefill_together(real_server: Any,
                                         extra_body={"ignore_eos": True})
         assert [c.finish_reason for c in out.choices] == ["length"] * 12
         assert steps() - before == 3
-    # n choices share their whole prompt: one prefills it, the other five wait a step to reuse
-    # its KV (IN_BATCH_SHARE_THRESHOLD) and join as decode rows, so one step more
+    # n choices share their whole prompt: from an empty cache one prefills it, the other five
+    # wait a step to reuse its KV (IN_BATCH_SHARE_THRESHOLD) and join as decode rows, so one
+    # step more (with the chat template's system prompt cached by earlier tests, none waits)
+    assert httpx.post(real_server.url + "/flush_cache").status_code == 200
     before = steps()
     chat = client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Name a colour."}], n=6, max_tokens=5,
