@@ -183,13 +183,13 @@ class Engine:
         whose requests reach the core together as one call's prompts do (the OpenAI server's
         list of prompts, or its n choices): one result per call. A call refused as bad input
         raises before any is submitted; a failure after that aborts every call's requests."""
+        if any(call.get("stream") for call in calls):
+            raise ValueError("async_generate_calls takes non-streamed calls")
         loop = asyncio.get_running_loop()
         made = []
         for call in calls:
             call = dict(call)
             text = call.pop("return_text_in_logprobs", False)
-            if call.get("stream"):
-                raise ValueError("async_generate_calls takes non-streamed calls")
             reqs, is_batch = await self._async_reqs(**call)
             made.append((reqs, is_batch, self._new_handles(reqs, text, loop)))
         self._client.submit([r for reqs, _, _ in made for r in reqs],

@@ -59,7 +59,7 @@ class LoopHooks:
 
 
 class EngineLoop:
-    """Runs on the engine's loop thread; `submit`, `put_command` and `check_health` are the
+    """Runs on the engine's loop thread; `submit_all`, `put_command` and `check_health` are the
     only calls other threads make.
 
     A constrained request is compiled here, off the caller's path: it waits (aborts reach it)
@@ -83,7 +83,7 @@ class EngineLoop:
         self._compiling: dict[str, tuple[Req, Any, float]] = {}
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._handles: dict[str, RequestHandle] = {}
-        self._lock = threading.Lock()  # guards _closed_message against submit
+        self._lock = threading.Lock()  # guards _closed_message against submit_all
         self._closed_message: str | None = None  # set when the loop stops taking requests
         self.error: BaseException | None = None  # what killed the loop, if anything did
         self._step_started: float | None = None
@@ -91,9 +91,6 @@ class EngineLoop:
         self.request_latency = RequestLatency()
 
     # ---- other threads ---------------------------------------------------------------------
-    def submit(self, req: Req, handle: RequestHandle) -> None:
-        self.submit_all([(req, handle)])
-
     def submit_all(self, items: list[tuple[Req, RequestHandle]]) -> None:
         """Queue the requests of one call (a batch of prompts, n samples) as one arrival: the
         loop takes them in the same iteration, so such a call is scheduled the same way every

@@ -185,7 +185,7 @@ def test_shutdown_answers_every_caller(make_engine: Any) -> None:
     # a request that slips past the closed check after the loop stopped is answered too
     req = Req("late", [1, 2, 3], SamplingParams(max_new_tokens=2))
     handle = RequestHandle("late", False, None)
-    eng._client.core.loop.submit(req, handle)
+    eng._client.core.loop.submit_all([(req, handle)])
     assert _message(handle.wait_final()) == "server shutting down"
 
 
