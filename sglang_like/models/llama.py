@@ -417,9 +417,10 @@ class LlamaForCausalLM(nn.Module):
 
         By default: a decode batch of up to native.MAX_ROWS requests, or a masked one such as
         a verify of up to MAX_MASKED_ROWS query rows, so that a verify and the plain decode of
-        the same requests share their float sums; and an extend batch whose requests all
-        continue cached prefixes (`native.extends_cached_prefixes`), whose rows read them
-        together (the cascade). With `--enable-deterministic-inference`
+        the same requests share their float sums; and an extend batch that scores no prompt
+        token (`native.extend_runs_natively`), whose rows read a cached prefix, and each
+        block of a prompt's own rows the keys before it, together (the cascade). With
+        `--enable-deterministic-inference`
         every batch, prefill chunks and mixed ones included: a token's row is then computed
         by the same per-row sums whatever batch, chunk or verify it is in, which the int4
         path's bf16 activations need for its output not to depend on the schedule."""
@@ -433,7 +434,7 @@ class LlamaForCausalLM(nn.Module):
                                                     fb.num_tokens <= native.MAX_MASKED_ROWS)
         if fb.is_decode:
             return every or fb.num_tokens <= native.MAX_ROWS
-        return every or native.extends_cached_prefixes(fb)
+        return every or native.extend_runs_natively(fb, self.config.sliding_window is not None)
 
     def _native_rows(self, fb: ForwardBatch, pool: KVPool) -> AttnRows | None:
         """The key rows of a batch the native path runs (`runs_native`); None: the torch

@@ -31,7 +31,8 @@ def _case(pool_dtype, gen):
     """A pool and a key table of 10 rows, in this order: four rows on a 700-key prefix
     (rows 0, 2, 5, 9: own keys 1 to 40), two on another 90-key prefix (1, 6), one on the
     first prefix's first 20 keys only (3: under SHARED), two alone (4, 7) and row 8 on the
-    first prefix's 300 keys (in the group: the group then shares 300)."""
+    first prefix's 300 keys (it joins the group, which then shares 300, and the cut by
+    agreement gives it a group of its own there and the four rows their 700)."""
     slots = 3000
     x_k = torch.randn(slots, HKV, D, generator=gen)
     x_v = torch.randn(slots, HKV, D, generator=gen)
@@ -110,6 +111,72 @@ def test_rows_on_a_shared_prefix_read_it_together(pool_dtype, softcap):
     assert all(not torch.equal(shared[r], alone[r]) for r in GROUPED)
     if pool_dtype != torch.int8:  # int8's rows alone round the query to int16 first
         torch.testing.assert_close(alone, want, rtol=1e-5, atol=2e-6 * scale)
+
+
+def test_the_groups_of_the_case():
+    gen = torch.Generator().manual_seed(3)
+    _, _, _, _, table, rows, lens = _case(torch.bfloat16, gen)
+    assert sorted(ops.shared_groups(table, rows, lens, SHARED)) == [
+        (90, [1, 6]), (300, [8]), (700, [0, 2, 5, 9])]
+
+
+def _causal_run(gen, pool_dtype, prefix, new):
+    """One request's extend of `new` tokens after `prefix` cached ones (a cold prompt at
+    prefix 0): row i reads the first prefix + i + 1 slots of table row 1."""
+    slots = prefix + new + 1
+    x_k = torch.randn(slots, HKV, D, generator=gen)
+    x_v = torch.randn(slots, HKV, D, generator=gen)
+    if kv_quant.is_quantized(pool_dtype):
+        (k, ks), (v, vs) = kv_quant.quantize(x_k, pool_dtype), kv_quant.quantize(x_v, pool_dtype)
+    else:
+        k, v, ks, vs = x_k.to(pool_dtype), x_v.to(pool_dtype), None, None
+    table = torch.zeros(2, prefix + new + 8, dtype=torch.int32)
+    table[1, : prefix + new] = (torch.randperm(slots - 1, generator=gen) + 1).int()
+    rows = torch.ones(new, dtype=torch.int64)
+    lens = torch.arange(prefix + 1, prefix + new + 1)
+    qkv = torch.randn(new, (HQ + 2 * HKV) * D, generator=gen)
+    return qkv, k, v, ks, vs, table, rows, lens
+
+
+def test_a_prompt_s_own_rows_read_the_keys_before_each_block_together():
+    """A causal run's rows (a cold prompt of 300 tokens; 200 more after 100 cached) share
+    the keys before each block of 64 of them, so a row reads at most a block of keys alone;
+    the rows before the first block (too few keys to share) read alone."""
+    gen = torch.Generator().manual_seed(9)
+    _, _, _, _, _, table, rows, lens = _causal_run(gen, torch.bfloat16, 0, 300)
+    groups = ops.shared_groups(table, rows, lens, SHARED)
+    assert [(n, r[0] + 1, r[-1] + 1, len(r)) for n, r in groups] == [
+        (64, 65, 128, 64), (128, 129, 192, 64), (192, 193, 256, 64), (256, 257, 300, 44)]
+    _, _, _, _, _, table, rows, lens = _causal_run(gen, torch.bfloat16, 100, 200)
+    groups = ops.shared_groups(table, rows, lens, SHARED)
+    # the cached 100 first (rows whose keys number under 100 + 64 more), then by block
+    assert [(n, r[0] + 101, r[-1] + 101) for n, r in groups] == [
+        (100, 101, 192), (192, 193, 256), (256, 257, 300)]
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("prefix", [0, 100])
+def test_a_causal_run_through_the_cascade(pool_dtype, prefix):
+    """Its rows against float64, on the vector cascade and (bf16, AMX) on the tiles; rows in
+    no group keep the rows-alone bits. An int8 pool's rows read their own keys with the
+    query rounded to int16, as in the case above, but up to 64 keys (there: 40): 2e-5 of the
+    scale (1.4e-5 seen)."""
+    gen = torch.Generator().manual_seed(10 + prefix)
+    qkv, k, v, ks, vs, table, rows, lens = _causal_run(gen, pool_dtype, prefix, 300)
+    alone = _attend(qkv, k, v, ks, vs, table, rows, lens)
+    want = _float64(qkv, k, v, ks, vs, table, rows, lens).float()
+    ungrouped = [r for r in range(300) if lens[r] <= SHARED]
+    runs = [(False, {"rtol": 1e-5, "atol": (2e-5 if pool_dtype == torch.int8 else 2e-6)
+                     * want.abs().max().item()})]
+    if amx.available() and pool_dtype == torch.bfloat16:
+        runs.append((True, _tiles_bound(want)))
+    for tiles, bound in runs:
+        kc.use_tiles("cascade", tiles)
+        shared = _attend(qkv, k, v, ks, vs, table, rows, lens, shared_min=SHARED)
+        torch.testing.assert_close(shared, want, **bound)
+        for r in ungrouped:
+            assert torch.equal(shared[r], alone[r]), r
+        assert not torch.equal(shared[-1], alone[-1])  # the last row's keys came by group
 
 
 def test_a_window_or_a_short_prefix_keeps_every_row_alone():

@@ -147,12 +147,13 @@ def test_requests_on_a_cached_prefix_read_it_together(make_engine):
     _assert_same(got, want)
 
 
-def test_prompts_on_a_cached_prefix_prefill_natively(make_engine):
+def test_prompts_prefill_natively_cold_or_on_a_cached_prefix(make_engine):
     """New requests on a cached system prompt are prefilled by the native step, their rows
-    reading the cached prefix together (native_decode.extends_cached_prefixes); the prompt
-    with nothing cached, and one whose prompt tokens are scored, run the torch path. The
-    tokens and logprobs are the torch path's; deterministic mode prefills them natively
-    without the cascade."""
+    reading the cached prefix together (native_decode.extend_runs_natively); so is the
+    system prompt cold on the AVX-512 build (each block of its rows reading the keys before
+    it together), where the AVX2 build keeps the torch path for it. A prompt whose tokens
+    are scored runs the torch path. The tokens and logprobs are the torch path's;
+    deterministic mode prefills them natively without the cascade."""
     from sglang_like.layers import native_decode
 
     engine = make_engine(quantization=PATH_QUANT)
@@ -169,19 +170,24 @@ def test_prompts_on_a_cached_prefix_prefill_natively(make_engine):
 
     def run():
         engine.flush_cache()
-        engine.generate(system, {"max_new_tokens": 1})  # the torch path: nothing cached
+        engine.generate(system, {"max_new_tokens": 1})  # nothing cached
         return engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
 
     native_decode.NativeDecodePlan.run = watched
     try:
         got, want, _, _ = _native_then_torch(model, run)
         system_len = len(engine.tokenizer.encode(system))
+        cold = seen[0] if seen and seen[0][2] == [0] else None
+        assert (cold is not None) == (kc.isa() == "avx512_vnni")
+        if cold is not None:
+            assert cold[:2] == (system_len, native_decode.SHARED_PREFIX_MIN)
+            seen.pop(0)
         new_tokens = sum(o["meta_info"]["prompt_tokens"] - o["meta_info"]["cached_tokens"]
                          for o in got)
         assert sum(n for n, _, _ in seen) == new_tokens > 5  # every prompt's new tokens
         assert all(sm == native_decode.SHARED_PREFIX_MIN for _, sm, _ in seen)
         assert all(system_len - 2 <= p <= system_len for *_, lens in seen for p in lens)
-        # scoring prompt tokens on the same cached prefix: the torch path, as a cold prompt
+        # scoring prompt tokens on the same cached prefix: the torch path, as cold
         seen.clear()
         scored = engine.generate(system + PROMPTS[6], {"max_new_tokens": 0},
                                  return_logprob=True, logprob_start_len=system_len + 1)

@@ -164,6 +164,8 @@ class _Library:
                                               ptr, i32, ptr, ptr, i64, ptr, ptr, f32, ptr, i32,
                                               i64, f32, i32, ptr, ptr, f32, ptr, ptr, i64]
         lib.decode_attention_rope.restype = ctypes.c_int
+        lib.attn_shared_groups.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr]
+        lib.attn_shared_groups.restype = ctypes.c_int
         lib.kv_quantize_rows.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr]
         lib.kv_quantize_rows.restype = ctypes.c_int
         lib.decode_step_x16.argtypes = [i64, i64, i64, i64, i64, i64, i64, ptr, ptr, f32, i32,
@@ -212,6 +214,7 @@ class _Library:
         self.act_mul = lib.act_mul
         self.residual_norm = lib.residual_norm
         self.decode_attention_rope = lib.decode_attention_rope
+        self.attn_shared_groups = lib.attn_shared_groups
         self.kv_quantize_rows = lib.kv_quantize_rows
         self.decode_step_x16 = lib.decode_step_x16
         self.eagle_head_x16 = lib.eagle_head_x16

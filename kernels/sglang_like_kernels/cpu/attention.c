@@ -961,6 +961,72 @@ static int64_t group_rows(const int32_t *table, int64_t ld_table, const int64_t 
     return n;
 }
 
+// A causal run of one prompt's rows (a cold prompt's prefill, a long chunk) shares only the
+// keys before its first row: the greedy grouping below gives its 800 rows one group of
+// shared_min keys, and each row then reads the rest alone (800 rows x 400 keys, one row at a
+// time). So a group is cut by how far each member's keys agree with its longest member's:
+// members agreeing up to at least len + CAUSAL_BLOCK keys are bucketed by block of
+// CAUSAL_BLOCK, each bucket a group sharing as many keys as its least agreeing member (so a
+// causal run's rows read at most a block alone). Requests on one cached prefix agree up to
+// the prefix only and stay one group. Members agreeing with the longest up to a point agree
+// with each other up to it, so the keys of each new group are truly shared; a bucket of one
+// joins the one below it. Returns the number of groups now.
+#define CAUSAL_BLOCK 64
+static int64_t split_causal(attn_plan *p, const int32_t *table, int64_t ld_table,
+                            const int64_t *rows, const int64_t *seq_lens, int64_t used,
+                            int64_t members, int64_t len, int64_t n) {
+    int64_t *m = p->shared_rows + used, ref = m[0];
+    for (int64_t i = 1; i < members; i++) ref = seq_lens[m[i]] > seq_lens[ref] ? m[i] : ref;
+    const int32_t *rr = table + rows[ref] * ld_table;
+    int64_t *agree = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)members);
+    int64_t *bucket = agree + members;
+    int any = 0;
+    for (int64_t i = 0; agree && i < members; i++) {
+        const int32_t *row = table + rows[m[i]] * ld_table;
+        const int64_t lo = seq_lens[m[i]] < seq_lens[ref] ? seq_lens[m[i]] : seq_lens[ref];
+        const int64_t most = lo - 1;
+        int64_t same = len;  // every member holds the first len slots of every other
+        while (same < most && row[same] == rr[same]) same++;
+        const int64_t block = same / CAUSAL_BLOCK * CAUSAL_BLOCK;
+        agree[i] = same;
+        bucket[i] = block >= len + CAUSAL_BLOCK ? block : len;
+        any |= bucket[i] != len;
+    }
+    if (!agree || !any) {  // one group, as found (out of memory: correct too, only slower)
+        free(agree);
+        p->shared_len[n] = len;
+        p->shared_start[n + 1] = used + members;
+        return n + 1;
+    }
+    for (int64_t i = 1; i < members; i++) {  // by bucket (insertion: rows come in order)
+        const int64_t bk = bucket[i], ag = agree[i], r = m[i];
+        int64_t j = i;
+        for (; j > 0 && bucket[j - 1] > bk; j--) {
+            bucket[j] = bucket[j - 1];
+            agree[j] = agree[j - 1];
+            m[j] = m[j - 1];
+        }
+        bucket[j] = bk;
+        agree[j] = ag;
+        m[j] = r;
+    }
+    const int64_t first = n;
+    for (int64_t i = 0; i < members;) {
+        int64_t e = i + 1, least = agree[i];
+        for (; e < members && bucket[e] == bucket[i]; e++)
+            least = agree[e] < least ? agree[e] : least;
+        if (e - i == 1 && n > first) {
+            p->shared_start[n] = used + e;  // a bucket of one joins the group below
+        } else {
+            p->shared_len[n] = least;
+            p->shared_start[++n] = used + e;
+        }
+        i = e;
+    }
+    free(agree);
+    return n;
+}
+
 // The shape of one step's attention (ops.h): groups, work items and partials. The same for
 // every layer of a step, so the fused step (decode_step.c) builds it once.
 // Shared groups (the cascade above): rows whose key rows hold the same slot at index
@@ -1001,13 +1067,36 @@ static int find_shared(attn_plan *p, const int32_t *table, int64_t ld_table,
         }
         if (members < 2) continue;
         taken[b] = 1;
-        p->shared_len[n] = len;
+        n = split_causal(p, table, ld_table, rows, seq_lens, used, members, len, n);
         used += members;
-        p->shared_start[++n] = used;
     }
     free(taken);
     p->num_shared = n;
     return 0;
+}
+
+// The cascade's groups find_shared forms for these rows, for tests and benchmarks: group_of[b]
+// (-1: the row reads every key alone) and len_of[g] (B entries). Returns the number of
+// groups, -1 out of memory.
+int attn_shared_groups(const int32_t *table, int64_t ld_table, const int64_t *rows,
+                       const int64_t *seq_lens, int64_t B, int64_t shared_min, int64_t *group_of,
+                       int64_t *len_of) {
+    attn_plan p;
+    memset(&p, 0, sizeof(p));
+    p.B = B;
+    if (find_shared(&p, table, ld_table, rows, seq_lens, shared_min) != 0) {
+        attn_plan_free(&p);
+        return -1;
+    }
+    for (int64_t b = 0; b < B; b++) group_of[b] = -1;
+    for (int64_t g = 0; g < p.num_shared; g++) {
+        len_of[g] = p.shared_len[g];
+        for (int64_t i = p.shared_start[g]; i < p.shared_start[g + 1]; i++)
+            group_of[p.shared_rows[i]] = g;
+    }
+    const int n = (int)p.num_shared;
+    attn_plan_free(&p);
+    return n;
 }
 
 int attn_plan_init(attn_plan *p, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,

@@ -221,6 +221,28 @@ def decode_attention_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, 
     return out
 
 
+def shared_groups(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                  seq_lens: torch.Tensor, shared_min: int, variant: str | None = None
+                  ) -> list[tuple[int, list[int]]]:
+    """The cascade's groups `decode_attention_rope` forms for these query rows at
+    `shared_min`: (keys the group reads together, its rows), rows in ascending order; a row
+    in no group reads every key alone."""
+    if req_to_token.dtype != torch.int32 or not req_to_token.is_contiguous():
+        raise TypeError("req_to_token must be a contiguous int32 table")
+    rows, lens = req_pool_indices.contiguous(), seq_lens.contiguous()
+    b = rows.shape[0]
+    group_of = torch.empty(b, dtype=torch.int64)
+    len_of = torch.empty(max(b, 1), dtype=torch.int64)
+    n = _lib(variant).attn_shared_groups(
+        req_to_token.data_ptr(), req_to_token.stride(0), _int64("req_pool_indices", rows),
+        _int64("seq_lens", lens), b, max(0, int(shared_min)), group_of.data_ptr(),
+        len_of.data_ptr())
+    if n < 0:
+        raise MemoryError("attn_shared_groups could not allocate its scratch memory")
+    members = group_of.tolist()
+    return [(int(len_of[g]), [r for r in range(b) if members[r] == g]) for g in range(n)]
+
+
 def _int64(name: str, t: torch.Tensor) -> int:
     if t.dtype != torch.int64 or not t.is_contiguous():
         raise TypeError(f"{name} must be a contiguous int64 tensor")
