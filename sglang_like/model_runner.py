@@ -298,12 +298,14 @@ class ModelRunner:
 
     def _set_threads(self, fb: ForwardBatch) -> None:
         """The forward's thread count (`decode_threads`, set by the engine's build on CPU):
-        the native step's forwards (decode, verify; every one in deterministic mode) may run
-        on fewer threads than the rest."""
+        the native step's decode and verify forwards may run on fewer threads than the rest;
+        prefill chunks keep every thread, natively (cold prompts, cached prefixes, every
+        chunk in deterministic mode) or not: their phases are long beside a barrier's cost."""
         if self.decode_threads is not None:
             runs_native = getattr(self.model, "runs_native", None)
+            step = fb.is_decode or (fb.custom_masks is not None and fb.image_rows is None)
             self.decode_threads.for_forward(
-                runs_native is not None and runs_native(fb, self.kv_pool))
+                step and runs_native is not None and runs_native(fb, self.kv_pool))
 
     @property
     def has_greedy_forward(self) -> bool:

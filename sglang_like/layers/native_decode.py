@@ -121,32 +121,33 @@ def extend_rows(fb: ForwardBatch, shared: bool = False) -> AttnRows:
 
 def extend_runs_natively(fb: ForwardBatch, windowed: bool = False) -> bool:
     """Whether an extend batch (prefill chunks, with or without decode rows) runs the native
-    step: every one that takes logits only at its requests' last rows. Requests on a cached
-    prefix (a shared system prompt, a conversation's next turn, a long prompt's later chunks)
-    read it once for all their rows (the cascade); a prompt's own causal run reads the keys
-    before each block of 64 of its rows together too (attention.c, split_causal), so a cold
-    prompt's rows no longer read their whole prefix one at a time. On the 2-core AMX Xeon: 32
-    new requests (~18 new tokens each) on a cached 781-token prompt in 0.36 s natively against
-    0.70 s on the torch path, 390 new tokens on a 3.9k-token prefix in 0.58 s against 1.02 s;
-    cold, an 800-token prompt in 0.52 s against 0.72 s, a 2,000-token one in 1.90 s against
-    2.31 s, 32 prompts of ~30 tokens in 0.52 s against 0.70 s (with AMX off, on AVX-512
-    VNNI: 0.62 / 2.29 / 0.52 s against 0.80 / 2.52 / 0.84 s).
+    step. On the AVX-512 build every one does: requests on a cached prefix (a shared system
+    prompt, a conversation's next turn, a long prompt's later chunks) read it once for all
+    their rows (the cascade), and a prompt's own causal run reads the keys before each block
+    of 64 of its rows together (attention.c, split_causal), so a cold prompt's rows no longer
+    read their whole prefix one at a time. On the 2-core AMX Xeon: 32 new requests (~18 new
+    tokens each) on a cached 781-token prompt in 0.36 s natively against 0.70 s on the torch
+    path, 390 new tokens on a 3.9k-token prefix in 0.58 s against 1.02 s; cold, an 800-token
+    prompt in 0.52 s against 0.72 s, a 2,000-token one in 1.90 s against 2.31 s, 32 prompts of
+    ~30 tokens in 0.52 s against 0.70 s (with AMX off, on AVX-512 VNNI: 0.62 / 2.29 / 0.52 s
+    against 0.80 / 2.52 / 0.84 s). Prompts whose tokens are scored (input logprobs) too: cold
+    or on a cached prefix, their keys come from the same path, so a score does not depend on
+    what the cache held (between the two paths, under int4, a token's logprob moves by up to
+    0.26 nats).
 
-    The AVX2 build keeps the rule from before the blocks (only requests continuing a cached
-    prefix of at least SHARED_PREFIX_MIN tokens, and at least as long as what they add): off
-    AVX-512 the torch path multiplies prefill chunks by a dense GEMM, and no AVX2 machine has
-    timed the two on a cold prompt (forced on this Xeon, the AVX2 build read 0.71-0.80x of a
-    torch path whose GEMMs still ran AVX-512). So does a model with sliding-window layers
-    (`windowed`): under a window there is no cascade, and each row reads its keys alone.
-
-    A forward that scores prompt tokens (input logprobs: lm-eval's loglikelihood compares the
-    continuations of one context) keeps the torch path, cold or cached, so that a score does
-    not depend on what the cache held: under int4 the two paths' roundings put a token's
-    logprob up to 0.26 nats apart and swap near-tied candidates."""
-    if windowed or native_cpu.isa() != "avx512_vnni":
-        prefix = fb.prefix_lens
-        if not bool(((prefix >= SHARED_PREFIX_MIN) & (prefix >= fb.extend_lens)).all()):
-            return False
+    The AVX2 build keeps the rule from before the blocks: only requests continuing a cached
+    prefix of at least SHARED_PREFIX_MIN tokens (and at least as long as what they add), with
+    logits at their last rows only, so that a scored prompt runs the torch path cold or
+    cached. Off AVX-512 the torch path multiplies prefill chunks by a dense GEMM, and no AVX2
+    machine has timed the two on a cold prompt (forced on this Xeon, the AVX2 build read
+    0.71-0.80x of a torch path whose GEMMs still ran AVX-512). So does a model with
+    sliding-window layers (`windowed`): under a window there is no cascade, and each row
+    reads its keys alone."""
+    if not windowed and native_cpu.isa() == "avx512_vnni":
+        return True
+    prefix = fb.prefix_lens
+    if not bool(((prefix >= SHARED_PREFIX_MIN) & (prefix >= fb.extend_lens)).all()):
+        return False
     last_rows = torch.cumsum(fb.extend_lens, 0) - 1
     return bool(torch.isin(fb.logits_indices, last_rows).all())
 

@@ -13,10 +13,12 @@ processes used (/proc/stat's busy time on the cores this process may run on, les
 process's own CPU time) and runs decode steps on the cores left, between 1 and the prefill's
 thread count.
 
-Only the forwards of the native step change their thread count (decode, and verify; every
-forward with --enable-deterministic-inference): it partitions every sum by output rows, so a
-row's bits do not depend on how many threads computed it (tests/sglang_like/
-test_decode_threads.py checks it). The other forwards (torch's prefill) keep torch's count."""
+Only the native step's decode and verify forwards change their thread count: it partitions
+every sum by output rows, so a row's bits do not depend on how many threads computed it
+(tests/sglang_like/test_decode_threads.py checks it). Prefill chunks keep torch's count,
+whichever path runs them (the native step takes cold prompts and cached prefixes, and every
+chunk with --enable-deterministic-inference): each of their phases is long beside a
+barrier."""
 
 from __future__ import annotations
 
@@ -95,8 +97,9 @@ class DecodeThreads:
         return cls(max_threads)
 
     def for_forward(self, native: bool) -> int:
-        """Set torch's (and so OpenMP's) thread count for the next forward, which the native
-        step runs if `native`; returns it."""
+        """Set torch's (and so OpenMP's) thread count for the next forward, a decode or verify
+        forward of the native step if `native` (anything else: a prefill chunk, or the torch
+        path); returns it."""
         if native and self.fixed is None:
             self._observe()
         n = self.decode if native else self.max_threads

@@ -31,8 +31,9 @@ def _case(pool_dtype, gen):
     """A pool and a key table of 10 rows, in this order: four rows on a 700-key prefix
     (rows 0, 2, 5, 9: own keys 1 to 40), two on another 90-key prefix (1, 6), one on the
     first prefix's first 20 keys only (3: under SHARED), two alone (4, 7) and row 8 on the
-    first prefix's 300 keys (it joins the group, which then shares 300, and the cut by
-    agreement gives it a group of its own there and the four rows their 700)."""
+    first prefix's 300 keys (it joins the group, which then shares 300; cut by how far each
+    member agrees with the longest, rounded down to a block of 64 keys, row 8 shares 256 in a
+    group of its own and the four rows 640 of their 700)."""
     slots = 3000
     x_k = torch.randn(slots, HKV, D, generator=gen)
     x_v = torch.randn(slots, HKV, D, generator=gen)
@@ -117,7 +118,7 @@ def test_the_groups_of_the_case():
     gen = torch.Generator().manual_seed(3)
     _, _, _, _, table, rows, lens = _case(torch.bfloat16, gen)
     assert sorted(ops.shared_groups(table, rows, lens, SHARED)) == [
-        (90, [1, 6]), (300, [8]), (700, [0, 2, 5, 9])]
+        (64, [1, 6]), (256, [8]), (640, [0, 2, 5, 9])]
 
 
 def _causal_run(gen, pool_dtype, prefix, new):
@@ -140,8 +141,8 @@ def _causal_run(gen, pool_dtype, prefix, new):
 
 def test_a_prompt_s_own_rows_read_the_keys_before_each_block_together():
     """A causal run's rows (a cold prompt of 300 tokens; 200 more after 100 cached) share
-    the keys before each block of 64 of them, so a row reads at most a block of keys alone;
-    the rows before the first block (too few keys to share) read alone."""
+    the keys before their block of 64 positions, so a row reads at most a block of keys
+    alone; the rows before the first block (too few keys to share) read alone."""
     gen = torch.Generator().manual_seed(9)
     _, _, _, _, _, table, rows, lens = _causal_run(gen, torch.bfloat16, 0, 300)
     groups = ops.shared_groups(table, rows, lens, SHARED)
@@ -149,9 +150,9 @@ def test_a_prompt_s_own_rows_read_the_keys_before_each_block_together():
         (64, 65, 128, 64), (128, 129, 192, 64), (192, 193, 256, 64), (256, 257, 300, 44)]
     _, _, _, _, _, table, rows, lens = _causal_run(gen, torch.bfloat16, 100, 200)
     groups = ops.shared_groups(table, rows, lens, SHARED)
-    # the cached 100 first (rows whose keys number under 100 + 64 more), then by block
+    # the same blocks as cold: the boundaries are positions, whatever was cached
     assert [(n, r[0] + 101, r[-1] + 101) for n, r in groups] == [
-        (100, 101, 192), (192, 193, 256), (256, 257, 300)]
+        (64, 101, 128), (128, 129, 192), (192, 193, 256), (256, 257, 300)]
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.int8])
@@ -177,6 +178,20 @@ def test_a_causal_run_through_the_cascade(pool_dtype, prefix):
         for r in ungrouped:
             assert torch.equal(shared[r], alone[r]), r
         assert not torch.equal(shared[-1], alone[-1])  # the last row's keys came by group
+
+
+def test_a_prompt_part_cached_sums_its_rows_as_cold():
+    """Rows 100 to 299 of a prompt computed cold (all 300 rows) and after the first 100 came
+    from the cache: the same keys shared by each row, so the same bits (vector cascade, and
+    the tiles on AMX); what a radix hit changes in a prompt's attention is nothing."""
+    gen = torch.Generator().manual_seed(11)
+    qkv, k, v, ks, vs, table, rows, lens = _causal_run(gen, torch.bfloat16, 0, 300)
+    for tiles in (False, True) if amx.available() else (False,):
+        kc.use_tiles("cascade", tiles)
+        cold = _attend(qkv, k, v, ks, vs, table, rows, lens, shared_min=SHARED)
+        hit = _attend(qkv[100:], k, v, ks, vs, table, rows[100:], lens[100:],
+                      shared_min=SHARED)
+        assert torch.equal(hit, cold[100:]), tiles
 
 
 def test_a_window_or_a_short_prefix_keeps_every_row_alone():
