@@ -31,9 +31,9 @@ def _case(pool_dtype, gen):
     """A pool and a key table of 10 rows, in this order: four rows on a 700-key prefix
     (rows 0, 2, 5, 9: own keys 1 to 40), two on another 90-key prefix (1, 6), one on the
     first prefix's first 20 keys only (3: under SHARED), two alone (4, 7) and row 8 on the
-    first prefix's 300 keys (it joins the group, which then shares 300; cut by how far each
-    member agrees with the longest, rounded down to a block of 64 keys, row 8 shares 256 in a
-    group of its own and the four rows 640 of their 700)."""
+    first prefix's 300 keys (it joins the group, which then shares 300; cut where members
+    agree a block of 64 keys or more further, row 8 keeps its 300 in a group of its own and
+    the four rows share their 700)."""
     slots = 3000
     x_k = torch.randn(slots, HKV, D, generator=gen)
     x_v = torch.randn(slots, HKV, D, generator=gen)
@@ -114,11 +114,20 @@ def test_rows_on_a_shared_prefix_read_it_together(pool_dtype, softcap):
         torch.testing.assert_close(alone, want, rtol=1e-5, atol=2e-6 * scale)
 
 
-def test_the_groups_of_the_case():
+def test_the_groups_of_decode_rows():
+    """Decode rows (one a request) share all their common prefix, cut only where some agree a
+    block or more further: the case above, and 4 requests on one 200-key prefix (one group of
+    200, not the block boundary 192)."""
     gen = torch.Generator().manual_seed(3)
     _, _, _, _, table, rows, lens = _case(torch.bfloat16, gen)
     assert sorted(ops.shared_groups(table, rows, lens, SHARED)) == [
-        (64, [1, 6]), (256, [8]), (640, [0, 2, 5, 9])]
+        (90, [1, 6]), (300, [8]), (700, [0, 2, 5, 9])]
+    table = torch.zeros(5, 300, dtype=torch.int32)
+    table[1:, :200] = torch.arange(1, 201, dtype=torch.int32)
+    for r, own in enumerate((10, 50, 1, 33)):
+        table[r + 1, 200:200 + own] = torch.arange(own, dtype=torch.int32) + 1000 * (r + 1)
+    lens = torch.tensor([210, 250, 201, 233])
+    assert ops.shared_groups(table, torch.arange(1, 5), lens, SHARED) == [(200, [0, 1, 2, 3])]
 
 
 def _causal_run(gen, pool_dtype, prefix, new):

@@ -964,58 +964,69 @@ static int64_t group_rows(const int32_t *table, int64_t ld_table, const int64_t 
 // A causal run of one prompt's rows (a cold prompt's prefill, a long chunk) shares only the
 // keys before its first row: the greedy grouping below gives its 800 rows one group of
 // shared_min keys, and each row then reads the rest alone (800 rows x 400 keys, one row at a
-// time). So a group is cut by how far each member's keys agree with its longest member's:
-// members are bucketed by that agreement rounded down to a block of CAUSAL_BLOCK keys, each
-// bucket a group sharing its block boundary, and a row reads at most a block (plus what its
-// request adds past the agreement) alone. Members agreeing with the longest up to a point
-// agree with each other up to it, so each bucket's keys are truly shared. Requests on one
-// cached prefix agree up to the prefix only and stay one group (the longest member's request
-// alone would be a bucket of one: a bucket of one joins the one below). The boundaries are
-// positions, not the batch's: a row of a prompt shares the same keys whether the prompt came
-// cold or part of it from the cache, so the two sum alike. Returns the number of groups now.
+// time). So a group is cut by how far each member's keys agree with its longest member's,
+// by block of CAUSAL_BLOCK keys. Where the group holds a causal run (two rows of one
+// request), each bucket shares exactly its block boundary: the boundaries are positions, not
+// the batch's, so a prompt's row shares the same keys whether the prompt came cold or partly
+// from the cache, and sums alike. A group of decode rows (one a request) keeps the length it
+// was found with, cut only where members agree a block or more further (a bucket then shares
+// what its least agreeing member does): requests on one cached prefix stay one group sharing
+// all of it. Members agreeing with the longest up to a point agree with each other up to it,
+// so each bucket's keys are truly shared; a bucket of one joins the one below. Returns the
+// number of groups now.
 #define CAUSAL_BLOCK 64
 static int64_t split_causal(attn_plan *p, const int32_t *table, int64_t ld_table,
                             const int64_t *rows, const int64_t *seq_lens, int64_t used,
                             int64_t members, int64_t len, int64_t n) {
     int64_t *m = p->shared_rows + used, ref = m[0];
-    for (int64_t i = 1; i < members; i++) ref = seq_lens[m[i]] > seq_lens[ref] ? m[i] : ref;
+    int run = 0;  // members come in batch order: a run's rows are neighbours
+    for (int64_t i = 1; i < members; i++) {
+        ref = seq_lens[m[i]] > seq_lens[ref] ? m[i] : ref;
+        run |= rows[m[i]] == rows[m[i - 1]];
+    }
     const int32_t *rr = table + rows[ref] * ld_table;
-    int64_t *bucket = (int64_t *)malloc(sizeof(int64_t) * (size_t)members);
-    if (!bucket) {  // one group, as found (correct too, only slower)
+    int64_t *agree = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)members);
+    if (!agree) {  // one group, as found (correct too, only slower)
         p->shared_len[n] = len;
         p->shared_start[n + 1] = used + members;
         return n + 1;
     }
+    int64_t *bucket = agree + members;
     for (int64_t i = 0; i < members; i++) {
         const int32_t *row = table + rows[m[i]] * ld_table;
         const int64_t lo = seq_lens[m[i]] < seq_lens[ref] ? seq_lens[m[i]] : seq_lens[ref];
         int64_t same = len;  // every member holds the first len slots of every other
         while (same < lo - 1 && row[same] == rr[same]) same++;
-        bucket[i] = same < CAUSAL_BLOCK ? same : same / CAUSAL_BLOCK * CAUSAL_BLOCK;
+        const int64_t block = same < CAUSAL_BLOCK ? same : same / CAUSAL_BLOCK * CAUSAL_BLOCK;
+        agree[i] = run ? block : same;
+        bucket[i] = run || block >= len + CAUSAL_BLOCK ? block : len;
     }
     for (int64_t i = 1; i < members; i++) {  // by bucket (insertion: rows come in order)
-        const int64_t bk = bucket[i], r = m[i];
+        const int64_t bk = bucket[i], ag = agree[i], r = m[i];
         int64_t j = i;
         for (; j > 0 && bucket[j - 1] > bk; j--) {
             bucket[j] = bucket[j - 1];
+            agree[j] = agree[j - 1];
             m[j] = m[j - 1];
         }
         bucket[j] = bk;
+        agree[j] = ag;
         m[j] = r;
     }
     const int64_t first = n;
     for (int64_t i = 0; i < members;) {
-        int64_t e = i + 1;
-        while (e < members && bucket[e] == bucket[i]) e++;
+        int64_t e = i + 1, least = agree[i];
+        for (; e < members && bucket[e] == bucket[i]; e++)
+            least = agree[e] < least ? agree[e] : least;
         if (e - i == 1 && n > first) {
             p->shared_start[n] = used + e;  // a bucket of one joins the group below
         } else {
-            p->shared_len[n] = bucket[i];
+            p->shared_len[n] = least;
             p->shared_start[++n] = used + e;
         }
         i = e;
     }
-    free(bucket);
+    free(agree);
     return n;
 }
 
