@@ -125,12 +125,11 @@ def extend_runs_natively(fb: ForwardBatch, windowed: bool = False) -> bool:
     prompt, a conversation's next turn, a long prompt's later chunks) read it once for all
     their rows (the cascade), and a prompt's own causal run reads the keys before each block
     of 64 of its rows together (attention.c, split_causal), so a cold prompt's rows no longer
-    read their whole prefix one at a time. On the 2-core AMX Xeon: 32 new requests (~18 new
-    tokens each) on a cached 781-token prompt in 0.36 s natively against 0.70 s on the torch
-    path, 390 new tokens on a 3.9k-token prefix in 0.58 s against 1.02 s; cold, an 800-token
-    prompt in 0.52 s against 0.72 s, a 2,000-token one in 1.90 s against 2.31 s, 32 prompts of
-    ~30 tokens in 0.52 s against 0.70 s (with AMX off, on AVX-512 VNNI: 0.62 / 2.29 / 0.52 s
-    against 0.80 / 2.52 / 0.84 s). Prompts whose tokens are scored (input logprobs) too: cold
+    read their whole prefix one at a time. On the 2-core AMX Xeon (`python -m
+    benchmarks.bench_prefill_paths`) the torch path takes 1.30x the native step's time on a
+    cold ~800-token prompt, 1.28x on 2,000 tokens, 1.41x on 32 cold prompts of ~30 tokens and
+    2.29x on 32 new prompts on a cached ~800-token one (with AMX off, on AVX-512 VNNI: 1.29x /
+    1.10x / 1.61x on the cold ones). Prompts whose tokens are scored (input logprobs) too: cold
     or on a cached prefix, their keys come from the same path, so a score does not depend on
     what the cache held (between the two paths, under int4, a token's logprob moves by up to
     0.26 nats).

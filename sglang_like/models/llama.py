@@ -417,10 +417,10 @@ class LlamaForCausalLM(nn.Module):
 
         By default: a decode batch of up to native.MAX_ROWS requests, or a masked one such as
         a verify of up to MAX_MASKED_ROWS query rows, so that a verify and the plain decode of
-        the same requests share their float sums; and an extend batch that scores no prompt
-        token (`native.extend_runs_natively`), whose rows read a cached prefix, and each
-        block of a prompt's own rows the keys before it, together (the cascade). With
-        `--enable-deterministic-inference`
+        the same requests share their float sums; and an extend batch as
+        `native.extend_runs_natively` rules (on the AVX-512 build every one), whose rows read
+        a cached prefix, and each block of a prompt's own rows the keys before it, together
+        (the cascade). With `--enable-deterministic-inference`
         every batch, prefill chunks and mixed ones included: a token's row is then computed
         by the same per-row sums whatever batch, chunk or verify it is in, which the int4
         path's bf16 activations need for its output not to depend on the schedule."""
