@@ -995,7 +995,9 @@ static int64_t split_causal(attn_plan *p, const int32_t *table, int64_t ld_table
     for (int64_t i = 0; i < members; i++) {
         const int32_t *row = table + rows[m[i]] * ld_table;
         const int64_t lo = seq_lens[m[i]] < seq_lens[ref] ? seq_lens[m[i]] : seq_lens[ref];
-        int64_t same = len;  // every member holds the first len slots of every other
+        // every member holds the first len slots of every other; one request's rows hold
+        // the same slots throughout (a 2,048-row chunk would otherwise compare 2M slots)
+        int64_t same = rows[m[i]] == rows[ref] ? lo - 1 : len;
         while (same < lo - 1 && row[same] == rr[same]) same++;
         const int64_t block = same < CAUSAL_BLOCK ? same : same / CAUSAL_BLOCK * CAUSAL_BLOCK;
         agree[i] = run ? block : same;
