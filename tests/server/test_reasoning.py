@@ -105,7 +105,9 @@ def test_thinking_budget_closes_the_block_in_time(client: openai.OpenAI, budget:
     assert choice.message.content and choice.finish_reason in ("stop", "length")
     # the answer's tokens; stopped by the end-of-turn token, its entry closes the list (no
     # stop strings here), and its text is not content
-    answer = tokens[budget + num_end:len(tokens) - (choice.finish_reason == "stop")]
+    stopped = choice.finish_reason == "stop"
+    assert not stopped or tokens[-1].token == "<|im_end|>"
+    answer = tokens[budget + num_end:len(tokens) - stopped]
     assert "".join(t.token for t in answer) == choice.message.content
 
     raw = _chat(client, {**extra, "separate_reasoning": False}, max_tokens=20)
