@@ -39,8 +39,7 @@ from sglang_like.layers.decoder import DecoderLayerDescription, DecoderLayerPart
 from sglang_like.layers.lora import LoraBatch, apply_lora
 from sglang_like.layers.quantization.gguf_native import GGUFNativeMethod
 from sglang_like.layers.quantization.q4_native import Q4X16Method
-from sglang_like_kernels import cpu as native_cpu
-from sglang_like_kernels.cpu import KQ_KINDS, amx, ops
+from sglang_like_kernels.cpu import KQ_KINDS, amx, isa, ops
 
 if TYPE_CHECKING:
     from sglang_like.forward_batch import ForwardBatch
@@ -142,7 +141,7 @@ def extend_runs_natively(fb: ForwardBatch, windowed: bool = False) -> bool:
     0.71-0.80x of a torch path whose GEMMs still ran AVX-512). So does a model with
     sliding-window layers (`windowed`): under a window there is no cascade, and each row
     reads its keys alone."""
-    if not windowed and native_cpu.isa() == "avx512_vnni":
+    if not windowed and isa() == "avx512_vnni":
         return True
     prefix = fb.prefix_lens
     if not bool(((prefix >= SHARED_PREFIX_MIN) & (prefix >= fb.extend_lens)).all()):
