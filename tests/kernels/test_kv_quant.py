@@ -198,7 +198,8 @@ def test_store_kv_writes_codes_and_scales_of_its_slots_only():
         others = torch.ones(21, dtype=torch.bool)
         others[slots] = False
         assert torch.equal(kv_quant.as_bytes(k_pool)[others], before[0][others])
-        assert torch.equal(k_scale[others], before[1][others])
+        # The pool is torch.empty: untouched scale rows may hold NaN bits, so compare bits.
+        assert torch.equal(k_scale[others].view(torch.int32), before[1][others].view(torch.int32))
 
 
 def test_pool_bytes_per_token_and_the_kv_cache_dtype_names():
