@@ -180,6 +180,20 @@ def test_amx_tiles_give_the_vector_kernels_bits(make) -> None:
     assert torch.equal(cpu.kq_native_step_matmul(x, x16, None, 48), want)
 
 
+def test_rows_past_a_pass_are_the_same_bits() -> None:
+    """The native step's matmul takes a long prompt's rows in passes that stay in L2
+    (kq_pass_rows: at most 256 rows at K = 4,096 on any machine): every row is the same bits
+    as the vector kernel's single pass over all of them, tiles or not."""
+    x = torch.randn(300, 4096, generator=torch.Generator().manual_seed(5))
+    for qtype in ("Q4_K", "Q6_K", "Q8_0"):
+        kind, packed = pack(quantized_blocks(qtype, 32, 4096, seed=6))
+        assert torch.equal(cpu.kq_native_step_matmul(x, packed, kind, 32),
+                           cpu.kq_matmul(x, packed, kind, 32)), qtype
+    blocks = torch.from_numpy(np.ascontiguousarray(quantized_blocks("Q4_1", 32, 4096).blocks))
+    x16 = cpu.q4_x16_pack(blocks, 32, 4096)
+    assert torch.equal(cpu.kq_native_step_matmul(x, x16, None, 32), cpu.q4_x16_matmul(x, x16, 32))
+
+
 def test_bad_shapes_and_types_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         block_codes(GGUFBlockWeight("Q4_K", (16, 288), np.zeros((16, 162), np.uint8)))

@@ -312,7 +312,9 @@ def test_fused_step_is_the_per_op_path_bit_for_bit(make_engine, monkeypatch):
     """With every linear x16-packed (`auto`'s int4 off AMX), a decode or verify step is one
     native call (native_decode._FusedX16); the per-op path (`SGLANG_LIKE_FUSED_DECODE=0`)
     runs the same code a call at a time. Alone, in a batch and under EAGLE-3 (its verify
-    trees read the captured features): the same tokens and logprobs, exactly."""
+    trees read the captured features): the same tokens and logprobs, exactly. On the AVX-512
+    build a long prompt is prefilled natively too, in passes of rows (kq_pass_rows: at most
+    672 rows of the 1,536-wide down projection): its scored tokens are the same as well."""
     from sglang_like.layers import native_decode
 
     monkeypatch.setenv("SGLANG_LIKE_INT4_KERNEL", "x16")
@@ -321,16 +323,26 @@ def test_fused_step_is_the_per_op_path_bit_for_bit(make_engine, monkeypatch):
                         speculative_num_steps=3, speculative_eagle_topk=2,
                         speculative_num_draft_tokens=6, speculative_auto_disable=False)
 
+    long_prompt = " ".join(PROMPTS) * 5
+
     def run(engine):
         outs = _runs(engine, PROMPTS[:4])
-        return [(o["output_ids"], o["meta_info"]["spec_verify_ct"],
-                 [t[0] for t in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+        got = [(o["output_ids"], o["meta_info"]["spec_verify_ct"],
+                [t[0] for t in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+        if engine is plain:
+            engine.flush_cache()
+            scored = engine.generate(long_prompt, {"max_new_tokens": 2, "temperature": 0},
+                                     return_logprob=True, logprob_start_len=0)["meta_info"]
+            assert scored["prompt_tokens"] > 700
+            got.append([t[0] for t in scored["input_token_logprobs"][1:]])
+        return got
 
-    fused_rows, fused_calls = [], []
+    fused_rows, fused_calls, fused_tokens = [], [], []
     fused_run = native_decode._FusedX16.run
 
     def counted(self, x, fb, *args):
         fused_calls.append(fb.custom_masks is not None)
+        fused_tokens.append(fb.num_tokens)
         return fused_run(self, x, fb, *args)
 
     monkeypatch.setattr(native_decode._FusedX16, "run", counted)
@@ -348,6 +360,7 @@ def test_fused_step_is_the_per_op_path_bit_for_bit(make_engine, monkeypatch):
                 fused_rows.append(rows)
     assert fused_rows == [30, 30]  # every layer of the default model in the fused table
     assert fused_calls.count(False) > 100 and fused_calls.count(True) > 10  # decodes, verifies
+    assert (max(fused_tokens) > 700) == (kc.isa() == "avx512_vnni")  # the long prompt's chunk
     assert results["plain", "1"] == results["plain", "0"]
     # tokens and logprobs exactly; verify counts where the drafts cannot differ: the batch
     # of 4 may be admitted over different steps (the requests arrive one at a time), and the

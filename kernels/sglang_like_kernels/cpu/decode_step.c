@@ -123,23 +123,35 @@ void quantize_act_row(const act_rows *a, const float *x, int64_t K, int64_t t) {
     if (a->qs) kq_row_sums16(a->q + t * K, K, a->qs + t * (K / 16));
 }
 
-// y [T, N] = quantized rows @ W.T for linear `which` of layer l: its x16 weight, or its runs;
-// then, in the same work item (16 output columns: no barrier of their own), + bias [N] (NULL:
-// none; one float32 add per output, as the per-op path adds it after its matmul) and each
-// row's LoRA delta (lo NULL: none).
+// y [T, N] = quantized rows @ W.T for linear `which` of layer l: its x16 weight, or its runs,
+// in passes of rows that stay in L2 (kq_pass_rows); then + bias [N] (NULL: none; one float32 add per output, as the per-op path adds it after
+// its matmul) and each row's LoRA delta (lo NULL: none), by the thread that wrote the group
+// (the same static schedule: no barrier between). A row's sums are the same whatever pass
+// holds it.
 static void linear_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
                         const act_rows *a, int64_t T, float *y, const float *bias,
                         const lora_rows_t *lo, int64_t l, int which) {
     const int64_t whole[3] = {-1, (int64_t)x16, N};  // an x16 linear: one run
     const int64_t *rl = runs ? runs : whole;
+    const int64_t pass = kq_pass_rows(K), nb = K / XQK;
+    for (int64_t m0 = 0; m0 < T; m0 += pass) {
+        const int64_t n = T - m0 < pass ? T - m0 : pass;
+        const int8_t *q = a->q + m0 * K;
+        const float *e = a->e + m0 * nb, *S = a->S + m0 * nb;
+        const int32_t *qs = a->qs ? a->qs + m0 * (K / 16) : NULL;
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < N / KQ_GROUP_ROWS; g++) {
+            int64_t g0 = 0;  // the run holding group g starts at group g0
+            int r = 0;
+            for (; g >= g0 + rl[3 * r + 2] / KQ_GROUP_ROWS; r++)
+                g0 += rl[3 * r + 2] / KQ_GROUP_ROWS;
+            kq_any_group((int)rl[3 * r], (const uint8_t *)rl[3 * r + 1], g - g0, K, q, e, S, qs,
+                         n, y + m0 * N + g * KQ_GROUP_ROWS, N);
+        }
+    }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / KQ_GROUP_ROWS; g++) {
-        int64_t g0 = 0;  // the run holding group g starts at group g0
-        int r = 0;
-        for (; g >= g0 + rl[3 * r + 2] / KQ_GROUP_ROWS; r++) g0 += rl[3 * r + 2] / KQ_GROUP_ROWS;
         const int64_t col = g * KQ_GROUP_ROWS;
-        kq_any_group((int)rl[3 * r], (const uint8_t *)rl[3 * r + 1], g - g0, K, a->q, a->e,
-                     a->S, a->qs, T, y + col, N);
         if (bias)
             for (int64_t t = 0; t < T; t++)
                 for (int j = 0; j < KQ_GROUP_ROWS; j++) y[t * N + col + j] += bias[col + j];

@@ -44,6 +44,7 @@ void kq_matmul_group(int kind, const uint8_t *w, int64_t g, int64_t K, const int
 // The same products where `kind` may also be -1 (an x16 Q4_1 weight): on AMX tiles from the
 // row count kq_set_tiles names (same bits: amx_kq.c), else on the kernels above. _team splits
 // the groups over the calling team; _group is one group on the calling thread.
+int64_t kq_pass_rows(int64_t K);  // rows per pass of a team's matmul at width K
 void kq_any_team(int kind, const uint8_t *w, int64_t N, int64_t K, const int8_t *q,
                  const float *e, const float *S, const int32_t *qs, int64_t M, float *y,
                  int64_t ldy);
