@@ -124,10 +124,10 @@ void quantize_act_row(const act_rows *a, const float *x, int64_t K, int64_t t) {
 }
 
 // y [T, N] = quantized rows @ W.T for linear `which` of layer l: its x16 weight, or its runs,
-// in passes of rows that stay in L2 (kq_pass_rows); then + bias [N] (NULL: none; one float32 add per output, as the per-op path adds it after
-// its matmul) and each row's LoRA delta (lo NULL: none), by the thread that wrote the group
-// (the same static schedule: no barrier between). A row's sums are the same whatever pass
-// holds it.
+// in passes of rows that stay in L2 (kq_pass_rows); then + bias [N] (NULL: none; one float32
+// add per output, as the per-op path adds it after its matmul) and each row's LoRA delta (lo
+// NULL: none), by the thread that wrote the group (the same static schedule: no barrier
+// between). A row's sums are the same whatever pass holds it.
 static void linear_team(const int64_t *runs, const uint8_t *x16, int64_t N, int64_t K,
                         const act_rows *a, int64_t T, float *y, const float *bias,
                         const lora_rows_t *lo, int64_t l, int which) {

@@ -446,14 +446,17 @@ void kq_any_group(int kind, const uint8_t *w, int64_t g, int64_t K, const int8_t
 // times a layer); the price is reading the weights once per pass, and on tiles expanding
 // their codes once per pass. At 1,024 rows on the AMX Xeon: 1.10-1.15x for Q4_K and Q6_K
 // matrices of a 1B model (a quarter of its 2 MB L2; half of it read the same).
+static int64_t pass_budget = 512 << 10;
+
+// set once as the library loads, before any team reads it
+__attribute__((constructor)) static void set_pass_budget(void) {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    const int64_t b = l2 > 0 ? l2 / 4 : 512 << 10;
+    pass_budget = b < (256 << 10) ? 256 << 10 : b > (1 << 20) ? 1 << 20 : b;
+}
+
 int64_t kq_pass_rows(int64_t K) {
-    static int64_t budget;
-    if (!budget) {
-        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        const int64_t b = l2 > 0 ? l2 / 4 : 512 << 10;
-        budget = b < (256 << 10) ? 256 << 10 : b > (1 << 20) ? 1 << 20 : b;
-    }
-    const int64_t rows = budget / K / 16 * 16;
+    const int64_t rows = pass_budget / K / 16 * 16;
     return rows < 32 ? 32 : rows;
 }
 
