@@ -149,6 +149,10 @@ static void linear_team(const int64_t *runs, const uint8_t *x16, int64_t N, int6
                          n, y + m0 * N + g * KQ_GROUP_ROWS, N);
         }
     }
+    if (!bias && !lo) {  // most linears: nothing to add, only the passes' end to wait for
+#pragma omp barrier
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / KQ_GROUP_ROWS; g++) {
         const int64_t col = g * KQ_GROUP_ROWS;
